@@ -1,0 +1,204 @@
+//! Names of the Redis keys shared with the llm-d-async dispatcher.
+//!
+//! Both queues of a pool are derived from one inference pool name and are never configured on
+//! their own: the request queue is a sorted set `{prefix}:requests:{pool}` and the result queue is
+//! a list `{prefix}:results:{pool}:{consumer_id}`. The consumer id defaults to the seed's `$batch`;
+//! each processor replica may pick its own so that replicas never pop each other's results.
+//!
+//! ```
+//! use batch_queue_names::QueueNames;
+//!
+//! let names = QueueNames::default();
+//! assert_eq!(names.request_queue_name("pool-a")?, "llm-d-async:requests:pool-a");
+//! assert_eq!(names.result_queue_name("pool-a")?, "llm-d-async:results:pool-a:$batch");
+//!
+//! let replica = QueueNames::new("staging", "replica-1")?;
+//! assert_eq!(replica.result_queue_name("pool-a")?, "staging:results:pool-a:replica-1");
+//! assert!(replica.request_queue_name("a:b").is_err());
+//! # Ok::<(), batch_queue_names::NameError>(())
+//! ```
+
+use std::fmt;
+
+/// The prefix used by the real dispatcher's Helm chart and the seed design.
+pub const DEFAULT_PREFIX: &str = "llm-d-async";
+
+/// The seed's reserved tenant id for batch results; our default consumer id.
+pub const DEFAULT_CONSUMER_ID: &str = "$batch";
+
+/// Why a name part cannot be used in a key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    /// The part is empty.
+    #[error("{what} is empty")]
+    Empty {
+        /// Which part: "pool name", "prefix" or "consumer id".
+        what: &'static str,
+    },
+    /// The part holds a character that would make the key ambiguous or unreadable.
+    #[error("{what} {value:?} contains {found:?}; use letters, digits, '-', '_', '.', '$' or '/'")]
+    BadCharacter {
+        /// Which part: "pool name", "prefix" or "consumer id".
+        what: &'static str,
+        /// The rejected value.
+        value: String,
+        /// The first offending character.
+        found: char,
+    },
+}
+
+/// Checks that `value` can be one `:`-separated part of a key.
+///
+/// Colons separate the parts, so a colon inside one would let two different pools share a key;
+/// whitespace and control characters are refused because operators copy these names by hand.
+pub fn validate_part(what: &'static str, value: &str) -> Result<(), NameError> {
+    if value.is_empty() {
+        return Err(NameError::Empty { what });
+    }
+    if let Some(found) = value
+        .chars()
+        .find(|c| *c == ':' || c.is_whitespace() || c.is_control())
+    {
+        return Err(NameError::BadCharacter {
+            what,
+            value: value.to_owned(),
+            found,
+        });
+    }
+    Ok(())
+}
+
+/// How one processor replica names its queues: the key prefix and its own result-list id.
+#[derive(Clone, PartialEq, Eq)]
+pub struct QueueNames {
+    prefix: String,
+    consumer_id: String,
+}
+
+impl Default for QueueNames {
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            consumer_id: DEFAULT_CONSUMER_ID.to_owned(),
+        }
+    }
+}
+
+impl fmt::Debug for QueueNames {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "QueueNames({}:*:*:{})", self.prefix, self.consumer_id)
+    }
+}
+
+impl QueueNames {
+    /// Naming with a custom prefix and consumer id, both validated.
+    pub fn new(prefix: impl Into<String>, consumer_id: impl Into<String>) -> Result<Self, NameError> {
+        let (prefix, consumer_id) = (prefix.into(), consumer_id.into());
+        validate_part("prefix", &prefix)?;
+        validate_part("consumer id", &consumer_id)?;
+        Ok(Self {
+            prefix,
+            consumer_id,
+        })
+    }
+
+    /// The key prefix, `llm-d-async` by default.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// This replica's result-list id, `$batch` by default.
+    pub fn consumer_id(&self) -> &str {
+        &self.consumer_id
+    }
+
+    /// The dispatcher's request sorted set for `pool`: `{prefix}:requests:{pool}`.
+    pub fn request_queue_name(&self, pool: &str) -> Result<String, NameError> {
+        validate_part("pool name", pool)?;
+        Ok(format!("{}:requests:{pool}", self.prefix))
+    }
+
+    /// This replica's result list for `pool`: `{prefix}:results:{pool}:{consumer_id}`.
+    pub fn result_queue_name(&self, pool: &str) -> Result<String, NameError> {
+        validate_part("pool name", pool)?;
+        Ok(format!("{}:results:{pool}:{}", self.prefix, self.consumer_id))
+    }
+
+    /// The list where results popped from `pool`'s result list wait until they are written.
+    ///
+    /// Not a dispatcher key: it belongs to this replica alone, which is what makes a crash between
+    /// popping and writing recoverable.
+    pub fn inflight_queue_name(&self, pool: &str) -> Result<String, NameError> {
+        Ok(format!("{}:inflight", self.result_queue_name(pool)?))
+    }
+}
+
+/// `{prefix}:requests:{pool}` with the default prefix.
+pub fn request_queue_name(pool: &str) -> Result<String, NameError> {
+    QueueNames::default().request_queue_name(pool)
+}
+
+/// `{prefix}:results:{pool}:$batch` with the default prefix and consumer id.
+pub fn result_queue_name(pool: &str) -> Result<String, NameError> {
+    QueueNames::default().result_queue_name(pool)
+}
+
+/// The dispatcher's cancel marker key for a request id (`request-cancel:<id>`).
+pub fn cancel_marker_key(request_id: &str) -> String {
+    format!("request-cancel:{request_id}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_names() {
+        assert_eq!(
+            request_queue_name("optimized-baseline").unwrap(),
+            "llm-d-async:requests:optimized-baseline"
+        );
+        assert_eq!(
+            result_queue_name("optimized-baseline").unwrap(),
+            "llm-d-async:results:optimized-baseline:$batch"
+        );
+    }
+
+    #[test]
+    fn both_names_come_from_one_pool() {
+        let names = QueueNames::new("prod", "replica-7").unwrap();
+        assert_eq!(names.request_queue_name("p").unwrap(), "prod:requests:p");
+        assert_eq!(names.result_queue_name("p").unwrap(), "prod:results:p:replica-7");
+        assert_eq!(
+            names.inflight_queue_name("p").unwrap(),
+            "prod:results:p:replica-7:inflight"
+        );
+    }
+
+    #[test]
+    fn ambiguous_pool_names_are_errors() {
+        for bad in ["", "a:b", "a b", " pool", "pool\n", "tab\there"] {
+            assert!(request_queue_name(bad).is_err(), "{bad:?} accepted");
+            assert!(result_queue_name(bad).is_err(), "{bad:?} accepted");
+        }
+        assert_eq!(
+            request_queue_name("").unwrap_err(),
+            NameError::Empty { what: "pool name" }
+        );
+        let err = request_queue_name("a:b").unwrap_err().to_string();
+        assert!(err.contains("\"a:b\"") && err.contains("':'"), "{err}");
+    }
+
+    #[test]
+    fn bad_prefix_or_consumer_id_is_refused() {
+        assert!(QueueNames::new("", "x").is_err());
+        assert!(QueueNames::new("a:b", "x").is_err());
+        assert!(QueueNames::new("p", "").is_err());
+        assert!(QueueNames::new("p", "with space").is_err());
+    }
+
+    #[test]
+    fn cancel_marker_matches_the_dispatcher() {
+        assert_eq!(cancel_marker_key("req-1"), "request-cancel:req-1");
+    }
+}

@@ -1,0 +1,326 @@
+//! Helpers for tests that need real parts.
+//!
+//! [`RedisServer`] starts a real `redis-server` bound to 127.0.0.1 on a free port, with its data
+//! in a temporary directory, waits until it answers `PING`, and kills it when dropped (also when
+//! the test panics). Never the shared port 6379, never a non-loopback address.
+//!
+//! ```no_run
+//! use batch_testkit::RedisServer;
+//!
+//! let redis = RedisServer::start();
+//! assert!(redis.url().starts_with("redis://127.0.0.1:"));
+//! assert_eq!(redis.command(&["PING"]), "+PONG");
+//! // Dropped here: the server is killed and its directory removed.
+//! ```
+//!
+//! With `RedisServer::builder().aof(true)` data survives [`RedisServer::restart`], so tests can
+//! simulate a Redis restart without losing what was written.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub use tempfile::{tempdir, TempDir};
+
+const INSTALL_HINT: &str = "redis-server is not installed; install it with \
+    `sudo apt-get install -y redis-server` (Debian/Ubuntu) or `brew install redis` (macOS), \
+    or set REDIS_SERVER_BIN to its path";
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding 127.0.0.1:0 to find a free port")
+}
+
+/// How to start a [`RedisServer`].
+#[derive(Debug, Clone, Default)]
+pub struct RedisBuilder {
+    aof: bool,
+}
+
+impl RedisBuilder {
+    /// Append-only persistence (fsync always), so data survives [`RedisServer::restart`].
+    pub fn aof(mut self, on: bool) -> Self {
+        self.aof = on;
+        self
+    }
+
+    /// Starts the server; panics with an actionable message when it cannot.
+    pub fn start(self) -> RedisServer {
+        let dir = tempfile::Builder::new()
+            .prefix("batch-testkit-redis-")
+            .tempdir()
+            .expect("creating a temporary directory for redis-server");
+        let mut server = RedisServer {
+            child: None,
+            port: 0,
+            dir,
+            aof: self.aof,
+        };
+        // The free port can be taken between probing and binding; try a few.
+        for _ in 0..5 {
+            server.port = free_port();
+            let child = spawn(&binary(), server.port, server.dir.path(), self.aof)
+                .unwrap_or_else(|e| panic!("could not start redis-server: {e}"));
+            server.child = Some(child);
+            match server.wait_ready() {
+                Ok(()) => return server,
+                Err(e) => {
+                    server.kill();
+                    let log = std::fs::read_to_string(server.dir.path().join("redis.log"))
+                        .unwrap_or_default();
+                    if !log.contains("Address already in use") {
+                        panic!("redis-server did not become ready: {e}\n--- redis.log ---\n{log}");
+                    }
+                }
+            }
+        }
+        panic!("redis-server found no free port in 5 tries");
+    }
+}
+
+fn binary() -> String {
+    std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into())
+}
+
+fn spawn(bin: &str, port: u16, dir: &Path, aof: bool) -> Result<Child, String> {
+    let mut cmd = Command::new(bin);
+    cmd.args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+        .arg("--dir")
+        .arg(dir)
+        .args(["--logfile", "redis.log", "--save", "", "--daemonize", "no"])
+        .args(["--protected-mode", "yes"]);
+    if aof {
+        cmd.args(["--appendonly", "yes", "--appendfsync", "always"]);
+    } else {
+        cmd.args(["--appendonly", "no"]);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    kill_with_parent(&mut cmd);
+    cmd.spawn().map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            INSTALL_HINT.to_owned()
+        } else {
+            format!("spawning {bin}: {e}")
+        }
+    })
+}
+
+/// Asks the kernel to kill the server if the thread that started it dies without dropping it
+/// (a test process aborted or killed), so no server outlives its test.
+#[cfg(target_os = "linux")]
+fn kill_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn kill_with_parent(_cmd: &mut Command) {}
+
+/// A running `redis-server`, killed when dropped.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: TempDir,
+    aof: bool,
+}
+
+impl RedisServer {
+    /// Starts a server without persistence. Panics with an install hint if there is none.
+    pub fn start() -> Self {
+        RedisBuilder::default().start()
+    }
+
+    /// Options: see [`RedisBuilder`].
+    pub fn builder() -> RedisBuilder {
+        RedisBuilder::default()
+    }
+
+    /// The loopback port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's data directory (also where `redis.log` is).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Writes the URL into a file, as the processor reads it from a mounted secret.
+    pub fn write_url_file(&self, dir: &Path) -> PathBuf {
+        let path = dir.join("redis-url");
+        std::fs::write(&path, format!("{}\n", self.url())).expect("writing the redis-url file");
+        path
+    }
+
+    /// Kills the server (as `kill -9` would). [`RedisServer::restart`] brings it back.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Whether the server process is running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// Kills the server if it runs, then starts it again on the same port and directory.
+    pub fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match spawn(&binary(), self.port, self.dir.path(), self.aof) {
+                Ok(child) => {
+                    self.child = Some(child);
+                    match self.wait_ready() {
+                        Ok(()) => return,
+                        Err(e) if Instant::now() > deadline => {
+                            panic!("redis-server did not restart: {e}")
+                        }
+                        Err(_) => self.kill(),
+                    }
+                }
+                Err(e) => panic!("could not restart redis-server: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Runs one command over a plain connection and returns the first reply line, e.g. `+PONG`,
+    /// `:3`. For assertions and set-up in tests; bulk replies return their payload line.
+    pub fn command(&self, args: &[&str]) -> String {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("connecting to redis");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("setting a read timeout");
+        let mut req = format!("*{}\r\n", args.len());
+        for a in args {
+            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
+        stream.write_all(req.as_bytes()).expect("writing to redis");
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("reading from redis");
+        let line = line.trim_end().to_owned();
+        if let Some(len) = line.strip_prefix('$') {
+            let Ok(len) = len.parse::<usize>() else {
+                return line;
+            };
+            let mut buf = vec![0; len + 2];
+            reader.read_exact(&mut buf).expect("reading a bulk reply");
+            buf.truncate(len);
+            return String::from_utf8_lossy(&buf).into_owned();
+        }
+        line
+    }
+
+    fn wait_ready(&mut self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                return Err(format!("redis-server exited with {status}"));
+            }
+            if ping(self.port) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err("no PONG within 10 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    // Loading an AOF answers -LOADING; only +PONG means ready.
+    stream.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_answers_and_stops() {
+        let mut redis = RedisServer::start();
+        let port = redis.port();
+        assert_ne!(port, 6379);
+        assert_eq!(redis.command(&["PING"]), "+PONG");
+        assert_eq!(redis.command(&["SET", "k", "v"]), "+OK");
+        assert_eq!(redis.command(&["GET", "k"]), "v");
+        assert!(redis.is_running());
+        drop(redis);
+        assert!(!ping(port), "server still answers after drop");
+    }
+
+    #[test]
+    fn aof_survives_restart_and_plain_does_not() {
+        let mut durable = RedisServer::builder().aof(true).start();
+        durable.command(&["RPUSH", "l", "a", "b"]);
+        durable.restart();
+        assert_eq!(durable.command(&["LLEN", "l"]), ":2");
+
+        let mut volatile = RedisServer::start();
+        volatile.command(&["RPUSH", "l", "a"]);
+        volatile.restart();
+        assert_eq!(volatile.command(&["LLEN", "l"]), ":0");
+    }
+
+    #[test]
+    fn killed_on_panic() {
+        let port = std::thread::spawn(|| {
+            let redis = RedisServer::start();
+            let port = redis.port();
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                let _redis = redis;
+                panic!("test failure");
+            }))
+            .unwrap_err();
+            port
+        })
+        .join()
+        .unwrap();
+        assert!(!ping(port));
+    }
+
+    #[test]
+    fn missing_binary_names_the_fix() {
+        let err = spawn("/nonexistent/redis-server", free_port(), Path::new("/tmp"), false)
+            .unwrap_err();
+        assert!(err.contains("apt-get install -y redis-server"), "{err}");
+    }
+}

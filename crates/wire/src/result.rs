@@ -1,0 +1,195 @@
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::WireError;
+
+/// Non-HTTP error codes the dispatcher writes into `error_code`.
+pub mod dispatcher_error_codes {
+    /// The deadline passed before the request could be sent (or while it was being retried).
+    pub const DEADLINE_EXCEEDED: &str = "DEADLINE_EXCEEDED";
+    /// A `request-cancel:<id>` marker matched the request's token.
+    pub const CANCELLED: &str = "CANCELLED";
+    /// The gate dropped the request.
+    pub const GATE_DROPPED: &str = "GATE_DROPPED";
+    /// The gate failed.
+    pub const GATE_ERROR: &str = "GATE_ERROR";
+    /// No HTTP response: connection failure or timeout.
+    pub const INFERENCE_ERROR: &str = "INFERENCE_ERROR";
+    /// The request could not be built.
+    pub const INVALID_REQUEST: &str = "INVALID_REQUEST";
+    /// The payload could not be loaded (newer dispatchers).
+    pub const PAYLOAD_UNAVAILABLE: &str = "PAYLOAD_UNAVAILABLE";
+}
+
+/// One element of a dispatcher result list.
+///
+/// Unknown fields (such as newer dispatchers' `request_token`) are ignored on input.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResultMessage {
+    /// The request's id, copied from the request message.
+    pub id: String,
+    /// HTTP status when a response was received; absent or 0 when none was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_code: Option<u16>,
+    /// The gateway's raw response body as a string (for errors, `{"error":"<msg>"}`).
+    #[serde(default)]
+    pub payload: String,
+    /// Why there is no HTTP response, e.g. `CANCELLED`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+    /// A human-readable message for `error_code`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_message: Option<String>,
+    /// Sent by newer dispatchers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_token: Option<String>,
+    /// Not sent by the real dispatcher; accepted when a dispatcher does echo it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<BTreeMap<String, String>>,
+}
+
+/// What became of one request, whichever way it was dispatched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome<'a> {
+    /// An HTTP response, of any status.
+    Http {
+        /// The HTTP status.
+        status: u16,
+        /// The raw response body.
+        body: &'a str,
+    },
+    /// No HTTP response.
+    Failed {
+        /// An error code: a dispatcher code or one of [`crate::error_codes`].
+        code: &'a str,
+        /// What happened.
+        message: &'a str,
+    },
+}
+
+impl ResultMessage {
+    /// Reads one list element.
+    pub fn parse(raw: &str) -> Result<Self, WireError> {
+        Ok(serde_json::from_str(raw)?)
+    }
+
+    /// The element bytes to LPUSH.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("result serialises")
+    }
+
+    /// A result carrying an HTTP response.
+    pub fn http(id: impl Into<String>, status: u16, body: impl Into<String>) -> Self {
+        Self {
+            id: id.into(),
+            status_code: Some(status),
+            payload: body.into(),
+            ..Self::default()
+        }
+    }
+
+    /// A result without an HTTP response; the payload is `{"error":"<message>"}` as the
+    /// dispatcher writes it.
+    pub fn failed(id: impl Into<String>, code: &str, message: &str) -> Self {
+        Self {
+            id: id.into(),
+            payload: serde_json::json!({ "error": message }).to_string(),
+            error_code: Some(code.to_owned()),
+            error_message: Some(message.to_owned()),
+            ..Self::default()
+        }
+    }
+
+    /// Whether an HTTP response was received, and if not, why.
+    pub fn outcome(&self) -> Outcome<'_> {
+        match self.status_code {
+            Some(status) if status > 0 => Outcome::Http {
+                status,
+                body: &self.payload,
+            },
+            _ => Outcome::Failed {
+                code: self
+                    .error_code
+                    .as_deref()
+                    .filter(|c| !c.is_empty())
+                    .unwrap_or(dispatcher_error_codes::INFERENCE_ERROR),
+                message: self
+                    .error_message
+                    .as_deref()
+                    .unwrap_or("the dispatcher returned no response"),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_contract_examples() {
+        let ok = ResultMessage::parse(
+            r#"{"id": "...", "status_code": 200, "payload": "{\"id\":\"chatcmpl-1\",\"choices\":[]}"}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.id, "...");
+        assert_eq!(
+            ok.outcome(),
+            Outcome::Http {
+                status: 200,
+                body: r#"{"id":"chatcmpl-1","choices":[]}"#
+            }
+        );
+
+        let cancelled = ResultMessage::parse(
+            r#"{"id": "...", "payload": "{\"error\":\"cancelled\"}", "error_code": "CANCELLED", "error_message": "cancelled"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            cancelled.outcome(),
+            Outcome::Failed {
+                code: "CANCELLED",
+                message: "cancelled"
+            }
+        );
+    }
+
+    #[test]
+    fn tolerates_unknown_fields_and_zero_status() {
+        let r = ResultMessage::parse(
+            r#"{"id":"a","status_code":0,"payload":"","error_code":"INFERENCE_ERROR","request_token":"t","future":[1]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.request_token.as_deref(), Some("t"));
+        assert!(matches!(r.outcome(), Outcome::Failed { code: "INFERENCE_ERROR", .. }));
+    }
+
+    #[test]
+    fn accepts_echoed_metadata() {
+        let r = ResultMessage::parse(
+            r#"{"id":"a","status_code":200,"payload":"{}","metadata":{"job_id":"j","request_index":"3"}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.metadata.unwrap()["request_index"], "3");
+    }
+
+    #[test]
+    fn serialises_like_the_dispatcher() {
+        assert_eq!(
+            ResultMessage::http("a", 200, "{}").to_json(),
+            r#"{"id":"a","status_code":200,"payload":"{}"}"#
+        );
+        assert_eq!(
+            ResultMessage::failed("a", "CANCELLED", "cancelled").to_json(),
+            r#"{"id":"a","payload":"{\"error\":\"cancelled\"}","error_code":"CANCELLED","error_message":"cancelled"}"#
+        );
+    }
+
+    #[test]
+    fn refuses_garbage() {
+        for raw in ["", "[]", "{}", r#"{"id":3}"#, r#"{"id":"a","payload":{}}"#] {
+            assert!(ResultMessage::parse(raw).is_err(), "{raw}");
+        }
+    }
+}
