@@ -92,7 +92,10 @@ impl fmt::Debug for QueueNames {
 
 impl QueueNames {
     /// Naming with a custom prefix and consumer id, both validated.
-    pub fn new(prefix: impl Into<String>, consumer_id: impl Into<String>) -> Result<Self, NameError> {
+    pub fn new(
+        prefix: impl Into<String>,
+        consumer_id: impl Into<String>,
+    ) -> Result<Self, NameError> {
         let (prefix, consumer_id) = (prefix.into(), consumer_id.into());
         validate_part("prefix", &prefix)?;
         validate_part("consumer id", &consumer_id)?;
@@ -121,7 +124,10 @@ impl QueueNames {
     /// This replica's result list for `pool`: `{prefix}:results:{pool}:{consumer_id}`.
     pub fn result_queue_name(&self, pool: &str) -> Result<String, NameError> {
         validate_part("pool name", pool)?;
-        Ok(format!("{}:results:{pool}:{}", self.prefix, self.consumer_id))
+        Ok(format!(
+            "{}:results:{pool}:{}",
+            self.prefix, self.consumer_id
+        ))
     }
 
     /// The list where results popped from `pool`'s result list wait until they are written.
@@ -168,7 +174,10 @@ mod tests {
     fn both_names_come_from_one_pool() {
         let names = QueueNames::new("prod", "replica-7").unwrap();
         assert_eq!(names.request_queue_name("p").unwrap(), "prod:requests:p");
-        assert_eq!(names.result_queue_name("p").unwrap(), "prod:results:p:replica-7");
+        assert_eq!(
+            names.result_queue_name("p").unwrap(),
+            "prod:results:p:replica-7"
+        );
         assert_eq!(
             names.inflight_queue_name("p").unwrap(),
             "prod:results:p:replica-7:inflight"

@@ -206,32 +206,34 @@ impl RedisServer {
         }
     }
 
-    /// Runs one command over a plain connection and returns the first reply line, e.g. `+PONG`,
-    /// `:3`. For assertions and set-up in tests; bulk replies return their payload line.
+    /// Runs one command over a plain connection, for assertions and set-up in tests. Status and
+    /// error replies come back as their line (`+OK`, `-ERR ...`), integers as `:3`, bulk strings
+    /// as their payload (nil as `(nil)`), arrays as their elements joined by newlines.
     pub fn command(&self, args: &[&str]) -> String {
+        self.command_list(args).join("\n")
+    }
+
+    /// Like [`RedisServer::command`], with an array reply split into its elements.
+    pub fn command_list(&self, args: &[&str]) -> Vec<String> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("connecting to redis");
         stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
+            .set_read_timeout(Some(Duration::from_secs(30)))
             .expect("setting a read timeout");
-        let mut req = format!("*{}\r\n", args.len());
+        let mut req = format!("*{}\r\n", args.len()).into_bytes();
         for a in args {
-            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+            req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+            req.extend_from_slice(a.as_bytes());
+            req.extend_from_slice(b"\r\n");
         }
-        stream.write_all(req.as_bytes()).expect("writing to redis");
+        stream.write_all(&req).expect("writing to redis");
         let mut reader = BufReader::new(stream);
-        let mut line = String::new();
-        reader.read_line(&mut line).expect("reading from redis");
-        let line = line.trim_end().to_owned();
-        if let Some(len) = line.strip_prefix('$') {
-            let Ok(len) = len.parse::<usize>() else {
-                return line;
-            };
-            let mut buf = vec![0; len + 2];
-            reader.read_exact(&mut buf).expect("reading a bulk reply");
-            buf.truncate(len);
-            return String::from_utf8_lossy(&buf).into_owned();
+        match read_line(&mut reader).split_at(1) {
+            ("*", n) => {
+                let n: i64 = n.parse().expect("array length");
+                (0..n.max(0)).map(|_| read_scalar(&mut reader)).collect()
+            }
+            (kind, rest) => vec![scalar(&mut reader, kind, rest)],
         }
-        line
     }
 
     fn wait_ready(&mut self) -> Result<(), String> {
@@ -248,6 +250,40 @@ impl RedisServer {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+}
+
+fn read_line(reader: &mut impl BufRead) -> String {
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("reading from redis");
+    line.trim_end_matches(['\r', '\n']).to_owned()
+}
+
+fn read_scalar(reader: &mut impl BufRead) -> String {
+    let line = read_line(reader);
+    let (kind, rest) = line.split_at(1);
+    scalar(reader, kind, rest)
+}
+
+fn scalar(reader: &mut impl BufRead, kind: &str, rest: &str) -> String {
+    match kind {
+        "$" => {
+            let Ok(len) = rest.parse::<usize>() else {
+                return "(nil)".into();
+            };
+            let mut buf = vec![0; len + 2];
+            reader.read_exact(&mut buf).expect("reading a bulk reply");
+            buf.truncate(len);
+            String::from_utf8_lossy(&buf).into_owned()
+        }
+        "*" => {
+            let n: i64 = rest.parse().expect("array length");
+            (0..n.max(0))
+                .map(|_| read_scalar(reader))
+                .collect::<Vec<_>>()
+                .join(" ")
+        }
+        _ => format!("{kind}{rest}"),
     }
 }
 
@@ -282,6 +318,17 @@ mod tests {
         assert_eq!(redis.command(&["PING"]), "+PONG");
         assert_eq!(redis.command(&["SET", "k", "v"]), "+OK");
         assert_eq!(redis.command(&["GET", "k"]), "v");
+        assert_eq!(redis.command(&["GET", "nothing"]), "(nil)");
+        redis.command(&["RPUSH", "l", "a b", "c"]);
+        assert_eq!(
+            redis.command_list(&["LRANGE", "l", "0", "-1"]),
+            ["a b", "c"]
+        );
+        assert_eq!(
+            redis.command_list(&["LRANGE", "empty", "0", "-1"]),
+            Vec::<String>::new()
+        );
+        assert!(redis.command(&["NOSUCHCOMMAND"]).starts_with("-ERR"));
         assert!(redis.is_running());
         drop(redis);
         assert!(!ping(port), "server still answers after drop");
@@ -319,8 +366,13 @@ mod tests {
 
     #[test]
     fn missing_binary_names_the_fix() {
-        let err = spawn("/nonexistent/redis-server", free_port(), Path::new("/tmp"), false)
-            .unwrap_err();
+        let err = spawn(
+            "/nonexistent/redis-server",
+            free_port(),
+            Path::new("/tmp"),
+            false,
+        )
+        .unwrap_err();
         assert!(err.contains("apt-get install -y redis-server"), "{err}");
     }
 }

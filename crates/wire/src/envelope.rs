@@ -9,15 +9,18 @@ use crate::WireError;
 ///
 /// Field order is fixed, and maps are ordered, so serialising the same envelope twice gives the
 /// same bytes: a re-enqueue is then a ZADD of an existing member, which only rewrites its score.
+///
+/// The payload type `P` is an owned [`RawValue`] when reading; a producer can serialise with a
+/// borrowed `&RawValue` to avoid copying each body.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Envelope {
+pub struct Envelope<P = Box<RawValue>> {
     /// Dispatcher bookkeeping; may be `{}` or absent on input.
     #[serde(default)]
     pub internal: Internal,
     /// How the dispatcher should treat `data`; required.
     pub request_kind: RequestKind,
     /// The request itself; required.
-    pub data: RequestMessage,
+    pub data: RequestMessage<P>,
 }
 
 /// The envelope's `internal` block. Every field is optional.
@@ -60,7 +63,7 @@ pub enum RequestKind {
 
 /// The request message inside the envelope's `data`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RequestMessage {
+pub struct RequestMessage<P = Box<RawValue>> {
     /// Request id; the dispatcher copies it into the result and nothing else.
     #[serde(default)]
     pub id: String,
@@ -71,7 +74,7 @@ pub struct RequestMessage {
     #[serde(default)]
     pub deadline: i64,
     /// The POST body, kept byte for byte.
-    pub payload: Box<RawValue>,
+    pub payload: P,
     /// Correlation data; the dispatcher does not send it back.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metadata: BTreeMap<String, String>,
@@ -86,11 +89,14 @@ pub struct RequestMessage {
 impl Envelope {
     /// Reads a sorted-set member, refusing what the real dispatcher drops unread.
     pub fn parse(member: &str) -> Result<Self, WireError> {
+        crate::expect_object(member)?;
         let envelope: Envelope = serde_json::from_str(member)?;
         envelope.data.check()?;
         Ok(envelope)
     }
+}
 
+impl<P: Serialize> Envelope<P> {
     /// The member bytes to ZADD.
     pub fn to_member(&self) -> String {
         // Serialising these types cannot fail: every map has string keys.
@@ -179,6 +185,7 @@ mod tests {
             r#"{"request_kind":"carrier-pigeon","data":{"id":"a","created":1,"deadline":2,"payload":{}}}"#,
             r#"{"request_kind":"plain","data":{"id":"a","created":1,"deadline":2,"payload":"text"}}"#,
             "not json",
+            r#"[{},"plain",{"id":"a","created":1,"deadline":2,"payload":{}}]"#,
         ];
         for member in cases {
             assert!(Envelope::parse(member).is_err(), "accepted: {member}");
@@ -186,11 +193,33 @@ mod tests {
     }
 
     #[test]
+    fn a_borrowed_payload_serialises_the_same() {
+        let owned = Envelope::parse(CONTRACT_EXAMPLE).unwrap();
+        let borrowed = Envelope {
+            internal: owned.internal.clone(),
+            request_kind: owned.request_kind,
+            data: RequestMessage {
+                payload: &*owned.data.payload,
+                id: owned.data.id.clone(),
+                created: owned.data.created,
+                deadline: owned.data.deadline,
+                metadata: owned.data.metadata.clone(),
+                headers: owned.data.headers.clone(),
+                endpoint: None,
+            },
+        };
+        assert_eq!(borrowed.to_member(), owned.to_member());
+    }
+
+    #[test]
     fn serialisation_is_stable_and_round_trips() {
         let e = Envelope::parse(CONTRACT_EXAMPLE).unwrap();
         let member = e.to_member();
         assert_eq!(member, Envelope::parse(&member).unwrap().to_member());
-        assert!(member.starts_with(r#"{"internal":{"request_token":"9f2c...""#), "{member}");
+        assert!(
+            member.starts_with(r#"{"internal":{"request_token":"9f2c...""#),
+            "{member}"
+        );
         assert!(member.contains(r#""payload":{"model": "m", "messages": [], "max_tokens": 128}"#));
     }
 }

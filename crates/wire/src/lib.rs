@@ -39,6 +39,14 @@ pub use envelope::{Envelope, Internal, RequestKind, RequestMessage};
 pub use id::{parse_request_id, request_id, REQUEST_ID_PREFIX};
 pub use result::{dispatcher_error_codes, Outcome, ResultMessage};
 
+/// serde reads a JSON array into a struct's fields in order; the formats here are objects only.
+fn expect_object(raw: &str) -> Result<(), WireError> {
+    match raw.trim_start().starts_with('{') {
+        true => Ok(()),
+        false => Err(WireError::Invalid("expected a JSON object".into())),
+    }
+}
+
 /// Re-exported so users can build payloads without naming serde_json themselves.
 pub use serde_json::value::RawValue;
 

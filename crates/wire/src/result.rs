@@ -71,6 +71,7 @@ pub enum Outcome<'a> {
 impl ResultMessage {
     /// Reads one list element.
     pub fn parse(raw: &str) -> Result<Self, WireError> {
+        crate::expect_object(raw)?;
         Ok(serde_json::from_str(raw)?)
     }
 
@@ -162,7 +163,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.request_token.as_deref(), Some("t"));
-        assert!(matches!(r.outcome(), Outcome::Failed { code: "INFERENCE_ERROR", .. }));
+        assert!(matches!(
+            r.outcome(),
+            Outcome::Failed {
+                code: "INFERENCE_ERROR",
+                ..
+            }
+        ));
     }
 
     #[test]
@@ -188,7 +195,14 @@ mod tests {
 
     #[test]
     fn refuses_garbage() {
-        for raw in ["", "[]", "{}", r#"{"id":3}"#, r#"{"id":"a","payload":{}}"#] {
+        for raw in [
+            "",
+            "[]",
+            r#"["a",200,"{}"]"#,
+            "{}",
+            r#"{"id":3}"#,
+            r#"{"id":"a","payload":{}}"#,
+        ] {
             assert!(ResultMessage::parse(raw).is_err(), "{raw}");
         }
     }

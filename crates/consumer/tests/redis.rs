@@ -1,0 +1,244 @@
+//! The consumer against a real redis-server: order, batching, bad messages, crash recovery,
+//! handler failures and a Redis restart.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use batch_consumer::{
+    ConsumerHandle, ConsumerOptions, HandlerError, ResultConsumer, ResultHandler, Routed,
+    WriteReport,
+};
+use batch_testkit::RedisServer;
+use batch_wire::{request_id, ResultMessage};
+use tokio_util::sync::CancellationToken;
+
+const RESULTS: &str = "llm-d-async:results:pool-a:$batch";
+const INFLIGHT: &str = "llm-d-async:results:pool-a:$batch:inflight";
+
+/// Keeps what it is given; knows a fixed set of jobs; can be told to fail a few times.
+#[derive(Default)]
+struct Recorder {
+    jobs: HashSet<String>,
+    seen: Mutex<Vec<Routed>>,
+    batches: Mutex<Vec<usize>>,
+    fail_next: AtomicU32,
+}
+
+impl Recorder {
+    fn for_jobs(jobs: &[&str]) -> Arc<Self> {
+        Arc::new(Self {
+            jobs: jobs.iter().map(|j| j.to_string()).collect(),
+            ..Self::default()
+        })
+    }
+    fn indexes(&self) -> Vec<u64> {
+        self.seen.lock().unwrap().iter().map(|r| r.index).collect()
+    }
+}
+
+impl ResultHandler for Recorder {
+    fn write(&self, results: Vec<Routed>) -> Result<WriteReport, HandlerError> {
+        if self
+            .fail_next
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(HandlerError("disk full".into()));
+        }
+        self.batches.lock().unwrap().push(results.len());
+        let mut report = WriteReport::default();
+        let mut seen = self.seen.lock().unwrap();
+        for r in results {
+            if !self.jobs.contains(&r.job_id) {
+                report.unknown_job += 1;
+            } else if seen
+                .iter()
+                .any(|s| s.job_id == r.job_id && s.index == r.index)
+            {
+                report.duplicates += 1;
+            } else {
+                report.written += 1;
+                seen.push(r);
+            }
+        }
+        Ok(report)
+    }
+}
+
+async fn start(
+    redis: &RedisServer,
+    handler: Arc<Recorder>,
+    batch: usize,
+) -> (ConsumerHandle, CancellationToken) {
+    let client = batch_redis::connect(&redis.url(), &Default::default())
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let consumer = ResultConsumer::new(
+        client,
+        RESULTS.into(),
+        INFLIGHT.into(),
+        handler,
+        ConsumerOptions {
+            batch,
+            poll_timeout: Duration::from_millis(200),
+            min_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(200),
+        },
+    );
+    (consumer.spawn(shutdown.clone()), shutdown)
+}
+
+fn push(redis: &RedisServer, job: &str, indexes: impl IntoIterator<Item = u64>) {
+    for i in indexes {
+        let r = ResultMessage::http(request_id(job, i), 200, format!(r#"{{"n":{i}}}"#));
+        redis.command(&["LPUSH", RESULTS, &r.to_json()]);
+    }
+}
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn takes_oldest_first_in_batches_and_leaves_nothing_in_flight() {
+    let redis = RedisServer::start();
+    push(&redis, "job", 0..250);
+    let handler = Recorder::for_jobs(&["job"]);
+    let (handle, shutdown) = start(&redis, handler.clone(), 100).await;
+    until("250 results", || handler.indexes().len() == 250).await;
+    assert_eq!(
+        handler.indexes(),
+        (0..250).collect::<Vec<_>>(),
+        "oldest first"
+    );
+    assert_eq!(*handler.batches.lock().unwrap(), [100, 100, 50]);
+    handle.stats().drained().await;
+    assert_eq!(redis.command(&["LLEN", INFLIGHT]), ":0");
+    assert_eq!(redis.command(&["LLEN", RESULTS]), ":0");
+    assert_eq!(handle.stats().written_total(), 250);
+    shutdown.cancel();
+    handle.join().await;
+}
+
+#[tokio::test]
+async fn bad_and_foreign_messages_are_counted_and_skipped() {
+    let redis = RedisServer::start();
+    let handler = Recorder::for_jobs(&["job"]);
+    let (handle, shutdown) = start(&redis, handler.clone(), 10).await;
+    push(&redis, "job", [0]);
+    redis.command(&["LPUSH", RESULTS, "garbage{"]);
+    redis.command(&[
+        "LPUSH",
+        RESULTS,
+        r#"{"id":"not-one-of-ours","status_code":200,"payload":"{}"}"#,
+    ]);
+    push(&redis, "someone-elses-job", [3]);
+    push(&redis, "job", [0]);
+    let echoed = r#"{"id":"x","status_code":200,"payload":"{}","metadata":{"job_id":"job","request_index":"7"}}"#;
+    redis.command(&["LPUSH", RESULTS, echoed]);
+    push(&redis, "job", [1]);
+    until("three good results", || handler.indexes().len() == 3).await;
+    handle.stats().drained().await;
+    let stats = handle.stats();
+    assert_eq!(handler.indexes(), [0, 7, 1]);
+    assert_eq!(stats.malformed_total(), 2);
+    assert_eq!(stats.unknown_job_total(), 1);
+    assert_eq!(stats.duplicates_total(), 1);
+    assert_eq!(stats.received_total(), 7);
+    shutdown.cancel();
+    handle.join().await;
+}
+
+#[tokio::test]
+async fn results_left_in_flight_by_a_crash_are_handled_first() {
+    let redis = RedisServer::start();
+    // A predecessor moved these and died before writing them.
+    for i in [5u64, 6] {
+        let r = ResultMessage::http(request_id("job", i), 200, "{}");
+        redis.command(&["LPUSH", INFLIGHT, &r.to_json()]);
+    }
+    push(&redis, "job", [7]);
+    let handler = Recorder::for_jobs(&["job"]);
+    let (handle, shutdown) = start(&redis, handler.clone(), 10).await;
+    until("three results", || handler.indexes().len() == 3).await;
+    let mut first_two = handler.indexes()[..2].to_vec();
+    first_two.sort();
+    assert_eq!(first_two, [5, 6]);
+    assert_eq!(handle.stats().recovered_total(), 2);
+    handle.stats().drained().await;
+    assert_eq!(redis.command(&["LLEN", INFLIGHT]), ":0");
+    shutdown.cancel();
+    handle.join().await;
+}
+
+#[tokio::test]
+async fn a_failing_handler_keeps_results_in_flight_until_it_succeeds() {
+    let redis = RedisServer::start();
+    let handler = Recorder::for_jobs(&["job"]);
+    handler.fail_next.store(3, Ordering::SeqCst);
+    push(&redis, "job", 0..5);
+    let (handle, shutdown) = start(&redis, handler.clone(), 10).await;
+    until("a handler failure", || {
+        handle.stats().handler_errors_total() >= 1
+    })
+    .await;
+    assert_eq!(
+        redis.command(&["LLEN", INFLIGHT]),
+        ":5",
+        "kept while unwritten"
+    );
+    until("all results", || handler.indexes().len() == 5).await;
+    assert_eq!(handle.stats().handler_errors_total(), 3);
+    handle.stats().drained().await;
+    assert_eq!(redis.command(&["LLEN", INFLIGHT]), ":0");
+    shutdown.cancel();
+    handle.join().await;
+}
+
+#[tokio::test]
+async fn survives_a_redis_restart() {
+    let mut redis = RedisServer::builder().aof(true).start();
+    let handler = Recorder::for_jobs(&["job"]);
+    let (handle, shutdown) = start(&redis, handler.clone(), 10).await;
+    push(&redis, "job", 0..3);
+    until("first results", || handler.indexes().len() == 3).await;
+    redis.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    redis.restart();
+    push(&redis, "job", 3..6);
+    until("results after the restart", || handler.indexes().len() == 6).await;
+    shutdown.cancel();
+    handle.join().await;
+}
+
+#[tokio::test]
+async fn stops_promptly_while_blocked() {
+    let redis = RedisServer::start();
+    let client = batch_redis::connect(&redis.url(), &Default::default())
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let consumer = ResultConsumer::new(
+        client,
+        RESULTS.into(),
+        INFLIGHT.into(),
+        Recorder::for_jobs(&[]),
+        ConsumerOptions {
+            poll_timeout: Duration::from_secs(30),
+            ..ConsumerOptions::default()
+        },
+    );
+    let handle = consumer.spawn(shutdown.clone());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(5), handle.join())
+        .await
+        .expect("stopped within 5 s despite a 30 s poll");
+}

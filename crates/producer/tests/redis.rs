@@ -1,0 +1,136 @@
+//! The producer against a real redis-server.
+
+use std::collections::BTreeMap;
+
+use batch_producer::{request_token, JobMessages, Producer, ProducerOptions};
+use batch_testkit::RedisServer;
+use batch_wire::Envelope;
+
+fn job(id: &str) -> JobMessages {
+    JobMessages {
+        job_id: id.into(),
+        created: 1_900_000_000,
+        deadline: 1_900_086_400,
+        request_queue: "llm-d-async:requests:pool-a".into(),
+        result_queue: "llm-d-async:results:pool-a:$batch".into(),
+        headers: BTreeMap::new(),
+    }
+}
+
+fn line(i: u64) -> Vec<u8> {
+    format!(r#"{{"custom_id":"c{i}","method":"POST","url":"/v1/completions","body":{{"model":"m","prompt":"{i}"}}}}"#)
+        .into_bytes()
+}
+
+async fn producer(redis: &RedisServer, chunk: usize) -> Producer {
+    let client = batch_redis::connect(&redis.url(), &Default::default())
+        .await
+        .unwrap();
+    Producer::new(
+        client,
+        ProducerOptions {
+            chunk,
+            ..ProducerOptions::default()
+        },
+    )
+}
+
+#[tokio::test]
+async fn enqueue_is_chunked_and_idempotent() {
+    let redis = RedisServer::start();
+    let producer = producer(&redis, 300).await;
+    let job = job("batch_a");
+    let members: Vec<_> = (0..1000)
+        .map(|i| job.member(i, &line(i)).unwrap())
+        .collect();
+    let added = producer
+        .enqueue(&job.request_queue, job.score(), members.clone())
+        .await
+        .unwrap();
+    assert_eq!(added, 1000);
+    assert_eq!(redis.command(&["ZCARD", &job.request_queue]), ":1000");
+
+    // Building the members again and enqueueing them changes nothing.
+    let rebuilt: Vec<_> = (0..1000)
+        .map(|i| job.member(i, &line(i)).unwrap())
+        .collect();
+    let again = producer
+        .enqueue(&job.request_queue, job.score(), rebuilt)
+        .await
+        .unwrap();
+    assert_eq!(again, 0);
+    assert_eq!(redis.command(&["ZCARD", &job.request_queue]), ":1000");
+
+    // What is in the set is what the dispatcher reads, at the deadline score.
+    let first = redis.command(&["ZRANGE", &job.request_queue, "0", "0"]);
+    let envelope = Envelope::parse(&first).unwrap();
+    assert_eq!(envelope.data.deadline, 1_900_086_400);
+    assert_eq!(
+        redis.command(&["ZSCORE", &job.request_queue, &first]),
+        "1900086400"
+    );
+}
+
+#[tokio::test]
+async fn remove_takes_out_pending_members_and_marks_taken_ones() {
+    let redis = RedisServer::start();
+    let producer = producer(&redis, 64).await;
+    let mine = job("batch_mine");
+    let other = job("batch_other");
+    let queue = mine.request_queue.clone();
+    let mut all = Vec::new();
+    for i in 0..200 {
+        all.push(mine.member(i, &line(i)).unwrap());
+        all.push(other.member(i, &line(i)).unwrap());
+    }
+    producer.enqueue(&queue, mine.score(), all).await.unwrap();
+    // The dispatcher has taken line 5 of my job.
+    let taken = mine.member(5, &line(5)).unwrap();
+    assert_eq!(redis.command(&["ZREM", &queue, &taken]), ":1");
+
+    let pending: Vec<_> = (0..200)
+        .map(|i| mine.pending(i, &line(i)).unwrap())
+        .collect();
+    let report = producer.remove(&queue, &pending).await.unwrap();
+    assert_eq!((report.removed, report.marked), (199, 1));
+    assert_eq!(
+        redis.command(&["ZCARD", &queue]),
+        ":200",
+        "the other job is untouched"
+    );
+    let left = producer
+        .queued(
+            &queue,
+            &(0..200)
+                .map(|i| other.member(i, &line(i)).unwrap())
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    assert!(left.iter().all(|&q| q));
+
+    // The taken one got the marker the dispatcher checks, with its token and a TTL.
+    let key = format!("request-cancel:{}", batch_wire::request_id("batch_mine", 5));
+    assert_eq!(
+        redis.command(&["GET", &key]),
+        request_token("batch_mine", 1_900_000_000, 5)
+    );
+    let ttl: i64 = redis.command(&["TTL", &key])[1..].parse().unwrap();
+    assert!(ttl > 6 * 24 * 3600, "ttl {ttl}");
+    let no_marker = format!("request-cancel:{}", batch_wire::request_id("batch_mine", 6));
+    assert_eq!(redis.command(&["EXISTS", &no_marker]), ":0");
+}
+
+#[tokio::test]
+async fn queued_tells_members_apart() {
+    let redis = RedisServer::start();
+    let producer = producer(&redis, 2).await;
+    let job = job("batch_q");
+    let members: Vec<_> = (0..5).map(|i| job.member(i, &line(i)).unwrap()).collect();
+    producer
+        .enqueue(&job.request_queue, job.score(), members[..3].to_vec())
+        .await
+        .unwrap();
+    let found = producer.queued(&job.request_queue, &members).await.unwrap();
+    assert_eq!(found, [true, true, true, false, false]);
+}

@@ -1,0 +1,319 @@
+//! A batch job's result files: `output.jsonl`, `error.jsonl` and `batch.json`.
+//!
+//! [`JobSink`] writes exactly one line per request index, whatever arrives twice, maps each
+//! [`Outcome`] to its file as the original processor does (an HTTP answer goes to
+//! `output.jsonl`, whatever its status; no answer goes to `error.jsonl`), and keeps the
+//! `request_counts`. Opening a job directory that already has lines resumes it: the lines are
+//! kept, counted and marked done, and a torn last line left by a crash is cut off.
+//!
+//! ```
+//! use batch_sink::{JobSink, Written};
+//! use batch_wire::Outcome;
+//!
+//! let dir = batch_testkit::tempdir()?;
+//! let mut sink = JobSink::open(dir.path(), "batch_1", 2)?;
+//! let ok = Outcome::Http { status: 200, body: r#"{"id":"chatcmpl-1"}"# };
+//! assert!(matches!(sink.record(0, "r1", &ok)?, Written::Output { status: 200, .. }));
+//! assert_eq!(sink.record(0, "r1", &ok)?, Written::Duplicate);
+//! sink.record(1, "r2", &Outcome::Failed { code: "batch_expired", message: "too late" })?;
+//! sink.flush()?;
+//! assert_eq!((sink.counts().completed, sink.counts().failed, sink.remaining()), (1, 1, 0));
+//!
+//! // Reopening resumes from the files.
+//! let again = JobSink::open(dir.path(), "batch_1", 2)?;
+//! assert!(again.is_done(0) && again.is_done(1));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod done;
+mod render;
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use batch_wire::{parse_request_id, Batch, Outcome, RequestCounts};
+use serde::Deserialize;
+
+pub use done::DoneSet;
+pub use render::{render, Rendered, Usage};
+
+/// The output file's name in a job directory.
+pub const OUTPUT_FILE: &str = "output.jsonl";
+/// The error file's name in a job directory.
+pub const ERROR_FILE: &str = "error.jsonl";
+/// The Batch object's file name in a job directory.
+pub const BATCH_FILE: &str = "batch.json";
+
+/// Why the sink could not do its job.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file concerned.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// A file holds a line that does not belong to this job.
+    #[error("{path}: line {line} does not belong to job {job_id}: {reason}")]
+    Foreign {
+        /// The file concerned.
+        path: PathBuf,
+        /// 1-based line.
+        line: u64,
+        /// The job being opened.
+        job_id: String,
+        /// What is wrong with the line.
+        reason: String,
+    },
+    /// The request index is outside the job.
+    #[error("request index {index} is outside job {job_id} of {total} requests")]
+    OutOfRange {
+        /// The job.
+        job_id: String,
+        /// The index given.
+        index: u64,
+        /// Requests in the job.
+        total: u64,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SinkError + '_ {
+    move |source| SinkError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// What [`JobSink::record`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// A line in `output.jsonl`.
+    Output {
+        /// The HTTP status written.
+        status: u16,
+        /// Token counts from the response body, when it has them.
+        usage: Option<Usage>,
+    },
+    /// A line in `error.jsonl`.
+    Error,
+    /// The index already had its line; nothing was written.
+    Duplicate,
+}
+
+/// The result files of one job.
+#[derive(Debug)]
+pub struct JobSink {
+    job_id: String,
+    output_path: PathBuf,
+    error_path: PathBuf,
+    output: BufWriter<File>,
+    error: BufWriter<File>,
+    done: DoneSet,
+    counts: RequestCounts,
+}
+
+impl JobSink {
+    /// Opens (creating or resuming) the files of job `job_id` with `total` requests in `dir`.
+    pub fn open(dir: &Path, job_id: &str, total: u64) -> Result<Self, SinkError> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let mut done = DoneSet::new(total);
+        let mut counts = RequestCounts {
+            total,
+            ..RequestCounts::default()
+        };
+        let output_path = dir.join(OUTPUT_FILE);
+        let error_path = dir.join(ERROR_FILE);
+        let output = resume_file(&output_path, job_id, &mut done, &mut counts)?;
+        let error = resume_file(&error_path, job_id, &mut done, &mut counts)?;
+        Ok(Self {
+            job_id: job_id.to_owned(),
+            output_path,
+            error_path,
+            output: BufWriter::with_capacity(1 << 16, output),
+            error: BufWriter::with_capacity(1 << 16, error),
+            done,
+            counts,
+        })
+    }
+
+    /// Writes the line of request `index` unless it has one already.
+    pub fn record(
+        &mut self,
+        index: u64,
+        custom_id: &str,
+        outcome: &Outcome<'_>,
+    ) -> Result<Written, SinkError> {
+        if index >= self.counts.total {
+            return Err(SinkError::OutOfRange {
+                job_id: self.job_id.clone(),
+                index,
+                total: self.counts.total,
+            });
+        }
+        if self.done.contains(index) {
+            return Ok(Written::Duplicate);
+        }
+        let id = batch_wire::request_id(&self.job_id, index);
+        let rendered = render(&id, custom_id, outcome);
+        let (file, path) = match rendered.status {
+            Some(_) => (&mut self.output, &self.output_path),
+            None => (&mut self.error, &self.error_path),
+        };
+        let mut line = rendered.line.into_bytes();
+        line.push(b'\n');
+        file.write_all(&line).map_err(io(path))?;
+        self.done.insert(index);
+        if rendered.status == Some(200) {
+            self.counts.completed += 1;
+        } else {
+            self.counts.failed += 1;
+        }
+        Ok(match rendered.status {
+            Some(status) => Written::Output {
+                status,
+                usage: rendered.usage,
+            },
+            None => Written::Error,
+        })
+    }
+
+    /// Whether request `index` has its line.
+    pub fn is_done(&self, index: u64) -> bool {
+        self.done.contains(index)
+    }
+
+    /// Indexes still without a line, in order.
+    pub fn unresolved(&self) -> impl Iterator<Item = u64> + '_ {
+        self.done.missing()
+    }
+
+    /// Requests still without a line.
+    pub fn remaining(&self) -> u64 {
+        self.counts.total - self.done.len()
+    }
+
+    /// `request_counts` so far.
+    pub fn counts(&self) -> RequestCounts {
+        self.counts
+    }
+
+    /// Hands buffered lines to the operating system; after this a crash of the process loses
+    /// nothing written.
+    pub fn flush(&mut self) -> Result<(), SinkError> {
+        self.output.flush().map_err(io(&self.output_path))?;
+        self.error.flush().map_err(io(&self.error_path))
+    }
+
+    /// Flushes and asks the disk to keep the files (for the job's end).
+    pub fn sync(&mut self) -> Result<(), SinkError> {
+        self.flush()?;
+        self.output
+            .get_ref()
+            .sync_all()
+            .map_err(io(&self.output_path))?;
+        self.error
+            .get_ref()
+            .sync_all()
+            .map_err(io(&self.error_path))
+    }
+}
+
+#[derive(Deserialize)]
+struct LineHead<'a> {
+    #[serde(borrow)]
+    id: std::borrow::Cow<'a, str>,
+    #[serde(default)]
+    response: Option<StatusOnly>,
+}
+
+#[derive(Deserialize)]
+struct StatusOnly {
+    status_code: u16,
+}
+
+/// Opens `path` for appending after reading back what it holds; cuts a torn last line.
+fn resume_file(
+    path: &Path,
+    job_id: &str,
+    done: &mut DoneSet,
+    counts: &mut RequestCounts,
+) -> Result<File, SinkError> {
+    let mut file = OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(io(path))?;
+    let mut reader = BufReader::new(&mut file);
+    let mut buf = Vec::new();
+    let (mut kept, mut line_no) = (0u64, 0u64);
+    loop {
+        buf.clear();
+        let n = reader.read_until(b'\n', &mut buf).map_err(io(path))?;
+        if n == 0 || buf.last() != Some(&b'\n') {
+            break;
+        }
+        line_no += 1;
+        let foreign = |reason: String| SinkError::Foreign {
+            path: path.to_owned(),
+            line: line_no,
+            job_id: job_id.to_owned(),
+            reason,
+        };
+        let head: LineHead = serde_json::from_slice(&buf)
+            .map_err(|e| foreign(format!("not an output line: {e}")))?;
+        let index = match parse_request_id(&head.id) {
+            Some((job, index)) if job == job_id => index,
+            _ => return Err(foreign(format!("id {:?}", head.id))),
+        };
+        if index >= counts.total {
+            return Err(foreign(format!("index {index} is beyond the job")));
+        }
+        kept += n as u64;
+        if done.insert(index) {
+            match head.response {
+                Some(StatusOnly { status_code: 200 }) => counts.completed += 1,
+                _ => counts.failed += 1,
+            }
+        }
+    }
+    drop(reader);
+    if file.seek(SeekFrom::End(0)).map_err(io(path))? != kept {
+        // A crash mid-write left a partial line: its request is not done and will be written again.
+        file.set_len(kept).map_err(io(path))?;
+    }
+    Ok(file)
+}
+
+/// Writes `batch.json` into `dir` atomically (a temporary file renamed over the old one).
+pub fn write_batch(dir: &Path, batch: &Batch) -> Result<(), SinkError> {
+    let path = dir.join(BATCH_FILE);
+    let tmp = dir.join(format!(".{BATCH_FILE}.tmp"));
+    let mut json = serde_json::to_vec_pretty(batch).expect("batch serialises");
+    json.push(b'\n');
+    let write = || -> std::io::Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(&json)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    };
+    write().map_err(io(&path))
+}
+
+/// Reads `batch.json` from `dir`, `None` when there is none.
+pub fn read_batch(dir: &Path) -> Result<Option<Batch>, SinkError> {
+    let path = dir.join(BATCH_FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| SinkError::Io {
+                path,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(SinkError::Io { path, source: e }),
+    }
+}

@@ -1,0 +1,122 @@
+//! The sink on real files: exactly once per index, across reopenings and torn writes.
+
+use std::io::Write;
+
+use batch_sink::{read_batch, write_batch, JobSink, SinkError, Written, ERROR_FILE, OUTPUT_FILE};
+use batch_testkit::tempdir;
+use batch_wire::{Batch, BatchStatus, Outcome};
+
+const OK: Outcome<'static> = Outcome::Http {
+    status: 200,
+    body: r#"{"ok":true}"#,
+};
+const BUSY: Outcome<'static> = Outcome::Http {
+    status: 429,
+    body: r#"{"error":"busy"}"#,
+};
+const EXPIRED: Outcome<'static> = Outcome::Failed {
+    code: "batch_expired",
+    message: "late",
+};
+
+fn lines(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn each_index_gets_exactly_one_line_in_the_right_file() {
+    let dir = tempdir().unwrap();
+    let mut sink = JobSink::open(dir.path(), "job", 4).unwrap();
+    assert!(matches!(
+        sink.record(0, "a", &OK).unwrap(),
+        Written::Output { status: 200, .. }
+    ));
+    assert!(matches!(
+        sink.record(1, "b", &BUSY).unwrap(),
+        Written::Output { status: 429, .. }
+    ));
+    assert_eq!(sink.record(2, "c", &EXPIRED).unwrap(), Written::Error);
+    assert_eq!(sink.record(1, "b", &OK).unwrap(), Written::Duplicate);
+    assert_eq!(sink.record(2, "c", &OK).unwrap(), Written::Duplicate);
+    assert!(matches!(
+        sink.record(4, "x", &OK),
+        Err(SinkError::OutOfRange { index: 4, .. })
+    ));
+    sink.flush().unwrap();
+    assert_eq!(sink.unresolved().collect::<Vec<_>>(), [3]);
+    let c = sink.counts();
+    assert_eq!((c.total, c.completed, c.failed), (4, 1, 2));
+
+    let out = lines(&dir.path().join(OUTPUT_FILE));
+    let err = lines(&dir.path().join(ERROR_FILE));
+    assert_eq!(out.len(), 2);
+    assert_eq!(err.len(), 1);
+    assert_eq!(out[0]["custom_id"], "a");
+    assert_eq!(out[0]["id"], "batch_req_job_0");
+    assert_eq!(out[1]["response"]["status_code"], 429);
+    assert_eq!(err[0]["error"]["code"], "batch_expired");
+    assert!(err[0]["response"].is_null() && out[0]["error"].is_null());
+}
+
+#[test]
+fn reopening_resumes_counts_and_cuts_a_torn_line() {
+    let dir = tempdir().unwrap();
+    {
+        let mut sink = JobSink::open(dir.path(), "job", 3).unwrap();
+        sink.record(0, "a", &OK).unwrap();
+        sink.record(2, "c", &EXPIRED).unwrap();
+        sink.flush().unwrap();
+    }
+    // A crash in the middle of writing line 1.
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.path().join(OUTPUT_FILE))
+        .unwrap();
+    f.write_all(br#"{"id":"batch_req_job_1","custom_id":"b","respo"#)
+        .unwrap();
+    drop(f);
+
+    let mut sink = JobSink::open(dir.path(), "job", 3).unwrap();
+    assert!(sink.is_done(0) && !sink.is_done(1) && sink.is_done(2));
+    let c = sink.counts();
+    assert_eq!((c.completed, c.failed), (1, 1));
+    assert_eq!(sink.record(0, "a", &OK).unwrap(), Written::Duplicate);
+    sink.record(1, "b", &OK).unwrap();
+    sink.flush().unwrap();
+    let out = lines(&dir.path().join(OUTPUT_FILE));
+    assert_eq!(out.len(), 2, "torn line removed, new one whole");
+    assert_eq!(out[1]["custom_id"], "b");
+    assert_eq!(sink.remaining(), 0);
+}
+
+#[test]
+fn refuses_files_of_another_job() {
+    let dir = tempdir().unwrap();
+    {
+        let mut sink = JobSink::open(dir.path(), "job-a", 2).unwrap();
+        sink.record(0, "a", &OK).unwrap();
+        sink.flush().unwrap();
+    }
+    let err = JobSink::open(dir.path(), "job-b", 2).unwrap_err();
+    assert!(matches!(err, SinkError::Foreign { line: 1, .. }), "{err}");
+}
+
+#[test]
+fn batch_json_is_replaced_atomically() {
+    let dir = tempdir().unwrap();
+    assert!(read_batch(dir.path()).unwrap().is_none());
+    let mut batch = Batch::new("job", "in.jsonl", "24h", 1, 86401);
+    write_batch(dir.path(), &batch).unwrap();
+    batch.set_status(BatchStatus::Completed, 5);
+    write_batch(dir.path(), &batch).unwrap();
+    assert_eq!(read_batch(dir.path()).unwrap().unwrap(), batch);
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, ["batch.json"], "no temporary file left");
+}
