@@ -1,1 +1,58 @@
-fn main() {}
+//! `processor`: the batch processor's command line. Thin: parse arguments, call the libraries.
+
+mod cmd;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit codes shared by every subcommand, printed in `--help`.
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  unexpected failure (I/O error, bug)
+  2  invalid configuration or usage: every problem is listed on stderr";
+
+/// Batch processor for OpenAI-style batch jobs (sync HTTP or the llm-d-async dispatcher).
+#[derive(Debug, Parser)]
+#[command(name = "processor", version, after_help = EXIT_CODES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate a config file and print the resolved configuration (secrets redacted).
+    #[command(after_help = EXIT_CODES)]
+    CheckConfig(cmd::check_config::Args),
+    /// Print each pool's queue names and the dispatcher's queues config.
+    #[command(after_help = EXIT_CODES)]
+    Queues(cmd::queues::Args),
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse();
+    let outcome = match cli.command {
+        Command::CheckConfig(args) => cmd::check_config::run(args),
+        Command::Queues(args) => cmd::queues::run(args),
+    };
+    match outcome {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("processor: {error:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Logs go to stderr, filtered by `RUST_LOG` (default `info`), so stdout stays machine-readable.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,0 +1,87 @@
+//! `processor queues`: the queue names of each pool and what to give the real dispatcher.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use batch_config::DispatcherQueues;
+
+use super::EXIT_INVALID;
+
+/// Arguments of `queues`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The YAML config file; `PROCESSOR_…` environment variables override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+    /// Print only the JSON array for the dispatcher's `--redis.ss.queues-config-file`.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Prints the pools and the dispatcher settings; exit 2 when the config is invalid or has no pool.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let config = match super::load_config(&args.config) {
+        Ok(config) => config,
+        Err(code) => return Ok(code),
+    };
+    let queues = match config.dispatcher_queues() {
+        Ok(queues) => queues,
+        Err(e) => {
+            eprintln!("processor: {e}");
+            return Ok(ExitCode::from(EXIT_INVALID));
+        }
+    };
+    if queues.pools.is_empty() {
+        eprintln!(
+            "processor: no model in {} has an inference_pool_name: set one per model to use the dispatcher",
+            args.config.display()
+        );
+        return Ok(ExitCode::from(EXIT_INVALID));
+    }
+    let text = if args.json {
+        format!("{}\n", queues.queues_config_json())
+    } else {
+        human(&queues)
+    };
+    std::io::stdout().write_all(text.as_bytes())?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn human(queues: &DispatcherQueues) -> String {
+    let mut out = String::new();
+    for pool in &queues.pools {
+        // Writing to a String cannot fail.
+        let _ = writeln!(out, "pool {}", pool.pool);
+        let _ = writeln!(out, "  models:        {}", pool.models.join(", "));
+        let _ = writeln!(out, "  request queue: {}", pool.request_queue_name);
+        let _ = writeln!(out, "  result queue:  {}", pool.result_queue_name);
+        out.push('\n');
+    }
+    out.push_str(
+        "# dispatcher --redis.ss.queues-config-file (write it with `processor queues --json`):\n",
+    );
+    out.push_str(&queues.queues_config_json());
+    out.push_str("\n\n# dispatcher --redis.ss.result-queue-name:\n");
+    if let Some(name) = &queues.result_queue_name {
+        let _ = writeln!(out, "{name}");
+    }
+    out.push_str(
+        "# This is only the dispatcher's fallback: every request this processor enqueues names its own\n\
+         # result list (internal.result_queue_name), and the queue entries above set none, so each\n\
+         # pool's results reach the result queue listed for it, whatever this flag says.\n",
+    );
+    if queues
+        .queues_config
+        .iter()
+        .any(|entry| entry.igw_base_url == batch_config::PLACEHOLDER_GATEWAY_URL)
+    {
+        let _ = writeln!(
+            out,
+            "# Replace {} with the pool's inference gateway URL (no model of that pool has a url).",
+            batch_config::PLACEHOLDER_GATEWAY_URL
+        );
+    }
+    out
+}

@@ -1,0 +1,223 @@
+//! The `processor` binary, run as a child process on real files.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/config")
+}
+
+/// The binary with no `PROCESSOR_…` variable inherited from whoever runs the tests.
+fn processor(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_processor"));
+    command.args(args);
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("PROCESSOR_") {
+            command.env_remove(name);
+        }
+    }
+    command
+}
+
+fn run(command: &mut Command) -> (i32, String, String) {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = command.output().expect("the processor binary runs");
+    (
+        status.code().expect("exited normally"),
+        String::from_utf8(stdout).unwrap(),
+        String::from_utf8(stderr).unwrap(),
+    )
+}
+
+fn path_arg(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn check_config_accepts_both_examples() {
+    for (name, mode) in [("sync.yaml", "sync"), ("async.yaml", "async")] {
+        let file = examples().join(name);
+        let (code, stdout, stderr) = run(&mut processor(&[
+            "check-config",
+            "--config",
+            path_arg(&file),
+        ]));
+        assert_eq!(code, 0, "{name}: {stderr}");
+        assert!(
+            stdout.contains(&format!("dispatch_mode: {mode}")),
+            "{stdout}"
+        );
+        assert!(stdout.contains("model_gateways:"), "{stdout}");
+    }
+}
+
+#[test]
+fn check_config_redacts_the_redis_url() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("redis-url");
+    std::fs::write(&secret, "redis://:s3cret-pw@127.0.0.1:7001\n").unwrap();
+    let file = examples().join("async.yaml");
+    let (code, stdout, stderr) = run(processor(&["check-config", "--config", path_arg(&file)])
+        .env("PROCESSOR_REDIS_URL_FILE", &secret));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("redis_url: '[redacted]'"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("redis_url_file: {}", secret.display())),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("s3cret-pw") && !stderr.contains("s3cret-pw"));
+}
+
+#[test]
+fn check_config_lists_every_problem_and_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("broken.yaml");
+    std::fs::write(
+        &file,
+        "dispatch_mode: async\n\
+         redis_url_file: nowhere/redis-url\n\
+         async_dispatch: {result_poll_timeout: 0s}\n\
+         model_gateways:\n  llama-3: {url: 'http://127.0.0.1:8000'}\n  mistral: {inference_pool_name: 'a:b'}\n\
+         concurency: {global: 3}\n",
+    )
+    .unwrap();
+    let (code, stdout, stderr) = run(&mut processor(&[
+        "check-config",
+        "--config",
+        path_arg(&file),
+    ]));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stdout.is_empty(),
+        "nothing on stdout when invalid: {stdout}"
+    );
+    let f = file.display();
+    for expected in [
+        format!("{f}: concurency: unknown key (did you mean concurrency?)"),
+        format!("{f}: async_dispatch.result_poll_timeout: must be greater than 0"),
+        format!("{f}: model_gateways.llama-3.inference_pool_name: missing"),
+        format!("{f}: model_gateways.mistral.inference_pool_name: pool name \"a:b\" contains ':'"),
+        format!("{f}: redis_url_file: cannot read secret file"),
+    ] {
+        assert!(
+            stderr.lines().any(|l| l.starts_with(&expected)),
+            "{expected:?} not in:\n{stderr}"
+        );
+    }
+    assert!(
+        stderr.contains("invalid configuration (5 problems)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn an_environment_override_is_named_in_the_error() {
+    let file = examples().join("async.yaml");
+    let (code, _, stderr) = run(processor(&["check-config", "--config", path_arg(&file)])
+        .env("PROCESSOR_DISPATCH_MODE", "turbo"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("PROCESSOR_DISPATCH_MODE: dispatch_mode: unknown dispatch mode \"turbo\""),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_missing_config_file_exits_2() {
+    let (code, _, stderr) = run(&mut processor(&[
+        "check-config",
+        "--config",
+        "/nonexistent/processor.yaml",
+    ]));
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("/nonexistent/processor.yaml: cannot read the config file"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn queues_prints_each_pools_queue_names() {
+    let file = examples().join("async.yaml");
+    let (code, stdout, stderr) = run(&mut processor(&["queues", "--config", path_arg(&file)]));
+    assert_eq!(code, 0, "{stderr}");
+    for expected in [
+        "llm-d-async:requests:pool-a",
+        "llm-d-async:results:pool-a:$batch",
+        "llm-d-async:requests:pool-b",
+        "llm-d-async:results:pool-b:$batch",
+        "llama-3, llama-3-instruct",
+        "--redis.ss.result-queue-name",
+        "\"gate_type\": \"prometheus-budget\"",
+    ] {
+        assert!(stdout.contains(expected), "{expected:?} not in:\n{stdout}");
+    }
+}
+
+#[test]
+fn queues_json_is_the_dispatcher_array() {
+    let file = examples().join("async.yaml");
+    let (code, stdout, stderr) = run(&mut processor(&[
+        "queues",
+        "--json",
+        "--config",
+        path_arg(&file),
+    ]));
+    assert_eq!(code, 0, "{stderr}");
+    let json: serde_json::Value = serde_json::from_str(&stdout).expect("stdout is only JSON");
+    let entries = json.as_array().expect("a JSON array");
+    let names: Vec<&str> = entries
+        .iter()
+        .map(|e| e["queue_name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["llm-d-async:requests:pool-a", "llm-d-async:requests:pool-b"]
+    );
+    assert_eq!(entries[0]["igw_base_url"], "http://127.0.0.1:8000");
+    assert_eq!(entries[1]["gate_params"]["pool"], "pool-b");
+    // A queue-level result list would override the one each envelope names.
+    assert!(entries.iter().all(|e| e.get("result_queue_name").is_none()));
+}
+
+#[test]
+fn queues_follow_the_consumer_id_override() {
+    let file = examples().join("async.yaml");
+    let (code, stdout, stderr) = run(processor(&["queues", "--config", path_arg(&file)])
+        .env("PROCESSOR_ASYNC_DISPATCH__CONSUMER_ID", "replica-2"));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("llm-d-async:results:pool-a:replica-2"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("$batch"), "{stdout}");
+}
+
+#[test]
+fn queues_without_any_pool_exits_2() {
+    let file = examples().join("sync.yaml");
+    let (code, stdout, stderr) = run(&mut processor(&["queues", "--config", path_arg(&file)]));
+    assert_eq!(code, 2);
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(stderr.contains("has an inference_pool_name"), "{stderr}");
+}
+
+#[test]
+fn help_documents_the_exit_codes() {
+    for args in [
+        &["--help"][..],
+        &["check-config", "--help"],
+        &["queues", "--help"],
+    ] {
+        let (code, stdout, _) = run(&mut processor(args));
+        assert_eq!(code, 0);
+        assert!(
+            stdout.contains("Exit codes:") && stdout.contains("2  invalid configuration"),
+            "{stdout}"
+        );
+    }
+}

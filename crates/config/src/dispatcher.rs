@@ -1,0 +1,141 @@
+//! What the real llm-d-async dispatcher must be given so that both sides agree on queue names.
+
+use std::collections::BTreeMap;
+
+use batch_queue_names::{NameError, QueueNames};
+use serde::Serialize;
+
+use crate::types::ProcessorConfig;
+
+/// `igw_base_url` of a pool none of whose models has a `url`: the operator must fill it in.
+pub const PLACEHOLDER_GATEWAY_URL: &str = "http://CHANGE-ME";
+
+/// The request path the dispatcher appends to `igw_base_url` (our batches are chat completions).
+pub const DISPATCHER_REQUEST_PATH: &str = "/v1/chat/completions";
+
+/// The gate our queue entries use, with the dispatcher's own defaults as parameters.
+pub const DISPATCHER_GATE_TYPE: &str = "prometheus-budget";
+
+/// One entry of the dispatcher's `--redis.ss.queues-config-file` JSON array.
+///
+/// It deliberately has no `result_queue_name`: a queue-level one would override the
+/// `internal.result_queue_name` of our envelopes, which routes each result to the replica that
+/// owns the job (contract §3).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DispatcherQueueEntry {
+    /// The pool's request sorted set.
+    pub queue_name: String,
+    /// Base URL of the inference gateway serving the pool.
+    pub igw_base_url: String,
+    /// Path appended to `igw_base_url`.
+    pub request_path_url: String,
+    /// The dispatch gate.
+    pub gate_type: String,
+    /// The gate's parameters (`pool`, `max_concurrency`, `baseline`), all strings as the dispatcher
+    /// expects.
+    pub gate_params: BTreeMap<String, String>,
+}
+
+/// One pool as this processor sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolQueues {
+    /// The inference pool name.
+    pub pool: String,
+    /// The models routed to the pool, sorted.
+    pub models: Vec<String>,
+    /// The sorted set this processor enqueues into.
+    pub request_queue_name: String,
+    /// The list this replica pops results from.
+    pub result_queue_name: String,
+}
+
+/// Everything needed to configure the dispatcher from this processor's config.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DispatcherQueues {
+    /// Every pool, sorted by name.
+    pub pools: Vec<PoolQueues>,
+    /// The `--redis.ss.queues-config-file` array, one entry per pool.
+    pub queues_config: Vec<DispatcherQueueEntry>,
+    /// The `--redis.ss.result-queue-name` value: the first pool's result list. Only the
+    /// dispatcher's fallback for envelopes that name no result list; ours always name one.
+    pub result_queue_name: Option<String>,
+}
+
+impl DispatcherQueues {
+    /// The queues-config array as pretty JSON, ready to be written to a file.
+    pub fn queues_config_json(&self) -> String {
+        // Serialising plain strings and maps cannot fail.
+        serde_json::to_string_pretty(&self.queues_config).unwrap_or_else(|_| "[]".to_owned())
+    }
+}
+
+impl ProcessorConfig {
+    /// Pool → the models routed to it (sorted), for every model that names a pool.
+    pub fn pools(&self) -> BTreeMap<String, Vec<String>> {
+        let mut pools: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (model, gateway) in &self.model_gateways {
+            if let Some(pool) = &gateway.inference_pool_name {
+                pools.entry(pool.clone()).or_default().push(model.clone());
+            }
+        }
+        pools
+    }
+
+    /// The queue naming of this replica, from `async_dispatch.queue_prefix` and `consumer_id`.
+    ///
+    /// A loaded config has valid names; if the fields were later edited to invalid ones this falls
+    /// back to the defaults. Use [`ProcessorConfig::try_queue_names`] to get the error instead.
+    pub fn queue_names(&self) -> QueueNames {
+        self.try_queue_names().unwrap_or_default()
+    }
+
+    /// Like [`ProcessorConfig::queue_names`], but reports invalid names.
+    pub fn try_queue_names(&self) -> Result<QueueNames, NameError> {
+        QueueNames::new(
+            self.async_dispatch.queue_prefix.clone(),
+            self.async_dispatch.consumer_id.clone(),
+        )
+    }
+
+    /// The dispatcher's queue entries and result-list flag for every pool.
+    ///
+    /// Each entry's `igw_base_url` is the `url` of the pool's first model (by name) that has one,
+    /// else [`PLACEHOLDER_GATEWAY_URL`].
+    pub fn dispatcher_queues(&self) -> Result<DispatcherQueues, NameError> {
+        let names = self.try_queue_names()?;
+        let mut pools = Vec::new();
+        let mut queues_config = Vec::new();
+        for (pool, models) in self.pools() {
+            let request_queue_name = names.request_queue_name(&pool)?;
+            let igw_base_url = models
+                .iter()
+                .find_map(|model| self.model_gateways.get(model)?.url.as_deref())
+                .map_or(PLACEHOLDER_GATEWAY_URL, |url| url.trim_end_matches('/'))
+                .to_owned();
+            let gate_params = BTreeMap::from([
+                ("pool".to_owned(), pool.clone()),
+                ("max_concurrency".to_owned(), "100".to_owned()),
+                ("baseline".to_owned(), "0.05".to_owned()),
+            ]);
+            queues_config.push(DispatcherQueueEntry {
+                queue_name: request_queue_name.clone(),
+                igw_base_url,
+                request_path_url: DISPATCHER_REQUEST_PATH.to_owned(),
+                gate_type: DISPATCHER_GATE_TYPE.to_owned(),
+                gate_params,
+            });
+            pools.push(PoolQueues {
+                result_queue_name: names.result_queue_name(&pool)?,
+                request_queue_name,
+                models,
+                pool,
+            });
+        }
+        let result_queue_name = pools.first().map(|p| p.result_queue_name.clone());
+        Ok(DispatcherQueues {
+            pools,
+            queues_config,
+            result_queue_name,
+        })
+    }
+}

@@ -1,0 +1,428 @@
+//! Loading: figment providers → value tree → validated [`ProcessorConfig`].
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use batch_queue_names::validate_part;
+use figment::providers::{Env, Format, Yaml};
+use figment::value::Value;
+use figment::Figment;
+
+use crate::collect::{Collector, Table};
+use crate::error::{ConfigError, ConfigErrors};
+use crate::types::*;
+use crate::values::{check_http_url, check_redis_url};
+
+/// Prefix of the environment variables that override the file (`PROCESSOR_DISPATCH_MODE=async`).
+pub const ENV_PREFIX: &str = "PROCESSOR_";
+
+/// Separator of nested keys in environment variable names
+/// (`PROCESSOR_ASYNC_DISPATCH__RESULT_POLL_TIMEOUT=1s`).
+pub const ENV_NESTING: &str = "__";
+
+const ROOT_KEYS: &[&str] = &[
+    "dispatch_mode",
+    "async_dispatch",
+    "model_gateways",
+    "concurrency",
+    "redis_url_file",
+    "work_dir",
+    "observability",
+    "input",
+];
+const ASYNC_KEYS: &[&str] = &[
+    "result_poll_timeout",
+    "queue_prefix",
+    "consumer_id",
+    "lost_request_timeout",
+    "enqueue_chunk",
+    "result_batch",
+];
+const MODEL_KEYS: &[&str] = &[
+    "url",
+    "inference_pool_name",
+    "request_timeout",
+    "max_retries",
+    "initial_backoff",
+    "max_backoff",
+    "api_key_file",
+    "inference_objective",
+    "tls",
+    "tls_ca_cert_file",
+    "tls_client_cert_file",
+    "tls_client_key_file",
+    "tls_insecure_skip_verify",
+];
+const TLS_KEYS: &[&str] = &[
+    "ca_cert_file",
+    "client_cert_file",
+    "client_key_file",
+    "insecure_skip_verify",
+];
+const CONCURRENCY_KEYS: &[&str] = &["global", "per_endpoint", "aimd"];
+const AIMD_KEYS: &[&str] = &["enabled", "min", "backoff_factor", "additive_increase"];
+const OBSERVABILITY_KEYS: &[&str] = &["addr"];
+const INPUT_KEYS: &[&str] = &["max_requests", "max_file_bytes"];
+
+impl ProcessorConfig {
+    /// Loads `path` (YAML) with `PROCESSOR_…` environment overrides, and validates everything.
+    ///
+    /// Secret files (the Redis URL in async mode, API keys) are read here, so an unreadable one is
+    /// a config error naming the field and the file.
+    pub fn load(path: &Path) -> Result<Self, ConfigErrors> {
+        let source = || path.display().to_string();
+        // figment would report a missing file as a parse error deep in its provider; say it plainly.
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors::single(source(), format!("cannot read the config file: {e}"))
+        })?;
+        // figment's YAML provider keeps the last of two equal keys; a YAML mapping refuses them,
+        // and its syntax errors carry line and column.
+        match serde_yaml::from_str::<serde_yaml::Value>(&text) {
+            Err(e) => return Err(ConfigErrors::single(source(), format!("invalid YAML: {e}"))),
+            Ok(serde_yaml::Value::Mapping(_) | serde_yaml::Value::Null) => {}
+            Ok(_) => {
+                let problem = "expected a mapping of settings (key: value) at the top level";
+                return Err(ConfigErrors::single(source(), problem));
+            }
+        }
+        Self::from_figment(Self::figment(path))
+    }
+
+    /// The providers [`ProcessorConfig::load`] reads: the YAML file, then the environment.
+    ///
+    /// Embedders may merge more providers on top before calling [`ProcessorConfig::from_figment`].
+    pub fn figment(path: &Path) -> Figment {
+        Figment::new()
+            .merge(Yaml::file_exact(path))
+            .merge(Env::prefixed(ENV_PREFIX).split(ENV_NESTING))
+    }
+
+    /// Validates whatever `figment` holds. Relative paths resolve against the directory of the
+    /// file a value came from, or the current directory for other sources.
+    pub fn from_figment(figment: Figment) -> Result<Self, ConfigErrors> {
+        let root = match figment.find_value("") {
+            Ok(root) => root,
+            Err(e) => return Err(provider_error(&figment, e)),
+        };
+        let mut collector = Collector::new(&figment);
+        let config = build(&mut collector, &root);
+        let errors = collector.into_errors();
+        if errors.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigErrors { errors })
+        }
+    }
+}
+
+/// A file that does not parse: one error naming the file, with figment's (serde's) message.
+fn provider_error(figment: &Figment, error: figment::Error) -> ConfigErrors {
+    let source = Collector::new(figment).fallback_source().to_owned();
+    let source = error
+        .metadata
+        .as_ref()
+        .and_then(|md| md.source.as_ref())
+        .and_then(figment::Source::file_path)
+        .map_or(source, |p| p.display().to_string());
+    let path = error.path.join(".");
+    ConfigErrors {
+        errors: vec![ConfigError {
+            source,
+            path,
+            problem: format!("cannot parse: {}", error.kind),
+        }],
+    }
+}
+
+fn build(c: &mut Collector<'_>, root: &Value) -> ProcessorConfig {
+    let root = c.root(root, ROOT_KEYS);
+    let dispatch_mode = dispatch_mode(c, &root);
+    let async_dispatch = async_dispatch(c, &root);
+    let model_gateways = model_gateways(c, &root, dispatch_mode);
+    let concurrency = concurrency(c, &root);
+
+    let redis_url_file = c
+        .path(&root, "redis_url_file")
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_REDIS_URL_FILE));
+    let redis_url =
+        match dispatch_mode {
+            DispatchMode::Async => read_secret(c, &root, "redis_url_file", &redis_url_file)
+                .and_then(|url| match check_redis_url(url.expose()) {
+                    Ok(()) => Some(url),
+                    Err(problem) => {
+                        let problem = format!("{} {problem}", redis_url_file.display());
+                        c.at(&root, "redis_url_file", problem);
+                        None
+                    }
+                }),
+            DispatchMode::Sync => None,
+        };
+    let work_dir = c
+        .path(&root, "work_dir")
+        .unwrap_or_else(|| std::env::temp_dir().join("batch-processor"));
+
+    let observability_table = c.table(&root, "observability", OBSERVABILITY_KEYS);
+    let observability = ObservabilityConfig {
+        addr: c.socket_addr(&observability_table, "addr"),
+    };
+    let input_table = c.table(&root, "input", INPUT_KEYS);
+    let defaults = InputLimits::default();
+    let input = InputLimits {
+        max_requests: c.count(&input_table, "max_requests", defaults.max_requests, 1),
+        max_file_bytes: c.byte_size(&input_table, "max_file_bytes", defaults.max_file_bytes),
+    };
+
+    ProcessorConfig {
+        dispatch_mode,
+        async_dispatch,
+        model_gateways,
+        concurrency,
+        redis_url_file,
+        redis_url,
+        work_dir,
+        observability,
+        input,
+    }
+}
+
+fn dispatch_mode(c: &mut Collector<'_>, root: &Table<'_>) -> DispatchMode {
+    match c.string(root, "dispatch_mode").as_deref() {
+        None | Some("sync") => DispatchMode::Sync,
+        Some("async") => DispatchMode::Async,
+        Some(other) => {
+            let problem = format!("unknown dispatch mode {other:?} (expected sync or async)");
+            c.at(root, "dispatch_mode", problem);
+            DispatchMode::Sync
+        }
+    }
+}
+
+fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfig {
+    let t = c.table(root, "async_dispatch", ASYNC_KEYS);
+    let d = AsyncDispatchConfig::default();
+    AsyncDispatchConfig {
+        result_poll_timeout: c.positive_duration(&t, "result_poll_timeout", d.result_poll_timeout),
+        queue_prefix: name_part(c, &t, "queue_prefix", "prefix").unwrap_or(d.queue_prefix),
+        consumer_id: name_part(c, &t, "consumer_id", "consumer id").unwrap_or(d.consumer_id),
+        lost_request_timeout: c.positive_duration(
+            &t,
+            "lost_request_timeout",
+            d.lost_request_timeout,
+        ),
+        enqueue_chunk: c.count(&t, "enqueue_chunk", d.enqueue_chunk, 1),
+        result_batch: c.count(&t, "result_batch", d.result_batch, 1),
+    }
+}
+
+/// A string that becomes one `:`-separated part of a Redis key.
+fn name_part(
+    c: &mut Collector<'_>,
+    t: &Table<'_>,
+    key: &str,
+    what: &'static str,
+) -> Option<String> {
+    let value = c.string(t, key)?;
+    match validate_part(what, &value) {
+        Ok(()) => Some(value),
+        Err(e) => {
+            c.at(t, key, e);
+            None
+        }
+    }
+}
+
+fn model_gateways(
+    c: &mut Collector<'_>,
+    root: &Table<'_>,
+    mode: DispatchMode,
+) -> BTreeMap<String, ModelGatewayConfig> {
+    let t = c.table(root, "model_gateways", &[]);
+    let mut models = BTreeMap::new();
+    for (name, value) in t.entries() {
+        if name.trim().is_empty() || name.trim() != name {
+            c.at(
+                &t,
+                name,
+                "a model name must be non-empty, without surrounding spaces",
+            );
+        }
+        let entry = c.entry(&t, name, value, MODEL_KEYS);
+        models.insert(name.clone(), model(c, &entry, mode));
+    }
+    if models.is_empty() {
+        c.error(
+            t.tag(),
+            t.path(),
+            "no model configured (add at least one model under model_gateways)",
+        );
+    }
+    models
+}
+
+fn model(c: &mut Collector<'_>, t: &Table<'_>, mode: DispatchMode) -> ModelGatewayConfig {
+    let d = ModelGatewayConfig::default();
+
+    let url = c.text(t, "url");
+    match &url {
+        Some(url) => {
+            if let Err(problem) = check_http_url(url) {
+                c.at(t, "url", problem);
+            }
+        }
+        None if mode == DispatchMode::Sync && t.get("url").is_none() => {
+            c.at(t, "url", "missing (every model needs a url in sync mode)");
+        }
+        None => {}
+    }
+
+    let inference_pool_name = name_part(c, t, "inference_pool_name", "pool name");
+    if mode == DispatchMode::Async && t.get("inference_pool_name").is_none() {
+        c.at(
+            t,
+            "inference_pool_name",
+            "missing (every model needs an inference_pool_name in async mode)",
+        );
+    }
+
+    let request_timeout = c.positive_duration(t, "request_timeout", d.request_timeout);
+    let max_retries = c.count(t, "max_retries", d.max_retries, 0);
+    let initial_backoff = c.duration(t, "initial_backoff", d.initial_backoff);
+    let max_backoff = c.duration(t, "max_backoff", d.max_backoff);
+    if max_backoff < initial_backoff {
+        let problem = format!(
+            "must be at least initial_backoff ({})",
+            humantime::format_duration(initial_backoff)
+        );
+        c.at(t, "max_backoff", problem);
+    }
+
+    let api_key_file = c.path(t, "api_key_file");
+    let api_key = api_key_file
+        .as_ref()
+        .and_then(|file| read_secret(c, t, "api_key_file", file));
+    let inference_objective = c.text(t, "inference_objective");
+    let tls = tls(c, t);
+
+    ModelGatewayConfig {
+        url,
+        inference_pool_name,
+        request_timeout,
+        max_retries,
+        initial_backoff,
+        max_backoff,
+        api_key_file,
+        api_key,
+        inference_objective,
+        tls,
+    }
+}
+
+/// TLS settings, written either flat (`tls_ca_cert_file`, as the issue and the Go processor spell
+/// them) or nested (`tls: {ca_cert_file}`); setting one field both ways is an error.
+fn tls(c: &mut Collector<'_>, model: &Table<'_>) -> TlsConfig {
+    let nested = c.table(model, "tls", TLS_KEYS);
+    let ca_cert_file = tls_file(c, model, &nested, "ca_cert_file").map(|(path, ..)| path);
+    let client_cert = tls_file(c, model, &nested, "client_cert_file");
+    let client_key = tls_file(c, model, &nested, "client_key_file");
+    match (&client_cert, &client_key) {
+        (Some((_, table, key)), None) => {
+            c.at(table, key, "set tls_client_key_file too (both or neither)")
+        }
+        (None, Some((_, table, key))) => {
+            c.at(table, key, "set tls_client_cert_file too (both or neither)")
+        }
+        _ => {}
+    }
+    let (table, key) = tls_field(c, model, &nested, "insecure_skip_verify");
+    TlsConfig {
+        ca_cert_file,
+        client_cert_file: client_cert.map(|(path, ..)| path),
+        client_key_file: client_key.map(|(path, ..)| path),
+        insecure_skip_verify: c.boolean(&table, &key, false),
+    }
+}
+
+/// Where a TLS field is set: `(model, "tls_<field>")` or `(tls, "<field>")`.
+fn tls_field<'v>(
+    c: &mut Collector<'_>,
+    model: &Table<'v>,
+    nested: &Table<'v>,
+    field: &str,
+) -> (Table<'v>, String) {
+    let flat = format!("tls_{field}");
+    match (model.get(&flat).is_some(), nested.get(field).is_some()) {
+        (true, true) => {
+            c.at(model, &flat, format!("also set as tls.{field}; keep one"));
+            (model.clone(), flat)
+        }
+        (false, true) => (nested.clone(), field.to_owned()),
+        _ => (model.clone(), flat),
+    }
+}
+
+/// A TLS file, which must be readable now rather than at the first request.
+fn tls_file<'v>(
+    c: &mut Collector<'_>,
+    model: &Table<'v>,
+    nested: &Table<'v>,
+    field: &str,
+) -> Option<(PathBuf, Table<'v>, String)> {
+    let (table, key) = tls_field(c, model, nested, field);
+    let path = c.path(&table, &key)?;
+    if let Err(e) = std::fs::File::open(&path) {
+        c.at(&table, &key, format!("cannot read {}: {e}", path.display()));
+    }
+    Some((path, table, key))
+}
+
+fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {
+    let t = c.table(root, "concurrency", CONCURRENCY_KEYS);
+    let d = ConcurrencyConfig::default();
+    let global = c.count(&t, "global", d.global, 1);
+    let per_endpoint = c.count(&t, "per_endpoint", d.per_endpoint, 1);
+
+    let a = c.table(&t, "aimd", AIMD_KEYS);
+    let enabled = c.boolean(&a, "enabled", d.aimd.enabled);
+    let min = c.count(&a, "min", d.aimd.min, 1);
+    if enabled && min > per_endpoint {
+        let problem = format!("{min} is above concurrency.per_endpoint ({per_endpoint})");
+        c.at(&a, "min", problem);
+    }
+    let backoff_factor = c.float(&a, "backoff_factor", d.aimd.backoff_factor);
+    // `!(x > 0 && x < 1)` also rejects NaN.
+    if !(backoff_factor > 0.0 && backoff_factor < 1.0) {
+        let problem = format!("must be strictly between 0 and 1, got {backoff_factor}");
+        c.at(&a, "backoff_factor", problem);
+    }
+    let additive_increase = c.count(&a, "additive_increase", d.aimd.additive_increase, 1);
+
+    ConcurrencyConfig {
+        global,
+        per_endpoint,
+        aimd: AimdConfig {
+            enabled,
+            min,
+            backoff_factor,
+            additive_increase,
+        },
+    }
+}
+
+/// Reads a mounted secret, trimmed. Errors name the field and the file, never the content.
+fn read_secret(c: &mut Collector<'_>, t: &Table<'_>, key: &str, file: &Path) -> Option<Secret> {
+    match std::fs::read_to_string(file) {
+        Ok(text) if text.trim().is_empty() => {
+            c.at(t, key, format!("secret file {} is empty", file.display()));
+            None
+        }
+        Ok(text) => Some(Secret::new(text.trim())),
+        Err(e) => {
+            c.at(
+                t,
+                key,
+                format!("cannot read secret file {}: {e}", file.display()),
+            );
+            None
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! The resolved configuration: plain data, every default applied, every file path absolute.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize, Serializer};
+
+/// Where the Redis URL secret is mounted when the config does not say otherwise.
+pub const DEFAULT_REDIS_URL_FILE: &str = "/etc/.secrets/redis-url";
+
+/// What secrets print as, everywhere.
+pub const REDACTED: &str = "[redacted]";
+
+/// How requests reach the inference gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DispatchMode {
+    /// Direct HTTP to the gateway, with AIMD and semaphores (the default).
+    #[default]
+    Sync,
+    /// Through the llm-d-async dispatcher's Redis request queue and result list.
+    Async,
+}
+
+impl DispatchMode {
+    /// The config spelling: `sync` or `async`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DispatchMode::Sync => "sync",
+            DispatchMode::Async => "async",
+        }
+    }
+}
+
+impl fmt::Display for DispatchMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A secret read from a mounted file: its value is only reachable through [`Secret::expose`].
+///
+/// `Debug`, `Display` and `Serialize` all print `[redacted]`, so a secret cannot leak through a
+/// log line or a config dump by accident.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself; call this only where the value is handed to a client.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(REDACTED)
+    }
+}
+
+/// Durations print the way they are written in the config (`5s`, `10m`).
+fn ser_duration<S: Serializer>(value: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.collect_str(&humantime::format_duration(*value))
+}
+
+/// The whole processor configuration, as resolved by [`ProcessorConfig::load`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProcessorConfig {
+    /// `sync` (default) or `async`.
+    pub dispatch_mode: DispatchMode,
+    /// Settings of the async mode (queues, polling); ignored in sync mode.
+    pub async_dispatch: AsyncDispatchConfig,
+    /// Model name → how to reach it. Names may contain `.` and `/` (`Qwen/Qwen3-0.6B`).
+    pub model_gateways: BTreeMap<String, ModelGatewayConfig>,
+    /// Sync-mode flow control.
+    pub concurrency: ConcurrencyConfig,
+    /// The mounted file holding the Redis URL (absolute).
+    pub redis_url_file: PathBuf,
+    /// The Redis URL read from `redis_url_file` (trimmed) in async mode; `None` in sync mode.
+    pub redis_url: Option<Secret>,
+    /// Where jobs keep their plan and output files (absolute).
+    pub work_dir: PathBuf,
+    /// The health and metrics endpoint.
+    pub observability: ObservabilityConfig,
+    /// Limits on one input file.
+    pub input: InputLimits,
+}
+
+/// Settings of the async (dispatcher) mode.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AsyncDispatchConfig {
+    /// How long one blocking pop of the result list waits (default 5s, > 0).
+    #[serde(serialize_with = "ser_duration")]
+    pub result_poll_timeout: Duration,
+    /// Key prefix of every queue (default `llm-d-async`).
+    pub queue_prefix: String,
+    /// This replica's result-list id (default `$batch`).
+    pub consumer_id: String,
+    /// A request neither queued nor answered for this long is enqueued again (default 10m, > 0).
+    #[serde(serialize_with = "ser_duration")]
+    pub lost_request_timeout: Duration,
+    /// Members per pipelined ZADD (default 1000, > 0).
+    pub enqueue_chunk: usize,
+    /// Results popped per round trip (default 1000, > 0).
+    pub result_batch: usize,
+}
+
+impl Default for AsyncDispatchConfig {
+    fn default() -> Self {
+        Self {
+            result_poll_timeout: Duration::from_secs(5),
+            queue_prefix: batch_queue_names::DEFAULT_PREFIX.to_owned(),
+            consumer_id: batch_queue_names::DEFAULT_CONSUMER_ID.to_owned(),
+            lost_request_timeout: Duration::from_secs(600),
+            enqueue_chunk: 1000,
+            result_batch: 1000,
+        }
+    }
+}
+
+/// How one model is reached.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelGatewayConfig {
+    /// The gateway base URL (`http://` or `https://`); required in sync mode.
+    pub url: Option<String>,
+    /// The inference pool, which names the dispatcher queues; required in async mode.
+    pub inference_pool_name: Option<String>,
+    /// Timeout of one HTTP attempt (default 5m, > 0).
+    #[serde(serialize_with = "ser_duration")]
+    pub request_timeout: Duration,
+    /// Retries after the first attempt (default 3).
+    pub max_retries: u32,
+    /// First retry delay (default 1s).
+    #[serde(serialize_with = "ser_duration")]
+    pub initial_backoff: Duration,
+    /// Largest retry delay (default 60s, >= `initial_backoff`).
+    #[serde(serialize_with = "ser_duration")]
+    pub max_backoff: Duration,
+    /// The mounted file holding the API key (absolute).
+    pub api_key_file: Option<PathBuf>,
+    /// The API key read from `api_key_file`, trimmed.
+    pub api_key: Option<Secret>,
+    /// Sent as `x-gateway-inference-objective` when set.
+    pub inference_objective: Option<String>,
+    /// TLS towards the gateway; printed with the flat `tls_*` keys the config file uses.
+    #[serde(flatten)]
+    pub tls: TlsConfig,
+}
+
+impl Default for ModelGatewayConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            inference_pool_name: None,
+            request_timeout: Duration::from_secs(300),
+            max_retries: 3,
+            initial_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(60),
+            api_key_file: None,
+            api_key: None,
+            inference_objective: None,
+            tls: TlsConfig::default(),
+        }
+    }
+}
+
+/// TLS towards one gateway. Every file was readable at load time.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct TlsConfig {
+    /// CA bundle to trust instead of the system roots.
+    #[serde(rename = "tls_ca_cert_file")]
+    pub ca_cert_file: Option<PathBuf>,
+    /// Client certificate; set together with `client_key_file`.
+    #[serde(rename = "tls_client_cert_file")]
+    pub client_cert_file: Option<PathBuf>,
+    /// Client private key; set together with `client_cert_file`.
+    #[serde(rename = "tls_client_key_file")]
+    pub client_key_file: Option<PathBuf>,
+    /// Skip server certificate checks (default false; for tests only).
+    #[serde(rename = "tls_insecure_skip_verify")]
+    pub insecure_skip_verify: bool,
+}
+
+/// Sync-mode concurrency limits.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConcurrencyConfig {
+    /// Requests in flight across the whole process (default 100, >= 1).
+    pub global: usize,
+    /// Initial and largest limit per endpoint (default 10, >= 1).
+    pub per_endpoint: usize,
+    /// The per-endpoint adaptive limit.
+    pub aimd: AimdConfig,
+}
+
+impl Default for ConcurrencyConfig {
+    fn default() -> Self {
+        Self {
+            global: 100,
+            per_endpoint: 10,
+            aimd: AimdConfig::default(),
+        }
+    }
+}
+
+/// Additive-increase / multiplicative-decrease of the per-endpoint limit.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AimdConfig {
+    /// Adapt the limit (default true); when false the limit stays at `per_endpoint`.
+    pub enabled: bool,
+    /// Lowest limit (default 5, between 1 and `per_endpoint`).
+    pub min: usize,
+    /// Factor applied on overload (default 0.5, strictly between 0 and 1).
+    pub backoff_factor: f64,
+    /// Added after a full window of successes (default 1, >= 1).
+    pub additive_increase: usize,
+}
+
+impl Default for AimdConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            min: 5,
+            backoff_factor: 0.5,
+            additive_increase: 1,
+        }
+    }
+}
+
+/// The health and metrics endpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ObservabilityConfig {
+    /// Listen address of `/health`, `/ready` and `/metrics`; none by default.
+    pub addr: Option<SocketAddr>,
+}
+
+/// Limits on one input file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InputLimits {
+    /// Request lines per file (default 50,000).
+    pub max_requests: u64,
+    /// File size in bytes (default 200 MiB).
+    pub max_file_bytes: u64,
+}
+
+impl Default for InputLimits {
+    fn default() -> Self {
+        Self {
+            max_requests: 50_000,
+            max_file_bytes: 200 * 1024 * 1024,
+        }
+    }
+}

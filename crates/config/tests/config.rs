@@ -1,0 +1,839 @@
+//! Loading and validation, through real files on disk.
+//!
+//! Tests that read the environment run inside `figment::Jail` (which serialises them and restores
+//! the environment); the others use a figment without an `Env` provider and absolute paths, so
+//! they are unaffected by a jail running at the same time.
+
+// `Jail::expect_with` takes closures returning figment's (large) error type; not ours to shrink.
+#![allow(clippy::result_large_err)]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use batch_config::figment::providers::{Format, Yaml};
+use batch_config::figment::{Figment, Jail};
+use batch_config::{ConfigErrors, DispatchMode, ProcessorConfig, Secret};
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(&path, text).unwrap();
+    path
+}
+
+/// The file alone, without the environment.
+fn load_file(path: &Path) -> Result<ProcessorConfig, ConfigErrors> {
+    ProcessorConfig::from_figment(Figment::from(Yaml::file_exact(path)))
+}
+
+fn errors_of(path: &Path) -> Vec<String> {
+    match load_file(path) {
+        Ok(config) => panic!("accepted: {config:?}"),
+        Err(errors) => errors.errors.iter().map(ToString::to_string).collect(),
+    }
+}
+
+fn assert_one_error(errors: &[String], expected: &str) {
+    assert_eq!(errors.len(), 1, "{errors:#?}");
+    assert!(
+        errors[0].contains(expected),
+        "{:?} lacks {expected:?}",
+        errors[0]
+    );
+}
+
+#[test]
+fn defaults_fill_a_minimal_sync_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m:\n    url: http://127.0.0.1:8000\n",
+    );
+    let c = load_file(&file).unwrap();
+
+    assert_eq!(c.dispatch_mode, DispatchMode::Sync);
+    assert_eq!(c.async_dispatch.result_poll_timeout, Duration::from_secs(5));
+    assert_eq!(c.async_dispatch.queue_prefix, "llm-d-async");
+    assert_eq!(c.async_dispatch.consumer_id, "$batch");
+    assert_eq!(
+        c.async_dispatch.lost_request_timeout,
+        Duration::from_secs(600)
+    );
+    assert_eq!(c.async_dispatch.enqueue_chunk, 1000);
+    assert_eq!(c.async_dispatch.result_batch, 1000);
+
+    let m = &c.model_gateways["m"];
+    assert_eq!(m.url.as_deref(), Some("http://127.0.0.1:8000"));
+    assert_eq!(m.inference_pool_name, None);
+    assert_eq!(m.request_timeout, Duration::from_secs(300));
+    assert_eq!(m.max_retries, 3);
+    assert_eq!(m.initial_backoff, Duration::from_secs(1));
+    assert_eq!(m.max_backoff, Duration::from_secs(60));
+    assert_eq!((m.api_key_file.as_ref(), m.api_key.as_ref()), (None, None));
+    assert_eq!(m.inference_objective, None);
+    assert_eq!(m.tls.ca_cert_file, None);
+    assert_eq!(m.tls.client_cert_file, None);
+    assert_eq!(m.tls.client_key_file, None);
+    assert!(!m.tls.insecure_skip_verify);
+
+    assert_eq!(c.concurrency.global, 100);
+    assert_eq!(c.concurrency.per_endpoint, 10);
+    assert!(c.concurrency.aimd.enabled);
+    assert_eq!(c.concurrency.aimd.min, 5);
+    assert_eq!(c.concurrency.aimd.backoff_factor, 0.5);
+    assert_eq!(c.concurrency.aimd.additive_increase, 1);
+
+    assert_eq!(c.redis_url_file, Path::new("/etc/.secrets/redis-url"));
+    assert_eq!(
+        c.redis_url, None,
+        "sync mode must not read the Redis secret"
+    );
+    assert_eq!(c.work_dir, std::env::temp_dir().join("batch-processor"));
+    assert_eq!(c.observability.addr, None);
+    assert_eq!(c.input.max_requests, 50_000);
+    assert_eq!(c.input.max_file_bytes, 200 * 1024 * 1024);
+}
+
+#[test]
+fn every_field_is_parsed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "redis-url", "redis://127.0.0.1:7777\n");
+    write(d, "key", "  sk-test  \n");
+    write(d, "ca.pem", "ca");
+    write(d, "client.pem", "cert");
+    write(d, "client.key", "key");
+    let file = write(
+        d,
+        "processor.yaml",
+        r#"
+dispatch_mode: async
+async_dispatch:
+  result_poll_timeout: 250ms
+  queue_prefix: staging
+  consumer_id: replica-1
+  lost_request_timeout: 2m
+  enqueue_chunk: 50
+  result_batch: 20
+model_gateways:
+  "Qwen/Qwen3-0.6B":
+    url: https://gateway.example:8443/
+    inference_pool_name: pool-q
+    request_timeout: 30s
+    max_retries: 0
+    initial_backoff: 10ms
+    max_backoff: 1h
+    api_key_file: key
+    inference_objective: batch-low
+    tls_ca_cert_file: ca.pem
+    tls_client_cert_file: client.pem
+    tls_client_key_file: client.key
+    tls_insecure_skip_verify: true
+concurrency:
+  global: 7
+  per_endpoint: 3
+  aimd: {enabled: false, min: 2, backoff_factor: 0.75, additive_increase: 2}
+redis_url_file: redis-url
+work_dir: /var/tmp/jobs
+observability: {addr: "127.0.0.1:9090"}
+input: {max_requests: 10, max_file_bytes: 1MiB}
+"#,
+    );
+    let c = load_file(&file).unwrap();
+
+    assert_eq!(c.dispatch_mode, DispatchMode::Async);
+    let a = &c.async_dispatch;
+    assert_eq!(a.result_poll_timeout, Duration::from_millis(250));
+    assert_eq!(
+        (a.queue_prefix.as_str(), a.consumer_id.as_str()),
+        ("staging", "replica-1")
+    );
+    assert_eq!(a.lost_request_timeout, Duration::from_secs(120));
+    assert_eq!((a.enqueue_chunk, a.result_batch), (50, 20));
+
+    let m = &c.model_gateways["Qwen/Qwen3-0.6B"];
+    assert_eq!(m.url.as_deref(), Some("https://gateway.example:8443/"));
+    assert_eq!(m.inference_pool_name.as_deref(), Some("pool-q"));
+    assert_eq!(m.request_timeout, Duration::from_secs(30));
+    assert_eq!(m.max_retries, 0);
+    assert_eq!(m.initial_backoff, Duration::from_millis(10));
+    assert_eq!(m.max_backoff, Duration::from_secs(3600));
+    assert_eq!(m.api_key_file.as_deref(), Some(d.join("key").as_path()));
+    assert_eq!(m.api_key.as_ref().map(Secret::expose), Some("sk-test"));
+    assert_eq!(m.inference_objective.as_deref(), Some("batch-low"));
+    assert_eq!(
+        m.tls.ca_cert_file.as_deref(),
+        Some(d.join("ca.pem").as_path())
+    );
+    assert_eq!(
+        m.tls.client_cert_file.as_deref(),
+        Some(d.join("client.pem").as_path())
+    );
+    assert_eq!(
+        m.tls.client_key_file.as_deref(),
+        Some(d.join("client.key").as_path())
+    );
+    assert!(m.tls.insecure_skip_verify);
+
+    assert_eq!((c.concurrency.global, c.concurrency.per_endpoint), (7, 3));
+    let aimd = &c.concurrency.aimd;
+    assert_eq!(
+        (
+            aimd.enabled,
+            aimd.min,
+            aimd.backoff_factor,
+            aimd.additive_increase
+        ),
+        (false, 2, 0.75, 2)
+    );
+    assert_eq!(c.redis_url_file, d.join("redis-url"));
+    assert_eq!(
+        c.redis_url.as_ref().map(Secret::expose),
+        Some("redis://127.0.0.1:7777")
+    );
+    assert_eq!(c.work_dir, Path::new("/var/tmp/jobs"));
+    assert_eq!(
+        c.observability.addr,
+        Some("127.0.0.1:9090".parse().unwrap())
+    );
+    assert_eq!(
+        (c.input.max_requests, c.input.max_file_bytes),
+        (10, 1 << 20)
+    );
+
+    let names = c.queue_names();
+    assert_eq!(
+        names.result_queue_name("pool-q").unwrap(),
+        "staging:results:pool-q:replica-1"
+    );
+}
+
+#[test]
+fn tls_may_also_be_written_nested() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "ca.pem", "ca");
+    let file = write(
+        d,
+        "processor.yaml",
+        "model_gateways:\n  m:\n    url: https://h\n    tls: {ca_cert_file: ca.pem, insecure_skip_verify: true}\n",
+    );
+    let c = load_file(&file).unwrap();
+    assert_eq!(
+        c.model_gateways["m"].tls.ca_cert_file,
+        Some(d.join("ca.pem"))
+    );
+    assert!(c.model_gateways["m"].tls.insecure_skip_verify);
+
+    let twice = write(
+        d,
+        "twice.yaml",
+        "model_gateways:\n  m:\n    url: https://h\n    tls_ca_cert_file: ca.pem\n    tls: {ca_cert_file: ca.pem}\n",
+    );
+    assert_one_error(
+        &errors_of(&twice),
+        "model_gateways.m.tls_ca_cert_file: also set as tls.ca_cert_file",
+    );
+}
+
+#[test]
+fn env_overrides_the_file() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file(
+            "processor.yaml",
+            "model_gateways:\n  llama-3: {url: 'http://127.0.0.1:8000', inference_pool_name: pool-a}\n",
+        )?;
+        jail.create_dir("from-env")?;
+        jail.create_file("from-env/redis-url", "redis://127.0.0.1:6380\n")?;
+        jail.set_env("PROCESSOR_DISPATCH_MODE", "async");
+        jail.set_env("PROCESSOR_ASYNC_DISPATCH__RESULT_POLL_TIMEOUT", "1s");
+        jail.set_env("PROCESSOR_REDIS_URL_FILE", "from-env/redis-url");
+        jail.set_env("PROCESSOR_CONCURRENCY__GLOBAL", "7");
+        jail.set_env("PROCESSOR_MODEL_GATEWAYS__LLAMA-3__MAX_RETRIES", "9");
+
+        let c = ProcessorConfig::load(Path::new("processor.yaml")).map_err(|e| e.to_string())?;
+        assert_eq!(c.dispatch_mode, DispatchMode::Async);
+        assert_eq!(c.async_dispatch.result_poll_timeout, Duration::from_secs(1));
+        assert_eq!(c.concurrency.global, 7);
+        assert_eq!(c.model_gateways["llama-3"].max_retries, 9);
+        assert_eq!(
+            c.model_gateways["llama-3"].url.as_deref(),
+            Some("http://127.0.0.1:8000")
+        );
+        // A relative path from the environment is relative to the current directory.
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(c.redis_url_file, cwd.join("from-env/redis-url"));
+        assert_eq!(
+            c.redis_url.as_ref().map(Secret::expose),
+            Some("redis://127.0.0.1:6380")
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn env_errors_name_the_variable() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file(
+            "processor.yaml",
+            "model_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\n",
+        )?;
+        jail.set_env("PROCESSOR_ASYNC_DISPATCH__RESULT_POLL_TIMEOUT", "0s");
+        jail.set_env("PROCESSOR_CONCURENCY__GLOBAL", "3");
+        jail.set_env("PROCESSOR_MODEL_GATEWAYS__M__REQUEST_TIMEOUT", "5");
+
+        let errors = ProcessorConfig::load(Path::new("processor.yaml"))
+            .unwrap_err()
+            .to_string();
+        let lines: Vec<&str> = errors.lines().collect();
+        assert_eq!(lines.len(), 3, "{errors}");
+        assert!(lines.contains(
+            &"PROCESSOR_ASYNC_DISPATCH__RESULT_POLL_TIMEOUT: async_dispatch.result_poll_timeout: must be greater than 0"
+        ), "{errors}");
+        assert!(
+            lines.contains(
+                &"PROCESSOR_CONCURENCY: concurency: unknown key (did you mean concurrency?)"
+            ),
+            "{errors}"
+        );
+        assert!(lines.iter().any(|l| l.starts_with(
+            "PROCESSOR_MODEL_GATEWAYS__M__REQUEST_TIMEOUT: model_gateways.m.request_timeout: expected a duration such as 5s"
+        )), "{errors}");
+        Ok(())
+    });
+}
+
+#[test]
+fn a_missing_config_file_is_one_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.yaml");
+    let errors = ProcessorConfig::load(&missing).unwrap_err();
+    assert_eq!(errors.len(), 1);
+    let line = errors.to_string();
+    assert!(
+        line.starts_with(&format!(
+            "{}: cannot read the config file",
+            missing.display()
+        )),
+        "{line}"
+    );
+}
+
+#[test]
+fn unparsable_yaml_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "bad.yaml", "model_gateways: [unclosed\n");
+    let errors = errors_of(&file);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].starts_with(&format!("{}: ", file.display())),
+        "{errors:?}"
+    );
+    assert!(errors[0].contains("cannot parse"), "{errors:?}");
+}
+
+#[test]
+fn all_errors_are_collected_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        r#"
+dispatch_mode: sync
+async_dispatch:
+  result_poll_timeout: 0s
+model_gateways:
+  llama-3:
+    inference_pool_name: pool-a
+  mistral:
+    url: http://127.0.0.1:8001
+    max_backoff: 10ms
+concurrency:
+  global: 0
+  aimd:
+    backoff_factor: 1.5
+"#,
+    );
+    let errors = errors_of(&file);
+    let f = file.display();
+    let expected = [
+        format!("{f}: async_dispatch.result_poll_timeout: must be greater than 0"),
+        format!("{f}: model_gateways.llama-3.url: missing (every model needs a url in sync mode)"),
+        format!("{f}: model_gateways.mistral.max_backoff: must be at least initial_backoff (1s)"),
+        format!("{f}: concurrency.global: must be at least 1, got 0"),
+        format!("{f}: concurrency.aimd.backoff_factor: must be strictly between 0 and 1, got 1.5"),
+    ];
+    assert_eq!(errors, expected);
+    // Display is one line per error.
+    let display = load_file(&file).unwrap_err().to_string();
+    assert_eq!(display.lines().count(), 5, "{display}");
+}
+
+#[test]
+fn missing_url_in_sync_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  llama-3:\n    max_retries: 1\n",
+    );
+    let errors = errors_of(&file);
+    assert_eq!(
+        errors,
+        [format!(
+            "{}: model_gateways.llama-3.url: missing (every model needs a url in sync mode)",
+            file.display()
+        )]
+    );
+}
+
+#[test]
+fn urls_must_be_http_with_a_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: '127.0.0.1:8000'}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "model_gateways.m.url: expected an http:// or https:// URL",
+    );
+}
+
+#[test]
+fn unknown_dispatch_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "dispatch_mode: fast\nmodel_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "dispatch_mode: unknown dispatch mode \"fast\" (expected sync or async)",
+    );
+}
+
+#[test]
+fn zero_poll_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "async_dispatch: {result_poll_timeout: 0ms}\nmodel_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "async_dispatch.result_poll_timeout: must be greater than 0",
+    );
+}
+
+#[test]
+fn zero_request_timeout_is_an_error_not_five_minutes() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000', request_timeout: 0s}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "model_gateways.m.request_timeout: must be greater than 0",
+    );
+}
+
+#[test]
+fn a_bare_number_is_not_a_duration() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000', initial_backoff: 5}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "model_gateways.m.initial_backoff: expected a duration such as 5s",
+    );
+}
+
+#[test]
+fn async_mode_needs_a_pool_per_model() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "redis-url", "redis://127.0.0.1:7000");
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "dispatch_mode: async\nredis_url_file: redis-url\nmodel_gateways:\n  with: {inference_pool_name: p}\n  without: {url: 'http://127.0.0.1:8000'}\n",
+    );
+    assert_eq!(errors_of(&file), [format!(
+        "{}: model_gateways.without.inference_pool_name: missing (every model needs an inference_pool_name in async mode)",
+        file.display()
+    )]);
+}
+
+#[test]
+fn unreadable_secret_files_name_the_field_and_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "dispatch_mode: async\nredis_url_file: missing/redis-url\nmodel_gateways:\n  m: {inference_pool_name: p, api_key_file: /nonexistent/key}\n",
+    );
+    let errors = errors_of(&file);
+    let f = file.display();
+    let redis = dir.path().join("missing/redis-url");
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert!(
+        errors[0].starts_with(&format!(
+            "{f}: model_gateways.m.api_key_file: cannot read secret file /nonexistent/key:"
+        )),
+        "{errors:#?}"
+    );
+    assert!(
+        errors[1].starts_with(&format!(
+            "{f}: redis_url_file: cannot read secret file {}:",
+            redis.display()
+        )),
+        "{errors:#?}"
+    );
+}
+
+#[test]
+fn the_default_redis_url_file_is_only_read_in_async_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let sync = write(
+        dir.path(),
+        "sync.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\n",
+    );
+    assert!(load_file(&sync).is_ok());
+    if Path::new("/etc/.secrets/redis-url").exists() {
+        return; // this machine has the real secret: the async half cannot fail here
+    }
+    let asynchronous = write(
+        dir.path(),
+        "async.yaml",
+        "dispatch_mode: async\nmodel_gateways:\n  m: {inference_pool_name: p}\n",
+    );
+    assert_one_error(
+        &errors_of(&asynchronous),
+        "redis_url_file: cannot read secret file /etc/.secrets/redis-url",
+    );
+}
+
+#[test]
+fn empty_or_malformed_secrets_are_errors_without_their_content() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "empty-key", " \n");
+    write(dir.path(), "redis-url", "hunter2-not-a-url\n");
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "dispatch_mode: async\nredis_url_file: redis-url\nmodel_gateways:\n  m: {inference_pool_name: p, api_key_file: empty-key}\n",
+    );
+    let errors = errors_of(&file);
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert!(
+        errors[0].contains("model_gateways.m.api_key_file: secret file")
+            && errors[0].ends_with("is empty")
+    );
+    assert!(
+        errors[1].contains("redis_url_file: ") && errors[1].contains("does not hold a Redis URL")
+    );
+    assert!(!errors.join("\n").contains("hunter2"), "{errors:#?}");
+}
+
+#[test]
+fn unknown_keys_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        r#"
+model_gateways:
+  m: {url: 'http://127.0.0.1:8000', max_retry: 2, tls: {ca_file: x}}
+concurrency: {globl: 3}
+observabilty: {}
+"#,
+    );
+    let f = file.display();
+    assert_eq!(errors_of(&file), [
+        format!("{f}: observabilty: unknown key (did you mean observability?)"),
+        format!("{f}: model_gateways.m.max_retry: unknown key (did you mean max_retries?)"),
+        format!("{f}: model_gateways.m.tls.ca_file: unknown key (expected one of: ca_cert_file, client_cert_file, client_key_file, insecure_skip_verify)"),
+        format!("{f}: concurrency.globl: unknown key (did you mean global?)"),
+    ]);
+}
+
+#[test]
+fn bad_pool_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000', inference_pool_name: 'a:b'}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "model_gateways.m.inference_pool_name: pool name \"a:b\" contains ':'",
+    );
+}
+
+#[test]
+fn bad_queue_prefix_and_consumer_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "async_dispatch: {queue_prefix: 'x y', consumer_id: ''}\nmodel_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\n",
+    );
+    let errors = errors_of(&file);
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert!(
+        errors[0].contains("async_dispatch.queue_prefix: prefix \"x y\" contains ' '"),
+        "{errors:#?}"
+    );
+    assert!(
+        errors[1].contains("async_dispatch.consumer_id: consumer id is empty"),
+        "{errors:#?}"
+    );
+}
+
+#[test]
+fn cross_field_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "concurrency: {per_endpoint: 3, aimd: {min: 4, additive_increase: 0}}\nmodel_gateways: {}\n",
+    );
+    let f = file.display();
+    assert_eq!(errors_of(&file), [
+        format!("{f}: model_gateways: no model configured (add at least one model under model_gateways)"),
+        format!("{f}: concurrency.aimd.min: 4 is above concurrency.per_endpoint (3)"),
+        format!("{f}: concurrency.aimd.additive_increase: must be at least 1, got 0"),
+    ]);
+}
+
+#[test]
+fn client_certificate_and_key_come_together_and_must_be_readable() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "client.pem", "cert");
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'https://h', tls_client_cert_file: client.pem, tls_ca_cert_file: nope.pem}\n",
+    );
+    let errors = errors_of(&file);
+    assert_eq!(errors.len(), 2, "{errors:#?}");
+    assert!(
+        errors[0].contains(&format!(
+            "model_gateways.m.tls_ca_cert_file: cannot read {}",
+            dir.path().join("nope.pem").display()
+        )),
+        "{errors:#?}"
+    );
+    assert!(
+        errors[1].contains("model_gateways.m.tls_client_cert_file: set tls_client_key_file too"),
+        "{errors:#?}"
+    );
+}
+
+#[test]
+fn model_names_may_hold_dots_and_slashes() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  Qwen/Qwen3-0.6B: {request_timeout: 2s}\n  meta.llama-3.1: {url: 'http://127.0.0.1:1'}\n",
+    );
+    assert_eq!(errors_of(&file), [format!(
+        "{}: model_gateways.\"Qwen/Qwen3-0.6B\".url: missing (every model needs a url in sync mode)",
+        file.display()
+    )]);
+    write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  Qwen/Qwen3-0.6B: {url: 'http://127.0.0.1:1', request_timeout: 2s}\n",
+    );
+    let c = load_file(&file).unwrap();
+    assert_eq!(
+        c.model_gateways["Qwen/Qwen3-0.6B"].request_timeout,
+        Duration::from_secs(2)
+    );
+}
+
+#[test]
+fn secrets_never_appear_in_debug_display_or_yaml() {
+    const API_KEY: &str = "sk-live-4f9a7c21e0b3";
+    const REDIS_PASSWORD: &str = "hunter2-5d1e";
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "api-key", &format!("{API_KEY}\n"));
+    write(
+        dir.path(),
+        "redis-url",
+        &format!("redis://:{REDIS_PASSWORD}@127.0.0.1:7000\n"),
+    );
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "dispatch_mode: async\nredis_url_file: redis-url\nmodel_gateways:\n  m: {inference_pool_name: p, api_key_file: api-key}\n",
+    );
+    let c = load_file(&file).unwrap();
+    let key = c.model_gateways["m"].api_key.clone().unwrap();
+    assert_eq!(key.expose(), API_KEY);
+    assert!(c
+        .redis_url
+        .as_ref()
+        .unwrap()
+        .expose()
+        .contains(REDIS_PASSWORD));
+
+    let yaml = c.to_redacted_yaml();
+    for shown in [
+        format!("{c:?}"),
+        format!("{key}"),
+        format!("{key:?}"),
+        yaml.clone(),
+    ] {
+        assert!(!shown.contains(API_KEY), "API key leaked: {shown}");
+        assert!(
+            !shown.contains(REDIS_PASSWORD),
+            "Redis password leaked: {shown}"
+        );
+    }
+    assert!(yaml.contains("api_key: '[redacted]'"), "{yaml}");
+    assert!(yaml.contains("redis_url: '[redacted]'"), "{yaml}");
+}
+
+#[test]
+fn relative_paths_resolve_against_the_config_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write(d, "conf/secrets/redis-url", "redis://127.0.0.1:7000");
+    write(d, "keys/m", "k");
+    write(d, "conf/ca.pem", "ca");
+    let file = write(
+        d,
+        "conf/processor.yaml",
+        "dispatch_mode: async\nredis_url_file: secrets/redis-url\nwork_dir: work\nmodel_gateways:\n  m: {inference_pool_name: p, api_key_file: ../keys/m, tls_ca_cert_file: ca.pem}\n",
+    );
+    let c = load_file(&file).unwrap();
+    let conf = d.join("conf");
+    assert_eq!(c.redis_url_file, conf.join("secrets/redis-url"));
+    assert_eq!(c.work_dir, conf.join("work"));
+    assert_eq!(
+        c.model_gateways["m"].api_key_file,
+        Some(conf.join("../keys/m"))
+    );
+    assert_eq!(
+        c.model_gateways["m"].api_key.as_ref().map(Secret::expose),
+        Some("k")
+    );
+    assert_eq!(
+        c.model_gateways["m"].tls.ca_cert_file,
+        Some(conf.join("ca.pem"))
+    );
+}
+
+#[test]
+fn the_redacted_yaml_shows_resolved_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000', request_timeout: 90s}\n",
+    );
+    let yaml = load_file(&file).unwrap().to_redacted_yaml();
+    for expected in [
+        "dispatch_mode: sync",
+        "result_poll_timeout: 5s",
+        "request_timeout: 1m 30s",
+        "tls_insecure_skip_verify: false",
+        "queue_prefix: llm-d-async",
+        "max_file_bytes: 209715200",
+    ] {
+        assert!(
+            yaml.contains(expected),
+            "{expected:?} missing from:\n{yaml}"
+        );
+    }
+}
+
+#[test]
+fn dispatcher_queues_follow_the_pools() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "redis-url", "redis://127.0.0.1:7000");
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        r#"
+dispatch_mode: async
+redis_url_file: redis-url
+model_gateways:
+  mistral: {inference_pool_name: pool-b}
+  llama-3: {url: "http://127.0.0.1:8001/", inference_pool_name: pool-a}
+  a-first: {inference_pool_name: pool-a}
+"#,
+    );
+    let c = load_file(&file).unwrap();
+    assert_eq!(c.pools()["pool-a"], ["a-first", "llama-3"]);
+    let q = c.dispatcher_queues().unwrap();
+    assert_eq!(q.pools.len(), 2);
+    assert_eq!(q.pools[0].request_queue_name, "llm-d-async:requests:pool-a");
+    assert_eq!(
+        q.pools[0].result_queue_name,
+        "llm-d-async:results:pool-a:$batch"
+    );
+    assert_eq!(q.pools[1].models, ["mistral"]);
+    assert_eq!(
+        q.result_queue_name.as_deref(),
+        Some("llm-d-async:results:pool-a:$batch")
+    );
+
+    let json: serde_json::Value = serde_json::from_str(&q.queues_config_json()).unwrap();
+    let expected = serde_json::json!([
+        {"queue_name": "llm-d-async:requests:pool-a", "igw_base_url": "http://127.0.0.1:8001",
+         "request_path_url": "/v1/chat/completions", "gate_type": "prometheus-budget",
+         "gate_params": {"pool": "pool-a", "max_concurrency": "100", "baseline": "0.05"}},
+        {"queue_name": "llm-d-async:requests:pool-b", "igw_base_url": "http://CHANGE-ME",
+         "request_path_url": "/v1/chat/completions", "gate_type": "prometheus-budget",
+         "gate_params": {"pool": "pool-b", "max_concurrency": "100", "baseline": "0.05"}}
+    ]);
+    assert_eq!(json, expected);
+}
+
+#[test]
+fn load_refuses_duplicate_keys_and_non_mappings() {
+    Jail::expect_with(|jail| {
+        jail.clear_env();
+        jail.create_file(
+            "dup.yaml",
+            "model_gateways:\n  m: {url: 'http://127.0.0.1:1'}\n  m: {url: 'http://127.0.0.1:2'}\n",
+        )?;
+        let errors = ProcessorConfig::load(Path::new("dup.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            errors.starts_with(
+                "dup.yaml: invalid YAML: model_gateways: duplicate entry with key \"m\""
+            ),
+            "{errors}"
+        );
+
+        jail.create_file("list.yaml", "- a\n- b\n")?;
+        let errors = ProcessorConfig::load(Path::new("list.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            errors,
+            "list.yaml: expected a mapping of settings (key: value) at the top level"
+        );
+        Ok(())
+    });
+}
