@@ -1,0 +1,152 @@
+//! The pooled HTTP(S) client: hyper-util's legacy `Client` over rustls (ring provider).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+
+use crate::{DispatchError, TlsOptions};
+
+/// Keep-alive client shared by every endpoint with the same TLS settings.
+pub(crate) type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// Idle keep-alive connections are closed after this long.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+pub(crate) fn build(tls: &TlsOptions) -> Result<HttpClient, DispatchError> {
+    let config = tls_config(tls)?;
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .build(https))
+}
+
+fn tls_error(path: Option<&Path>, message: impl std::fmt::Display) -> DispatchError {
+    DispatchError::Tls(match path {
+        Some(path) => format!("{}: {message}", path.display()),
+        None => message.to_string(),
+    })
+}
+
+fn tls_config(tls: &TlsOptions) -> Result<ClientConfig, DispatchError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| tls_error(None, e))?;
+    let builder = if tls.insecure_skip_verify {
+        builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AcceptAnyServerCert(provider)))
+    } else {
+        builder.with_root_certificates(roots(tls.ca_cert_file.as_deref())?)
+    };
+    match (&tls.client_cert_file, &tls.client_key_file) {
+        (Some(cert_file), Some(key_file)) => {
+            let chain = read_certs(cert_file)?;
+            let key = PrivateKeyDer::from_pem_file(key_file)
+                .map_err(|e| tls_error(Some(key_file), format!("no usable private key: {e}")))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| tls_error(Some(cert_file), e))
+        }
+        (None, None) => Ok(builder.with_no_client_auth()),
+        _ => Err(tls_error(
+            None,
+            "client_cert_file and client_key_file go together",
+        )),
+    }
+}
+
+fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, DispatchError> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| tls_error(Some(path), e))?;
+    if certs.is_empty() {
+        return Err(tls_error(Some(path), "no certificate in the file"));
+    }
+    Ok(certs)
+}
+
+/// The system's roots plus the configured CA file.
+fn roots(ca_cert_file: Option<&Path>) -> Result<RootCertStore, DispatchError> {
+    let mut roots = RootCertStore::empty();
+    // A container may have no system store at all; the CA file is then the only root.
+    let native = rustls_native_certs::load_native_certs();
+    roots.add_parsable_certificates(native.certs);
+    if let Some(path) = ca_cert_file {
+        for cert in read_certs(path)? {
+            roots
+                .add(cert)
+                .map_err(|e| tls_error(Some(path), format!("unusable CA certificate: {e}")))?;
+        }
+    }
+    Ok(roots)
+}
+
+/// `insecure_skip_verify`: trusts any certificate, but still checks the handshake signatures
+/// so the session keys belong to whoever presented it.
+#[derive(Debug)]
+struct AcceptAnyServerCert(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for AcceptAnyServerCert {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}

@@ -1,0 +1,564 @@
+//! The process-wide dispatcher: endpoints, permits, the retry loop and AIMD feedback.
+
+use std::collections::HashMap;
+use std::error::Error as StdError;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use batch_aimd::{AdaptiveSemaphore, AimdController, Change};
+use batch_wire::{dispatcher_error_codes, error_codes};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, Request, Uri};
+use tokio::sync::Semaphore;
+
+use crate::client::{self, HttpClient};
+use crate::metrics::{self as names, signals, InflightGuard};
+use crate::retry::{self, Backoff, RetryCause};
+use crate::{DispatchError, EndpointOptions, LimitOptions, SyncOutcome, SyncRequest, TlsOptions};
+
+/// Milliseconds left to the job's SLO when the attempt is sent.
+const SLO_TTFT_HEADER: &str = "x-slo-ttft-ms";
+const REQUEST_ID_HEADER: &str = "x-request-id";
+const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
+const TTL_EXPIRED: &str = "rejected-ttl-expired";
+
+/// Pass-through headers that describe the connection or the body, which the client owns.
+const TRANSPORT_HEADERS: [&str; 8] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "upgrade",
+    "te",
+    "trailer",
+];
+
+/// Sends requests to inference gateways under the process-wide limits.
+///
+/// One per process, shared by every job (clone it: clones share everything). It holds ONE
+/// global semaphore (`concurrency.global`), and per endpoint an [`AdaptiveSemaphore`] whose
+/// limit an [`AimdController`] moves.
+///
+/// Decisions:
+/// - AIMD state is per endpoint *name* (the model gateway key), even when names share a
+///   `base_url`: an llm-d gateway fronts one pool per model, and a saturated pool must not
+///   throttle the others. Names with the same TLS settings share one keep-alive pool.
+/// - Both permits stay held during backoff sleeps, as in the reference: a request waiting to
+///   retry still counts against an endpoint that is pushing back.
+#[derive(Debug, Clone)]
+pub struct SyncDispatcher {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    limits: LimitOptions,
+    global: Semaphore,
+    endpoints: RwLock<HashMap<String, Arc<Endpoint>>>,
+    clients: Mutex<HashMap<TlsOptions, HttpClient>>,
+}
+
+#[derive(Debug)]
+struct Endpoint {
+    name: String,
+    base_url: String,
+    request_timeout: Duration,
+    max_retries: u32,
+    backoff: Backoff,
+    client: HttpClient,
+    /// Authorization and objective, set after the pass-through headers so they win.
+    own_headers: HeaderMap,
+    semaphore: AdaptiveSemaphore,
+    aimd: Option<Mutex<AimdController>>,
+}
+
+/// What a finished dispatch tells the endpoint's AIMD controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Feedback {
+    Success,
+    Overload(&'static str),
+    /// No HTTP answer (network error, timeout, expiry): no signal.
+    Silent,
+}
+
+/// One attempt's HTTP answer.
+struct Answer {
+    status: u16,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+/// Why an attempt got no HTTP answer.
+enum NoAnswer {
+    Timeout(Duration),
+    Network(String),
+}
+
+impl SyncDispatcher {
+    /// A dispatcher with no endpoint yet. `limits` is checked by [`add_endpoint`](Self::add_endpoint).
+    pub fn new(limits: LimitOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                limits,
+                global: Semaphore::new(limits.global.min(Semaphore::MAX_PERMITS)),
+                endpoints: RwLock::new(HashMap::new()),
+                clients: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// The limits this dispatcher was built with.
+    pub fn limits(&self) -> &LimitOptions {
+        &self.inner.limits
+    }
+
+    /// Registers an endpoint under `name` (the model gateway key).
+    ///
+    /// Fails on invalid limits or options, an unreadable TLS file, or a name already taken.
+    pub fn add_endpoint(&self, name: &str, options: EndpointOptions) -> Result<(), DispatchError> {
+        let limits = &self.inner.limits;
+        limits.validate()?;
+        options.validate(name)?;
+        let invalid = |message: String| DispatchError::InvalidOptions {
+            endpoint: name.to_owned(),
+            message,
+        };
+        let base_url = options.base_url.trim_end_matches('/').to_owned();
+        let uri: Uri = base_url
+            .parse()
+            .map_err(|e| invalid(format!("base_url {base_url:?}: {e}")))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+            return Err(invalid(format!(
+                "base_url {base_url:?} must be an http:// or https:// URL with a host"
+            )));
+        }
+        if uri.query().is_some() {
+            return Err(invalid(format!(
+                "base_url {base_url:?} must not have a query"
+            )));
+        }
+
+        let mut own_headers = HeaderMap::new();
+        if let Some(key) = &options.api_key {
+            let mut value = HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
+                invalid("api_key contains characters not allowed in a header".into())
+            })?;
+            value.set_sensitive(true);
+            own_headers.insert(header::AUTHORIZATION, value);
+        }
+        if let Some(objective) = &options.inference_objective {
+            let value = HeaderValue::try_from(objective.as_str()).map_err(|_| {
+                invalid(format!(
+                    "inference_objective {objective:?} is not a valid header value"
+                ))
+            })?;
+            own_headers.insert(OBJECTIVE_HEADER, value);
+        }
+
+        let client = self.client_for(&options.tls)?;
+        let aimd = if limits.aimd_enabled {
+            let controller = AimdController::new(limits.aimd_config())
+                .map_err(|e| DispatchError::InvalidLimits(e.to_string()))?;
+            Some(Mutex::new(controller))
+        } else {
+            None
+        };
+        let endpoint = Arc::new(Endpoint {
+            name: name.to_owned(),
+            base_url,
+            request_timeout: options.request_timeout,
+            max_retries: options.max_retries,
+            backoff: Backoff {
+                initial: options.initial_backoff,
+                max: options.max_backoff,
+            },
+            client,
+            own_headers,
+            semaphore: AdaptiveSemaphore::new(limits.per_endpoint),
+            aimd,
+        });
+
+        let mut endpoints = self
+            .inner
+            .endpoints
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if endpoints.contains_key(name) {
+            return Err(DispatchError::DuplicateEndpoint(name.to_owned()));
+        }
+        endpoints.insert(name.to_owned(), endpoint);
+        metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => name.to_owned())
+            .set(limits.per_endpoint as f64);
+        tracing::debug!(endpoint = name, base_url = %options.base_url, "sync endpoint added");
+        Ok(())
+    }
+
+    /// The endpoint's current concurrency limit, or `None` for an unknown name.
+    pub fn limit(&self, endpoint: &str) -> Option<usize> {
+        self.endpoint(endpoint).map(|e| e.semaphore.limit())
+    }
+
+    /// Requests of this endpoint holding its permit (waiting for the global one, or in flight).
+    pub fn in_use(&self, endpoint: &str) -> Option<usize> {
+        self.endpoint(endpoint).map(|e| e.semaphore.in_use())
+    }
+
+    /// Requests holding a global permit, across all endpoints.
+    pub fn global_in_use(&self) -> usize {
+        let limit = self.inner.limits.global.min(Semaphore::MAX_PERMITS);
+        limit.saturating_sub(self.inner.global.available_permits())
+    }
+
+    /// Sends one request and returns its final outcome, after retries.
+    ///
+    /// Acquires the endpoint permit first, then the global one, and holds both until the final
+    /// answer. Cancel-safe: dropping the future releases both permits and aborts the HTTP
+    /// request (its connection is closed, not reused). Never panics on network errors.
+    ///
+    /// Outcomes without an HTTP answer carry these codes: `model_not_found` (unknown
+    /// endpoint), `INVALID_REQUEST` (the id, path or a header cannot be sent), `batch_expired`
+    /// (the SLO passed before an attempt, or the gateway dropped it with
+    /// `x-llm-d-request-dropped-reason: rejected-ttl-expired`), and `INFERENCE_ERROR` (network
+    /// error or timeout on the last attempt: the same code the async dispatcher writes).
+    pub async fn dispatch(&self, endpoint: &str, request: SyncRequest<'_>) -> SyncOutcome {
+        let Some(endpoint) = self.endpoint(endpoint) else {
+            metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => endpoint.to_owned())
+                .increment(1);
+            return SyncOutcome::failed(
+                error_codes::MODEL_NOT_FOUND,
+                format!("no inference gateway is configured for {endpoint:?}"),
+            );
+        };
+        let model = endpoint.name.clone();
+        let prepared = match endpoint.prepare(&request) {
+            Ok(prepared) => prepared,
+            Err(message) => {
+                metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => model).increment(1);
+                return SyncOutcome::failed(dispatcher_error_codes::INVALID_REQUEST, message);
+            }
+        };
+
+        let Ok(_endpoint_permit) = endpoint.semaphore.acquire().await else {
+            return SyncOutcome::failed(error_codes::BATCH_FAILED, "the endpoint is closed");
+        };
+        let Ok(_global_permit) = self.inner.global.acquire().await else {
+            return SyncOutcome::failed(error_codes::BATCH_FAILED, "the dispatcher is closed");
+        };
+        let _inflight = InflightGuard::enter();
+
+        let started = Instant::now();
+        let (outcome, feedback) = endpoint.send_with_retries(&prepared, &request).await;
+        metrics::histogram!(names::REQUEST_DURATION_SECONDS, "model" => model.clone())
+            .record(started.elapsed().as_secs_f64());
+        if !matches!(
+            outcome,
+            SyncOutcome::Http {
+                status: 200..=299,
+                ..
+            }
+        ) {
+            metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => model).increment(1);
+        }
+        endpoint.feed(feedback);
+        outcome
+    }
+
+    fn endpoint(&self, name: &str) -> Option<Arc<Endpoint>> {
+        let endpoints = self
+            .inner
+            .endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner());
+        endpoints.get(name).cloned()
+    }
+
+    fn client_for(&self, tls: &TlsOptions) -> Result<HttpClient, DispatchError> {
+        let mut clients = self.inner.clients.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(client) = clients.get(tls) {
+            return Ok(client.clone());
+        }
+        let client = client::build(tls)?;
+        clients.insert(tls.clone(), client.clone());
+        Ok(client)
+    }
+}
+
+/// A request checked and turned into its URI and fixed headers, before any permit is taken.
+struct Prepared {
+    uri: Uri,
+    headers: HeaderMap,
+}
+
+impl Endpoint {
+    fn prepare(&self, request: &SyncRequest<'_>) -> Result<Prepared, String> {
+        if !request.path.starts_with('/') {
+            return Err(format!("url {:?} must start with '/'", request.path));
+        }
+        let uri: Uri = format!("{}{}", self.base_url, request.path)
+            .parse()
+            .map_err(|e| format!("url {:?}: {e}", request.path))?;
+
+        let mut headers = HeaderMap::new();
+        for (name, value) in request.headers {
+            let name = HeaderName::try_from(name.as_str())
+                .map_err(|_| format!("header name {name:?} is not valid"))?;
+            if TRANSPORT_HEADERS.contains(&name.as_str()) {
+                continue;
+            }
+            let value = HeaderValue::try_from(value.as_str())
+                .map_err(|_| format!("header {name}: the value is not valid"))?;
+            headers.append(name, value);
+        }
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let id = HeaderValue::try_from(request.id)
+            .map_err(|_| format!("request id {:?} is not a valid header value", request.id))?;
+        headers.insert(REQUEST_ID_HEADER, id);
+        for (name, value) in &self.own_headers {
+            headers.insert(name, value.clone());
+        }
+        Ok(Prepared { uri, headers })
+    }
+
+    async fn send_with_retries(
+        &self,
+        prepared: &Prepared,
+        request: &SyncRequest<'_>,
+    ) -> (SyncOutcome, Feedback) {
+        let mut capacity_retry = false;
+        let mut retry = 0u32;
+        loop {
+            let Some(slo_left) = time_left(request.slo_deadline) else {
+                return (
+                    expired("the SLO deadline passed before the request was sent"),
+                    Feedback::Silent,
+                );
+            };
+            let (cause, retry_after) = match self.attempt(prepared, &request.body, slo_left).await {
+                Ok(answer) => {
+                    let status = answer.status;
+                    if (status == 429 || status == 503) && ttl_expired(&answer.headers) {
+                        tracing::debug!(endpoint = %self.name, id = request.id, status, "gateway dropped the request: TTL expired");
+                        let message = format!(
+                            "the inference gateway dropped the request ({status}, {TTL_EXPIRED})"
+                        );
+                        return (expired(&message), final_feedback(status, capacity_retry));
+                    }
+                    if !retry::is_retryable_status(status) || retry >= self.max_retries {
+                        let feedback = final_feedback(status, capacity_retry);
+                        return (
+                            SyncOutcome::Http {
+                                status,
+                                body: answer.body,
+                            },
+                            feedback,
+                        );
+                    }
+                    capacity_retry = true;
+                    let retry_after = answer
+                        .headers
+                        .get(header::RETRY_AFTER)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| retry::parse_retry_after(v, SystemTime::now()));
+                    (RetryCause::Status(status), retry_after)
+                }
+                Err(failure) => {
+                    let message = match &failure {
+                        NoAnswer::Timeout(after) => format!("no answer within {after:?}"),
+                        NoAnswer::Network(error) => error.clone(),
+                    };
+                    if retry >= self.max_retries {
+                        tracing::warn!(endpoint = %self.name, id = request.id, attempts = retry + 1, error = %message, "inference request failed");
+                        let message = format!(
+                            "inference request failed after {} attempt(s): {message}",
+                            retry + 1
+                        );
+                        return (
+                            SyncOutcome::failed(dispatcher_error_codes::INFERENCE_ERROR, message),
+                            Feedback::Silent,
+                        );
+                    }
+                    tracing::debug!(endpoint = %self.name, id = request.id, error = %message, "attempt failed");
+                    (RetryCause::Network, None)
+                }
+            };
+            let delay = self
+                .backoff
+                .delay(retry, cause, retry_after, retry::jitter());
+            tracing::debug!(endpoint = %self.name, id = request.id, ?cause, retry = retry + 1, delay_ms = delay.as_millis() as u64, "retrying");
+            // No point sleeping past the SLO: the next turn reports the expiry.
+            let slo_left = time_left(request.slo_deadline).unwrap_or(Duration::ZERO);
+            tokio::time::sleep(delay.min(slo_left)).await;
+            retry += 1;
+        }
+    }
+
+    async fn attempt(
+        &self,
+        prepared: &Prepared,
+        body: &Bytes,
+        slo_left: Duration,
+    ) -> Result<Answer, NoAnswer> {
+        let mut request = Request::new(Full::new(body.clone()));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = prepared.uri.clone();
+        *request.headers_mut() = prepared.headers.clone();
+        request.headers_mut().insert(
+            SLO_TTFT_HEADER,
+            HeaderValue::from(slo_left.as_millis() as u64),
+        );
+
+        let exchange = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| NoAnswer::Network(error_chain(&e)))?;
+            let (parts, body) = response.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(|e| {
+                    NoAnswer::Network(format!("reading the response: {}", error_chain(&e)))
+                })?
+                .to_bytes();
+            Ok(Answer {
+                status: parts.status.as_u16(),
+                headers: parts.headers,
+                body,
+            })
+        };
+        match tokio::time::timeout(self.request_timeout, exchange).await {
+            Ok(result) => result,
+            Err(_) => Err(NoAnswer::Timeout(self.request_timeout)),
+        }
+    }
+
+    /// Feeds the controller and copies its limit into the semaphore under the controller's
+    /// lock, so the semaphore goes through the controller's limits in order.
+    fn feed(&self, feedback: Feedback) {
+        let Some(aimd) = &self.aimd else {
+            return;
+        };
+        let mut controller: MutexGuard<'_, AimdController> =
+            aimd.lock().unwrap_or_else(|p| p.into_inner());
+        let change = match feedback {
+            Feedback::Silent => return,
+            Feedback::Success => controller.on_success(),
+            Feedback::Overload(signal) => {
+                metrics::counter!(names::AIMD_DECREASES_TOTAL, "endpoint" => self.name.clone(), "signal" => signal)
+                    .increment(1);
+                controller.on_overload()
+            }
+        };
+        if let Some(change) = change {
+            if let Change::Increased { .. } = change {
+                metrics::counter!(names::AIMD_INCREASES_TOTAL, "endpoint" => self.name.clone())
+                    .increment(1);
+            }
+            tracing::debug!(endpoint = %self.name, ?change, "AIMD limit moved");
+            self.semaphore.set_limit(change.new_limit());
+        }
+        metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => self.name.clone())
+            .set(controller.limit() as f64);
+    }
+}
+
+/// The AIMD reading of a final HTTP answer.
+fn final_feedback(status: u16, capacity_retry: bool) -> Feedback {
+    match status {
+        429 => Feedback::Overload(signals::RATE_LIMITED),
+        500..=599 => Feedback::Overload(signals::SERVER_ERROR),
+        _ if capacity_retry => Feedback::Overload(signals::CAPACITY_RETRY),
+        _ => Feedback::Success,
+    }
+}
+
+/// Whole milliseconds left before `deadline`, or `None` when less than one is left.
+fn time_left(deadline: SystemTime) -> Option<Duration> {
+    deadline
+        .duration_since(SystemTime::now())
+        .ok()
+        .filter(|left| left.as_millis() > 0)
+}
+
+fn ttl_expired(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(DROPPED_REASON_HEADER)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.trim().eq_ignore_ascii_case(TTL_EXPIRED))
+}
+
+fn expired(detail: &str) -> SyncOutcome {
+    SyncOutcome::failed(
+        error_codes::BATCH_EXPIRED,
+        format!("{} ({detail})", error_codes::BATCH_EXPIRED_MESSAGE),
+    )
+}
+
+/// An error with its causes, since hyper's top-level messages are terse ("client error (Connect)").
+fn error_chain(error: &dyn StdError) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn final_answers_map_to_aimd_signals() {
+        assert_eq!(final_feedback(200, false), Feedback::Success);
+        assert_eq!(final_feedback(400, false), Feedback::Success);
+        assert_eq!(final_feedback(404, false), Feedback::Success);
+        assert_eq!(final_feedback(429, false), Feedback::Overload("429"));
+        assert_eq!(final_feedback(429, true), Feedback::Overload("429"));
+        assert_eq!(final_feedback(500, false), Feedback::Overload("5xx"));
+        assert_eq!(final_feedback(503, true), Feedback::Overload("5xx"));
+        assert_eq!(
+            final_feedback(200, true),
+            Feedback::Overload("capacity_retry")
+        );
+        assert_eq!(
+            final_feedback(400, true),
+            Feedback::Overload("capacity_retry")
+        );
+    }
+
+    #[test]
+    fn time_left_is_none_once_the_deadline_is_reached() {
+        assert!(time_left(SystemTime::now() - Duration::from_secs(1)).is_none());
+        assert!(time_left(SystemTime::now()).is_none());
+        let left = time_left(SystemTime::now() + Duration::from_secs(10)).unwrap();
+        assert!(left > Duration::from_secs(9) && left <= Duration::from_secs(10));
+    }
+
+    #[test]
+    fn ttl_expiry_is_read_from_the_dropped_reason_header() {
+        let mut headers = HeaderMap::new();
+        assert!(!ttl_expired(&headers));
+        headers.insert(
+            DROPPED_REASON_HEADER,
+            HeaderValue::from_static("rejected-saturated"),
+        );
+        assert!(!ttl_expired(&headers));
+        headers.insert(
+            DROPPED_REASON_HEADER,
+            HeaderValue::from_static(" Rejected-TTL-Expired"),
+        );
+        assert!(ttl_expired(&headers));
+    }
+}

@@ -1,0 +1,216 @@
+//! Concurrency limits and AIMD feedback, against real HTTP servers on 127.0.0.1.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use batch_sync_dispatch::{LimitOptions, SyncDispatcher, SyncOutcome};
+use common::{eventually, fast_options, request, Counters, Gateway, Reply};
+use futures::future::join_all;
+
+fn limits(global: usize, per_endpoint: usize, aimd_min: usize) -> LimitOptions {
+    LimitOptions {
+        global,
+        per_endpoint,
+        aimd_enabled: true,
+        aimd_min,
+        backoff_factor: 0.5,
+        additive_increase: 1,
+    }
+}
+
+#[tokio::test]
+async fn only_the_failing_endpoints_limit_drops() {
+    let failing = Gateway::start(|_, _| Reply::status(429)).await;
+    let healthy = Gateway::start(|_, _| Reply::ok()).await;
+    let d = SyncDispatcher::new(limits(100, 8, 2));
+    let mut options = fast_options(&failing.url);
+    options.max_retries = 0;
+    d.add_endpoint("failing", options).unwrap();
+    d.add_endpoint("healthy", fast_options(&healthy.url))
+        .unwrap();
+
+    let mut calls = Vec::new();
+    for i in 0..12 {
+        let name = if i % 2 == 0 { "failing" } else { "healthy" };
+        calls.push(d.dispatch(name, request("r")));
+    }
+    join_all(calls).await;
+    assert_eq!(d.limit("failing"), Some(2), "8 → 4 → 2, then the floor");
+    assert_eq!(d.limit("healthy"), Some(8));
+}
+
+#[tokio::test]
+async fn the_limit_drops_on_backpressure_and_climbs_back_one_window_at_a_time() {
+    // Answers: 429, 503, then OK forever.
+    let gateway = Gateway::start(|n, _| match n {
+        0 => Reply::status(429),
+        1 => Reply::status(503),
+        _ => Reply::ok(),
+    })
+    .await;
+    let d = SyncDispatcher::new(limits(100, 8, 1));
+    let mut options = fast_options(&gateway.url);
+    options.max_retries = 0;
+    d.add_endpoint("m", options).unwrap();
+
+    d.dispatch("m", request("r")).await;
+    assert_eq!(d.limit("m"), Some(4), "final 429");
+    d.dispatch("m", request("r")).await;
+    assert_eq!(d.limit("m"), Some(2), "final 5xx");
+    d.dispatch("m", request("r")).await;
+    assert_eq!(d.limit("m"), Some(2), "one success of a window of 2");
+    d.dispatch("m", request("r")).await;
+    assert_eq!(d.limit("m"), Some(3));
+    for _ in 0..3 {
+        d.dispatch("m", request("r")).await;
+    }
+    assert_eq!(d.limit("m"), Some(4));
+}
+
+#[tokio::test]
+async fn a_success_that_needed_a_capacity_retry_lowers_the_limit() {
+    let gateway = Gateway::start(|n, _| {
+        if n == 0 {
+            Reply::status(503)
+        } else {
+            Reply::ok()
+        }
+    })
+    .await;
+    let d = SyncDispatcher::new(limits(100, 8, 1));
+    d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
+    let outcome = d.dispatch("m", request("r")).await;
+    assert!(matches!(outcome, SyncOutcome::Http { status: 200, .. }));
+    assert_eq!(d.limit("m"), Some(4));
+}
+
+#[tokio::test]
+async fn other_4xx_count_as_success_and_aimd_can_be_off() {
+    let gateway = Gateway::start(|_, _| Reply::status(404)).await;
+    let d = SyncDispatcher::new(limits(100, 4, 1));
+    d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
+    for _ in 0..4 {
+        d.dispatch("m", request("r")).await;
+    }
+    assert_eq!(d.limit("m"), Some(4), "successes at max leave it at max");
+
+    let failing = Gateway::start(|_, _| Reply::status(429)).await;
+    let off = SyncDispatcher::new(LimitOptions {
+        aimd_enabled: false,
+        ..limits(100, 4, 1)
+    });
+    let mut options = fast_options(&failing.url);
+    options.max_retries = 0;
+    off.add_endpoint("m", options).unwrap();
+    for _ in 0..4 {
+        off.dispatch("m", request("r")).await;
+    }
+    assert_eq!(off.limit("m"), Some(4), "AIMD off: the limit stays fixed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_global_limit_holds_across_endpoints() {
+    let counters = Arc::new(Counters::default());
+    let slow = |_: usize, _: &common::Seen| Reply::ok().after(Duration::from_millis(20));
+    let a = Gateway::start_shared(counters.clone(), slow).await;
+    let b = Gateway::start_shared(counters.clone(), slow).await;
+    let d = SyncDispatcher::new(limits(3, 4, 1));
+    d.add_endpoint("a", fast_options(&a.url)).unwrap();
+    d.add_endpoint("b", fast_options(&b.url)).unwrap();
+
+    let calls = (0..40).map(|i| {
+        let d = d.clone();
+        tokio::spawn(async move {
+            let name = if i % 2 == 0 { "a" } else { "b" };
+            let outcome = d.dispatch(name, request("r")).await;
+            assert!(d.global_in_use() <= 3);
+            outcome
+        })
+    });
+    for outcome in join_all(calls).await {
+        assert!(matches!(
+            outcome.unwrap(),
+            SyncOutcome::Http { status: 200, .. }
+        ));
+    }
+    assert_eq!(counters.requests(), 40);
+    assert_eq!(
+        counters.peak(),
+        3,
+        "the global limit is reached and never passed"
+    );
+    assert_eq!(d.global_in_use(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_limit_holds_and_one_dispatcher_serves_many_jobs() {
+    let gateway = Gateway::start(|_, _| Reply::ok().after(Duration::from_millis(20))).await;
+    let d = SyncDispatcher::new(limits(100, 2, 1));
+    d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
+    // Two "jobs" sharing the process-wide dispatcher.
+    let job = |d: SyncDispatcher| async move {
+        join_all((0..10).map(|_| d.dispatch("m", request("r")))).await
+    };
+    let (one, two) = tokio::join!(tokio::spawn(job(d.clone())), tokio::spawn(job(d.clone())));
+    assert_eq!(one.unwrap().len() + two.unwrap().len(), 20);
+    assert_eq!(gateway.counters.peak(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_dispatch_releases_its_permits_and_aborts_the_request() {
+    let gateway = Gateway::start(|n, _| {
+        if n == 0 {
+            Reply::ok().after(Duration::from_secs(30))
+        } else {
+            Reply::ok()
+        }
+    })
+    .await;
+    let d = SyncDispatcher::new(limits(1, 1, 1));
+    d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
+
+    let call = tokio::spawn({
+        let d = d.clone();
+        async move { d.dispatch("m", request("r1")).await }
+    });
+    assert!(eventually(Duration::from_secs(5), || gateway.counters.requests() == 1).await);
+    assert_eq!(d.in_use("m"), Some(1));
+    assert_eq!(d.global_in_use(), 1);
+
+    // What the executor's select! does when the job's SLO passes or it is cancelled.
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    assert_eq!(d.in_use("m"), Some(0));
+    assert_eq!(d.global_in_use(), 0);
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            gateway.counters.aborted.load(Ordering::SeqCst) == 1
+        })
+        .await,
+        "the gateway saw the client go away"
+    );
+
+    // Both permits (limit 1 each) are free again.
+    let outcome = tokio::time::timeout(Duration::from_secs(5), d.dispatch("m", request("r2")))
+        .await
+        .expect("permits were released");
+    assert!(matches!(outcome, SyncOutcome::Http { status: 200, .. }));
+}
+
+#[tokio::test]
+async fn dropping_a_dispatch_during_backoff_releases_its_permits() {
+    let gateway = Gateway::start(|_, _| Reply::status(429).header("retry-after", "20")).await;
+    let d = SyncDispatcher::new(limits(1, 1, 1));
+    let mut options = fast_options(&gateway.url);
+    options.max_backoff = Duration::from_secs(30);
+    d.add_endpoint("m", options).unwrap();
+    let result =
+        tokio::time::timeout(Duration::from_millis(300), d.dispatch("m", request("r"))).await;
+    assert!(result.is_err(), "still backing off");
+    assert_eq!(gateway.counters.requests(), 1);
+    assert_eq!(d.in_use("m"), Some(0));
+    assert_eq!(d.global_in_use(), 0);
+}
