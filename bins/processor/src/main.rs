@@ -29,6 +29,9 @@ enum Command {
     /// Print each pool's queue names and the dispatcher's queues config.
     #[command(after_help = EXIT_CODES)]
     Queues(cmd::queues::Args),
+    /// Run batch jobs to their end: output.jsonl, error.jsonl and batch.json in each output dir.
+    #[command(after_help = cmd::run::RUN_EXIT_CODES)]
+    Run(cmd::run::Args),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +40,7 @@ fn main() -> ExitCode {
     let outcome = match cli.command {
         Command::CheckConfig(args) => cmd::check_config::run(args),
         Command::Queues(args) => cmd::queues::run(args),
+        Command::Run(args) => cmd::run::run(args),
     };
     match outcome {
         Ok(code) => code,
@@ -53,6 +57,7 @@ fn init_logging() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 }

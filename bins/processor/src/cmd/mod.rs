@@ -1,7 +1,10 @@
 //! One module per subcommand: its `Args` (clap) and a `run` returning the exit code.
 
 pub mod check_config;
+pub mod observe;
+pub mod progress;
 pub mod queues;
+pub mod run;
 
 use std::path::Path;
 use std::process::ExitCode;

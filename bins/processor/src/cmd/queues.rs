@@ -18,6 +18,9 @@ pub struct Args {
     /// Print only the JSON array for the dispatcher's `--redis.ss.queues-config-file`.
     #[arg(long)]
     pub json: bool,
+    /// Use this gateway URL as every queue's `igw_base_url` instead of the models' `url`.
+    #[arg(long, value_name = "URL")]
+    pub igw_base_url: Option<String>,
 }
 
 /// Prints the pools and the dispatcher settings; exit 2 when the config is invalid or has no pool.
@@ -27,7 +30,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Err(code) => return Ok(code),
     };
     let queues = match config.dispatcher_queues() {
-        Ok(queues) => queues,
+        Ok(mut queues) => {
+            if let Some(url) = &args.igw_base_url {
+                for entry in &mut queues.queues_config {
+                    entry.igw_base_url = url.trim_end_matches('/').to_owned();
+                }
+            }
+            queues
+        }
         Err(e) => {
             eprintln!("processor: {e}");
             return Ok(ExitCode::from(EXIT_INVALID));

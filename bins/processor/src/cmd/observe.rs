@@ -1,0 +1,72 @@
+//! What every long-running subcommand sets up around its work: metrics, `/health`, `/ready`,
+//! `/metrics`, and signal handling.
+
+use batch_config::ProcessorConfig;
+use batch_observability::{install_recorder, serve, Readiness, ServerHandle};
+use tokio_util::sync::CancellationToken;
+
+/// The metrics recorder and, when `observability.addr` is set, the HTTP endpoint.
+pub struct Observability {
+    readiness: Readiness,
+    server: Option<(ServerHandle, CancellationToken)>,
+}
+
+/// Installs the recorder and serves the endpoint if configured.
+pub async fn start(config: &ProcessorConfig) -> anyhow::Result<Observability> {
+    let metrics = install_recorder()?;
+    let readiness = Readiness::default();
+    let server = match config.observability.addr {
+        Some(addr) => {
+            let shutdown = CancellationToken::new();
+            let handle = serve(addr, metrics, readiness.clone(), shutdown.clone()).await?;
+            tracing::info!(addr = %handle.local_addr(), "serving /health, /ready and /metrics");
+            Some((handle, shutdown))
+        }
+        None => None,
+    };
+    Ok(Observability { readiness, server })
+}
+
+impl Observability {
+    /// Flips `/ready`.
+    pub fn set_ready(&self, ready: bool) {
+        self.readiness.set_ready(ready);
+    }
+
+    /// Stops the endpoint.
+    pub async fn stop(self) {
+        if let Some((handle, shutdown)) = self.server {
+            shutdown.cancel();
+            if let Err(e) = handle.join().await {
+                tracing::warn!(error = %e, "observability endpoint stopped with an error");
+            }
+        }
+    }
+}
+
+/// The first SIGINT or SIGTERM cancels `cancel`; the second exits the process at once,
+/// leaving jobs to be resumed.
+pub async fn cancel_on_signals(cancel: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::warn!(
+            "cannot listen for signals; jobs can only be stopped by killing the process"
+        );
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+    tracing::warn!("cancelling the jobs (send the signal again to exit at once)");
+    cancel.cancel();
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+    eprintln!("processor: exiting at once; run the same command again to resume the jobs");
+    std::process::exit(130);
+}

@@ -1,0 +1,221 @@
+//! `processor run`: runs batch jobs to their end.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use batch_executor::{Executor, JobSpec, Prepared};
+use batch_wire::{Batch, BatchStatus};
+use tokio_util::sync::CancellationToken;
+
+use super::{load_config, EXIT_INVALID};
+
+/// Exit codes of `run`, shown in its `--help`.
+pub const RUN_EXIT_CODES: &str = "\
+Exit codes:
+  0  every job completed (some lines may still have failed: see request_counts)
+  1  unexpected failure (Redis unreachable after retries, I/O error, bug)
+  2  invalid configuration or usage
+  3  a job failed (invalid input file: see errors.data in batch.json; or a system error)
+  4  a job expired (its completion window passed; partial results kept)
+  5  a job was cancelled (SIGINT/SIGTERM; partial results kept)
+With several jobs the first that applies of 3, 4, 5 wins.
+A first SIGINT/SIGTERM cancels the jobs cleanly; a second one exits at once (130) and
+leaves them to be resumed by running the same command again.";
+
+/// Arguments of `processor run`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The processor config file (YAML).
+    #[arg(long)]
+    config: PathBuf,
+    /// A batch input file (JSONL). Repeat for several jobs, run side by side.
+    #[arg(long, required = true)]
+    input: Vec<PathBuf>,
+    /// Where the job writes output.jsonl, error.jsonl and batch.json: one per --input, or one
+    /// for all (each job then gets a subdirectory named after its input file). Running again
+    /// on the same directory resumes the job.
+    #[arg(long, required = true)]
+    output_dir: Vec<PathBuf>,
+    /// The completion window: the SLO deadline is the job's creation time plus this.
+    #[arg(long, default_value = "24h", value_parser = parse_window)]
+    completion_window: Duration,
+    /// The job id (only with a single --input); generated otherwise.
+    #[arg(long)]
+    job_id: Option<String>,
+    /// A header added to every request, as NAME=VALUE. Repeatable.
+    #[arg(long = "header", value_parser = parse_header)]
+    headers: Vec<(String, String)>,
+    /// Never draw a progress bar, even on a terminal.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn parse_window(text: &str) -> Result<Duration, String> {
+    match batch_config::parse_duration(text)? {
+        d if d.as_secs() == 0 => Err("the window must be at least 1s".into()),
+        d => Ok(d),
+    }
+}
+
+fn parse_header(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => Err(format!("expected NAME=VALUE, got {text:?}")),
+    }
+}
+
+fn specs(args: &Args) -> Result<Vec<JobSpec>, String> {
+    if args.job_id.is_some() && args.input.len() > 1 {
+        return Err("--job-id needs a single --input".into());
+    }
+    let dirs: Vec<PathBuf> = match (args.input.len(), args.output_dir.len()) {
+        (n, m) if n == m => args.output_dir.clone(),
+        (_, 1) => args
+            .input
+            .iter()
+            .map(|i| {
+                let stem = i
+                    .file_stem()
+                    .map_or("job".into(), |s| s.to_string_lossy().into_owned());
+                args.output_dir[0].join(stem)
+            })
+            .collect(),
+        (n, m) => {
+            return Err(format!(
+                "{n} --input but {m} --output-dir: give one, or one per input"
+            ))
+        }
+    };
+    let headers: BTreeMap<String, String> = args.headers.iter().cloned().collect();
+    Ok(args
+        .input
+        .iter()
+        .zip(dirs)
+        .map(|(input, dir)| JobSpec {
+            input: input.clone(),
+            output_dir: dir,
+            job_id: args.job_id.clone(),
+            completion_window: args.completion_window,
+            headers: headers.clone(),
+        })
+        .collect())
+}
+
+/// Runs `processor run`.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let specs = match specs(&args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("processor run: {e}");
+            return Ok(ExitCode::from(EXIT_INVALID));
+        }
+    };
+    let config = match load_config(&args.config) {
+        Ok(c) => c,
+        Err(code) => return Ok(code),
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let show_bars = !args.no_progress && std::io::stderr().is_terminal();
+    runtime.block_on(run_jobs(config, specs, show_bars))
+}
+
+async fn run_jobs(
+    config: batch_config::ProcessorConfig,
+    specs: Vec<JobSpec>,
+    show_bars: bool,
+) -> anyhow::Result<ExitCode> {
+    let observability = super::observe::start(&config).await?;
+    let executor = Executor::new(config).await?;
+    let cancel = CancellationToken::new();
+    tokio::spawn(super::observe::cancel_on_signals(cancel.clone()));
+
+    let mut prepared = Vec::with_capacity(specs.len());
+    for spec in &specs {
+        prepared.push(
+            executor
+                .prepare(spec)
+                .with_context(|| format!("preparing {}", spec.input.display()))?,
+        );
+    }
+    observability.set_ready(true);
+    let progress = super::progress::Display::new(show_bars);
+    let runs = prepared.into_iter().map(|p| {
+        let cancel = cancel.clone();
+        let executor = &executor;
+        let progress = &progress;
+        async move {
+            match p {
+                Prepared::Finished(batch) => Ok(*batch),
+                Prepared::Ready(job) => {
+                    let watcher = progress.watch(job.progress());
+                    let result = executor.execute(job, cancel).await;
+                    watcher.finish().await;
+                    result
+                }
+            }
+        }
+    });
+    let results: Vec<anyhow::Result<Batch>> = futures::future::join_all(runs)
+        .await
+        .into_iter()
+        .map(|r| r.map_err(anyhow::Error::from))
+        .collect();
+    observability.set_ready(false);
+    executor.shutdown().await;
+    observability.stop().await;
+
+    let mut batches = Vec::new();
+    for r in results {
+        batches.push(r?);
+    }
+    for (spec, batch) in specs.iter().zip(&batches) {
+        summarize(spec, batch);
+        println!(
+            "{}",
+            serde_json::to_string(batch).expect("batch serialises")
+        );
+    }
+    Ok(exit_code(&batches))
+}
+
+fn summarize(spec: &JobSpec, batch: &Batch) {
+    let c = batch.request_counts;
+    eprintln!(
+        "job {} {}: {} requests, {} completed, {} failed -> {}",
+        batch.id,
+        batch.status.as_str(),
+        c.total,
+        c.completed,
+        c.failed,
+        spec.output_dir.display()
+    );
+    if let Some(errors) = &batch.errors {
+        for e in errors.data.iter().take(20) {
+            match e.line {
+                Some(line) => eprintln!("  line {line}: {} ({})", e.message, e.code),
+                None => eprintln!("  {} ({})", e.message, e.code),
+            }
+        }
+        if errors.data.len() > 20 {
+            eprintln!("  ... and {} more in batch.json", errors.data.len() - 20);
+        }
+    }
+}
+
+fn exit_code(batches: &[Batch]) -> ExitCode {
+    let has = |s: BatchStatus| batches.iter().any(|b| b.status == s);
+    let code = if has(BatchStatus::Failed) {
+        3
+    } else if has(BatchStatus::Expired) {
+        4
+    } else if has(BatchStatus::Cancelled) {
+        5
+    } else {
+        0
+    };
+    ExitCode::from(code)
+}

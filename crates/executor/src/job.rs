@@ -1,0 +1,399 @@
+//! One active job: its Batch object, plan, input, result files and progress.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use batch_plan::{InputFile, Plan, PlanError, Record};
+use batch_sink::{JobSink, Written};
+use batch_wire::{Batch, BatchErrors, BatchStatus, Outcome, RequestCounts};
+use tokio::sync::watch;
+
+use crate::metrics as m;
+use crate::ExecError;
+
+/// What a caller asks to run.
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    /// The batch input file (JSONL).
+    pub input: PathBuf,
+    /// Where `output.jsonl`, `error.jsonl` and `batch.json` go. Running a spec again with the
+    /// same directory resumes the job there.
+    pub output_dir: PathBuf,
+    /// The job id; generated (`batch_<hex>`) when absent. Taken from `batch.json` on resume.
+    pub job_id: Option<String>,
+    /// The completion window: the job's SLO deadline is its creation time plus this.
+    pub completion_window: Duration,
+    /// Headers added to every request of the job.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl JobSpec {
+    /// A spec with a 24 h window, a generated id and no extra headers.
+    pub fn new(input: impl Into<PathBuf>, output_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            input: input.into(),
+            output_dir: output_dir.into(),
+            job_id: None,
+            completion_window: Duration::from_secs(24 * 3600),
+            headers: BTreeMap::new(),
+        }
+    }
+}
+
+/// Where a job stands, published while it runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobProgress {
+    /// The job id.
+    pub job_id: String,
+    /// Its status.
+    pub status: BatchStatus,
+    /// Its counters.
+    pub counts: RequestCounts,
+    /// Requests handed to the dispatcher (async) or sent (sync) by this run.
+    pub dispatched: u64,
+}
+
+impl JobProgress {
+    /// Requests still without a line.
+    pub fn remaining(&self) -> u64 {
+        self.counts.total - self.counts.completed - self.counts.failed
+    }
+}
+
+pub(crate) fn now_unix() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+fn new_job_id() -> String {
+    format!("batch_{:032x}", rand::random::<u128>())
+}
+
+/// How a job's dispatch ended.
+#[derive(Debug)]
+pub(crate) enum End {
+    Completed,
+    Expired,
+    Cancelled,
+    Failed(String),
+}
+
+/// A job being executed.
+pub struct Job {
+    pub(crate) id: String,
+    pub(crate) dir: PathBuf,
+    pub(crate) plan: Plan,
+    pub(crate) input: InputFile,
+    pub(crate) batch: Mutex<Batch>,
+    pub(crate) sink: Mutex<JobSink>,
+    /// Index into `plan.models()` of each line, for per-model metrics.
+    pub(crate) model_of_line: Vec<u16>,
+    pub(crate) headers: BTreeMap<String, String>,
+    pub(crate) resumed: bool,
+    pub(crate) started: Instant,
+    progress: watch::Sender<JobProgress>,
+    last_result: Mutex<Instant>,
+}
+
+/// A prepared job, or one that needs nothing more.
+pub enum Prepared {
+    /// Validated and ready to dispatch.
+    Ready(std::sync::Arc<Job>),
+    /// Already terminal (finished earlier, or failed validation now).
+    Finished(Box<Batch>),
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("id", &self.id)
+            .field("dir", &self.dir)
+            .finish()
+    }
+}
+
+impl Job {
+    /// Creates or resumes the job of `spec`: reads `batch.json` if any, validates and plans the
+    /// input, opens the result files.
+    pub(crate) fn prepare(
+        spec: &JobSpec,
+        work_dir: &Path,
+        limits: batch_plan::Limits,
+    ) -> Result<Prepared, ExecError> {
+        std::fs::create_dir_all(&spec.output_dir)
+            .map_err(|e| ExecError::io(&spec.output_dir, e))?;
+        let existing = batch_sink::read_batch(&spec.output_dir)?;
+        let (mut batch, resumed) = match existing {
+            Some(b) if b.status.is_terminal() => return Ok(Prepared::Finished(Box::new(b))),
+            Some(b) => {
+                if let Some(id) = spec.job_id.as_ref().filter(|id| **id != b.id) {
+                    return Err(ExecError::OtherJob {
+                        dir: spec.output_dir.clone(),
+                        found: b.id,
+                        wanted: id.clone(),
+                    });
+                }
+                tracing::info!(job = %b.id, dir = %spec.output_dir.display(), status = b.status.as_str(), "resuming job");
+                (b, true)
+            }
+            None => {
+                let id = spec.job_id.clone().unwrap_or_else(new_job_id);
+                let created = now_unix();
+                let window = humantime_window(spec.completion_window);
+                let expires = created + spec.completion_window.as_secs().max(1) as i64;
+                let b = Batch::new(
+                    id,
+                    spec.input.display().to_string(),
+                    window,
+                    created,
+                    expires,
+                );
+                batch_sink::write_batch(&spec.output_dir, &b)?;
+                (b, false)
+            }
+        };
+        let plan_dir = work_dir.join(&batch.id).join("plan");
+        let plan = match Plan::build(&spec.input, &plan_dir, limits) {
+            Ok(plan) => plan,
+            Err(PlanError::Invalid(errors)) => {
+                tracing::warn!(job = %batch.id, problems = errors.len(), "input file is invalid");
+                batch.errors = Some(BatchErrors::new(errors));
+                batch.set_status(BatchStatus::Failed, now_unix());
+                batch_sink::write_batch(&spec.output_dir, &batch)?;
+                m::job_processed(BatchStatus::Failed, "validation", None);
+                return Ok(Prepared::Finished(Box::new(batch)));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let input = plan.open_input()?;
+        let mut model_of_line = vec![0u16; plan.total() as usize];
+        for (i, model) in plan.models().iter().enumerate() {
+            for record in plan.records(model)? {
+                let record = record.map_err(|e| ExecError::io(&model.path, e))?;
+                model_of_line[record.line as usize] = i as u16;
+            }
+        }
+        let sink = JobSink::open(&spec.output_dir, &batch.id, plan.total())?;
+        batch.endpoint = plan.endpoint().map(str::to_owned);
+        batch.output_file_id = Some(batch_sink::OUTPUT_FILE.into());
+        batch.error_file_id = Some(batch_sink::ERROR_FILE.into());
+        batch.request_counts = sink.counts();
+        if batch.status == BatchStatus::Validating {
+            batch.set_status(BatchStatus::InProgress, now_unix());
+        }
+        batch_sink::write_batch(&spec.output_dir, &batch)?;
+        let progress = watch::Sender::new(JobProgress {
+            job_id: batch.id.clone(),
+            status: batch.status,
+            counts: batch.request_counts,
+            dispatched: 0,
+        });
+        Ok(Prepared::Ready(std::sync::Arc::new(Job {
+            id: batch.id.clone(),
+            dir: spec.output_dir.clone(),
+            plan,
+            input,
+            batch: Mutex::new(batch),
+            sink: Mutex::new(sink),
+            model_of_line,
+            headers: spec.headers.clone(),
+            resumed,
+            started: Instant::now(),
+            progress,
+            last_result: Mutex::new(Instant::now()),
+        })))
+    }
+
+    /// The job id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// A receiver of the job's progress.
+    pub fn progress(&self) -> watch::Receiver<JobProgress> {
+        self.progress.subscribe()
+    }
+
+    /// The job's status now.
+    pub fn status(&self) -> BatchStatus {
+        self.batch.lock().expect("batch lock").status
+    }
+
+    /// The SLO deadline, Unix seconds.
+    pub(crate) fn expires_at(&self) -> i64 {
+        self.batch.lock().expect("batch lock").expires_at
+    }
+
+    /// The creation time, Unix seconds.
+    pub(crate) fn created_at(&self) -> i64 {
+        self.batch.lock().expect("batch lock").created_at
+    }
+
+    /// The model name of line `index`.
+    pub(crate) fn model_of(&self, index: u64) -> &str {
+        let i = self.model_of_line.get(index as usize).copied().unwrap_or(0);
+        &self.plan.models()[i as usize].model
+    }
+
+    /// The custom_id of line `index`, `None` when outside the job.
+    pub(crate) fn custom_id(&self, index: u64) -> Option<&str> {
+        self.plan.custom_ids().get(index as usize)
+    }
+
+    /// Writes one outcome (skipped when the line exists), without flushing.
+    pub(crate) fn record_unflushed(
+        &self,
+        sink: &mut JobSink,
+        index: u64,
+        outcome: &Outcome<'_>,
+    ) -> Result<Written, ExecError> {
+        let custom_id = self.custom_id(index).unwrap_or_default();
+        let written = sink.record(index, custom_id, outcome)?;
+        if !matches!(written, Written::Duplicate) {
+            m::result_written(self.model_of(index), &written);
+        }
+        Ok(written)
+    }
+
+    /// Writes one outcome and flushes.
+    pub(crate) fn record(&self, index: u64, outcome: &Outcome<'_>) -> Result<Written, ExecError> {
+        let mut sink = self.sink.lock().expect("sink lock");
+        let written = self.record_unflushed(&mut sink, index, outcome)?;
+        sink.flush()?;
+        let counts = sink.counts();
+        drop(sink);
+        self.publish(counts);
+        Ok(written)
+    }
+
+    /// Publishes new counters after writes.
+    pub(crate) fn publish(&self, counts: RequestCounts) {
+        *self.last_result.lock().expect("progress lock") = Instant::now();
+        self.progress.send_if_modified(|p| {
+            let changed = p.counts != counts;
+            p.counts = counts;
+            changed
+        });
+    }
+
+    /// Adds to the dispatched counter.
+    pub(crate) fn dispatched(&self, n: u64) {
+        self.progress.send_modify(|p| p.dispatched += n);
+    }
+
+    /// How long since a result last arrived (or since the job started).
+    pub(crate) fn quiet_for(&self) -> Duration {
+        self.last_result.lock().expect("progress lock").elapsed()
+    }
+
+    /// Marks progress now, so a stall is measured from here.
+    pub(crate) fn touch(&self) {
+        *self.last_result.lock().expect("progress lock") = Instant::now();
+    }
+
+    /// Requests still without a line.
+    pub(crate) fn remaining(&self) -> u64 {
+        self.sink.lock().expect("sink lock").remaining()
+    }
+
+    /// Unresolved records of one model, in plan order.
+    pub(crate) fn unresolved_records(
+        &self,
+        model: &batch_plan::ModelPlan,
+    ) -> Result<Vec<Record>, ExecError> {
+        let sink = self.sink.lock().expect("sink lock");
+        let mut out = Vec::new();
+        for record in self.plan.records(model)? {
+            let record = record.map_err(|e| ExecError::io(&model.path, e))?;
+            if !sink.is_done(record.line as u64) {
+                out.push(record);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads the input line of `record`.
+    pub(crate) fn read_line(&self, record: &Record) -> Result<Vec<u8>, ExecError> {
+        self.input
+            .read(record)
+            .map_err(|e| ExecError::io(self.plan.input(), e))
+    }
+
+    /// Gives every line still without one an error line with `code`.
+    pub(crate) fn resolve_all(&self, code: &str, message: &str) -> Result<u64, ExecError> {
+        let mut sink = self.sink.lock().expect("sink lock");
+        let open: Vec<u64> = sink.unresolved().collect();
+        for &index in &open {
+            self.record_unflushed(&mut sink, index, &Outcome::Failed { code, message })?;
+        }
+        sink.flush()?;
+        let counts = sink.counts();
+        drop(sink);
+        self.publish(counts);
+        Ok(open.len() as u64)
+    }
+
+    /// Moves to `status` and writes `batch.json`.
+    pub(crate) fn set_status(&self, status: BatchStatus) -> Result<Batch, ExecError> {
+        let counts = self.sink.lock().expect("sink lock").counts();
+        let mut batch = self.batch.lock().expect("batch lock");
+        batch.set_status(status, now_unix());
+        batch.request_counts = counts;
+        batch_sink::write_batch(&self.dir, &batch)?;
+        self.progress.send_modify(|p| {
+            p.status = status;
+            p.counts = counts;
+        });
+        Ok(batch.clone())
+    }
+
+    /// Records a system error in `batch.json`'s errors.
+    pub(crate) fn add_error(&self, code: &str, message: &str) {
+        let mut batch = self.batch.lock().expect("batch lock");
+        let errors = batch
+            .errors
+            .get_or_insert_with(|| BatchErrors::new(Vec::new()));
+        errors.data.push(batch_wire::BatchError {
+            code: code.into(),
+            message: message.into(),
+            param: None,
+            line: None,
+        });
+    }
+
+    /// Flushes and syncs the result files.
+    pub(crate) fn sync_files(&self) -> Result<(), ExecError> {
+        Ok(self.sink.lock().expect("sink lock").sync()?)
+    }
+}
+
+/// `24h`-style text of a window, as OpenAI writes `completion_window`.
+fn humantime_window(window: Duration) -> String {
+    let secs = window.as_secs();
+    match secs {
+        s if s % 3600 == 0 => format!("{}h", s / 3600),
+        s if s % 60 == 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_read_like_openai() {
+        assert_eq!(humantime_window(Duration::from_secs(86400)), "24h");
+        assert_eq!(humantime_window(Duration::from_secs(90)), "90s");
+        assert_eq!(humantime_window(Duration::from_secs(120)), "2m");
+    }
+
+    #[test]
+    fn job_ids_are_unique() {
+        assert_ne!(new_job_id(), new_job_id());
+        assert!(new_job_id().starts_with("batch_"));
+    }
+}

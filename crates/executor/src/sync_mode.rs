@@ -1,0 +1,168 @@
+//! Sync dispatch: the processor calls each model's gateway itself, held back by the AIMD
+//! limiter, the adaptive per-endpoint semaphore and the process-wide global semaphore.
+
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use batch_config::ProcessorConfig;
+use batch_sync_dispatch::{
+    EndpointOptions, LimitOptions, SyncDispatcher, SyncOutcome, SyncRequest, TlsOptions,
+};
+use batch_wire::{InputLine, Outcome};
+use futures::stream::{self, StreamExt};
+use tokio_util::sync::CancellationToken;
+
+use crate::job::{End, Job};
+use crate::metrics as m;
+use crate::ExecError;
+
+pub(crate) struct SyncMode {
+    dispatcher: SyncDispatcher,
+    config: Arc<ProcessorConfig>,
+}
+
+impl SyncMode {
+    pub(crate) fn new(config: Arc<ProcessorConfig>) -> Result<Self, ExecError> {
+        let c = &config.concurrency;
+        let dispatcher = SyncDispatcher::new(LimitOptions {
+            global: c.global,
+            per_endpoint: c.per_endpoint,
+            aimd_enabled: c.aimd.enabled,
+            aimd_min: c.aimd.min,
+            backoff_factor: c.aimd.backoff_factor,
+            additive_increase: c.aimd.additive_increase,
+        });
+        for (model, gw) in &config.model_gateways {
+            let Some(url) = &gw.url else { continue };
+            let options = EndpointOptions {
+                base_url: url.clone(),
+                request_timeout: gw.request_timeout,
+                max_retries: gw.max_retries,
+                initial_backoff: gw.initial_backoff,
+                max_backoff: gw.max_backoff,
+                api_key: gw.api_key.as_ref().map(|k| k.expose().to_owned()),
+                inference_objective: gw.inference_objective.clone(),
+                tls: TlsOptions {
+                    ca_cert_file: gw.tls.ca_cert_file.clone(),
+                    client_cert_file: gw.tls.client_cert_file.clone(),
+                    client_key_file: gw.tls.client_key_file.clone(),
+                    insecure_skip_verify: gw.tls.insecure_skip_verify,
+                },
+            };
+            dispatcher.add_endpoint(model, options)?;
+        }
+        Ok(Self { dispatcher, config })
+    }
+
+    /// The dispatcher, for its limits.
+    pub(crate) fn dispatcher(&self) -> &SyncDispatcher {
+        &self.dispatcher
+    }
+
+    /// Sends every unresolved line, models side by side; the deadline or a cancel drops every
+    /// call in flight at once.
+    pub(crate) async fn run(&self, job: &Arc<Job>, cancel: &CancellationToken) -> End {
+        if crate::deadline_passed(job) {
+            return End::Expired;
+        }
+        tokio::select! {
+            sent = self.send_all(job) => match sent {
+                Err(e) => End::Failed(e.to_string()),
+                Ok(()) if job.remaining() == 0 => End::Completed,
+                Ok(()) => End::Failed(format!("{} requests were left without an answer", job.remaining())),
+            },
+            _ = crate::deadline_sleep(job) => End::Expired,
+            _ = cancel.cancelled() => End::Cancelled,
+        }
+    }
+
+    async fn send_all(&self, job: &Arc<Job>) -> Result<(), ExecError> {
+        let slo = UNIX_EPOCH + Duration::from_secs(job.expires_at().max(0) as u64);
+        let headers: Vec<(String, String)> = job
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let width = self.config.concurrency.per_endpoint.max(1);
+        let mut per_model = Vec::new();
+        for model in job.plan.models() {
+            if !self.config.model_gateways.contains_key(&model.model) {
+                continue;
+            }
+            let records = job.unresolved_records(model)?;
+            job.dispatched(records.len() as u64);
+            let name = model.model.as_str();
+            let headers = &headers;
+            let calls = stream::iter(records)
+                .map(move |record| async move {
+                    let line = job.read_line(&record)?;
+                    let index = record.line as u64;
+                    let outcome = self.call(name, index, &line, slo, headers, job).await;
+                    job.record(index, &outcome.as_outcome())?;
+                    Ok::<(), ExecError>(())
+                })
+                .buffer_unordered(width);
+            per_model.push(calls.boxed());
+        }
+        let mut all = stream::select_all(per_model);
+        while let Some(done) = all.next().await {
+            done?;
+        }
+        Ok(())
+    }
+
+    async fn call(
+        &self,
+        model: &str,
+        index: u64,
+        line: &[u8],
+        slo: std::time::SystemTime,
+        headers: &[(String, String)],
+        job: &Job,
+    ) -> Owned {
+        let input: InputLine = match serde_json::from_slice(line) {
+            Ok(input) => input,
+            Err(e) => {
+                return Owned::Failed(batch_wire::error_codes::BATCH_FAILED.into(), e.to_string())
+            }
+        };
+        let id = batch_wire::request_id(&job.id, index);
+        m::model_inflight(model, 1.0);
+        let outcome = self
+            .dispatcher
+            .dispatch(
+                model,
+                SyncRequest {
+                    id: &id,
+                    path: &input.url,
+                    body: bytes::Bytes::copy_from_slice(input.body.get().as_bytes()),
+                    slo_deadline: slo,
+                    headers,
+                },
+            )
+            .await;
+        m::model_inflight(model, -1.0);
+        match outcome {
+            SyncOutcome::Http { status, body } => Owned::Http(status, body),
+            SyncOutcome::Failed { code, message } => Owned::Failed(code, message),
+        }
+    }
+}
+
+/// A call's outcome, owning its body.
+enum Owned {
+    Http(u16, bytes::Bytes),
+    Failed(String, String),
+}
+
+impl Owned {
+    fn as_outcome(&self) -> Outcome<'_> {
+        match self {
+            Owned::Http(status, body) => Outcome::Http {
+                status: *status,
+                body: std::str::from_utf8(body).unwrap_or("<the response body is not UTF-8>"),
+            },
+            Owned::Failed(code, message) => Outcome::Failed { code, message },
+        }
+    }
+}

@@ -1,0 +1,47 @@
+# Helpers shared by the scripts: installing what is missing, free ports, waiting for Redis.
+
+# Runs a command as root (directly, or through sudo when there is one).
+as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    echo "need root to run: $*" >&2; return 1; fi
+}
+
+# Installs redis-server (and redis-cli, redis-benchmark) with apt-get when missing.
+ensure_redis() {
+  if command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null; then return; fi
+  echo "installing redis-server with apt-get..." >&2
+  as_root apt-get update -qq >/dev/null || true
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
+  # Debian starts a system Redis on 6379 with the package; we never use it.
+}
+
+# Prints a loopback TCP port nobody listens on.
+free_port() {
+  local port
+  for _ in $(seq 1 100); do
+    port=$(( 20000 + RANDOM % 40000 ))
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then echo "$port"; return; fi
+  done
+  echo "no free port found" >&2; return 1
+}
+
+# Starts redis-server on 127.0.0.1:$1 with data in $2; waits until it answers PING.
+start_redis() {
+  redis-server --bind 127.0.0.1 --port "$1" --dir "$2" --save "" --appendonly no \
+    --logfile "$2/redis.log" --daemonize no &
+  REDIS_PID=$!
+  for _ in $(seq 1 100); do
+    if [ "$(redis-cli -p "$1" ping 2>/dev/null)" = PONG ]; then return; fi
+    sleep 0.1
+  done
+  echo "redis-server did not start; see $2/redis.log" >&2; return 1
+}
+
+# Waits until an HTTP server answers on 127.0.0.1:$1.
+wait_http() {
+  for _ in $(seq 1 100); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return; fi
+    sleep 0.1
+  done
+  echo "nothing listens on 127.0.0.1:$1" >&2; return 1
+}
