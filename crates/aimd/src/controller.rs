@@ -90,6 +90,7 @@ pub struct AimdController {
     config: AimdConfig,
     limit: usize,
     successes: usize,
+    epoch: u64,
 }
 
 impl AimdController {
@@ -100,6 +101,7 @@ impl AimdController {
             config,
             limit: config.max,
             successes: 0,
+            epoch: 0,
         })
     }
 
@@ -136,8 +138,26 @@ impl AimdController {
         Some(Change::Increased { from, to })
     }
 
+    /// How many overloads have been applied so far. A request notes it when admitted and hands
+    /// it back to [`AimdController::on_overload_since`].
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Records backpressure met by a request admitted at `epoch`: ignored when an overload has
+    /// been applied since. The requests that were in flight under the old, higher limit all
+    /// meet the same overload; cutting the limit once per episode keeps them from driving it
+    /// to the floor in one burst.
+    pub fn on_overload_since(&mut self, epoch: u64) -> Option<Change> {
+        if epoch != self.epoch {
+            return None;
+        }
+        self.on_overload()
+    }
+
     /// Records backpressure; returns the decrease unless the limit was already at the floor.
     pub fn on_overload(&mut self) -> Option<Change> {
+        self.epoch += 1;
         self.successes = 0;
         let from = self.limit;
         // Limits are small integers, so the f64 round trip is exact.
@@ -163,6 +183,27 @@ mod tests {
             additive_increase: inc,
         })
         .unwrap()
+    }
+
+    #[test]
+    fn one_overload_episode_cuts_once() {
+        let mut c = controller(2, 32, 0.5, 1);
+        let admitted = c.epoch();
+        // 32 requests were in flight when the gateway filled up; all of them meet a 429.
+        assert_eq!(
+            c.on_overload_since(admitted),
+            Some(Change::Decreased { from: 32, to: 16 })
+        );
+        for _ in 0..31 {
+            assert_eq!(c.on_overload_since(admitted), None);
+        }
+        assert_eq!(c.limit(), 16);
+        // A request admitted after the cut reports a new episode.
+        let later = c.epoch();
+        assert_eq!(
+            c.on_overload_since(later),
+            Some(Change::Decreased { from: 16, to: 8 })
+        );
     }
 
     #[test]

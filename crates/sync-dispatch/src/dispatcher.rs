@@ -250,6 +250,7 @@ impl SyncDispatcher {
         };
         let _inflight = InflightGuard::enter();
 
+        let epoch = endpoint.epoch();
         let started = Instant::now();
         let (outcome, feedback) = endpoint.send_with_retries(&prepared, &request).await;
         metrics::histogram!(names::REQUEST_DURATION_SECONDS, "model" => model.clone())
@@ -263,7 +264,7 @@ impl SyncDispatcher {
         ) {
             metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => model).increment(1);
         }
-        endpoint.feed(feedback);
+        endpoint.feed(feedback, epoch);
         outcome
     }
 
@@ -440,9 +441,17 @@ impl Endpoint {
         }
     }
 
+    /// The controller's overload epoch now, noted by each request when admitted.
+    fn epoch(&self) -> u64 {
+        self.aimd.as_ref().map_or(0, |aimd| {
+            aimd.lock().unwrap_or_else(|p| p.into_inner()).epoch()
+        })
+    }
+
     /// Feeds the controller and copies its limit into the semaphore under the controller's
-    /// lock, so the semaphore goes through the controller's limits in order.
-    fn feed(&self, feedback: Feedback) {
+    /// lock, so the semaphore goes through the controller's limits in order. An overload met
+    /// by a request admitted before the last cut belongs to that cut's episode and is ignored.
+    fn feed(&self, feedback: Feedback, epoch: u64) {
         let Some(aimd) = &self.aimd else {
             return;
         };
@@ -451,10 +460,11 @@ impl Endpoint {
         let change = match feedback {
             Feedback::Silent => return,
             Feedback::Success => controller.on_success(),
+            Feedback::Overload(_) if controller.epoch() != epoch => return,
             Feedback::Overload(signal) => {
                 metrics::counter!(names::AIMD_DECREASES_TOTAL, "endpoint" => self.name.clone(), "signal" => signal)
                     .increment(1);
-                controller.on_overload()
+                controller.on_overload_since(epoch)
             }
         };
         if let Some(change) = change {

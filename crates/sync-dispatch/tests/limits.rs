@@ -32,14 +32,25 @@ async fn only_the_failing_endpoints_limit_drops() {
     d.add_endpoint("healthy", fast_options(&healthy.url))
         .unwrap();
 
-    let mut calls = Vec::new();
+    // One after the other, each 429 is an overload episode of its own.
     for i in 0..12 {
         let name = if i % 2 == 0 { "failing" } else { "healthy" };
-        calls.push(d.dispatch(name, request("r")));
+        d.dispatch(name, request("r")).await;
     }
-    join_all(calls).await;
     assert_eq!(d.limit("failing"), Some(2), "8 → 4 → 2, then the floor");
     assert_eq!(d.limit("healthy"), Some(8));
+}
+
+#[tokio::test]
+async fn requests_in_flight_together_cut_the_limit_once() {
+    let failing = Gateway::start(|_, _| Reply::status(429)).await;
+    let d = SyncDispatcher::new(limits(100, 8, 1));
+    let mut options = fast_options(&failing.url);
+    options.max_retries = 0;
+    d.add_endpoint("m", options).unwrap();
+    // Eight requests admitted under the same limit meet the same overload.
+    join_all((0..8).map(|_| d.dispatch("m", request("r")))).await;
+    assert_eq!(d.limit("m"), Some(4), "one cut, not 8 → 4 → 2 → 1");
 }
 
 #[tokio::test]

@@ -1,0 +1,470 @@
+//! Async mode end to end: the executor (and the `processor` binary) against a real Redis and the
+//! simulated llm-d-async dispatcher with its fake gateway.
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use batch_executor::{Executor, JobSpec};
+use batch_wire::{parse_request_id, BatchStatus, Envelope};
+use dispatcher_sim::{FailureKind, FailureRule, GatewayConfig};
+use support::*;
+use tokio_util::sync::CancellationToken;
+
+fn spec(env: &Env, input: &str, out: &str) -> JobSpec {
+    JobSpec::new(env.path(input), env.path(out))
+}
+
+fn closed_gate(config: &mut dispatcher_sim::DispatcherConfig) {
+    for q in &mut config.queues {
+        q.gate_type = Some("redis".into());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thousand_lines_over_two_pools_complete_and_answer_their_own_lines() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let lines = write_input(&env.path("in.jsonl"), 1000, &["llama-3", "mistral"]);
+    let config = env.async_config(&[("llama-3", "pool-a"), ("mistral", "pool-b")], "");
+    let sim = env.dispatcher(&["pool-a", "pool-b"], |_| {}).await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+
+    let batch = executor
+        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
+        .await
+        .unwrap();
+
+    assert_eq!(batch.status, BatchStatus::Completed);
+    assert_eq!(
+        (
+            batch.request_counts.total,
+            batch.request_counts.completed,
+            batch.request_counts.failed
+        ),
+        (1000, 1000, 0)
+    );
+    let results = Results::read(&env.path("out"));
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    assert_eq!(batch_json(&env.path("out"))["status"], "completed");
+    // Both pools were used, and their request sets are empty again.
+    assert_eq!(
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]),
+        ":0"
+    );
+    assert_eq!(
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-b"]),
+        ":0"
+    );
+    let by_pool = executor.consumer_stats().await;
+    assert_eq!(by_pool["pool-a"].written_total(), 500);
+    assert_eq!(by_pool["pool-b"].written_total(), 500);
+    // The gateway saw our headers, forwarded by the dispatcher.
+    let seen = env.gateway.recent_requests();
+    let any = seen.last().unwrap();
+    let id = any.header("x-request-id").unwrap();
+    assert_eq!(parse_request_id(id).unwrap().0, batch.id);
+    assert!(any.header("x-slo-ttft-ms").unwrap().parse::<u64>().unwrap() > 0);
+    executor.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_errors_go_to_output_and_failures_to_error() {
+    let env = Env::start(GatewayConfig {
+        failures: vec![FailureRule::new(FailureKind::Status400, 0.3)],
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3", "broken", "ghost"]);
+    // `broken`'s pool is served by a dispatcher entry whose gateway port is closed; `ghost` is
+    // not configured at all.
+    let config = env.async_config(&[("llama-3", "pool-a"), ("broken", "pool-x")], "");
+    let closed = format!("http://127.0.0.1:{}", batch_testkit::free_port());
+    let sim = env
+        .dispatcher(&["pool-a", "pool-x"], |c| {
+            c.queues[1].igw_base_url = Some(closed.clone());
+            c.request_timeout = Duration::from_secs(2);
+        })
+        .await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let batch = executor
+        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
+        .await
+        .unwrap();
+
+    assert_eq!(batch.status, BatchStatus::Completed);
+    let results = Results::read(&env.path("out"));
+    results.assert_each_once(&lines);
+    let statuses = results.statuses();
+    assert!(statuses[&400] > 0 && statuses[&200] > 0, "{statuses:?}");
+    assert_eq!(statuses[&400] + statuses[&200], 100);
+    for l in results
+        .output
+        .iter()
+        .filter(|l| l["response"]["status_code"] == 400)
+    {
+        assert_eq!(
+            l["response"]["body"]["error"]["type"], "invalid_request_error",
+            "{l}"
+        );
+    }
+    let codes = results.error_codes();
+    assert_eq!(codes.get("INFERENCE_ERROR"), Some(&100), "{codes:?}");
+    assert_eq!(codes.get("model_not_found"), Some(&100), "{codes:?}");
+    assert_eq!(batch.request_counts.completed, statuses[&200] as u64);
+    assert_eq!(batch.request_counts.failed, 300 - statuses[&200] as u64);
+    executor.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicated_results_never_double_a_line() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let lines = write_input(&env.path("in.jsonl"), 500, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let sim = env
+        .dispatcher(&["pool-a"], |c| c.sim.duplicate_rate = 0.2)
+        .await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let batch = executor
+        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    Results::read(&env.path("out")).assert_each_once(&lines);
+    // The doubles did arrive, and were recognised as such (some may come after the job ended).
+    let stats = &executor.consumer_stats().await["pool-a"];
+    assert!(sim.stats().duplicated > 50, "{:?}", sim.stats());
+    assert!(stats.duplicates_total() + stats.unknown_job_total() > 0);
+    executor.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_whose_requests_never_run_expires_at_its_slo() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let lines = write_input(&env.path("in.jsonl"), 50, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    // The gate stays closed: the dispatcher takes nothing, as under full online load.
+    let sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let mut job = spec(&env, "in.jsonl", "out");
+    job.completion_window = Duration::from_secs(3);
+    let started = Instant::now();
+    let batch = executor.run(job, CancellationToken::new()).await.unwrap();
+    let took = started.elapsed();
+
+    assert_eq!(batch.status, BatchStatus::Expired);
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
+        "{took:?}"
+    );
+    assert!(batch.expired_at.is_some());
+    let results = Results::read(&env.path("out"));
+    results.assert_each_once(&lines);
+    assert_eq!(results.error_codes().get("batch_expired"), Some(&50));
+    assert_eq!(
+        results.error[0]["error"]["message"],
+        batch_wire::error_codes::BATCH_EXPIRED_MESSAGE
+    );
+    assert_eq!(
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]),
+        ":0"
+    );
+    assert_eq!(sim.stats().taken, 0);
+    executor.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancel_removes_only_that_jobs_pending_members() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let lines_a = write_input(&env.path("a.jsonl"), 300, &["llama-3"]);
+    write_input(&env.path("b.jsonl"), 200, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let (cancel_a, cancel_b) = (CancellationToken::new(), CancellationToken::new());
+    let run_a = executor.run(spec(&env, "a.jsonl", "out-a"), cancel_a.clone());
+    let run_b = executor.run(spec(&env, "b.jsonl", "out-b"), cancel_b.clone());
+    let queue = "llm-d-async:requests:pool-a";
+    let checks = async {
+        eventually("both jobs enqueued", Duration::from_secs(20), || {
+            env.redis.command(&["ZCARD", queue]) == ":500"
+        })
+        .await;
+        cancel_a.cancel();
+        // Only job B's members are left.
+        eventually("job A withdrawn", Duration::from_secs(20), || {
+            env.redis.command(&["ZCARD", queue]) == ":200"
+        })
+        .await;
+        let left = env.redis.command_list(&["ZRANGE", queue, "0", "-1"]);
+        let job_a = batch_json(&env.path("out-a"))["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        for member in &left {
+            let envelope = Envelope::parse(member).unwrap();
+            assert_ne!(parse_request_id(&envelope.data.id).unwrap().0, job_a);
+        }
+        cancel_b.cancel();
+    };
+    let (a, b, ()) = tokio::join!(run_a, run_b, checks);
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.status, BatchStatus::Cancelled);
+    assert_eq!(b.status, BatchStatus::Cancelled);
+    assert!(a.cancelling_at.is_some() && a.cancelled_at.is_some());
+    let results = Results::read(&env.path("out-a"));
+    results.assert_each_once(&lines_a);
+    assert_eq!(results.error_codes().get("batch_cancelled"), Some(&300));
+    assert_eq!(env.redis.command(&["ZCARD", queue]), ":0");
+    executor.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn garbage_and_unknown_results_do_not_stop_the_job() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(5),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let results_list = "llm-d-async:results:pool-a:$batch";
+    for bad in [
+        "not json at all",
+        r#"{"no_id":true}"#,
+        r#"{"id":"batch_req_some-other-job_3","status_code":200,"payload":"{}"}"#,
+        r#"{"id":"random","status_code":200,"payload":"{}"}"#,
+    ] {
+        env.redis.command(&["LPUSH", results_list, bad]);
+    }
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let pushing = async {
+        for i in 0..20 {
+            env.redis
+                .command(&["LPUSH", results_list, &format!("garbage {i}")]);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let (batch, ()) = tokio::join!(
+        executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new()),
+        pushing
+    );
+    let batch = batch.unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    Results::read(&env.path("out")).assert_each_once(&lines);
+    let stats = &executor.consumer_stats().await["pool-a"];
+    assert!(
+        stats.malformed_total() >= 3,
+        "malformed {}",
+        stats.malformed_total()
+    );
+    assert!(stats.unknown_job_total() >= 1);
+    executor.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_lost_by_a_crashed_dispatcher_are_enqueued_again() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(50),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 1s\n");
+    let crashing = env
+        .dispatcher(&["pool-a"], |c| {
+            c.sim.crash_after = Some(100);
+            c.batch_size = 40;
+        })
+        .await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let job = executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new());
+    let recover = async {
+        crashing.crashed().await;
+        // A new dispatcher replaces the crashed one; the requests it had in hand are gone.
+        env.dispatcher(&["pool-a"], |_| {}).await
+    };
+    let (batch, replacement) = tokio::join!(job, recover);
+    let batch = batch.unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    let results = Results::read(&env.path("out"));
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    assert_eq!(batch.request_counts.completed, 300);
+    executor.shutdown().await;
+    replacement.shutdown().await;
+    crashing.shutdown().await;
+}
+
+// ---- The binary ------------------------------------------------------------------------------
+
+fn processor(env: &Env, config: &std::path::Path, input: &str, out: &str) -> Command {
+    let mut cmd = Command::new(PROCESSOR);
+    cmd.arg("run")
+        .arg("--config")
+        .arg(config)
+        .arg("--input")
+        .arg(env.path(input))
+        .arg("--output-dir")
+        .arg(env.path(out))
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_processor_killed_mid_job_and_run_again_writes_each_line_once() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(10),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 2000, &["llama-3", "mistral"]);
+    let config = env.async_config(&[("llama-3", "pool-a"), ("mistral", "pool-b")], "");
+    let sim = env
+        .dispatcher(&["pool-a", "pool-b"], |c| c.batch_size = 10)
+        .await;
+    let out = env.path("out");
+    let mut first = Child(
+        processor(&env, &config, "in.jsonl", "out")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let output_lines = || {
+        std::fs::read_to_string(out.join("output.jsonl"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    eventually("some results", Duration::from_secs(60), || {
+        output_lines() >= 300
+    })
+    .await;
+    first.0.kill().unwrap(); // SIGKILL
+    first.0.wait().unwrap();
+    let before = output_lines();
+    assert!(before < 2000, "killed too late to prove anything");
+    // Results keep arriving while no processor runs.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let second = processor(&env, &config, "in.jsonl", "out")
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{stderr}");
+    assert!(stderr.contains("resuming job"), "{stderr}");
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    let batch = batch_json(&out);
+    assert_eq!(batch["status"], "completed");
+    assert_eq!(batch["request_counts"]["completed"], 2000);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigint_cancels_the_job_and_empties_its_queue() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let lines = write_input(&env.path("in.jsonl"), 100, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let child = processor(&env, &config, "in.jsonl", "out")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = Child(child);
+    eventually("the job enqueued", Duration::from_secs(30), || {
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]) == ":100"
+    })
+    .await;
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGINT) };
+    let status = child.0.wait().unwrap();
+    assert_eq!(status.code(), Some(5), "exit code for cancelled");
+    let results = Results::read(&env.path("out"));
+    results.assert_each_once(&lines);
+    assert_eq!(results.error_codes().get("batch_cancelled"), Some(&100));
+    assert_eq!(batch_json(&env.path("out"))["status"], "cancelled");
+    assert_eq!(
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]),
+        ":0"
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_input_fails_the_job_with_its_line_numbers() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let mut lines = write_input(&env.path("in.jsonl"), 5, &["llama-3"]);
+    lines[1] = "{not json".into();
+    lines[3] = lines[3].replace("POST", "GET");
+    std::fs::write(env.path("in.jsonl"), lines.join("\n")).unwrap();
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let run = processor(&env, &config, "in.jsonl", "out")
+        .output()
+        .unwrap();
+    assert_eq!(
+        run.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let batch = batch_json(&env.path("out"));
+    assert_eq!(batch["status"], "failed");
+    let data = batch["errors"]["data"].as_array().unwrap();
+    let bad: Vec<_> = data
+        .iter()
+        .map(|e| (e["line"].as_u64().unwrap(), e["code"].as_str().unwrap()))
+        .collect();
+    assert_eq!(bad, [(2, "invalid_json_line"), (4, "invalid_method")]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.contains("line 2:") && stderr.contains("line 4:"),
+        "{stderr}"
+    );
+    assert_eq!(
+        env.redis
+            .command(&["EXISTS", "llm-d-async:requests:pool-a"]),
+        ":0",
+        "nothing sent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_at_start_is_a_clear_error_after_bounded_retries() {
+    let env = Env::start(GatewayConfig::default()).await;
+    write_input(&env.path("in.jsonl"), 5, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let port = batch_testkit::free_port();
+    std::fs::write(
+        &env.redis_url_file,
+        format!("redis://:sekret@127.0.0.1:{port}\n"),
+    )
+    .unwrap();
+    let started = Instant::now();
+    let run = processor(&env, &config, "in.jsonl", "out")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "cannot reach Redis at redis://***@127.0.0.1:{port} after 6 attempts"
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("sekret"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(30));
+}

@@ -1,0 +1,267 @@
+//! Shared by the end-to-end tests: input files, configs, the simulator, and checks on the
+//! result files that every test repeats.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use batch_config::ProcessorConfig;
+use batch_testkit::{RedisServer, TempDir};
+use batch_wire::{hash::body_digest, InputLine};
+use dispatcher_sim::{
+    Dispatcher, DispatcherConfig, DispatcherHandle, Gateway, GatewayConfig, GatewayHandle,
+    QueueEntry,
+};
+use serde_json::Value;
+
+/// The processor binary built for these tests.
+pub const PROCESSOR: &str = env!("CARGO_BIN_EXE_processor");
+
+/// Writes `n` chat requests, model `models[i % len]`, and returns the lines.
+pub fn write_input(path: &Path, n: usize, models: &[&str]) -> Vec<String> {
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            let model = models[i % models.len()];
+            let system = ["You are terse.", "Answer in French."][i % 2];
+            serde_json::json!({
+                "custom_id": format!("req-{i}"),
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": format!("question number {i}")}
+                    ],
+                    "max_tokens": 8
+                }
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n") + "\n").expect("writing the input file");
+    lines
+}
+
+/// Everything a test needs around a processor: a Redis, a gateway, a temp dir.
+pub struct Env {
+    pub redis: RedisServer,
+    pub gateway: GatewayHandle,
+    pub dir: TempDir,
+    pub redis_url_file: PathBuf,
+}
+
+impl Env {
+    pub async fn start(gateway: GatewayConfig) -> Env {
+        let redis = RedisServer::start();
+        let gateway = Gateway::start("127.0.0.1:0".parse().unwrap(), gateway)
+            .await
+            .expect("starting the gateway");
+        let dir = batch_testkit::tempdir().unwrap();
+        let redis_url_file = redis.write_url_file(dir.path());
+        Env {
+            redis,
+            gateway,
+            dir,
+            redis_url_file,
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// An async config: `pools` maps model → pool; `async_extra` holds more `async_dispatch`
+    /// lines (indented by two spaces).
+    pub fn async_config(&self, pools: &[(&str, &str)], async_extra: &str) -> PathBuf {
+        let mut yaml = format!(
+            "dispatch_mode: async\nredis_url_file: {}\nwork_dir: {}\nasync_dispatch:\n  result_poll_timeout: 200ms\n{async_extra}model_gateways:\n",
+            self.redis_url_file.display(),
+            self.path("work").display()
+        );
+        for (model, pool) in pools {
+            yaml.push_str(&format!("  {model}:\n    inference_pool_name: {pool}\n"));
+        }
+        let path = self.path("processor.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        path
+    }
+
+    /// A sync config: every model goes to this env's gateway; `extra` is appended YAML.
+    pub fn sync_config(&self, models: &[&str], model_extra: &str, extra: &str) -> PathBuf {
+        let mut yaml = format!(
+            "dispatch_mode: sync\nwork_dir: {}\nmodel_gateways:\n",
+            self.path("work").display()
+        );
+        for model in models {
+            yaml.push_str(&format!(
+                "  {model}:\n    url: {}\n{model_extra}",
+                self.gateway.base_url()
+            ));
+        }
+        yaml.push_str(extra);
+        let path = self.path("processor.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        path
+    }
+
+    /// Starts the simulated dispatcher on the given pools, fast polling, gate wide open unless
+    /// `configure` changes it.
+    pub async fn dispatcher(
+        &self,
+        pools: &[&str],
+        configure: impl FnOnce(&mut DispatcherConfig),
+    ) -> DispatcherHandle {
+        let queues = pools
+            .iter()
+            .map(|pool| {
+                let mut q = QueueEntry::new(format!("llm-d-async:requests:{pool}"));
+                q.igw_base_url = Some(self.gateway.base_url());
+                q.request_path_url = Some("/v1/chat/completions".into());
+                q
+            })
+            .collect();
+        let mut config = DispatcherConfig::new(self.redis.url(), queues);
+        config.poll_interval = Duration::from_millis(20);
+        config.batch_size = 500;
+        config.sim.time_scale = 0.01;
+        configure(&mut config);
+        Dispatcher::start(config, None)
+            .await
+            .expect("starting the dispatcher")
+    }
+}
+
+pub fn load(config: &Path) -> ProcessorConfig {
+    ProcessorConfig::load(config).unwrap_or_else(|e| panic!("config: {e}"))
+}
+
+/// The lines of `output.jsonl` and `error.jsonl` in `dir`.
+pub struct Results {
+    pub output: Vec<Value>,
+    pub error: Vec<Value>,
+}
+
+impl Results {
+    pub fn read(dir: &Path) -> Results {
+        let read = |name: &str| -> Vec<Value> {
+            match std::fs::read_to_string(dir.join(name)) {
+                Ok(text) => text
+                    .lines()
+                    .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{name}: {e}: {l}")))
+                    .collect(),
+                Err(_) => Vec::new(),
+            }
+        };
+        Results {
+            output: read("output.jsonl"),
+            error: read("error.jsonl"),
+        }
+    }
+
+    /// Panics unless every custom_id of `lines` appears exactly once across both files.
+    pub fn assert_each_once(&self, lines: &[String]) {
+        let mut seen: HashMap<String, usize> = HashMap::new();
+        for l in self.output.iter().chain(&self.error) {
+            *seen
+                .entry(l["custom_id"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+        }
+        let doubled: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(
+            doubled.is_empty(),
+            "custom_ids written more than once: {doubled:?}"
+        );
+        for line in lines {
+            let input: Value = serde_json::from_str(line).unwrap();
+            let id = input["custom_id"].as_str().unwrap();
+            assert!(seen.contains_key(id), "{id} has no line");
+        }
+        assert_eq!(seen.len(), lines.len(), "lines of unknown requests");
+        for l in &self.output {
+            assert!(l["error"].is_null() && l["response"].is_object(), "{l}");
+        }
+        for l in &self.error {
+            assert!(
+                l["response"].is_null() && l["error"]["code"].is_string(),
+                "{l}"
+            );
+        }
+    }
+
+    /// Panics unless each 200 answer carries the digest of its own input body.
+    pub fn assert_answers_match(&self, lines: &[String]) {
+        let digests: BTreeMap<String, String> = lines
+            .iter()
+            .map(|l| {
+                let input: InputLine = serde_json::from_str(l).unwrap();
+                (
+                    input.custom_id.into_owned(),
+                    body_digest(input.body.get().as_bytes()),
+                )
+            })
+            .collect();
+        let mut checked = 0;
+        for l in &self.output {
+            if l["response"]["status_code"] != 200 {
+                continue;
+            }
+            let custom_id = l["custom_id"].as_str().unwrap();
+            let body_id = l["response"]["body"]["id"].as_str().unwrap();
+            assert_eq!(
+                body_id,
+                format!("chatcmpl-{}", digests[custom_id]),
+                "{custom_id} got the answer of another request"
+            );
+            checked += 1;
+        }
+        assert!(checked > 0, "no 200 answers to check");
+    }
+
+    pub fn error_codes(&self) -> BTreeMap<String, usize> {
+        let mut codes = BTreeMap::new();
+        for l in &self.error {
+            *codes
+                .entry(l["error"]["code"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+        }
+        codes
+    }
+
+    pub fn statuses(&self) -> BTreeMap<u64, usize> {
+        let mut statuses = BTreeMap::new();
+        for l in &self.output {
+            *statuses
+                .entry(l["response"]["status_code"].as_u64().unwrap())
+                .or_default() += 1;
+        }
+        statuses
+    }
+}
+
+pub fn batch_json(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap()
+}
+
+/// Polls `check` every 20 ms until it holds, for at most `limit`.
+pub async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !check() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A child process killed when dropped.
+pub struct Child(pub std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

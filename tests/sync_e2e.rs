@@ -1,0 +1,353 @@
+//! Sync mode end to end: the executor calls the simulated gateway itself, under AIMD and the
+//! process-wide global limit.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use batch_executor::{Executor, JobSpec};
+use batch_wire::{parse_request_id, BatchStatus};
+use dispatcher_sim::{FailureKind, FailureRule, Gateway, GatewayConfig};
+use support::*;
+use tokio_util::sync::CancellationToken;
+
+const FAST_RETRIES: &str =
+    "    max_retries: 30\n    initial_backoff: 5ms\n    max_backoff: 50ms\n    request_timeout: 10s\n";
+
+fn spec(env: &Env, input: &str, out: &str) -> JobSpec {
+    JobSpec::new(env.path(input), env.path(out))
+}
+
+/// Samples an endpoint's limit every 5 ms while `f` runs.
+async fn sampling_limits<T>(
+    executor: &Executor,
+    model: &str,
+    f: impl std::future::Future<Output = T>,
+) -> (T, Vec<usize>) {
+    let samples = Mutex::new(Vec::new());
+    let done = AtomicBool::new(false);
+    let sampler = async {
+        while !done.load(Ordering::SeqCst) {
+            if let Some(limit) = executor.endpoint_limit(model) {
+                samples.lock().unwrap().push(limit);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let run = async {
+        let out = f.await;
+        done.store(true, Ordering::SeqCst);
+        out
+    };
+    let (out, ()) = tokio::join!(run, sampler);
+    (out, samples.into_inner().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn aimd_settles_near_the_gateways_capacity() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(10),
+        capacity: Some(32),
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 4000, &["llama-3"]);
+    let config = env.sync_config(
+        &["llama-3"],
+        FAST_RETRIES,
+        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    min: 4\n",
+    );
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let (batch, samples) = sampling_limits(
+        &executor,
+        "llama-3",
+        executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new()),
+    )
+    .await;
+    let batch = batch.unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    assert_eq!(batch.request_counts.completed, 4000);
+    Results::read(&env.path("out")).assert_each_once(&lines);
+
+    // After the first overload, the limit saws around the capacity: it neither runs away to
+    // the maximum of 64 nor collapses to the floor of 4.
+    let first_drop = samples
+        .iter()
+        .position(|&l| l < 64)
+        .expect("the limit never dropped");
+    let settled = &samples[first_drop..];
+    let mean = settled.iter().sum::<usize>() as f64 / settled.len() as f64;
+    eprintln!(
+        "limit after the first drop: mean {mean:.1}, min {:?}, max {:?}, {} samples; 429s {}",
+        settled.iter().min(),
+        settled.iter().max(),
+        settled.len(),
+        env.gateway.stats().responses(429)
+    );
+    assert!((16.0..=40.0).contains(&mean), "mean limit {mean}");
+    assert!(
+        settled.iter().all(|&l| l <= 48),
+        "ran away: {:?}",
+        settled.iter().max()
+    );
+    let stats = env.gateway.stats();
+    assert!(stats.responses(429) > 0, "capacity was never hit");
+    assert!(stats.max_in_flight_seen <= 32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overload_that_clears_ends_with_every_line_completed() {
+    let env = Env::start(GatewayConfig {
+        failures: vec![FailureRule::new(FailureKind::Status429, 1.0)],
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
+    let config = env.sync_config(&["llama-3"], FAST_RETRIES, "");
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let flip = async {
+        eventually("429s served", Duration::from_secs(20), || {
+            env.gateway.stats().responses(429) >= 100
+        })
+        .await;
+        env.gateway.set_config(GatewayConfig::default()).unwrap();
+    };
+    let ((batch, samples), ()) = tokio::join!(
+        sampling_limits(
+            &executor,
+            "llama-3",
+            executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
+        ),
+        flip
+    );
+    let batch = batch.unwrap();
+    assert_eq!(batch.request_counts.completed, 300);
+    Results::read(&env.path("out")).assert_each_once(&lines);
+    assert_eq!(samples.iter().min(), Some(&5), "decreased to the floor");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_errors_are_final_and_server_errors_are_retried() {
+    let env = Env::start(GatewayConfig {
+        failures: vec![FailureRule::new(FailureKind::Status400, 1.0)],
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 50, &["llama-3"]);
+    let config = env.sync_config(&["llama-3"], FAST_RETRIES, "");
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let batch = executor
+        .run(spec(&env, "in.jsonl", "out-400"), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    assert_eq!(batch.request_counts.failed, 50);
+    let results = Results::read(&env.path("out-400"));
+    results.assert_each_once(&lines);
+    assert_eq!(
+        results.statuses().get(&400),
+        Some(&50),
+        "400s land in output.jsonl"
+    );
+    assert_eq!(env.gateway.stats().total, 50, "a 400 is not retried");
+
+    env.gateway
+        .set_config(GatewayConfig {
+            failures: vec![FailureRule::new(FailureKind::Status503, 0.4)],
+            ..GatewayConfig::default()
+        })
+        .unwrap();
+    let batch = executor
+        .run(spec(&env, "in.jsonl", "out-503"), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        batch.request_counts.completed, 50,
+        "every 503 was retried to success"
+    );
+    let stats = env.gateway.stats();
+    assert!(stats.responses(503) > 0);
+    assert_eq!(stats.total, 50 + 50 + stats.responses(503));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn always_429_with_one_retry_writes_429_lines() {
+    let env = Env::start(GatewayConfig {
+        failures: vec![FailureRule::new(FailureKind::Status429, 1.0)],
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 40, &["llama-3"]);
+    let config = env.sync_config(
+        &["llama-3"],
+        "    max_retries: 1\n    initial_backoff: 5ms\n    max_backoff: 20ms\n",
+        "",
+    );
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let batch = executor
+        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
+        .await
+        .unwrap();
+    let results = Results::read(&env.path("out"));
+    results.assert_each_once(&lines);
+    assert_eq!(results.statuses().get(&429), Some(&40));
+    assert_eq!(batch.request_counts.failed, 40);
+    assert_eq!(env.gateway.stats().total, 80, "one try and one retry each");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_the_failing_endpoints_limit_drops() {
+    let env = Env::start(GatewayConfig {
+        failures: vec![FailureRule::new(FailureKind::Status503, 1.0)],
+        ..GatewayConfig::default()
+    })
+    .await;
+    let healthy = Gateway::start("127.0.0.1:0".parse().unwrap(), GatewayConfig::default())
+        .await
+        .unwrap();
+    write_input(&env.path("in.jsonl"), 200, &["failing", "healthy"]);
+    let yaml = format!(
+        "dispatch_mode: sync\nwork_dir: {}\nmodel_gateways:\n  failing:\n    url: {}\n    max_retries: 0\n  healthy:\n    url: {}\n",
+        env.path("work").display(),
+        env.gateway.base_url(),
+        healthy.base_url()
+    );
+    std::fs::write(env.path("processor.yaml"), yaml).unwrap();
+    let executor = Executor::new(load(&env.path("processor.yaml")))
+        .await
+        .unwrap();
+    let batch = executor
+        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(batch.request_counts.completed, 100);
+    assert_eq!(
+        executor.endpoint_limit("failing"),
+        Some(5),
+        "dropped to aimd.min"
+    );
+    assert_eq!(executor.endpoint_limit("healthy"), Some(10), "untouched");
+    healthy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_global_limit_holds_across_two_jobs() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(20),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let a = write_input(&env.path("a.jsonl"), 300, &["llama-3", "mistral"]);
+    let b = write_input(&env.path("b.jsonl"), 300, &["mistral", "llama-3"]);
+    let config = env.sync_config(
+        &["llama-3", "mistral"],
+        "",
+        "concurrency:\n  global: 7\n  per_endpoint: 10\n",
+    );
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let batches = executor
+        .run_all(
+            &[
+                spec(&env, "a.jsonl", "out-a"),
+                spec(&env, "b.jsonl", "out-b"),
+            ],
+            CancellationToken::new(),
+        )
+        .await;
+    for b in batches {
+        assert_eq!(b.unwrap().request_counts.completed, 300);
+    }
+    Results::read(&env.path("out-a")).assert_each_once(&a);
+    Results::read(&env.path("out-b")).assert_each_once(&b);
+    assert_eq!(
+        env.gateway.stats().max_in_flight_seen,
+        7,
+        "two jobs, two endpoints, one limit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expiry_and_cancel_stop_calls_in_flight() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(400),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
+    let config = env.sync_config(&["llama-3"], "", "");
+    let executor = Executor::new(load(&config)).await.unwrap();
+
+    let mut job = spec(&env, "in.jsonl", "expired");
+    job.completion_window = Duration::from_secs(2);
+    let started = Instant::now();
+    let batch = executor.run(job, CancellationToken::new()).await.unwrap();
+    assert_eq!(batch.status, BatchStatus::Expired);
+    assert!(
+        started.elapsed() < Duration::from_millis(2900),
+        "{:?}",
+        started.elapsed()
+    );
+    let results = Results::read(&env.path("expired"));
+    results.assert_each_once(&lines);
+    let expired = results.error_codes()["batch_expired"];
+    assert!(expired > 100, "{expired}");
+    assert_eq!(results.output.len() + expired, 200);
+
+    let cancel = CancellationToken::new();
+    let cancelling = async {
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        cancel.cancel();
+    };
+    let (batch, ()) = tokio::join!(
+        executor.run(spec(&env, "in.jsonl", "cancelled"), cancel.clone()),
+        cancelling
+    );
+    let batch = batch.unwrap();
+    assert_eq!(batch.status, BatchStatus::Cancelled);
+    let results = Results::read(&env.path("cancelled"));
+    results.assert_each_once(&lines);
+    assert!(results.error_codes()["batch_cancelled"] > 100);
+    // The calls in flight were dropped: the gateway soon has none left.
+    eventually("no call in flight", Duration::from_secs(2), || {
+        env.gateway.stats().in_flight == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_sees_the_reference_headers() {
+    let env = Env::start(GatewayConfig::default()).await;
+    write_input(&env.path("in.jsonl"), 3, &["llama-3"]);
+    std::fs::write(env.path("key"), "s3cr3t-key\n").unwrap();
+    let config = env.sync_config(
+        &["llama-3"],
+        &format!(
+            "    api_key_file: {}\n    inference_objective: batch-low\n",
+            env.path("key").display()
+        ),
+        "",
+    );
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let mut job = spec(&env, "in.jsonl", "out");
+    job.completion_window = Duration::from_secs(3600);
+    job.headers.insert("x-tenant".into(), "team-7".into());
+    let batch = executor.run(job, CancellationToken::new()).await.unwrap();
+    let seen = env.gateway.recent_requests();
+    assert_eq!(seen.len(), 3);
+    for r in &seen {
+        assert_eq!(r.path, "/v1/chat/completions");
+        assert_eq!(r.header("authorization"), Some("Bearer s3cr3t-key"));
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert_eq!(r.header("x-gateway-inference-objective"), Some("batch-low"));
+        assert_eq!(r.header("x-tenant"), Some("team-7"));
+        let id = r.header("x-request-id").unwrap();
+        assert_eq!(parse_request_id(id).unwrap().0, batch.id);
+        let ttft: u64 = r.header("x-slo-ttft-ms").unwrap().parse().unwrap();
+        assert!(ttft > 3_500_000 && ttft <= 3_600_000, "{ttft}");
+    }
+}
