@@ -1,1 +1,319 @@
-fn main() {}
+//! `async-dispatcher-sim`: the simulated llm-d-async dispatcher (same flags as the real one's
+//! sorted-set transport) and, with the `gateway` subcommand, the fake inference gateway alone.
+//! All behaviour lives in the `dispatcher-sim` library; this is argument parsing and wiring.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use dispatcher_sim::{
+    check_listen_addr, Dispatcher, DispatcherConfig, ExpiredPolicy, FailureRule, Gateway,
+    GatewayConfig, QueueEntry, SimOptions, DEFAULT_RESULT_QUEUE, DEFAULT_RETRY_QUEUE,
+};
+
+/// The exit code after `--sim.crash-after` fires, as a shell reports a SIGKILLed process.
+const CRASH_EXIT: i32 = 137;
+
+#[derive(Parser)]
+#[command(
+    name = "async-dispatcher-sim",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    dispatcher: DispatcherArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Runs only the fake OpenAI-compatible inference gateway.
+    Gateway(GatewayArgs),
+}
+
+fn duration(s: &str) -> Result<Duration, humantime::DurationError> {
+    humantime::parse_duration(s)
+}
+
+/// The gateway's latency, capacity and failure model.
+#[derive(Args)]
+struct GatewayModel {
+    /// Fixed latency of every reply, e.g. 20ms.
+    #[arg(long = "latency", value_parser = duration, default_value = "0s")]
+    latency: Duration,
+    /// Extra latency per output token (max_tokens, default 16).
+    #[arg(long = "per-token", value_parser = duration, default_value = "0s")]
+    per_token: Duration,
+    /// At most this many requests at once; more get 429 with Retry-After.
+    #[arg(long = "capacity")]
+    capacity: Option<usize>,
+    /// Retry-After seconds on 429s.
+    #[arg(long = "retry-after", default_value_t = 1)]
+    retry_after: u64,
+    /// Failure rule KIND:RATE[:LIMIT], KIND one of 429, 500, 503, 400, ttl-expired,
+    /// connection-reset. Repeatable.
+    #[arg(long = "fail")]
+    fail: Vec<FailureRule>,
+    /// Seed for the failure dice.
+    #[arg(long = "seed")]
+    seed: Option<u64>,
+}
+
+impl GatewayModel {
+    fn config(&self) -> GatewayConfig {
+        GatewayConfig {
+            latency_fixed: self.latency,
+            latency_per_token: self.per_token,
+            capacity: self.capacity,
+            failures: self.fail.clone(),
+            retry_after_secs: self.retry_after,
+            seed: self.seed,
+            ..GatewayConfig::default()
+        }
+    }
+}
+
+#[derive(Args)]
+struct GatewayArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Accept a listen address outside 127.0.0.0/8 and ::1.
+    #[arg(long = "allow-non-loopback")]
+    allow_non_loopback: bool,
+    #[command(flatten)]
+    model: GatewayModel,
+}
+
+#[derive(Args)]
+struct DispatcherArgs {
+    /// Message queue implementation; only redis-sortedset is simulated.
+    #[arg(long = "message-queue-impl", default_value = "redis-sortedset")]
+    message_queue_impl: String,
+    /// Redis URL, e.g. redis://127.0.0.1:6379.
+    #[arg(long = "redis.url", env = "REDIS_URL", hide_env_values = true)]
+    redis_url: Option<String>,
+    /// A JSON file holding the array of queue entries.
+    #[arg(long = "redis.ss.queues-config-file", conflicts_with = "queues_config")]
+    queues_config_file: Option<PathBuf>,
+    /// The array of queue entries as inline JSON.
+    #[arg(long = "redis.ss.queues-config")]
+    queues_config: Option<String>,
+    /// The result list used when neither the queue entry nor the message names one.
+    #[arg(long = "redis.ss.result-queue-name", default_value = DEFAULT_RESULT_QUEUE)]
+    result_queue_name: String,
+    /// The retry sorted set.
+    #[arg(long = "redis.ss.retry-queue-name", default_value = DEFAULT_RETRY_QUEUE)]
+    retry_queue_name: String,
+    /// Poll interval in milliseconds.
+    #[arg(long = "redis.ss.poll-interval-ms", default_value_t = 1000)]
+    poll_interval_ms: u64,
+    /// Messages taken per poll at budget 1.
+    #[arg(long = "redis.ss.batch-size", default_value_t = 10)]
+    batch_size: usize,
+    /// HTTP workers.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Timeout of one HTTP request to the gateway.
+    #[arg(long = "request-timeout", value_parser = duration, default_value = "5m")]
+    request_timeout: Duration,
+    /// Expired messages: drop (v0.9) or result (DEADLINE_EXCEEDED, v0.10+).
+    #[arg(long = "sim.expired", default_value = "drop")]
+    expired: ExpiredPolicy,
+    /// Multiplies every retry backoff.
+    #[arg(long = "sim.time-scale", default_value_t = 1.0)]
+    time_scale: f64,
+    /// Probability that a result is pushed twice.
+    #[arg(long = "sim.duplicate-rate", default_value_t = 0.0)]
+    duplicate_rate: f64,
+    /// Exit abruptly after taking this many messages, losing those in hand.
+    #[arg(long = "sim.crash-after")]
+    crash_after: Option<u64>,
+    /// Delay before each result is pushed.
+    #[arg(long = "sim.result-delay", value_parser = duration, default_value = "0s")]
+    result_delay: Duration,
+    /// Seed for jitter and duplicate dice.
+    #[arg(long = "sim.seed")]
+    seed: Option<u64>,
+    /// Run a gateway in process; queues without igw_base_url use it.
+    #[arg(long = "embedded-gateway")]
+    embedded_gateway: bool,
+    /// Where the embedded gateway listens.
+    #[arg(long = "embedded-gateway-listen", default_value = "127.0.0.1:0")]
+    embedded_gateway_listen: SocketAddr,
+    /// Embedded gateway: fixed latency.
+    #[arg(long = "gateway.latency", value_parser = duration, default_value = "0s")]
+    gateway_latency: Duration,
+    /// Embedded gateway: latency per output token.
+    #[arg(long = "gateway.per-token", value_parser = duration, default_value = "0s")]
+    gateway_per_token: Duration,
+    /// Embedded gateway: capacity.
+    #[arg(long = "gateway.capacity")]
+    gateway_capacity: Option<usize>,
+    /// Embedded gateway: failure rule KIND:RATE[:LIMIT]. Repeatable.
+    #[arg(long = "gateway.fail")]
+    gateway_fail: Vec<FailureRule>,
+    /// Where the dispatcher serves /metrics.
+    #[arg(long = "metrics-listen", default_value = "127.0.0.1:0")]
+    metrics_listen: SocketAddr,
+    /// Accept listen addresses outside 127.0.0.0/8 and ::1.
+    #[arg(long = "allow-non-loopback")]
+    allow_non_loopback: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("async-dispatcher-sim: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async {
+        match cli.command {
+            Some(Command::Gateway(args)) => run_gateway(args).await,
+            None => run_dispatcher(cli.dispatcher).await,
+        }
+    });
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("async-dispatcher-sim: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The line tests and scripts parse to find the servers.
+fn announce(line: String) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+async fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    check_listen_addr(args.listen, args.allow_non_loopback)?;
+    let gateway = Gateway::start(args.listen, args.model.config()).await?;
+    announce(format!("listening gateway={}", gateway.base_url()));
+    shutdown_signal().await;
+    gateway.shutdown().await;
+    Ok(())
+}
+
+async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
+    if args.message_queue_impl != "redis-sortedset" {
+        bail!(
+            "--message-queue-impl {:?} is not simulated; only redis-sortedset is",
+            args.message_queue_impl
+        );
+    }
+    let Some(redis_url) = args.redis_url.clone() else {
+        bail!("--redis.url (or REDIS_URL) is required");
+    };
+    let queues = match (&args.queues_config_file, &args.queues_config) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            QueueEntry::parse_list(&text).with_context(|| path.display().to_string())?
+        }
+        (None, Some(json)) => QueueEntry::parse_list(json)?,
+        (None, None) => {
+            bail!("--redis.ss.queues-config-file or --redis.ss.queues-config is required")
+        }
+    };
+    check_listen_addr(args.metrics_listen, args.allow_non_loopback)?;
+
+    let gateway = if args.embedded_gateway {
+        check_listen_addr(args.embedded_gateway_listen, args.allow_non_loopback)?;
+        let config = GatewayConfig {
+            latency_fixed: args.gateway_latency,
+            latency_per_token: args.gateway_per_token,
+            capacity: args.gateway_capacity,
+            failures: args.gateway_fail.clone(),
+            ..GatewayConfig::default()
+        };
+        Some(Gateway::start(args.embedded_gateway_listen, config).await?)
+    } else {
+        None
+    };
+
+    let mut config = DispatcherConfig::new(redis_url, queues);
+    config.default_result_queue = args.result_queue_name;
+    config.retry_queue = args.retry_queue_name;
+    config.poll_interval = Duration::from_millis(args.poll_interval_ms);
+    config.batch_size = args.batch_size;
+    config.concurrency = args.concurrency;
+    config.request_timeout = args.request_timeout;
+    config.metrics_listen = Some(args.metrics_listen);
+    config.sim = SimOptions {
+        expired: args.expired,
+        time_scale: args.time_scale,
+        duplicate_rate: args.duplicate_rate,
+        crash_after: args.crash_after,
+        result_delay: args.result_delay,
+        seed: args.seed,
+    };
+    let dispatcher = Dispatcher::start(config, gateway.as_ref()).await?;
+    let metrics = dispatcher
+        .metrics_addr()
+        .map(|a| format!("http://{a}"))
+        .unwrap_or_else(|| "none".into());
+    let gateway_url = gateway
+        .as_ref()
+        .map(|g| g.base_url())
+        .unwrap_or_else(|| "none".into());
+    announce(format!("listening gateway={gateway_url} metrics={metrics}"));
+
+    tokio::select! {
+        _ = dispatcher.crashed() => {
+            // As abrupt as a kill: no cleanup, no flushing of what is in hand.
+            std::process::exit(CRASH_EXIT);
+        }
+        _ = shutdown_signal() => {
+            tracing::info!("shutting down");
+        }
+    }
+    dispatcher.shutdown().await;
+    if let Some(g) = gateway {
+        g.shutdown().await;
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

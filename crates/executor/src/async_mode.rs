@@ -232,26 +232,32 @@ impl AsyncMode {
         Ok(total)
     }
 
-    /// Takes the job's unresolved requests out of the queues (and marks those already taken).
+    /// Takes the job's unresolved requests out of the queues (and marks those already taken),
+    /// a chunk at a time so memory stays flat however large the job.
     pub(crate) async fn withdraw(&self, job: &Arc<Job>) -> Result<(), ExecError> {
         let messages = self.messages(job)?;
+        let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
         for model in job.plan.models() {
             let Some(msgs) = messages.get(&model.model) else {
                 continue;
             };
-            let pending: Vec<PendingMember> = job
-                .unresolved_records(model)?
-                .iter()
-                .map(|r| Ok(msgs.pending(r.line as u64, &job.read_line(r)?)?))
-                .collect::<Result<_, ExecError>>()?;
-            if pending.is_empty() {
-                continue;
+            let records = job.unresolved_records(model)?;
+            let (mut removed, mut marked) = (0, 0);
+            for records in records.chunks(chunk) {
+                let pending: Vec<PendingMember> = records
+                    .iter()
+                    .map(|r| Ok(msgs.pending(r.line as u64, &job.read_line(r)?)?))
+                    .collect::<Result<_, ExecError>>()?;
+                let report = self.producer.remove(&msgs.request_queue, &pending).await?;
+                removed += report.removed;
+                marked += report.marked;
             }
-            let report = self.producer.remove(&msgs.request_queue, &pending).await?;
             let pool = self.pool_of(&model.model).unwrap_or_default();
-            m::pool_counter("batch_requests_removed_total", pool, report.removed);
-            m::model_inflight(&model.model, -(pending.len() as f64));
-            tracing::info!(job = %job.id, model = %model.model, removed = report.removed, marked = report.marked, "withdrew pending requests");
+            m::pool_counter("batch_requests_removed_total", pool, removed);
+            m::model_inflight(&model.model, -(records.len() as f64));
+            if !records.is_empty() {
+                tracing::info!(job = %job.id, model = %model.model, removed, marked, "withdrew pending requests");
+            }
         }
         Ok(())
     }

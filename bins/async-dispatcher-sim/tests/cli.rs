@@ -1,0 +1,336 @@
+//! The binary, spawned as users run it, against a real redis-server.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use batch_testkit::{tempdir, RedisServer};
+use batch_wire::hash::body_digest;
+use batch_wire::ResultMessage;
+
+const BIN: &str = env!("CARGO_BIN_EXE_async-dispatcher-sim");
+
+/// A child process, killed when dropped (also when the test fails).
+struct Sim {
+    child: Child,
+    stdout: Receiver<String>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Sim {
+    fn spawn(args: &[&str]) -> Sim {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env_remove("REDIS_URL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawning async-dispatcher-sim");
+        let (tx, stdout) = channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let sink = stderr.clone();
+        let mut err = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Sim {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// The `key=value` pairs of the startup line.
+    fn listening(&self) -> Vec<(String, String)> {
+        let line = self
+            .stdout
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("no startup line; stderr:\n{}", self.stderr()));
+        let rest = line
+            .strip_prefix("listening ")
+            .unwrap_or_else(|| panic!("{line}"));
+        rest.split(' ')
+            .map(|kv| {
+                let (k, v) = kv.split_once('=').unwrap();
+                (k.to_owned(), v.to_owned())
+            })
+            .collect()
+    }
+
+    fn url(&self, pairs: &[(String, String)], key: &str) -> String {
+        pairs.iter().find(|(k, _)| k == key).unwrap().1.clone()
+    }
+
+    fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let until = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < until,
+                "still running; stderr:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
+fn envelope(id: &str, deadline: i64, payload: &str, results: &str) -> String {
+    format!(
+        r#"{{"internal":{{"request_token":"t-{id}","result_queue_name":"{results}"}},"request_kind":"plain","data":{{"id":"{id}","created":{},"deadline":{deadline},"payload":{payload},"metadata":{{"job_id":"j"}}}}}}"#,
+        now()
+    )
+}
+
+fn enqueue(redis: &RedisServer, queue: &str, member: &str, deadline: i64) {
+    assert_eq!(
+        redis.command(&["ZADD", queue, &deadline.to_string(), member]),
+        ":1"
+    );
+}
+
+/// Pops `n` results, oldest first.
+fn pop_results(redis: &RedisServer, list: &str, n: usize) -> Vec<ResultMessage> {
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut out = Vec::new();
+    while out.len() < n {
+        let raw = redis.command(&["RPOP", list]);
+        if raw.starts_with('{') {
+            out.push(ResultMessage::parse(&raw).unwrap());
+        } else {
+            assert!(
+                Instant::now() < until,
+                "{} of {n} results on {list}",
+                out.len()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    out
+}
+
+/// A plain HTTP/1.0 GET: the body.
+fn http_get(url: &str) -> String {
+    let rest = url.strip_prefix("http://").unwrap();
+    let (host, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let mut stream = TcpStream::connect(host).unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
+}
+
+/// Starts with a queues-config file of the real dispatcher's shape, serves one queue through
+/// the embedded gateway and one through a separately run `gateway`, and stops cleanly on SIGTERM.
+#[test]
+fn processes_messages_end_to_end_from_a_queues_config_file() {
+    let redis = RedisServer::start();
+    let dir = tempdir().unwrap();
+    let gateway = Sim::spawn(&["gateway", "--listen", "127.0.0.1:0", "--latency", "5ms"]);
+    let gw = gateway.listening();
+    let gateway_url = gateway.url(&gw, "gateway");
+
+    let config = dir.path().join("queues.json");
+    std::fs::write(
+        &config,
+        format!(
+            r#"[
+  {{"queue_name": "llm-d-async:requests:pool-a", "request_path_url": "/v1/chat/completions",
+    "gate_type": "constant", "gate_params": {{"budget": "1"}}}},
+  {{"queue_name": "llm-d-async:requests:pool-b", "igw_base_url": "{gateway_url}",
+    "request_path_url": "/v1/completions", "gate_type": "prometheus-budget",
+    "gate_params": {{"pool": "pool-b", "max_concurrency": "100", "baseline": "0.05"}},
+    "inference_objective": "batch"}}
+]"#
+        ),
+    )
+    .unwrap();
+    let url = redis.url();
+    let mut sim = Sim::spawn(&[
+        "--message-queue-impl=redis-sortedset",
+        "--redis.url",
+        &url,
+        "--redis.ss.queues-config-file",
+        config.to_str().unwrap(),
+        "--redis.ss.result-queue-name",
+        "llm-d-async:results:default",
+        "--redis.ss.poll-interval-ms",
+        "50",
+        "--embedded-gateway",
+    ]);
+    let pairs = sim.listening();
+    assert!(sim.url(&pairs, "gateway").starts_with("http://127.0.0.1:"));
+    let metrics = sim.url(&pairs, "metrics");
+
+    let deadline = now() + 600;
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let completion = r#"{"model":"m","prompt":"hello"}"#;
+    enqueue(
+        &redis,
+        "llm-d-async:requests:pool-a",
+        &envelope("a1", deadline, chat, "results-a"),
+        deadline,
+    );
+    enqueue(
+        &redis,
+        "llm-d-async:requests:pool-b",
+        &envelope("b1", deadline, completion, "results-b"),
+        deadline,
+    );
+    let a = pop_results(&redis, "results-a", 1);
+    let b = pop_results(&redis, "results-b", 1);
+    assert_eq!((a[0].id.as_str(), a[0].status_code), ("a1", Some(200)));
+    assert!(a[0]
+        .payload
+        .contains(&format!("chatcmpl-{}", body_digest(chat.as_bytes()))));
+    assert_eq!((b[0].id.as_str(), b[0].status_code), ("b1", Some(200)));
+    assert!(b[0]
+        .payload
+        .contains(&format!("cmpl-{}", body_digest(completion.as_bytes()))));
+
+    let seen = http_get(&format!("{gateway_url}/admin/requests"));
+    assert!(
+        seen.contains(r#""x-gateway-inference-objective":"batch""#),
+        "{seen}"
+    );
+    let page = http_get(&format!("{metrics}/metrics"));
+    assert!(
+        page.lines().any(|l| l == "dispatcher_taken_total 2"),
+        "{page}"
+    );
+
+    let term = Command::new("kill")
+        .args(["-TERM", &sim.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = sim.wait(Duration::from_secs(15));
+    assert!(status.success(), "{status:?}; stderr:\n{}", sim.stderr());
+}
+
+/// `--sim.crash-after N` exits non-zero after taking exactly N, and those N never get results.
+#[test]
+fn crash_after_exits_non_zero_and_loses_the_messages_in_hand() {
+    let redis = RedisServer::start();
+    let gateway = Sim::spawn(&["gateway", "--listen", "127.0.0.1:0", "--latency", "3s"]);
+    let gw = gateway.listening();
+    let gateway_url = gateway.url(&gw, "gateway");
+    let deadline = now() + 600;
+    let members: Vec<String> = (0..10)
+        .map(|i| {
+            let member = envelope(
+                &format!("m{i}"),
+                deadline + i,
+                r#"{"model":"m"}"#,
+                "crash-results",
+            );
+            enqueue(&redis, "q", &member, deadline + i);
+            member
+        })
+        .collect();
+    let queues = format!(r#"[{{"queue_name":"q","igw_base_url":"{gateway_url}"}}]"#);
+    let url = redis.url();
+    let mut sim = Sim::spawn(&[
+        "--redis.url",
+        &url,
+        "--redis.ss.queues-config",
+        &queues,
+        "--redis.ss.poll-interval-ms",
+        "50",
+        "--sim.crash-after",
+        "3",
+    ]);
+    let status = sim.wait(Duration::from_secs(20));
+    assert!(!status.success(), "{status:?}");
+    assert_eq!(status.code(), Some(137));
+    assert!(sim.stderr().contains("crash-after"), "{}", sim.stderr());
+    assert_eq!(redis.command(&["ZCARD", "q"]), ":7", "exactly 3 taken");
+    // The lowest deadlines went first: m0..m2 are gone, the rest are still queued.
+    for (i, member) in members.iter().enumerate() {
+        let score = redis.command(&["ZSCORE", "q", member]);
+        assert_eq!(score == "(nil)", i < 3, "m{i}: {score}");
+    }
+    assert_eq!(redis.command(&["LLEN", "crash-results"]), ":0");
+    assert_eq!(redis.command(&["ZCARD", "retry-sortedset"]), ":0");
+}
+
+/// An unknown gate type is a startup error that names it.
+#[test]
+fn an_unknown_gate_type_exits_non_zero_naming_it() {
+    let mut sim = Sim::spawn(&[
+        "--redis.url",
+        "redis://127.0.0.1:9",
+        "--redis.ss.queues-config",
+        r#"[{"queue_name":"q","gate_type":"composite-xyz"}]"#,
+        "--embedded-gateway",
+    ]);
+    let status = sim.wait(Duration::from_secs(20));
+    assert!(!status.success());
+    assert!(sim.stderr().contains("composite-xyz"), "{}", sim.stderr());
+}
+
+/// Only loopback listen addresses by default, and only the sorted-set transport.
+#[test]
+fn refuses_non_loopback_listeners_and_other_transports() {
+    let mut gw = Sim::spawn(&["gateway", "--listen", "0.0.0.0:0"]);
+    assert!(!gw.wait(Duration::from_secs(20)).success());
+    assert!(
+        gw.stderr().contains("--allow-non-loopback"),
+        "{}",
+        gw.stderr()
+    );
+
+    let mut sim = Sim::spawn(&[
+        "--message-queue-impl",
+        "redis-pubsub",
+        "--redis.url",
+        "redis://127.0.0.1:9",
+        "--redis.ss.queues-config",
+        r#"[{"queue_name":"q"}]"#,
+    ]);
+    assert!(!sim.wait(Duration::from_secs(20)).success());
+    assert!(sim.stderr().contains("redis-pubsub"), "{}", sim.stderr());
+}

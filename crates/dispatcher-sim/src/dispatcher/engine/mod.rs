@@ -1,0 +1,552 @@
+//! The dispatcher's moving parts: one poller per request queue, one retry poller, and a worker
+//! per message, all sharing a Redis client, an HTTP client and a pool of worker permits.
+
+mod worker;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use batch_wire::{dispatcher_error_codes as codes, Envelope, ResultMessage};
+use fred::prelude::{
+    Builder, Client as RedisClient, ClientLike, Config as RedisConfig, KeysInterface,
+    ReconnectPolicy, SortedSetsInterface, Value,
+};
+use hyper::Uri;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::config::{DispatcherConfig, ExpiredPolicy, SimOptions};
+use super::gate::Gate;
+use super::stats::{Counters, DispatcherStats};
+use crate::{http, GatewayHandle, SimError};
+
+/// The path used when neither the message nor the queue entry names one.
+const DEFAULT_PATH: &str = "/v1/completions";
+
+/// How many due retries one pass of the retry poller takes at most.
+const RETRY_BATCH: i64 = 100;
+
+/// One request queue, resolved.
+pub(crate) struct Queue {
+    name: String,
+    /// Written into `internal.queue_id` of members the dispatcher re-adds.
+    id: String,
+    base_url: String,
+    path: String,
+    objective: Option<String>,
+    result_queue: Option<String>,
+    gate: Gate,
+}
+
+/// State shared by every task of one dispatcher.
+pub(crate) struct Shared {
+    redis: RedisClient,
+    http: http::Client,
+    queues: Vec<Arc<Queue>>,
+    default_result_queue: String,
+    retry_queue: String,
+    poll_interval: Duration,
+    batch_size: usize,
+    concurrency: usize,
+    request_timeout: Duration,
+    sim: SimOptions,
+    counters: Counters,
+    permits: Arc<Semaphore>,
+    rng: Mutex<StdRng>,
+    /// Stop taking new messages (graceful shutdown).
+    stop: CancellationToken,
+    /// Abort every task at its next await point.
+    kill: CancellationToken,
+    /// Fired by crash-after only.
+    crash: CancellationToken,
+    crashed: AtomicBool,
+    /// Takes reserved against `crash_after`, so that no more than N are ever popped.
+    take_slots: AtomicU64,
+    workers: TaskTracker,
+}
+
+fn non_empty(s: &Option<String>) -> Option<&str> {
+    s.as_deref().map(str::trim).filter(|s| !s.is_empty())
+}
+
+fn normalize_path(p: &str) -> String {
+    if p.starts_with('/') {
+        p.to_owned()
+    } else {
+        format!("/{p}")
+    }
+}
+
+fn now_secs() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+fn now_f64() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// The contract's expiry rule: `deadline < now`, in whole seconds.
+fn expired(deadline: i64) -> bool {
+    deadline < now_secs()
+}
+
+/// The error with its causes, which hyper keeps in the source chain.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+impl Queue {
+    fn resolve(
+        entry: &super::QueueEntry,
+        embedded: Option<&GatewayHandle>,
+    ) -> Result<Self, SimError> {
+        let name = entry.queue_name.trim().to_owned();
+        let (base, served_by) = match (non_empty(&entry.igw_base_url), embedded) {
+            (Some(url), _) => (url.to_owned(), None),
+            (None, Some(gw)) => (gw.base_url(), Some(gw)),
+            (None, None) => {
+                return Err(SimError::Config(format!(
+                    "queue {name}: no igw_base_url; set one or run with --embedded-gateway"
+                )))
+            }
+        };
+        let base = base.trim_end_matches('/').to_owned();
+        if !base.starts_with("http://") {
+            return Err(SimError::Config(format!(
+                "queue {name}: igw_base_url must be http://host[:port] (the simulator speaks plain HTTP), got {base:?}"
+            )));
+        }
+        let path = normalize_path(non_empty(&entry.request_path_url).unwrap_or(DEFAULT_PATH));
+        let url = format!("{base}{path}");
+        url.parse::<Uri>().map_err(|e| {
+            SimError::Config(format!("queue {name}: {url:?} is not a valid URL: {e}"))
+        })?;
+        let gate = Gate::from_entry(entry, served_by, &base)?;
+        Ok(Queue {
+            id: non_empty(&entry.id).unwrap_or(&name).to_owned(),
+            base_url: base,
+            path,
+            objective: non_empty(&entry.inference_objective).map(str::to_owned),
+            result_queue: non_empty(&entry.result_queue_name).map(str::to_owned),
+            gate,
+            name,
+        })
+    }
+}
+
+fn redis_client(url: &str) -> Result<RedisClient, SimError> {
+    // The URL may hold a password: never echo it.
+    let mut config = RedisConfig::from_url(url)
+        .map_err(|e| SimError::Redis(format!("the redis URL is invalid: {}", e.details())))?;
+    // Keep retrying when Redis is down at start, like every later outage.
+    config.fail_fast = false;
+    let mut builder = Builder::from_config(config);
+    builder
+        .with_connection_config(|c| c.connection_timeout = Duration::from_secs(2))
+        .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(5))
+        .set_policy(ReconnectPolicy::new_exponential(0, 100, 2_000, 2));
+    builder
+        .build()
+        .map_err(|e| SimError::Redis(format!("cannot build the redis client: {e}")))
+}
+
+impl Shared {
+    pub fn new(
+        config: &DispatcherConfig,
+        embedded: Option<&GatewayHandle>,
+    ) -> Result<Self, SimError> {
+        let queues = config
+            .queues
+            .iter()
+            .map(|e| Queue::resolve(e, embedded).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let redis = redis_client(&config.redis_url)?;
+        // Connects in the background; commands wait for the connection (up to their timeout).
+        drop(redis.connect());
+        let rng = match config.sim.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        Ok(Self {
+            redis,
+            http: http::client(),
+            queues,
+            default_result_queue: config.default_result_queue.clone(),
+            retry_queue: config.retry_queue.clone(),
+            poll_interval: config.poll_interval,
+            batch_size: config.batch_size,
+            concurrency: config.concurrency,
+            request_timeout: config.request_timeout,
+            sim: config.sim.clone(),
+            counters: Counters::default(),
+            permits: Arc::new(Semaphore::new(config.concurrency)),
+            rng: Mutex::new(rng),
+            stop: CancellationToken::new(),
+            kill: CancellationToken::new(),
+            crash: CancellationToken::new(),
+            crashed: AtomicBool::new(false),
+            take_slots: AtomicU64::new(0),
+            workers: TaskTracker::new(),
+        })
+    }
+
+    /// Starts the pollers; the handles end when taking stops.
+    pub fn spawn_loops(self: Arc<Self>) -> Vec<JoinHandle<()>> {
+        let mut tasks: Vec<JoinHandle<()>> = self
+            .queues
+            .iter()
+            .map(|q| tokio::spawn(self.guarded(self.clone().poll_queue(q.clone()))))
+            .collect();
+        tasks.push(tokio::spawn(self.guarded(self.clone().poll_retries())));
+        tasks
+    }
+
+    /// Makes a task stop at its next await point once the dispatcher is killed.
+    fn guarded<F: Future<Output = ()>>(&self, fut: F) -> impl Future<Output = ()> {
+        let kill = self.kill.clone();
+        async move {
+            kill.run_until_cancelled(fut).await;
+        }
+    }
+
+    pub fn stats(&self) -> DispatcherStats {
+        let in_flight = self.concurrency - self.permits.available_permits();
+        self.counters.snapshot(in_flight as u64)
+    }
+
+    pub fn crash_signal(&self) -> &CancellationToken {
+        &self.crash
+    }
+
+    pub fn has_crashed(&self) -> bool {
+        self.crashed.load(Ordering::SeqCst)
+    }
+
+    pub fn stop_taking(&self) {
+        self.stop.cancel();
+    }
+
+    pub fn kill(&self) {
+        self.kill.cancel();
+    }
+
+    /// Waits up to `grace` for workers and result writes in progress.
+    pub async fn drain(&self, grace: Duration) {
+        self.workers.close();
+        let _ = tokio::time::timeout(grace, self.workers.wait()).await;
+    }
+
+    pub fn quit_in_background(&self) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let redis = self.redis.clone();
+            runtime.spawn(async move {
+                let _ = tokio::time::timeout(Duration::from_secs(1), redis.quit()).await;
+            });
+        }
+    }
+
+    pub async fn quit(&self) {
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.redis.quit()).await;
+    }
+
+    /// Abrupt stop, as `kill -9` does to the real dispatcher: whatever is in hand is lost.
+    fn crash(&self) {
+        self.crashed.store(true, Ordering::SeqCst);
+        tracing::error!(
+            taken = self.counters.taken.load(Ordering::SeqCst),
+            "crash-after reached: stopping abruptly"
+        );
+        self.crash.cancel();
+        self.kill.cancel();
+    }
+
+    /// Reserves one take against `crash_after`; false once all are used.
+    fn reserve_take(&self) -> bool {
+        match self.sim.crash_after {
+            None => true,
+            Some(n) => {
+                if self.take_slots.fetch_add(1, Ordering::SeqCst) < n {
+                    true
+                } else {
+                    self.take_slots.fetch_sub(1, Ordering::SeqCst);
+                    false
+                }
+            }
+        }
+    }
+
+    fn unreserve_take(&self) {
+        if self.sim.crash_after.is_some() {
+            self.take_slots.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Counts a take; true when it was the one that triggers the crash.
+    fn count_take(&self) -> bool {
+        let taken = Counters::bump(&self.counters.taken);
+        if self.sim.crash_after == Some(taken) {
+            self.crash();
+            return true;
+        }
+        false
+    }
+
+    fn redis_error(&self, what: &str, e: &fred::error::Error) {
+        Counters::bump(&self.counters.redis_errors);
+        tracing::warn!(operation = what, error = %e, "redis command failed");
+    }
+
+    /// Runs a Redis write until it succeeds; gives up only when the dispatcher crashed (or is
+    /// killed, which ends the task).
+    async fn redis_write<T, F, Fut>(&self, what: &str, mut op: F) -> Option<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, fred::error::Error>>,
+    {
+        let mut pause = Duration::from_millis(50);
+        loop {
+            if self.has_crashed() {
+                return None;
+            }
+            match op().await {
+                Ok(v) => return Some(v),
+                Err(e) => {
+                    self.redis_error(what, &e);
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    async fn poll_queue(self: Arc<Self>, q: Arc<Queue>) {
+        let mut ticker = tokio::time::interval(self.poll_interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut failures: u32 = 0;
+        loop {
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            let budget = q.gate.budget(&self.redis, &self.http).await;
+            let n = (self.batch_size as f64 * budget).floor() as usize;
+            for _ in 0..n {
+                if self.stop.is_cancelled() || !self.reserve_take() {
+                    return;
+                }
+                match self.zpopmin(&q.name).await {
+                    Ok(Some((member, score))) => {
+                        failures = 0;
+                        if self.count_take() {
+                            return;
+                        }
+                        self.clone().take(q.clone(), member, score).await;
+                    }
+                    Ok(None) => {
+                        self.unreserve_take();
+                        break;
+                    }
+                    Err(e) => {
+                        self.unreserve_take();
+                        self.redis_error("ZPOPMIN", &e);
+                        failures = failures.saturating_add(1);
+                        let pause =
+                            (self.poll_interval * failures.min(6)).min(Duration::from_secs(5));
+                        tokio::select! {
+                            _ = self.stop.cancelled() => return,
+                            _ = tokio::time::sleep(pause) => {}
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One ZPOPMIN: the lowest score, i.e. the earliest deadline.
+    async fn zpopmin(&self, key: &str) -> Result<Option<(String, f64)>, fred::error::Error> {
+        let reply: Value = self.redis.zpopmin(key, None).await?;
+        let Value::Array(items) = reply else {
+            return Ok(None);
+        };
+        let mut items = items.into_iter();
+        let (Some(member), Some(score)) = (items.next(), items.next()) else {
+            return Ok(None);
+        };
+        let member = match member.as_bytes() {
+            Some(b) => String::from_utf8_lossy(b).into_owned(),
+            None => member.as_string().unwrap_or_default(),
+        };
+        Ok(Some((member, score.as_f64().unwrap_or(0.0))))
+    }
+
+    /// The checks made at dequeue, then a worker.
+    async fn take(self: Arc<Self>, q: Arc<Queue>, member: String, score: f64) {
+        let env = match Envelope::parse(&member) {
+            Ok(env) => env,
+            Err(e) => {
+                Counters::bump(&self.counters.dropped_invalid);
+                tracing::warn!(queue = %q.name, error = %e, "dropping an invalid member without a result");
+                return;
+            }
+        };
+        if expired(env.data.deadline) {
+            match self.sim.expired {
+                ExpiredPolicy::Drop => {
+                    Counters::bump(&self.counters.dropped_expired);
+                    tracing::info!(queue = %q.name, id = %env.data.id, deadline = env.data.deadline, "dropping an expired message");
+                }
+                ExpiredPolicy::Result => self.deliver(
+                    &q,
+                    &env,
+                    ResultMessage::failed(
+                        &env.data.id,
+                        codes::DEADLINE_EXCEEDED,
+                        "deadline exceeded",
+                    ),
+                ),
+            }
+            return;
+        }
+        if self.is_cancelled(&env).await {
+            self.deliver(
+                &q,
+                &env,
+                ResultMessage::failed(&env.data.id, codes::CANCELLED, "cancelled"),
+            );
+            return;
+        }
+        // The real poller blocks here, message in hand, until a worker is free.
+        let permit = tokio::select! {
+            p = self.permits.clone().acquire_owned() => p,
+            _ = self.stop.cancelled() => {
+                self.put_back(&q.name, score, &member).await;
+                return;
+            }
+        };
+        let Ok(permit) = permit else { return };
+        self.workers
+            .spawn(self.guarded(self.clone().work(q, env, permit)));
+    }
+
+    /// Graceful shutdown with a message in hand: return it unchanged.
+    async fn put_back(&self, queue: &str, score: f64, member: &str) {
+        self.redis_write("ZADD (put back)", || {
+            self.redis
+                .zadd::<i64, _, _>(queue, None, None, false, false, (score, member))
+        })
+        .await;
+    }
+
+    async fn is_cancelled(&self, env: &Envelope) -> bool {
+        let Some(token) = non_empty(&env.internal.request_token) else {
+            return false;
+        };
+        let key = batch_queue_names::cancel_marker_key(&env.data.id);
+        match self.redis.get::<Option<String>, _>(key).await {
+            Ok(marker) => marker.as_deref() == Some(token),
+            Err(e) => {
+                self.redis_error("GET cancel marker", &e);
+                false
+            }
+        }
+    }
+
+    async fn poll_retries(self: Arc<Self>) {
+        let mut ticker = tokio::time::interval(self.poll_interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            let due: Vec<String> = match self
+                .redis
+                .zrangebyscore(
+                    self.retry_queue.as_str(),
+                    "-inf",
+                    now_f64(),
+                    false,
+                    Some((0, RETRY_BATCH)),
+                )
+                .await
+            {
+                Ok(members) => members,
+                Err(e) => {
+                    self.redis_error("ZRANGEBYSCORE (retries)", &e);
+                    continue;
+                }
+            };
+            for member in due {
+                // A free worker first, so a retry is never held while shutting down.
+                let permit = tokio::select! {
+                    p = self.permits.clone().acquire_owned() => p,
+                    _ = self.stop.cancelled() => return,
+                };
+                let Ok(permit) = permit else { return };
+                // Several dispatchers may share the retry set: whoever removes it owns it.
+                match self
+                    .redis
+                    .zrem::<i64, _, _>(self.retry_queue.as_str(), member.as_str())
+                    .await
+                {
+                    Ok(1..) => {}
+                    Ok(_) => continue,
+                    Err(e) => {
+                        self.redis_error("ZREM (retries)", &e);
+                        continue;
+                    }
+                }
+                let Some((q, env)) = self.retry_target(&member) else {
+                    Counters::bump(&self.counters.dropped_invalid);
+                    continue;
+                };
+                self.workers
+                    .spawn(self.guarded(self.clone().work(q, env, permit)));
+            }
+        }
+    }
+
+    fn retry_target(&self, member: &str) -> Option<(Arc<Queue>, Envelope)> {
+        let env = match Envelope::parse(member) {
+            Ok(env) => env,
+            Err(e) => {
+                tracing::warn!(error = %e, "dropping an invalid retry member");
+                return None;
+            }
+        };
+        let by_id = non_empty(&env.internal.queue_id)
+            .and_then(|id| self.queues.iter().find(|q| q.id == id));
+        let by_name = || {
+            non_empty(&env.internal.request_queue_name)
+                .and_then(|name| self.queues.iter().find(|q| q.name == name))
+        };
+        match by_id.or_else(by_name) {
+            Some(q) => Some((q.clone(), env)),
+            None => {
+                tracing::warn!(id = %env.data.id, "a retry names no queue this dispatcher serves; dropped");
+                None
+            }
+        }
+    }
+}

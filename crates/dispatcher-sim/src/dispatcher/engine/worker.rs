@@ -1,0 +1,260 @@
+//! A worker's part: the checks just before sending, the HTTP exchange, and what becomes of
+//! the response (a result, or a retry through the retry sorted set).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use batch_wire::{dispatcher_error_codes as codes, Envelope, ResultMessage};
+use bytes::Bytes;
+use fred::prelude::{ListInterface, SortedSetsInterface};
+use http_body_util::{BodyExt, Full};
+use hyper::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use hyper::{Request, Uri};
+use rand::Rng;
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::{error_chain, non_empty, normalize_path, now_f64, Queue, Shared};
+use crate::dispatcher::backoff;
+use crate::dispatcher::stats::Counters;
+
+impl Shared {
+    /// Sends one message and turns the response into a result or a retry.
+    pub(super) async fn work(
+        self: Arc<Self>,
+        q: Arc<Queue>,
+        mut env: Envelope,
+        _permit: OwnedSemaphorePermit,
+    ) {
+        if self.is_cancelled(&env).await {
+            self.deliver(
+                &q,
+                &env,
+                ResultMessage::failed(&env.data.id, codes::CANCELLED, "cancelled"),
+            );
+            return;
+        }
+        if q.gate.budget(&self.redis, &self.http).await <= 0.0 {
+            self.refuse(&q, env).await;
+            return;
+        }
+        let path = env
+            .data
+            .endpoint
+            .as_deref()
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(normalize_path)
+            .unwrap_or_else(|| q.path.clone());
+        let request = match build_request(&q, &env, &path) {
+            Ok(r) => r,
+            Err(why) => {
+                self.deliver(
+                    &q,
+                    &env,
+                    ResultMessage::failed(&env.data.id, codes::INVALID_REQUEST, &why),
+                );
+                return;
+            }
+        };
+        Counters::bump(&self.counters.dispatched);
+        match self.send(request).await {
+            Err(why) => self.deliver(
+                &q,
+                &env,
+                ResultMessage::failed(&env.data.id, codes::INFERENCE_ERROR, &why),
+            ),
+            Ok((status, retry_after, body)) if status == 429 || status >= 500 => {
+                self.retry_or_finish(&q, &mut env, status, retry_after, body)
+                    .await
+            }
+            Ok((status, _, body)) => {
+                self.deliver(&q, &env, ResultMessage::http(&env.data.id, status, body))
+            }
+        }
+    }
+
+    /// The gate closed between taking and sending: back into the queue at the deadline score,
+    /// re-serialised (so the member's bytes may differ from what the producer wrote).
+    pub(super) async fn refuse(&self, q: &Queue, mut env: Envelope) {
+        mark_queue(&mut env, q);
+        let member = env.to_member();
+        let score = env.score();
+        let added = self
+            .redis_write("ZADD (gate refusal)", || {
+                self.redis.zadd::<i64, _, _>(
+                    q.name.as_str(),
+                    None,
+                    None,
+                    false,
+                    false,
+                    (score, member.as_str()),
+                )
+            })
+            .await;
+        if added.is_some() {
+            Counters::bump(&self.counters.gate_refused);
+            tracing::debug!(queue = %q.name, id = %env.data.id, "gate closed; message put back");
+        }
+    }
+
+    async fn send(
+        &self,
+        request: Request<Full<Bytes>>,
+    ) -> Result<(u16, Option<Duration>, String), String> {
+        let exchange = async {
+            let resp = self
+                .http
+                .request(request)
+                .await
+                .map_err(|e| format!("request failed: {}", error_chain(&e)))?;
+            let status = resp.status().as_u16();
+            let retry_after = resp
+                .headers()
+                .get(RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| backoff::parse_retry_after(v, SystemTime::now()));
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("reading the response failed: {}", error_chain(&e)))?
+                .to_bytes();
+            Ok((
+                status,
+                retry_after,
+                String::from_utf8_lossy(&body).into_owned(),
+            ))
+        };
+        match tokio::time::timeout(self.request_timeout, exchange).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(format!(
+                "request timed out after {}",
+                humantime::format_duration(self.request_timeout)
+            )),
+        }
+    }
+
+    /// 429/5xx: schedule a retry in the retry sorted set, unless it would fall after the
+    /// deadline, in which case the last response is the result.
+    async fn retry_or_finish(
+        self: &Arc<Self>,
+        q: &Queue,
+        env: &mut Envelope,
+        status: u16,
+        retry_after: Option<Duration>,
+        body: String,
+    ) {
+        let attempt = env.internal.retry_count.unwrap_or(0);
+        let wait = {
+            let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+            backoff::delay(attempt, retry_after, &mut *rng)
+        };
+        let wait = wait.as_secs_f64() * self.sim.time_scale;
+        let due = now_f64() + wait;
+        if !due.is_finite() || due.floor() as i64 > env.data.deadline {
+            self.deliver(q, env, ResultMessage::http(&env.data.id, status, body));
+            return;
+        }
+        env.internal.retry_count = Some(attempt.saturating_add(1));
+        mark_queue(env, q);
+        let member = env.to_member();
+        let added = self
+            .redis_write("ZADD (retry)", || {
+                self.redis.zadd::<i64, _, _>(
+                    self.retry_queue.as_str(),
+                    None,
+                    None,
+                    false,
+                    false,
+                    (due, member.as_str()),
+                )
+            })
+            .await;
+        if added.is_some() {
+            Counters::bump(&self.counters.retried);
+            tracing::debug!(id = %env.data.id, status, retry_count = attempt + 1, wait_secs = wait, "retry scheduled");
+        }
+    }
+
+    /// Writes a result in the background: routed, maybe delayed, maybe duplicated.
+    pub(super) fn deliver(self: &Arc<Self>, q: &Queue, env: &Envelope, result: ResultMessage) {
+        let list = q
+            .result_queue
+            .clone()
+            .or_else(|| non_empty(&env.internal.result_queue_name).map(str::to_owned))
+            .unwrap_or_else(|| self.default_result_queue.clone());
+        let copies = if self.sim.duplicate_rate > 0.0
+            && self
+                .rng
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .random::<f64>()
+                < self.sim.duplicate_rate
+        {
+            2
+        } else {
+            1
+        };
+        let outcome = match result.status_code {
+            Some(s) if s > 0 => s.to_string(),
+            _ => result.error_code.clone().unwrap_or_default(),
+        };
+        let json = result.to_json();
+        let delay = self.sim.result_delay;
+        let this = self.clone();
+        self.workers.spawn(self.guarded(async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            let values = vec![json; copies];
+            let pushed = this
+                .redis_write("LPUSH (result)", || {
+                    this.redis.lpush::<i64, _, _>(list.as_str(), values.clone())
+                })
+                .await;
+            if pushed.is_some() {
+                this.counters.result(&outcome);
+                if copies == 2 {
+                    Counters::bump(&this.counters.duplicated);
+                }
+            }
+        }));
+    }
+}
+
+/// Records which queue a re-added member belongs to.
+fn mark_queue(env: &mut Envelope, q: &Queue) {
+    env.internal.queue_id = Some(q.id.clone());
+    if non_empty(&env.internal.request_queue_name).is_none() {
+        env.internal.request_queue_name = Some(q.name.clone());
+    }
+}
+
+fn build_request(q: &Queue, env: &Envelope, path: &str) -> Result<Request<Full<Bytes>>, String> {
+    let url = format!("{}{}", q.base_url, path);
+    let uri: Uri = url
+        .parse()
+        .map_err(|e| format!("invalid request URL {url:?}: {e}"))?;
+    let body = Full::new(Bytes::copy_from_slice(env.data.payload.get().as_bytes()));
+    let mut request = Request::post(uri)
+        .body(body)
+        .map_err(|e| format!("cannot build the request: {e}"))?;
+    let headers = request.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(objective) = &q.objective {
+        let value = HeaderValue::from_str(objective)
+            .map_err(|_| format!("invalid inference objective {objective:?}"))?;
+        headers.insert(
+            HeaderName::from_static("x-gateway-inference-objective"),
+            value,
+        );
+    }
+    for (name, value) in &env.data.headers {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("invalid header name {name:?}"))?;
+        let value =
+            HeaderValue::from_str(value).map_err(|_| format!("invalid value for header {name}"))?;
+        headers.insert(name, value);
+    }
+    Ok(request)
+}

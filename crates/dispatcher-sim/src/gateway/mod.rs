@@ -1,0 +1,629 @@
+//! The fake OpenAI-compatible inference gateway.
+
+mod config;
+mod reply;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::{Method, Request, StatusCode};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use config::{FailureKind, FailureRule, GatewayConfig};
+use reply::Endpoint;
+
+use crate::http::{self, Reply, Resp};
+use crate::prom::Page;
+use crate::SimError;
+
+/// How many requests `/admin/requests` remembers.
+const RECENT_LIMIT: usize = 1000;
+
+/// The header the EPP sets on a request it dropped because its TTL ran out.
+const DROPPED_REASON: &str = "x-llm-d-request-dropped-reason";
+
+/// Starts gateways. See [`GatewayHandle`] for what a running one offers.
+pub struct Gateway;
+
+impl Gateway {
+    /// Binds `listen` (port 0 picks a free port) and serves until the handle is shut down or
+    /// dropped.
+    pub async fn start(
+        listen: SocketAddr,
+        config: GatewayConfig,
+    ) -> Result<GatewayHandle, SimError> {
+        config.validate()?;
+        let listener = http::bind(listen).await?;
+        let addr = listener.local_addr().map_err(|source| SimError::Bind {
+            addr: listen,
+            source,
+        })?;
+        let state = Arc::new(GatewayState::new(config));
+        let token = CancellationToken::new();
+        let handler_state = state.clone();
+        let task = http::serve(
+            listener,
+            token.clone(),
+            Arc::new(move |req| handle(handler_state.clone(), req)),
+        );
+        tracing::info!(%addr, "gateway listening");
+        Ok(GatewayHandle {
+            addr,
+            state,
+            token,
+            task: Some(task),
+        })
+    }
+}
+
+/// A running gateway. Dropping it stops the server too.
+pub struct GatewayHandle {
+    addr: SocketAddr,
+    state: Arc<GatewayState>,
+    token: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl GatewayHandle {
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://<addr>`, to use as a queue entry's `igw_base_url`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Replaces the configuration (as `POST /admin/config` does); failure-rule limits restart.
+    pub fn set_config(&self, config: GatewayConfig) -> Result<(), SimError> {
+        self.state.set_config(config)
+    }
+
+    /// The current configuration.
+    pub fn config(&self) -> GatewayConfig {
+        self.state.active().config.clone()
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> GatewayStats {
+        self.state.stats()
+    }
+
+    /// The last inference requests received (at most 1000), oldest first.
+    pub fn recent_requests(&self) -> Vec<SeenRequest> {
+        lock(&self.state.recent).iter().cloned().collect()
+    }
+
+    /// A probe of the current load, for gates computed from it.
+    pub(crate) fn load(&self) -> GatewayLoad {
+        GatewayLoad(self.state.clone())
+    }
+
+    /// Stops accepting, drops open connections and waits for the server task.
+    pub async fn shutdown(mut self) {
+        self.token.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for GatewayHandle {
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
+/// Reads a gateway's in-flight count without owning the gateway.
+#[derive(Clone)]
+pub(crate) struct GatewayLoad(Arc<GatewayState>);
+
+impl GatewayLoad {
+    /// Inference requests being served now.
+    pub fn in_flight(&self) -> usize {
+        self.0.in_flight.load(Ordering::SeqCst)
+    }
+}
+
+/// The gateway's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct GatewayStats {
+    /// Inference requests admitted and not yet answered.
+    pub in_flight: usize,
+    /// Requests whose body is still being read.
+    pub waiting: usize,
+    /// The highest `in_flight` seen.
+    pub max_in_flight_seen: usize,
+    /// Inference requests received.
+    pub total: u64,
+    /// Inference responses sent, by HTTP status.
+    pub responses_by_status: BTreeMap<u16, u64>,
+    /// Connections reset instead of answered.
+    pub resets: u64,
+}
+
+impl GatewayStats {
+    /// Responses sent with `status`.
+    pub fn responses(&self, status: u16) -> u64 {
+        self.responses_by_status.get(&status).copied().unwrap_or(0)
+    }
+}
+
+/// One inference request as the gateway received it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeenRequest {
+    /// HTTP method.
+    pub method: String,
+    /// Request path.
+    pub path: String,
+    /// Headers, names lowercased; repeated headers joined with `", "`.
+    pub headers: BTreeMap<String, String>,
+    /// [`batch_wire::hash::body_digest`] of the exact body bytes.
+    pub body_digest: String,
+    /// Body length in bytes.
+    pub body_len: usize,
+    /// When it arrived, Unix milliseconds.
+    pub received_unix_ms: u64,
+}
+
+impl SeenRequest {
+    /// A header's value by case-insensitive name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(&name.to_ascii_lowercase())
+            .map(String::as_str)
+    }
+}
+
+struct Active {
+    config: GatewayConfig,
+    /// How often each failure rule has fired, for `limit`.
+    fired: Vec<AtomicU64>,
+}
+
+struct GatewayState {
+    active: RwLock<Arc<Active>>,
+    rng: Mutex<StdRng>,
+    in_flight: AtomicUsize,
+    waiting: AtomicUsize,
+    max_in_flight: AtomicUsize,
+    total: AtomicU64,
+    resets: AtomicU64,
+    by_status: Mutex<BTreeMap<u16, u64>>,
+    recent: Mutex<VecDeque<SeenRequest>>,
+}
+
+/// Locks a mutex, shrugging off poisoning: the data are counters, still meaningful.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl GatewayState {
+    fn new(config: GatewayConfig) -> Self {
+        let state = Self {
+            active: RwLock::new(Arc::new(Active {
+                config: GatewayConfig::default(),
+                fired: Vec::new(),
+            })),
+            rng: Mutex::new(StdRng::from_os_rng()),
+            in_flight: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            max_in_flight: AtomicUsize::new(0),
+            total: AtomicU64::new(0),
+            resets: AtomicU64::new(0),
+            by_status: Mutex::new(BTreeMap::new()),
+            recent: Mutex::new(VecDeque::new()),
+        };
+        // Validated by the caller.
+        let _ = state.set_config(config);
+        state
+    }
+
+    fn active(&self) -> Arc<Active> {
+        self.active
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_config(&self, config: GatewayConfig) -> Result<(), SimError> {
+        config.validate()?;
+        if let Some(seed) = config.seed {
+            *lock(&self.rng) = StdRng::seed_from_u64(seed);
+        }
+        let fired = config.failures.iter().map(|_| AtomicU64::new(0)).collect();
+        *self.active.write().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(Active { config, fired });
+        Ok(())
+    }
+
+    fn stats(&self) -> GatewayStats {
+        GatewayStats {
+            in_flight: self.in_flight.load(Ordering::SeqCst),
+            waiting: self.waiting.load(Ordering::SeqCst),
+            max_in_flight_seen: self.max_in_flight.load(Ordering::SeqCst),
+            total: self.total.load(Ordering::SeqCst),
+            responses_by_status: lock(&self.by_status).clone(),
+            resets: self.resets.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Takes an in-flight slot unless the capacity is reached.
+    fn admit(self: &Arc<Self>, capacity: Option<usize>) -> Option<InFlight> {
+        let before = self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if capacity.is_some_and(|c| before >= c) {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        self.max_in_flight.fetch_max(before + 1, Ordering::SeqCst);
+        Some(InFlight(self.clone()))
+    }
+
+    /// The failure to inject into this request, if any.
+    fn pick_failure(&self, active: &Active, path: &str) -> Option<FailureKind> {
+        let mut rng = lock(&self.rng);
+        for (rule, fired) in active.config.failures.iter().zip(&active.fired) {
+            if rule.path.as_deref().is_some_and(|p| p != path) {
+                continue;
+            }
+            if rule
+                .limit
+                .is_some_and(|l| fired.load(Ordering::SeqCst) >= l)
+            {
+                continue;
+            }
+            if rng.random::<f64>() < rule.rate {
+                let before = fired.fetch_add(1, Ordering::SeqCst);
+                if rule.limit.is_some_and(|l| before >= l) {
+                    continue;
+                }
+                return Some(rule.kind);
+            }
+        }
+        None
+    }
+
+    fn record(&self, seen: SeenRequest) {
+        let mut recent = lock(&self.recent);
+        if recent.len() == RECENT_LIMIT {
+            recent.pop_front();
+        }
+        recent.push_back(seen);
+    }
+
+    fn count(&self, resp: Resp) -> Reply {
+        *lock(&self.by_status)
+            .entry(resp.status().as_u16())
+            .or_insert(0) += 1;
+        Reply::Response(resp)
+    }
+
+    fn metrics_page(&self) -> String {
+        let s = self.stats();
+        let mut page = Page::default();
+        page.family(
+            "gateway_in_flight_requests",
+            "gauge",
+            "Inference requests being served.",
+        )
+        .sample("gateway_in_flight_requests", &[], s.in_flight as f64)
+        .family(
+            "gateway_waiting_requests",
+            "gauge",
+            "Requests whose body is still being read.",
+        )
+        .sample("gateway_waiting_requests", &[], s.waiting as f64)
+        .family(
+            "gateway_max_in_flight_requests",
+            "gauge",
+            "Highest in-flight count seen.",
+        )
+        .sample(
+            "gateway_max_in_flight_requests",
+            &[],
+            s.max_in_flight_seen as f64,
+        )
+        .family(
+            "gateway_requests_total",
+            "counter",
+            "Inference requests received.",
+        )
+        .sample("gateway_requests_total", &[], s.total as f64)
+        .family(
+            "gateway_responses_total",
+            "counter",
+            "Inference responses by HTTP status.",
+        );
+        for (status, n) in &s.responses_by_status {
+            page.sample(
+                "gateway_responses_total",
+                &[("status", &status.to_string())],
+                *n as f64,
+            );
+        }
+        page.family(
+            "gateway_connection_resets_total",
+            "counter",
+            "Connections reset unanswered.",
+        )
+        .sample("gateway_connection_resets_total", &[], s.resets as f64);
+        page.finish()
+    }
+}
+
+/// An admitted request; releases its slot when dropped, also if the client goes away.
+struct InFlight(Arc<GatewayState>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn openai_error(
+    status: StatusCode,
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Resp {
+    http::json(status, reply::error(message, kind, param, code))
+}
+
+async fn handle(state: Arc<GatewayState>, req: Request<Incoming>) -> Reply {
+    let path = req.uri().path().to_owned();
+    let method = req.method().clone();
+    match (method, path.as_str()) {
+        (Method::GET, "/health") => {
+            Reply::Response(http::response(StatusCode::OK, "text/plain", "ok\n"))
+        }
+        (Method::GET, "/metrics") => Reply::Response(http::response(
+            StatusCode::OK,
+            "text/plain; version=0.0.4",
+            state.metrics_page(),
+        )),
+        (Method::GET, "/admin/config") => Reply::Response(http::json(
+            StatusCode::OK,
+            serde_json::to_string(&state.active().config).unwrap_or_default(),
+        )),
+        (Method::POST, "/admin/config") => Reply::Response(admin_set_config(&state, req).await),
+        (Method::GET, "/admin/requests") => {
+            let recent: Vec<SeenRequest> = lock(&state.recent).iter().cloned().collect();
+            Reply::Response(http::json(
+                StatusCode::OK,
+                serde_json::to_string(&recent).unwrap_or_default(),
+            ))
+        }
+        (Method::POST, p) => match Endpoint::from_path(p) {
+            Some(endpoint) => infer(state, endpoint, req).await,
+            None => Reply::Response(openai_error(
+                StatusCode::NOT_FOUND,
+                &format!("unknown endpoint {p}"),
+                "invalid_request_error",
+                None,
+                Some("unknown_url"),
+            )),
+        },
+        (m, p) => {
+            let known = Endpoint::from_path(p).is_some()
+                || matches!(
+                    p,
+                    "/health" | "/metrics" | "/admin/config" | "/admin/requests"
+                );
+            let status = if known {
+                StatusCode::METHOD_NOT_ALLOWED
+            } else {
+                StatusCode::NOT_FOUND
+            };
+            Reply::Response(openai_error(
+                status,
+                &format!("{m} {p} is not served"),
+                "invalid_request_error",
+                None,
+                None,
+            ))
+        }
+    }
+}
+
+async fn admin_set_config(state: &GatewayState, req: Request<Incoming>) -> Resp {
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                &e.to_string(),
+                "invalid_request_error",
+                None,
+                None,
+            )
+        }
+    };
+    let config = match serde_json::from_slice::<GatewayConfig>(&body) {
+        Ok(c) => c,
+        Err(e) => {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid gateway config: {e}"),
+                "invalid_request_error",
+                None,
+                None,
+            )
+        }
+    };
+    match state.set_config(config) {
+        Ok(()) => http::json(
+            StatusCode::OK,
+            serde_json::to_string(&state.active().config).unwrap_or_default(),
+        ),
+        Err(e) => openai_error(
+            StatusCode::BAD_REQUEST,
+            &e.to_string(),
+            "invalid_request_error",
+            None,
+            None,
+        ),
+    }
+}
+
+async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incoming>) -> Reply {
+    state.total.fetch_add(1, Ordering::SeqCst);
+    let (parts, body) = req.into_parts();
+    state.waiting.fetch_add(1, Ordering::SeqCst);
+    let body = body.collect().await;
+    state.waiting.fetch_sub(1, Ordering::SeqCst);
+    let body: Bytes = match body {
+        Ok(b) => b.to_bytes(),
+        // The client went away mid-body; there is nobody to answer.
+        Err(_) => return Reply::Reset,
+    };
+
+    let mut headers = BTreeMap::<String, String>::new();
+    for (name, value) in &parts.headers {
+        let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+        headers
+            .entry(name.as_str().to_owned())
+            .and_modify(|v| {
+                v.push_str(", ");
+                v.push_str(&value);
+            })
+            .or_insert(value);
+    }
+    let digest = batch_wire::hash::body_digest(&body);
+    state.record(SeenRequest {
+        method: parts.method.to_string(),
+        path: parts.uri.path().to_owned(),
+        headers,
+        body_digest: digest.clone(),
+        body_len: body.len(),
+        received_unix_ms: unix_ms(),
+    });
+
+    let request: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return state.count(openai_error(
+                StatusCode::BAD_REQUEST,
+                &format!("malformed JSON body: {e}"),
+                "invalid_request_error",
+                None,
+                Some("invalid_json"),
+            ))
+        }
+    };
+    let Some(request) = request.as_object() else {
+        return state.count(openai_error(
+            StatusCode::BAD_REQUEST,
+            "the request body must be a JSON object",
+            "invalid_request_error",
+            None,
+            Some("invalid_json"),
+        ));
+    };
+    let Some(model) = request
+        .get("model")
+        .and_then(Value::as_str)
+        .filter(|m| !m.is_empty())
+    else {
+        return state.count(openai_error(
+            StatusCode::BAD_REQUEST,
+            "you must provide a model parameter",
+            "invalid_request_error",
+            Some("model"),
+            None,
+        ));
+    };
+
+    let active = state.active();
+    let config = &active.config;
+    let Some(_slot) = state.admit(config.capacity) else {
+        return state.count(too_many_requests(
+            config,
+            "the gateway is at capacity",
+            None,
+        ));
+    };
+    if let Some(kind) = state.pick_failure(&active, parts.uri.path()) {
+        return match kind {
+            FailureKind::ConnectionReset => {
+                state.resets.fetch_add(1, Ordering::SeqCst);
+                Reply::Reset
+            }
+            kind => state.count(injected(config, kind)),
+        };
+    }
+
+    let tokens = reply::requested_tokens(request).unwrap_or(config.default_max_tokens);
+    tokio::time::sleep(config.latency(tokens)).await;
+    let text = reply::success(endpoint, model, request, &digest, tokens);
+    state.count(http::json(StatusCode::OK, text))
+}
+
+fn too_many_requests(config: &GatewayConfig, message: &str, dropped_reason: Option<&str>) -> Resp {
+    let mut resp = openai_error(
+        StatusCode::TOO_MANY_REQUESTS,
+        message,
+        "rate_limit_error",
+        None,
+        Some("rate_limit_exceeded"),
+    );
+    let headers = resp.headers_mut();
+    if let Ok(v) = config.retry_after_secs.to_string().parse() {
+        headers.insert(hyper::header::RETRY_AFTER, v);
+    }
+    if let Some(reason) = dropped_reason.and_then(|r| r.parse().ok()) {
+        headers.insert(DROPPED_REASON, reason);
+    }
+    resp
+}
+
+fn injected(config: &GatewayConfig, kind: FailureKind) -> Resp {
+    match kind {
+        FailureKind::Status429 => too_many_requests(config, "simulated rate limit", None),
+        FailureKind::TtlExpired => too_many_requests(
+            config,
+            "request TTL expired in the queue",
+            Some("rejected-ttl-expired"),
+        ),
+        FailureKind::Status500 => openai_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "simulated internal error",
+            "server_error",
+            None,
+            None,
+        ),
+        FailureKind::Status503 => openai_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "simulated overload",
+            "server_error",
+            None,
+            Some("service_unavailable"),
+        ),
+        FailureKind::Status400 | FailureKind::ConnectionReset => openai_error(
+            StatusCode::BAD_REQUEST,
+            "simulated bad request",
+            "invalid_request_error",
+            None,
+            None,
+        ),
+    }
+}

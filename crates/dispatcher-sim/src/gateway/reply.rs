@@ -1,0 +1,198 @@
+//! Deterministic OpenAI-style reply bodies. Each names the digest of the exact request body so a
+//! test can prove which request a reply answers.
+
+use serde_json::{json, Map, Value};
+
+/// The fixed `created` of every reply: a reply must depend on the request only.
+const CREATED: i64 = 1_700_000_000;
+
+/// The inference endpoints the gateway serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completions,
+    /// `/v1/embeddings`
+    Embeddings,
+}
+
+impl Endpoint {
+    /// The endpoint served at `path`, if any.
+    pub fn from_path(path: &str) -> Option<Self> {
+        match path {
+            "/v1/chat/completions" => Some(Self::Chat),
+            "/v1/completions" => Some(Self::Completions),
+            "/v1/embeddings" => Some(Self::Embeddings),
+            _ => None,
+        }
+    }
+}
+
+/// Output tokens requested: `max_tokens`, else `max_completion_tokens`.
+pub fn requested_tokens(body: &Map<String, Value>) -> Option<u64> {
+    ["max_tokens", "max_completion_tokens"]
+        .iter()
+        .find_map(|k| body.get(*k).and_then(Value::as_u64))
+}
+
+/// The reply body for a well-formed request.
+pub fn success(
+    endpoint: Endpoint,
+    model: &str,
+    body: &Map<String, Value>,
+    digest: &str,
+    tokens: u64,
+) -> String {
+    let content = format!("digest:{digest}");
+    let reply = match endpoint {
+        Endpoint::Chat => {
+            let prompt = body.get("messages").map(count_words).unwrap_or(0);
+            json!({
+                "id": format!("chatcmpl-{digest}"),
+                "object": "chat.completion",
+                "created": CREATED,
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "logprobs": null,
+                    "finish_reason": "stop",
+                }],
+                "usage": usage(prompt, tokens),
+            })
+        }
+        Endpoint::Completions => {
+            let prompt = body.get("prompt").map(count_words).unwrap_or(0);
+            json!({
+                "id": format!("cmpl-{digest}"),
+                "object": "text_completion",
+                "created": CREATED,
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "text": content,
+                    "logprobs": null,
+                    "finish_reason": "stop",
+                }],
+                "usage": usage(prompt, tokens),
+            })
+        }
+        Endpoint::Embeddings => {
+            let inputs = match body.get("input") {
+                Some(Value::Array(items)) if items.iter().all(|i| !i.is_number()) => items.len(),
+                _ => 1,
+            };
+            let prompt = body.get("input").map(count_words).unwrap_or(0);
+            let data: Vec<Value> = (0..inputs)
+                .map(|index| {
+                    json!({"object": "embedding", "index": index, "embedding": vector(digest, index)})
+                })
+                .collect();
+            json!({
+                "id": format!("embd-{digest}"),
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+            })
+        }
+    };
+    reply.to_string()
+}
+
+/// An OpenAI error body.
+pub fn error(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> String {
+    json!({"error": {"message": message, "type": kind, "param": param, "code": code}}).to_string()
+}
+
+fn usage(prompt: u64, completion: u64) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt.saturating_add(completion),
+    })
+}
+
+/// A crude token count: words in every string, one per number (token-id prompts).
+fn count_words(v: &Value) -> u64 {
+    match v {
+        Value::String(s) => s.split_whitespace().count() as u64,
+        Value::Number(_) => 1,
+        Value::Array(items) => items.iter().map(count_words).sum(),
+        Value::Object(map) => map
+            .iter()
+            .filter(|(k, _)| matches!(k.as_str(), "content" | "text"))
+            .map(|(_, v)| count_words(v))
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// Eight components derived from the digest, so equal inputs embed equally.
+fn vector(digest: &str, index: usize) -> Vec<f64> {
+    let seed = batch_wire::hash::fnv1a_64(format!("{digest}:{index}").as_bytes());
+    (0..8)
+        .map(|i| {
+            let byte = (seed >> (i * 8)) & 0xff;
+            (byte as f64 / 127.5) - 1.0
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(s: &str) -> Map<String, Value> {
+        serde_json::from_str(s).unwrap()
+    }
+
+    #[test]
+    fn chat_reply_is_well_formed_and_names_the_digest() {
+        let body = obj(
+            r#"{"model":"m","messages":[{"role":"user","content":"two words"},
+            {"role":"user","content":[{"type":"text","text":"three more words"}]}]}"#,
+        );
+        let reply: Value =
+            serde_json::from_str(&success(Endpoint::Chat, "m", &body, "abc", 5)).unwrap();
+        assert_eq!(reply["id"], "chatcmpl-abc");
+        assert_eq!(reply["object"], "chat.completion");
+        assert_eq!(reply["model"], "m");
+        assert_eq!(reply["choices"][0]["message"]["content"], "digest:abc");
+        assert_eq!(reply["choices"][0]["finish_reason"], "stop");
+        assert_eq!(reply["usage"]["prompt_tokens"], 5);
+        assert_eq!(reply["usage"]["completion_tokens"], 5);
+        assert_eq!(reply["usage"]["total_tokens"], 10);
+    }
+
+    #[test]
+    fn completion_and_embedding_replies() {
+        let body = obj(r#"{"model":"m","prompt":"a b c"}"#);
+        let reply: Value =
+            serde_json::from_str(&success(Endpoint::Completions, "m", &body, "d1", 16)).unwrap();
+        assert_eq!(reply["object"], "text_completion");
+        assert_eq!(reply["choices"][0]["text"], "digest:d1");
+        assert_eq!(reply["usage"]["prompt_tokens"], 3);
+
+        let body = obj(r#"{"model":"e","input":["x y","z"]}"#);
+        let text = success(Endpoint::Embeddings, "e", &body, "d2", 16);
+        assert_eq!(text, success(Endpoint::Embeddings, "e", &body, "d2", 16));
+        let reply: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(reply["object"], "list");
+        assert_eq!(reply["data"].as_array().unwrap().len(), 2);
+        assert_eq!(reply["data"][1]["embedding"].as_array().unwrap().len(), 8);
+        assert_ne!(reply["data"][0]["embedding"], reply["data"][1]["embedding"]);
+        assert_eq!(reply["usage"]["prompt_tokens"], 3);
+    }
+
+    #[test]
+    fn tokens_come_from_max_tokens_or_max_completion_tokens() {
+        assert_eq!(requested_tokens(&obj(r#"{"max_tokens":7}"#)), Some(7));
+        assert_eq!(
+            requested_tokens(&obj(r#"{"max_completion_tokens":9}"#)),
+            Some(9)
+        );
+        assert_eq!(requested_tokens(&obj(r#"{"max_tokens":"7"}"#)), None);
+    }
+}

@@ -1,0 +1,184 @@
+//! Helpers shared by the integration tests: a Redis client, envelopes, polling, plain HTTP.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use batch_wire::ResultMessage;
+use bytes::Bytes;
+use dispatcher_sim::{DispatcherConfig, QueueEntry};
+use fred::prelude::{
+    Builder, Client, ClientLike, Config, KeysInterface, ListInterface, SortedSetsInterface,
+};
+use http_body_util::{BodyExt, Full};
+use hyper::header::HeaderMap;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+pub const QUEUE: &str = "llm-d-async:requests:pool-a";
+
+/// Unix seconds now.
+pub fn now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
+/// A connected Redis client for assertions and set-up.
+pub async fn redis(url: &str) -> Client {
+    let client = Builder::from_config(Config::from_url(url).unwrap())
+        .build()
+        .unwrap();
+    client.init().await.unwrap();
+    client
+}
+
+/// A valid envelope; `internal` is the JSON object text of the internal block.
+pub fn envelope(id: &str, deadline: i64, payload: &str, internal: &str) -> String {
+    format!(
+        r#"{{"internal":{internal},"request_kind":"plain","data":{{"id":"{id}","created":{},"deadline":{deadline},"payload":{payload},"metadata":{{"job_id":"job","request_index":"1"}}}}}}"#,
+        now()
+    )
+}
+
+/// A chat payload with a distinct prompt.
+pub fn chat(prompt: &str) -> String {
+    format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{prompt}"}}],"max_tokens":4}}"#)
+}
+
+pub async fn zadd(client: &Client, key: &str, score: f64, member: &str) {
+    let _: i64 = client
+        .zadd(key, None, None, false, false, (score, member))
+        .await
+        .unwrap();
+}
+
+/// Adds an envelope at its deadline score, as the real producer does.
+pub async fn enqueue(
+    client: &Client,
+    key: &str,
+    id: &str,
+    deadline: i64,
+    payload: &str,
+    internal: &str,
+) -> String {
+    let member = envelope(id, deadline, payload, internal);
+    zadd(client, key, deadline as f64, &member).await;
+    member
+}
+
+pub async fn zcard(client: &Client, key: &str) -> i64 {
+    client.zcard(key).await.unwrap()
+}
+
+pub async fn llen(client: &Client, key: &str) -> i64 {
+    client.llen(key).await.unwrap()
+}
+
+pub async fn set(client: &Client, key: &str, value: &str) {
+    let _: () = client.set(key, value, None, None, false).await.unwrap();
+}
+
+/// Pops `n` results (oldest first), failing after `timeout`.
+pub async fn results(
+    client: &Client,
+    list: &str,
+    n: usize,
+    timeout: Duration,
+) -> Vec<ResultMessage> {
+    let until = Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < n {
+        let raw: Option<String> = client.rpop(list, None).await.unwrap();
+        match raw {
+            Some(r) => {
+                assert!(!r.contains("\"metadata\""), "a result echoed metadata: {r}");
+                out.push(ResultMessage::parse(&r).unwrap());
+            }
+            None => {
+                assert!(
+                    Instant::now() < until,
+                    "only {} of {n} results on {list} after {timeout:?}",
+                    out.len()
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+    out
+}
+
+/// Waits until `check` returns true, failing with `what` after `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let until = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < until, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A dispatcher configuration that runs fast: 50 ms polls, backoffs scaled by 0.01.
+pub fn fast(redis_url: &str, queues: Vec<QueueEntry>) -> DispatcherConfig {
+    let mut c = DispatcherConfig::new(redis_url, queues);
+    c.poll_interval = Duration::from_millis(50);
+    c.sim.time_scale = 0.01;
+    c.sim.seed = Some(42);
+    c.shutdown_grace = Duration::from_secs(2);
+    c
+}
+
+/// A queue entry pointing at `base_url`.
+pub fn entry(queue: &str, base_url: &str) -> QueueEntry {
+    QueueEntry {
+        igw_base_url: Some(base_url.to_owned()),
+        request_path_url: Some("/v1/chat/completions".into()),
+        ..QueueEntry::new(queue)
+    }
+}
+
+fn http_client() -> hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>> {
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// POSTs `body`; `Err` when no response came back.
+pub async fn post(
+    url: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Result<(u16, HeaderMap, String), String> {
+    let mut req = hyper::Request::post(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+        .unwrap();
+    let resp = http_client()
+        .request(req)
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, headers, String::from_utf8_lossy(&body).into_owned()))
+}
+
+pub async fn get(url: &str) -> (u16, String) {
+    let req = hyper::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = http_client().request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}

@@ -1,0 +1,350 @@
+//! The fake inference gateway, over real HTTP on loopback.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use batch_wire::hash::body_digest;
+use common::{get, post};
+use dispatcher_sim::{
+    FailureKind, FailureRule, Gateway, GatewayConfig, GatewayHandle, SeenRequest,
+};
+use serde_json::Value;
+
+async fn start(config: GatewayConfig) -> GatewayHandle {
+    Gateway::start("127.0.0.1:0".parse().unwrap(), config)
+        .await
+        .unwrap()
+}
+
+/// Every reply is deterministic and names the digest of the exact request bytes, in the id and
+/// in the content, so an output line can be matched to its own input line.
+#[tokio::test]
+async fn replies_name_the_digest_of_the_exact_body() {
+    let gw = start(GatewayConfig::default()).await;
+    let url = gw.base_url();
+
+    let body = r#"{"model":"llama",  "messages":[{"role":"user","content":"what is 2+2"}],"max_tokens":7}"#;
+    let (status, headers, reply) = post(&format!("{url}/v1/chat/completions"), body, &[])
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "application/json");
+    let digest = body_digest(body.as_bytes());
+    let v: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(v["id"], format!("chatcmpl-{digest}"));
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "llama");
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        format!("digest:{digest}")
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 7);
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+    assert_eq!(v["usage"]["total_tokens"], 10);
+    let (_, _, again) = post(&format!("{url}/v1/chat/completions"), body, &[])
+        .await
+        .unwrap();
+    assert_eq!(again, reply, "replies must be deterministic");
+
+    // One byte of whitespace more is another request, with another digest.
+    let other = body.replacen("  ", " ", 1);
+    let (_, _, r2) = post(&format!("{url}/v1/chat/completions"), &other, &[])
+        .await
+        .unwrap();
+    assert!(r2.contains(&body_digest(other.as_bytes())) && !r2.contains(&digest));
+
+    let body = r#"{"model":"m","prompt":"once upon"}"#;
+    let (status, _, reply) = post(&format!("{url}/v1/completions"), body, &[])
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["id"], format!("cmpl-{}", body_digest(body.as_bytes())));
+    assert_eq!(
+        v["usage"]["completion_tokens"], 16,
+        "16 tokens when max_tokens is absent"
+    );
+
+    let body = r#"{"model":"e","input":"hello"}"#;
+    let (status, _, reply) = post(&format!("{url}/v1/embeddings"), body, &[])
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["object"], "embedding");
+    assert!(reply.contains(&body_digest(body.as_bytes())));
+
+    assert_eq!(gw.stats().responses(200), 5);
+    gw.shutdown().await;
+}
+
+/// Malformed request bodies get a 400 with an OpenAI-style error body, never a crash.
+#[tokio::test]
+async fn malformed_bodies_get_an_openai_400() {
+    let gw = start(GatewayConfig::default()).await;
+    let url = format!("{}/v1/chat/completions", gw.base_url());
+    for (body, needle) in [
+        ("{not json", "malformed JSON"),
+        ("[1,2]", "JSON object"),
+        (r#"{"messages":[]}"#, "model"),
+        ("", "malformed JSON"),
+    ] {
+        let (status, _, reply) = post(&url, body, &[]).await.unwrap();
+        assert_eq!(status, 400, "{body}");
+        let v: Value = serde_json::from_str(&reply).unwrap();
+        let err = &v["error"];
+        assert!(err["message"].as_str().unwrap().contains(needle), "{reply}");
+        assert_eq!(err["type"], "invalid_request_error");
+        assert!(
+            err.get("param").is_some() && err.get("code").is_some(),
+            "{reply}"
+        );
+    }
+    let (status, _, _) = post(&format!("{}/v1/unknown", gw.base_url()), "{}", &[])
+        .await
+        .unwrap();
+    assert_eq!(status, 404);
+    let (status, _, _) = post(&url, r#"{"model":"m"}"#, &[]).await.unwrap();
+    assert_eq!(status, 200, "still serving after bad requests");
+    assert_eq!(gw.stats().responses(400), 4);
+}
+
+/// Latency = fixed + per token × max_tokens (max_completion_tokens too).
+#[tokio::test]
+async fn latency_grows_with_requested_tokens() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(50),
+        latency_per_token: Duration::from_millis(5),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    for (body, at_least) in [
+        (r#"{"model":"m","max_tokens":60}"#, 350),
+        (r#"{"model":"m","max_completion_tokens":30}"#, 200),
+        (r#"{"model":"m"}"#, 130),
+    ] {
+        let started = Instant::now();
+        let (status, _, _) = post(&url, body, &[]).await.unwrap();
+        assert_eq!(status, 200);
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(at_least),
+            "{body} took {took:?}"
+        );
+    }
+}
+
+/// Capacity C: more than C in flight get 429 with Retry-After.
+#[tokio::test]
+async fn capacity_overflow_gets_429_with_retry_after() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(400),
+        capacity: Some(2),
+        retry_after_secs: 3,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    let calls: Vec<_> = (0..5)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, r#"{"model":"m"}"#, &[]).await.unwrap() })
+        })
+        .collect();
+    let mut ok = 0;
+    let mut limited = 0;
+    for call in calls {
+        let (status, headers, body) = call.await.unwrap();
+        match status {
+            200 => ok += 1,
+            429 => {
+                limited += 1;
+                assert_eq!(headers["retry-after"], "3");
+                assert!(body.contains("capacity"), "{body}");
+            }
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert_eq!((ok, limited), (2, 3));
+    let stats = gw.stats();
+    assert_eq!(stats.max_in_flight_seen, 2);
+    assert_eq!(stats.in_flight, 0);
+    assert_eq!(stats.responses(429), 3);
+}
+
+/// Failure injection by rate and type: 429, 500, 503, 400, the ttl-expired header, and
+/// connection reset; a rule with a limit fires that many times and is then spent.
+#[tokio::test]
+async fn injected_failures_by_kind() {
+    let gw = start(GatewayConfig::default()).await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    let body = r#"{"model":"m"}"#;
+    for (kind, status) in [
+        (FailureKind::Status429, 429),
+        (FailureKind::Status500, 500),
+        (FailureKind::Status503, 503),
+        (FailureKind::Status400, 400),
+        (FailureKind::TtlExpired, 429),
+    ] {
+        gw.set_config(GatewayConfig {
+            failures: vec![FailureRule::new(kind, 1.0).limit(1)],
+            ..GatewayConfig::default()
+        })
+        .unwrap();
+        let (got, headers, reply) = post(&url, body, &[]).await.unwrap();
+        assert_eq!(got, status, "{kind}");
+        assert!(serde_json::from_str::<Value>(&reply).unwrap()["error"].is_object());
+        assert_eq!(
+            headers
+                .get("x-llm-d-request-dropped-reason")
+                .map(|v| v.to_str().unwrap()),
+            (kind == FailureKind::TtlExpired).then_some("rejected-ttl-expired"),
+        );
+        if status == 429 {
+            assert!(headers.contains_key("retry-after"));
+        }
+        let (after, _, _) = post(&url, body, &[]).await.unwrap();
+        assert_eq!(after, 200, "the {kind} rule is spent after its limit");
+    }
+
+    gw.set_config(GatewayConfig {
+        failures: vec![FailureRule::new(FailureKind::ConnectionReset, 1.0)],
+        ..GatewayConfig::default()
+    })
+    .unwrap();
+    let err = post(&url, body, &[]).await.unwrap_err();
+    assert!(!err.is_empty());
+    assert_eq!(gw.stats().resets, 1);
+
+    // Rate 0.5 with a seed: some of each, and the same sequence for the same seed.
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        gw.set_config(GatewayConfig {
+            failures: vec![FailureRule::new(FailureKind::Status503, 0.5)],
+            seed: Some(9),
+            ..GatewayConfig::default()
+        })
+        .unwrap();
+        let mut statuses = Vec::new();
+        for _ in 0..40 {
+            statuses.push(post(&url, body, &[]).await.unwrap().0);
+        }
+        runs.push(statuses);
+    }
+    assert_eq!(runs[0], runs[1]);
+    let failed = runs[0].iter().filter(|s| **s == 503).count();
+    assert!(
+        (5..=35).contains(&failed),
+        "{failed} of 40 failed at rate 0.5"
+    );
+}
+
+/// POST /admin/config changes the behaviour at run time; GET /admin/requests shows the last
+/// requests' headers; /metrics shows in-flight, waiting and responses by status; /health is up.
+#[tokio::test]
+async fn admin_endpoints() {
+    let gw = start(GatewayConfig::default()).await;
+    let base = gw.base_url();
+
+    let (status, body) = get(&format!("{base}/health")).await;
+    assert_eq!((status, body.trim()), (200, "ok"));
+
+    let (status, _, reply) = post(
+        &format!("{base}/admin/config"),
+        r#"{"latency_fixed":"30ms","capacity":1,"failures":[{"kind":"503","rate":1,"limit":1}]}"#,
+        &[],
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{reply}");
+    let config = gw.config();
+    assert_eq!(config.latency_fixed, Duration::from_millis(30));
+    assert_eq!(config.capacity, Some(1));
+    let (_, shown) = get(&format!("{base}/admin/config")).await;
+    assert_eq!(
+        serde_json::from_str::<GatewayConfig>(&shown).unwrap(),
+        config
+    );
+
+    let (status, _, reply) = post(&format!("{base}/admin/config"), r#"{"latncy":"1s"}"#, &[])
+        .await
+        .unwrap();
+    assert_eq!(status, 400, "{reply}");
+    let (status, _, _) = post(
+        &format!("{base}/admin/config"),
+        r#"{"failures":[{"kind":"500","rate":3}]}"#,
+        &[],
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 400);
+    assert_eq!(gw.config(), config, "a refused config changes nothing");
+
+    let url = format!("{base}/v1/chat/completions");
+    let body = r#"{"model":"m","messages":[]}"#;
+    let headers = [
+        ("X-Request-ID", "batch_req_job_1"),
+        ("x-slo-ttft-ms", "5000"),
+        ("x-tenant", "t1"),
+    ];
+    assert_eq!(post(&url, body, &headers).await.unwrap().0, 503);
+    assert_eq!(post(&url, body, &headers).await.unwrap().0, 200);
+
+    let (status, listed) = get(&format!("{base}/admin/requests")).await;
+    assert_eq!(status, 200);
+    let seen: Vec<SeenRequest> = serde_json::from_str(&listed).unwrap();
+    assert_eq!(seen, gw.recent_requests());
+    assert_eq!(seen.len(), 2);
+    let last = &seen[1];
+    assert_eq!(last.path, "/v1/chat/completions");
+    assert_eq!(last.header("x-request-id"), Some("batch_req_job_1"));
+    assert_eq!(last.header("X-SLO-TTFT-MS"), Some("5000"));
+    assert_eq!(last.header("x-tenant"), Some("t1"));
+    assert_eq!(last.body_digest, body_digest(body.as_bytes()));
+
+    let (status, page) = get(&format!("{base}/metrics")).await;
+    assert_eq!(status, 200);
+    for line in [
+        "gateway_in_flight_requests 0",
+        "gateway_waiting_requests 0",
+        "gateway_requests_total 2",
+        "gateway_responses_total{status=\"200\"} 1",
+        "gateway_responses_total{status=\"503\"} 1",
+    ] {
+        assert!(
+            page.lines().any(|l| l == line),
+            "missing {line:?} in\n{page}"
+        );
+    }
+}
+
+/// The in-flight gauge counts requests being served; it is what the prometheus-budget gate reads.
+#[tokio::test]
+async fn in_flight_is_visible_while_serving() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(500),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    let calls: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, r#"{"model":"m"}"#, &[]).await })
+        })
+        .collect();
+    common::eventually(Duration::from_secs(5), "3 in flight", || async {
+        gw.stats().in_flight == 3
+    })
+    .await;
+    let (_, page) = get(&format!("{}/metrics", gw.base_url())).await;
+    assert!(page.contains("gateway_in_flight_requests 3\n"), "{page}");
+    for c in calls {
+        assert_eq!(c.await.unwrap().unwrap().0, 200);
+    }
+    assert_eq!(gw.stats().in_flight, 0);
+}
