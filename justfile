@@ -1,0 +1,13 @@
+# Recipes for the common tasks; each calls a script that also works without `just`.
+
+# Run the demo: a real Redis, the dispatcher simulator and `processor run` on examples/batch.
+demo:
+    bash scripts/demo.sh
+
+# Run every test (installs redis-server when missing).
+test:
+    bash scripts/test.sh
+
+# What CI runs: formatting, clippy, tests.
+ci:
+    bash .ci/run
