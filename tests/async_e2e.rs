@@ -468,3 +468,61 @@ async fn redis_down_at_start_is_a_clear_error_after_bounded_retries() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(started.elapsed() < Duration::from_secs(30));
 }
+
+/// A plain HTTP/1.0 GET on loopback: (status, body).
+fn http_get(port: u16, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response[9..12].parse().unwrap();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_owned();
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn health_ready_and_metrics_are_served_while_a_job_runs() {
+    let env = Env::start(GatewayConfig::default()).await;
+    write_input(&env.path("in.jsonl"), 30, &["llama-3"]);
+    let port = batch_testkit::free_port();
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let yaml = std::fs::read_to_string(&config).unwrap()
+        + &format!("observability:\n  addr: 127.0.0.1:{port}\n");
+    std::fs::write(&config, yaml).unwrap();
+    let sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let child = processor(&env, &config, "in.jsonl", "out")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut child = Child(child);
+    eventually("the job enqueued", Duration::from_secs(30), || {
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]) == ":30"
+    })
+    .await;
+    assert_eq!(http_get(port, "/health"), (200, "ok".into()));
+    assert_eq!(http_get(port, "/ready").0, 200);
+    let (status, metrics) = http_get(port, "/metrics");
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("batch_requests_enqueued_total{pool=\"pool-a\"} 30"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("model_inflight_requests{model=\"llama-3\"} 30"),
+        "{metrics}"
+    );
+    // Open the gate: the job finishes and the counters follow.
+    env.redis.command(&["SET", "dispatch-gate-budget", "1"]);
+    let status = child.0.wait().unwrap();
+    assert!(status.success());
+    assert_eq!(
+        batch_json(&env.path("out"))["request_counts"]["completed"],
+        30
+    );
+    sim.shutdown().await;
+}

@@ -428,12 +428,7 @@ impl Shared {
             }
             return;
         }
-        if self.is_cancelled(&env).await {
-            self.deliver(
-                &q,
-                &env,
-                ResultMessage::failed(&env.data.id, codes::CANCELLED, "cancelled"),
-            );
+        if self.answer_if_cancelled(&q, &env).await {
             return;
         }
         // The real poller blocks here, message in hand, until a worker is free.
@@ -456,6 +451,19 @@ impl Shared {
                 .zadd::<i64, _, _>(queue, None, None, false, false, (score, member))
         })
         .await;
+    }
+
+    /// Writes the `CANCELLED` result when the request's cancel marker matches its token.
+    async fn answer_if_cancelled(self: &Arc<Self>, q: &Queue, env: &Envelope) -> bool {
+        let cancelled = self.is_cancelled(env).await;
+        if cancelled {
+            self.deliver(
+                q,
+                env,
+                ResultMessage::failed(&env.data.id, codes::CANCELLED, "cancelled"),
+            );
+        }
+        cancelled
     }
 
     async fn is_cancelled(&self, env: &Envelope) -> bool {

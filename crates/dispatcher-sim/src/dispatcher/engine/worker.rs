@@ -25,12 +25,7 @@ impl Shared {
         mut env: Envelope,
         _permit: OwnedSemaphorePermit,
     ) {
-        if self.is_cancelled(&env).await {
-            self.deliver(
-                &q,
-                &env,
-                ResultMessage::failed(&env.data.id, codes::CANCELLED, "cancelled"),
-            );
+        if self.answer_if_cancelled(&q, &env).await {
             return;
         }
         if q.gate.budget(&self.redis, &self.http).await <= 0.0 {
