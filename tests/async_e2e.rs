@@ -526,3 +526,44 @@ async fn health_ready_and_metrics_are_served_while_a_job_runs() {
     );
     sim.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_process_runs_several_jobs_sharing_the_consumers() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let first = write_input(&env.path("first.jsonl"), 120, &["llama-3", "mistral"]);
+    let second = write_input(&env.path("second.jsonl"), 80, &["mistral"]);
+    let config = env.async_config(&[("llama-3", "pool-a"), ("mistral", "pool-b")], "");
+    let sim = env.dispatcher(&["pool-a", "pool-b"], |_| {}).await;
+    let run = Command::new(PROCESSOR)
+        .args(["run", "--config"])
+        .arg(&config)
+        .arg("--input")
+        .arg(env.path("first.jsonl"))
+        .arg("--input")
+        .arg(env.path("second.jsonl"))
+        .arg("--output-dir")
+        .arg(env.path("out"))
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // One Batch object per job on stdout.
+    let stdout = String::from_utf8(run.stdout).unwrap();
+    let batches: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(batches.len(), 2);
+    assert_ne!(batches[0]["id"], batches[1]["id"]);
+    for (name, lines) in [("first", &first), ("second", &second)] {
+        let dir = env.path("out").join(name);
+        let results = Results::read(&dir);
+        results.assert_each_once(lines);
+        results.assert_answers_match(lines);
+        assert_eq!(batch_json(&dir)["status"], "completed");
+    }
+    sim.shutdown().await;
+}
