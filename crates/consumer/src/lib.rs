@@ -195,7 +195,7 @@ impl ResultConsumer {
             let step = if recovered {
                 self.step(&shutdown).await
             } else {
-                self.recover().await.map(|n| {
+                self.recover(&shutdown).await.map(|n| {
                     recovered = true;
                     self.stats.add_recovered(n);
                 })
@@ -216,13 +216,14 @@ impl ResultConsumer {
         tracing::info!(results = %self.results, "result consumer stopped");
     }
 
-    async fn recover(&self) -> Result<u64, fred::error::Error> {
+    async fn recover(&self, shutdown: &CancellationToken) -> Result<u64, fred::error::Error> {
         let left: Vec<String> = self.client.lrange(&self.inflight, 0, -1).await?;
         let n = left.len() as u64;
         if n > 0 {
             tracing::info!(inflight = %self.inflight, results = n, "handling results left in flight");
-            self.handle(left).await;
-            let _: i64 = self.client.del(&self.inflight).await?;
+            if self.handle(left, shutdown).await {
+                let _: i64 = self.client.del(&self.inflight).await?;
+            }
         }
         Ok(n)
     }
@@ -245,19 +246,21 @@ impl ResultConsumer {
                 None => return Ok(()),
             }
         }
-        self.handle(items).await;
-        // Everything in the in-flight list has been written by now, including anything a failed
-        // earlier acknowledgement left there.
-        let _: i64 = self.client.del(&self.inflight).await?;
+        if self.handle(items, shutdown).await {
+            // Everything in the in-flight list has been written by now, including anything a
+            // failed earlier acknowledgement left there.
+            let _: i64 = self.client.del(&self.inflight).await?;
+        }
         Ok(())
     }
 
-    /// Routes and writes `items`, retrying the handler until it succeeds.
-    async fn handle(&self, items: Vec<String>) {
+    /// Routes and writes `items`, retrying the handler until it succeeds; false when shut down
+    /// first (the items then stay in flight for the next consumer).
+    async fn handle(&self, items: Vec<String>, shutdown: &CancellationToken) -> bool {
         self.stats.received(items.len() as u64);
         let routed: Vec<Routed> = items.iter().filter_map(|raw| self.route(raw)).collect();
         if routed.is_empty() {
-            return;
+            return true;
         }
         let mut backoff = self.options.min_backoff;
         loop {
@@ -269,7 +272,7 @@ impl ResultConsumer {
                     if report.unknown_job > 0 {
                         tracing::warn!(results = %self.results, count = report.unknown_job, "dropped results of jobs not running here");
                     }
-                    return;
+                    return true;
                 }
                 Ok(Err(e)) => {
                     tracing::error!(error = %e, "could not write results, retrying in {backoff:?}")
@@ -279,7 +282,10 @@ impl ResultConsumer {
                 }
             }
             self.stats.handler_error();
-            tokio::time::sleep(backoff).await;
+            tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                _ = tokio::time::sleep(backoff) => {}
+            }
             backoff = (backoff * 2).min(self.options.max_backoff);
         }
     }

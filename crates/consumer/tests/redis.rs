@@ -242,3 +242,26 @@ async fn stops_promptly_while_blocked() {
         .await
         .expect("stopped within 5 s despite a 30 s poll");
 }
+
+#[tokio::test]
+async fn shutdown_while_writes_fail_leaves_the_results_in_flight() {
+    let redis = RedisServer::start();
+    let handler = Recorder::for_jobs(&["job"]);
+    handler.fail_next.store(u32::MAX, Ordering::SeqCst);
+    push(&redis, "job", 0..4);
+    let (handle, shutdown) = start(&redis, handler.clone(), 10).await;
+    until("a handler failure", || {
+        handle.stats().handler_errors_total() >= 1
+    })
+    .await;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(5), handle.join())
+        .await
+        .expect("stopped although the handler never succeeded");
+    assert_eq!(
+        redis.command(&["LLEN", INFLIGHT]),
+        ":4",
+        "kept for the next consumer"
+    );
+    assert!(handler.indexes().is_empty());
+}
