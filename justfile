@@ -11,3 +11,7 @@ test:
 # What CI runs: formatting, clippy, tests.
 ci:
     bash .ci/run
+
+# Measure the processor against the limits of this machine; writes docs/benchmarks.md and docs/*.svg.
+bench:
+    bash scripts/bench.sh

@@ -1,0 +1,103 @@
+//! `bench`: measures the batch processor against the limits of this machine and writes the
+//! report (`benchmarks.md` and SVG plots). See the `batch-bench` crate for what each scenario does.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use batch_bench::{Scenario, Settings};
+use clap::Parser;
+
+/// Measures the batch processor against the physical limits of this machine.
+///
+/// Starts its own redis-server on a free loopback port (needs redis-server and
+/// redis-benchmark installed), runs every scenario several times and writes benchmarks.md,
+/// rates.svg, rss.svg and aimd-limit.svg into --out. Exit status 0 when every scenario ran
+/// (targets missed are reported, not errors), 1 when one failed.
+#[derive(Debug, Parser)]
+#[command(name = "bench", version)]
+struct Args {
+    /// Where the report and plots go; a new temporary directory with --quick when absent,
+    /// `docs` otherwise.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Every scenario once with small sizes (a smoke test of the bench itself).
+    #[arg(long)]
+    quick: bool,
+    /// The processor binary for the memory scenario [default: next to this binary].
+    #[arg(long)]
+    processor: Option<PathBuf>,
+    /// Run only these scenarios (enqueue, drain, e2e, aimd, memory); repeatable.
+    #[arg(long = "only", value_parser = parse_scenario)]
+    only: Vec<Scenario>,
+}
+
+fn parse_scenario(s: &str) -> Result<Scenario, String> {
+    s.parse()
+}
+
+fn main() -> anyhow::Result<ExitCode> {
+    // Helper mode, used by the memory scenario to start the processor from a small process.
+    let raw: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if raw.get(1).is_some_and(|a| a == batch_bench::RSS_HELPER_ARG) {
+        let code = batch_bench::rss_helper(&raw[2..])?;
+        return Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)));
+    }
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let me = std::env::current_exe().context("locating the bench binary")?;
+    let processor = args
+        .processor
+        .unwrap_or_else(|| me.with_file_name("processor"));
+    let mut settings = if args.quick {
+        Settings::quick(processor)
+    } else {
+        Settings::full(processor)
+    };
+    settings.rss_helper = Some(me);
+    if !args.only.is_empty() {
+        settings.scenarios = args.only;
+    }
+    let (out, _keep) = match args.out {
+        Some(dir) => (dir, None),
+        None if args.quick => {
+            let tmp = tempfile::Builder::new()
+                .prefix("batch-bench-quick-")
+                .tempdir()
+                .context("creating a temporary output directory")?
+                .keep();
+            (tmp.clone(), Some(tmp))
+        }
+        None => (PathBuf::from("docs"), None),
+    };
+
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let report = runtime.block_on(batch_bench::run(&settings, &|msg: &str| eprintln!("{msg}")))?;
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+
+    print!("{}", report.text_table());
+    report.write(&out)?;
+    println!(
+        "\nreport: {}  (plots: rates.svg, rss.svg, aimd-limit.svg), {:.0} s",
+        out.join("benchmarks.md").display(),
+        report.elapsed.as_secs_f64()
+    );
+    let missed = report.missed();
+    if !missed.is_empty() {
+        println!("targets not met: {}", missed.len());
+        for r in missed {
+            println!("  {} / {}", r.scenario, r.figure);
+        }
+    }
+    Ok(if report.failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,118 @@
+//! The CI smoke test of the bench: `bench --quick` runs every scenario and writes a report
+//! with each scenario's rows and the three plots.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BENCH: &str = env!("CARGO_BIN_EXE_bench");
+
+/// The processor binary next to the bench one, built first if it is missing (cargo builds
+/// only this package's binaries for its tests).
+fn processor() -> PathBuf {
+    let path = Path::new(BENCH).with_file_name("processor");
+    if !path.is_file() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--quiet", "-p", "processor", "--bin", "processor"]);
+        if Path::new(BENCH).parent().and_then(|d| d.file_name()) == Some("release".as_ref()) {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("running cargo build");
+        assert!(status.success(), "building the processor failed");
+    }
+    assert!(path.is_file(), "{} is missing", path.display());
+    path
+}
+
+#[test]
+fn quick_run_reports_every_scenario() {
+    let processor = processor();
+    let out = tempfile::tempdir().unwrap();
+    let run = Command::new(BENCH)
+        .arg("--quick")
+        .arg("--out")
+        .arg(out.path())
+        .arg("--processor")
+        .arg(&processor)
+        .output()
+        .expect("running bench");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "bench --quick failed\n{stdout}\n{stderr}"
+    );
+
+    let md = std::fs::read_to_string(out.path().join("benchmarks.md")).unwrap();
+    for row in [
+        "| Enqueue | executor: validate + plan + ZADD",
+        "| Enqueue | executor: ZADD part only",
+        "| Enqueue | redis-benchmark ZADD, -P 32 |",
+        "| Enqueue | baseline: one MULTI",
+        "| Cancel | cancel with",
+        "| Drain | consumer + sink:",
+        "| Drain | redis-benchmark RPOP, -P 32 |",
+        "| End to end async | 2,000 lines through the simulator",
+        "| End to end async | drain: first → last result written |",
+        "| Sync AIMD | backoff_factor 0.5 (default): throughput",
+        "| Sync AIMD | backoff_factor 0.9: throughput",
+        "| Memory | peak RSS, async mode, 1,000 lines |",
+        "| Memory | peak RSS, sync mode, 1,000 lines |",
+    ] {
+        assert!(md.contains(row), "no row {row:?} in\n{md}");
+    }
+    assert!(!md.contains("**Failed**"), "{md}");
+    // Every figure was measured: no empty medians.
+    for line in md
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| Scenario"))
+    {
+        if let Some(median) = line.split(" | ").nth(2) {
+            assert!(median != "–" && !median.contains("NaN"), "{line}");
+        }
+    }
+    assert!(
+        md.contains("| CPU |") && md.contains("| redis-server |"),
+        "{md}"
+    );
+    for plot in ["rates.svg", "rss.svg", "aimd-limit.svg"] {
+        let svg = std::fs::read_to_string(out.path().join(plot)).unwrap();
+        assert!(svg.starts_with("<svg") && svg.contains("</svg>"), "{plot}");
+        assert!(
+            svg.contains("<polyline") || svg.contains("<rect"),
+            "{plot} draws nothing"
+        );
+    }
+    // The terminal table has the same rows.
+    assert!(
+        stdout.contains("Sync AIMD") && stdout.contains("Memory"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn the_rss_helper_measures_the_child_not_its_large_parent() {
+    // Make this process large: the kernel folds the parent's high-water mark into a child
+    // spawned from it directly, so only a helper in between gives the child's own peak.
+    let ballast = vec![1u8; 300 << 20];
+    let dir = tempfile::tempdir().unwrap();
+    let result = dir.path().join("rss");
+    let status = Command::new(BENCH)
+        .arg("__measure-rss")
+        .arg(&result)
+        .args(["sh", "-c", "exit 7"])
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(7), "the helper passes the exit code on");
+    let text = std::fs::read_to_string(&result).unwrap();
+    let kib: u64 = text.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(
+        kib > 0 && kib < 64 << 10,
+        "{kib} KiB reported for `sh -c exit`"
+    );
+    assert!(text.trim().ends_with(" 7"), "{text}");
+    assert_eq!(
+        ballast.iter().map(|&b| b as usize).sum::<usize>(),
+        300 << 20
+    );
+}

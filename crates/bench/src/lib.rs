@@ -1,0 +1,214 @@
+//! Measures the batch processor against the physical limits of the machine it runs on.
+//!
+//! Each scenario runs the real parts (the executor, producer, result consumer, sink, the
+//! `processor` binary, a real `redis-server`, the dispatcher simulator and its gateway) several
+//! times and compares the median with a limit measured in the same run (`redis-benchmark`, the
+//! simulated gateway's capacity):
+//!
+//! 1. **Enqueue**: a job's requests into the dispatcher's sorted set, against `redis-benchmark
+//!    ZADD` of members of the same size and a naive one-transaction-per-request baseline;
+//! 2. **Drain**: results already waiting in the result list written to the job's files, against
+//!    `redis-benchmark RPOP`;
+//! 3. **End to end async** through the simulator, with where the time went;
+//! 4. **Cancel**: time to take 50,000 pending members out of the set;
+//! 5. **Sync AIMD**: throughput against a gateway of capacity C and latency L, as a share of C/L;
+//! 6. **Memory**: peak RSS of the `processor` binary by job size, in both modes.
+//!
+//! [`run`] returns a [`Report`]; [`Report::write`] writes `benchmarks.md` and the plots.
+//!
+//! ```no_run
+//! use batch_bench::{Settings, run};
+//!
+//! # async fn demo() -> Result<(), batch_bench::BenchError> {
+//! let settings = Settings::quick("target/release/processor".into());
+//! let report = run(&settings, &|msg: &str| eprintln!("{msg}")).await?;
+//! print!("{}", report.text_table());
+//! report.write("docs".as_ref())?;
+//! # Ok(()) }
+//! ```
+
+mod inputs;
+mod lab;
+mod machine;
+mod plots;
+mod redis_benchmark;
+mod report;
+mod rss;
+mod scenarios;
+mod stats;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub use inputs::{completion_body, request_line, result_element, write_input, MODEL, POOL};
+pub use lab::Lab;
+pub use machine::{utc_date, Machine};
+pub use redis_benchmark::{parse_csv_rps, RedisBenchmark};
+pub use report::{
+    thousands, AimdSample, AimdTrace, Kind, Limit, Report, Row, RssPoint, Target, Unit,
+};
+pub use rss::{rss_helper, RSS_HELPER_ARG};
+pub use scenarios::Scenario;
+pub use stats::Summary;
+
+/// Why a benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A program the bench needs is not installed.
+    #[error("{0} is not installed or does not run (scripts/bench.sh installs redis-server and redis-benchmark; build the processor with `cargo build --release --bins`)")]
+    MissingTool(String),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// A Redis command failed.
+    #[error("redis: {0}")]
+    Redis(#[from] fred::error::Error),
+    /// Redis could not be reached.
+    #[error(transparent)]
+    Connect(#[from] batch_redis::ConnectError),
+    /// A processor config written by the bench was refused.
+    #[error("config: {0}")]
+    Config(String),
+    /// The executor failed.
+    #[error(transparent)]
+    Exec(#[from] batch_executor::ExecError),
+    /// Planning failed.
+    #[error(transparent)]
+    Plan(#[from] batch_plan::PlanError),
+    /// The producer failed.
+    #[error(transparent)]
+    Producer(#[from] batch_producer::ProducerError),
+    /// The simulator failed to start.
+    #[error(transparent)]
+    Sim(#[from] dispatcher_sim::SimError),
+    /// An external tool (`redis-benchmark`, the `processor` binary) failed.
+    #[error("{0}")]
+    Tool(String),
+    /// A run did not end the way it must for its figure to mean anything.
+    #[error("{0}")]
+    Check(String),
+    /// A plot could not be drawn.
+    #[error("plot: {0}")]
+    Plot(String),
+}
+
+impl BenchError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.to_owned(),
+            source,
+        }
+    }
+}
+
+/// Sizes and repetitions of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// The small smoke-test run.
+    pub quick: bool,
+    /// Which scenarios run (all by default).
+    pub scenarios: Vec<Scenario>,
+    /// The `processor` binary, for the memory scenario.
+    pub processor: PathBuf,
+    /// A program that runs [`rss_helper`] when its first argument is [`RSS_HELPER_ARG`] (the
+    /// bench binary); the memory scenario needs it.
+    pub rss_helper: Option<PathBuf>,
+    /// Lines of the enqueue (and cancel) job.
+    pub enqueue_lines: usize,
+    /// Results waiting in the list for the drain scenario.
+    pub drain_results: usize,
+    /// Lines of the end-to-end job.
+    pub e2e_lines: usize,
+    /// Lines of the sync AIMD job.
+    pub aimd_lines: usize,
+    /// Job sizes of the memory scenario.
+    pub memory_sizes: Vec<usize>,
+    /// Bytes of one input line.
+    pub request_bytes: usize,
+    /// Bytes of one result body.
+    pub result_bytes: usize,
+    /// Runs of the short scenarios.
+    pub short_runs: usize,
+    /// Runs of the long scenarios.
+    pub long_runs: usize,
+    /// Requests of each `redis-benchmark` run.
+    pub redis_benchmark_requests: usize,
+}
+
+impl Settings {
+    /// The full run: 50,000-line jobs, 5 runs of short scenarios, 3 of long ones.
+    pub fn full(processor: PathBuf) -> Self {
+        Self {
+            quick: false,
+            scenarios: Scenario::ALL.to_vec(),
+            processor,
+            rss_helper: None,
+            enqueue_lines: 50_000,
+            drain_results: 50_000,
+            e2e_lines: 50_000,
+            aimd_lines: 20_000,
+            memory_sizes: vec![1_000, 10_000, 50_000],
+            request_bytes: 2048,
+            result_bytes: 1024,
+            short_runs: 5,
+            long_runs: 3,
+            redis_benchmark_requests: 50_000,
+        }
+    }
+
+    /// The smoke test: every scenario once, with small sizes.
+    pub fn quick(processor: PathBuf) -> Self {
+        Self {
+            quick: true,
+            enqueue_lines: 2_000,
+            drain_results: 2_000,
+            e2e_lines: 2_000,
+            aimd_lines: 1_000,
+            memory_sizes: vec![100, 300, 1_000],
+            short_runs: 1,
+            long_runs: 1,
+            redis_benchmark_requests: 5_000,
+            ..Self::full(processor)
+        }
+    }
+}
+
+/// Runs the selected scenarios in order and returns their figures. A scenario that fails is
+/// recorded in [`Report::failures`] and the next one runs; `progress` hears what is going on.
+pub async fn run(
+    settings: &Settings,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<Report, BenchError> {
+    let started = Instant::now();
+    let mut report = Report::new(Machine::probe(), settings.quick);
+    let lab = Lab::start().await?;
+    progress(&format!(
+        "redis-server on 127.0.0.1:{}, scratch files in {}",
+        lab.redis_port(),
+        lab.path("").display()
+    ));
+    for &scenario in &settings.scenarios {
+        progress(&format!("== {}", scenario.name()));
+        let began = Instant::now();
+        if let Err(e) = scenarios::run(scenario, &lab, settings, &mut report, progress).await {
+            progress(&format!("{} failed: {e}", scenario.name()));
+            report
+                .failures
+                .push((scenario.name().to_owned(), e.to_string()));
+        }
+        progress(&format!(
+            "   {} took {:.1} s",
+            scenario.name(),
+            began.elapsed().as_secs_f64()
+        ));
+        let _ = lab.flush_redis().await;
+    }
+    lab.stop().await;
+    report.elapsed = started.elapsed();
+    Ok(report)
+}

@@ -1,0 +1,234 @@
+//! The report's SVG plots.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::report::{Kind, Report, Unit};
+use crate::BenchError;
+
+const OURS: RGBColor = RGBColor(31, 119, 180);
+const LIMIT: RGBColor = RGBColor(127, 127, 127);
+const BASELINE: RGBColor = RGBColor(255, 127, 14);
+const SECOND: RGBColor = RGBColor(44, 160, 44);
+const TARGET: RGBColor = RGBColor(214, 39, 40);
+
+fn plot_error(path: &Path) -> impl Fn(String) -> BenchError + '_ {
+    move |e| BenchError::Plot(format!("{}: {e}", path.display()))
+}
+
+/// Horizontal bars of every rate (each per-second row), ours in blue, limits in grey, baselines
+/// in orange, each labelled with its median; a black tick marks the limit a rate is compared
+/// with.
+pub fn rates(report: &Report, path: &Path) -> Result<(), BenchError> {
+    let bars: Vec<(String, f64, Kind, Option<f64>)> = report
+        .rows
+        .iter()
+        .filter(|r| matches!(r.unit, Unit::PerSecond(_)) && !r.value.median().is_nan())
+        .map(|r| {
+            (
+                format!("{}: {}", r.scenario, r.figure),
+                r.value.median(),
+                r.kind,
+                r.limit.as_ref().map(|l| l.value),
+            )
+        })
+        .collect();
+    let err = plot_error(path);
+    let height = 80 + 34 * bars.len().max(1) as u32;
+    let root = SVGBackend::new(path, (900, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let top = bars
+        .iter()
+        .map(|b| b.1.max(b.3.unwrap_or(0.0)))
+        .fold(1.0, f64::max)
+        * 1.05;
+    let n = bars.len().max(1) as f64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Rates (median); black ticks: the limit each is compared with",
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(10)
+        .build_cartesian_2d(0.0..top, 0.0..n)
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .disable_y_axis()
+        .x_desc("per second")
+        .x_label_formatter(&|x| crate::report::thousands(*x))
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    for (i, (label, value, kind, limit)) in bars.iter().enumerate() {
+        // First row at the top.
+        let y = n - i as f64 - 1.0;
+        let color = match kind {
+            Kind::Ours => OURS,
+            Kind::Limit => LIMIT,
+            Kind::Baseline => BASELINE,
+        };
+        chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [(0.0, y + 0.1), (*value, y + 0.55)],
+                color.filled(),
+            )))
+            .map_err(|e| err(e.to_string()))?;
+        if let Some(limit) = limit {
+            // The limit this rate is compared with, as a black tick across its bar.
+            chart
+                .draw_series(std::iter::once(PathElement::new(
+                    vec![(*limit, y + 0.02), (*limit, y + 0.63)],
+                    BLACK.stroke_width(3),
+                )))
+                .map_err(|e| err(e.to_string()))?;
+        }
+        chart
+            .draw_series(std::iter::once(Text::new(
+                format!("{label}: {}", crate::report::thousands(*value)),
+                (top * 0.005, y + 0.95),
+                ("sans-serif", 13).into_font(),
+            )))
+            .map_err(|e| err(e.to_string()))?;
+    }
+    root.present().map_err(|e| err(e.to_string()))
+}
+
+/// Peak RSS against job size, one line per mode, with the 64 MiB target.
+pub fn rss(report: &Report, path: &Path) -> Result<(), BenchError> {
+    let err = plot_error(path);
+    let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let max_lines = report.rss.iter().map(|p| p.lines).max().unwrap_or(1) as f64;
+    let top = report
+        .rss
+        .iter()
+        .map(|p| p.mib.max())
+        .filter(|v| !v.is_nan())
+        .fold(64.0, f64::max)
+        * 1.15;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Peak RSS of the processor by job size", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0..max_lines * 1.05, 0.0..top)
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("lines in the job")
+        .y_desc("peak RSS (MiB)")
+        .x_label_formatter(&|x| crate::report::thousands(*x))
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .draw_series(LineSeries::new(
+            [(0.0, 64.0), (max_lines * 1.05, 64.0)],
+            TARGET.stroke_width(1),
+        ))
+        .map_err(|e| err(e.to_string()))?
+        .label("target: 64 MiB")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], TARGET));
+    for (mode, color) in [("async", OURS), ("sync", SECOND)] {
+        let points: Vec<(f64, f64)> = report
+            .rss
+            .iter()
+            .filter(|p| p.mode == mode)
+            .map(|p| (p.lines as f64, p.mib.median()))
+            .collect();
+        if points.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+            .map_err(|e| err(e.to_string()))?
+            .label(format!("{mode} mode (median)"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(e.to_string()))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))
+}
+
+/// One panel per AIMD trace: the limit and the gateway's in-flight count over time, with the
+/// gateway's capacity.
+pub fn aimd(report: &Report, path: &Path) -> Result<(), BenchError> {
+    let err = plot_error(path);
+    let panels = report.aimd.len().max(1);
+    let root = SVGBackend::new(path, (900, 340 * panels as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let areas = root.split_evenly((panels, 1));
+    for (trace, area) in report.aimd.iter().zip(&areas) {
+        let end = trace.samples.last().map_or(1.0, |s| s.t).max(0.01);
+        let top = trace
+            .samples
+            .iter()
+            .map(|s| s.limit.max(s.in_flight))
+            .max()
+            .unwrap_or(1)
+            .max(trace.capacity) as f64
+            * 1.1;
+        let mut chart = ChartBuilder::on(area)
+            .caption(
+                format!(
+                    "Sync AIMD, {}: limit and gateway in-flight (capacity {})",
+                    trace.label, trace.capacity
+                ),
+                ("sans-serif", 16),
+            )
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(48)
+            .build_cartesian_2d(0.0..end, 0.0..top)
+            .map_err(|e| err(e.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds since the job started")
+            .y_desc("requests")
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        chart
+            .draw_series(LineSeries::new(
+                trace.samples.iter().map(|s| (s.t, s.in_flight as f64)),
+                LIMIT.stroke_width(1),
+            ))
+            .map_err(|e| err(e.to_string()))?
+            .label("gateway in-flight")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], LIMIT));
+        chart
+            .draw_series(LineSeries::new(
+                trace.samples.iter().map(|s| (s.t, s.limit as f64)),
+                OURS.stroke_width(2),
+            ))
+            .map_err(|e| err(e.to_string()))?
+            .label("AIMD limit")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], OURS));
+        let c = trace.capacity as f64;
+        chart
+            .draw_series(LineSeries::new(
+                [(0.0, c), (end, c)],
+                TARGET.stroke_width(1),
+            ))
+            .map_err(|e| err(e.to_string()))?
+            .label("gateway capacity")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], TARGET));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    root.present().map_err(|e| err(e.to_string()))
+}

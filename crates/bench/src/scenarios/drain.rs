@@ -1,0 +1,170 @@
+//! Results already waiting in the result list, written to the job's files.
+
+use std::time::{Duration, Instant};
+
+use batch_executor::{Executor, JobProgress};
+use fred::interfaces::ListInterface;
+use tokio_util::sync::CancellationToken;
+
+use super::{blocking, drive, expect_completed, lines, ready, resolved, spec};
+use crate::inputs::{result_element, write_input, POOL};
+use crate::lab::{load, Lab};
+use crate::redis_benchmark::RedisBenchmark;
+use crate::report::{Kind, Report, Row, Target, Unit};
+use crate::stats::Summary;
+use crate::BenchError;
+
+const DRAIN: &str = "Drain";
+const RATE: Unit = Unit::PerSecond("results/s");
+const JOB_ID: &str = "batch_drain";
+const CONSUMER: &str = "drain";
+
+pub(crate) async fn run(
+    lab: &Lab,
+    s: &crate::Settings,
+    report: &mut Report,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<(), BenchError> {
+    let n = s.drain_results;
+    // Tiny requests: only the results matter here.
+    let input = lab.path("drain.jsonl");
+    write_input(&input, n, 0)?;
+    let config_path = lab.async_config("drain.yaml", CONSUMER, "")?;
+    let results_list = load(&config_path)?
+        .try_queue_names()
+        .and_then(|names| names.result_queue_name(POOL))
+        .map_err(|e| BenchError::Config(e.to_string()))?;
+    let elements: Vec<String> = (0..n)
+        .map(|i| result_element(JOB_ID, i, s.result_bytes))
+        .collect();
+    let element_bytes = elements.iter().map(String::len).sum::<usize>() / n.max(1);
+
+    let (mut rates, mut totals) = (Vec::new(), Vec::new());
+    for run in 0..s.short_runs {
+        lab.flush_redis().await?;
+        let out = lab.fresh_dir(&format!("drain-{run}"))?;
+        // A fresh executor each run: its result consumer starts with the job's dispatch.
+        let executor = Executor::new(load(&config_path)?).await?;
+        let measured = one_run(&executor, lab, &input, &out, &results_list, &elements).await;
+        executor.shutdown().await;
+        let (rate, total) = measured?;
+        rates.push(rate);
+        totals.push(total.as_secs_f64());
+        progress(&format!(
+            "   run {run}: {} results, {} results/s",
+            lines(n),
+            crate::report::thousands(rate)
+        ));
+    }
+
+    // The limit: RPOP of elements of the same size from a list filled by LPUSH.
+    let element = elements.first().cloned().unwrap_or_default();
+    drop(elements);
+    let mut limits = Vec::new();
+    for pipeline in [1, 32] {
+        let mut runs = Vec::new();
+        for _ in 0..s.long_runs {
+            lab.flush_redis().await?;
+            let mut fill = RedisBenchmark::new(lab.redis_port(), s.redis_benchmark_requests, 32);
+            fill.random_keyspace = 0;
+            let mut pop =
+                RedisBenchmark::new(lab.redis_port(), s.redis_benchmark_requests, pipeline);
+            pop.random_keyspace = 0;
+            let element = element.clone();
+            runs.push(
+                blocking(move || {
+                    fill.run(&["LPUSH", "bench:list", &element])?;
+                    pop.run(&["RPOP", "bench:list"])
+                })
+                .await?,
+            );
+        }
+        limits.push((pipeline, Summary::new(runs)));
+    }
+    lab.flush_redis().await?;
+    let (best_pipeline, best) = limits
+        .iter()
+        .max_by(|a, b| a.1.median().total_cmp(&b.1.median()))
+        .map(|(p, s)| (*p, s.median()))
+        .unwrap_or((1, f64::NAN));
+
+    report.rows.push(
+        Row::new(
+            DRAIN,
+            format!(
+                "consumer + sink: {} results of {element_bytes} B to files",
+                lines(n)
+            ),
+            RATE,
+            Summary::new(rates),
+        )
+        .limit(format!("redis-benchmark RPOP, -P {best_pipeline}"), best)
+        .target(Target::AtLeast(100_000.0)),
+    );
+    for (pipeline, runs) in limits {
+        report.rows.push(
+            Row::new(
+                DRAIN,
+                format!("redis-benchmark RPOP, -P {pipeline}"),
+                RATE,
+                runs,
+            )
+            .kind(Kind::Limit),
+        );
+    }
+    report.note(DRAIN, format!(
+        "{} results (a 200 carrying a ~{} B chat completion, {element_bytes} B per list element) wait in the job's result list before the job runs. The job was prepared once before, so this run resumes it: the executor's result consumer writes every waiting result before it would enqueue anything, and nothing is left to enqueue. The rate runs from the first batch seen written to the last (the whole run, consumer start and finalizing included, took {:.2} s, median).",
+        lines(n), s.result_bytes, Summary::new(totals).median()
+    ));
+    report.note(DRAIN, format!(
+        "The limit is the best median of `redis-benchmark -c 50 -n {0} RPOP bench:list` with `-P 1` and `-P 32`, the list filled first with {0} elements of the same size by `redis-benchmark LPUSH`. The consumer takes up to 1,000 results per round trip (RPOP with a count, moved to its in-flight list in the same Lua call), so it is not bound by one command per result.",
+        s.redis_benchmark_requests
+    ));
+    report.note(DRAIN, "What bounds the consumer: it takes, writes and acknowledges one batch at a time, so Redis's work (the Lua call that moves a batch into the in-flight list copies every element several times inside Redis) and the parsing and writing in the processor never overlap. Taking the next batch while the current one is written (acknowledging with LTRIM of the older batch instead of DEL of the whole in-flight list) would overlap them.");
+    Ok(())
+}
+
+/// Fills the result list, runs the job; returns the write rate and the whole run's time.
+async fn one_run(
+    executor: &Executor,
+    lab: &Lab,
+    input: &std::path::Path,
+    out: &std::path::Path,
+    results_list: &str,
+    elements: &[String],
+) -> Result<(f64, Duration), BenchError> {
+    let n = elements.len();
+    let job_spec = spec(input, out, Some(JOB_ID.into()));
+    // Prepared and left: the job now exists on disk, so the run below resumes it.
+    drop(ready(executor, &job_spec)?);
+    for chunk in elements.chunks(1000) {
+        let _: u64 = lab.client().lpush(results_list, chunk.to_vec()).await?;
+    }
+    let job = ready(executor, &job_spec)?;
+    let rx = job.progress();
+    let start = Instant::now();
+    let (batch, seen) = drive(
+        executor.execute(job, CancellationToken::new()),
+        rx,
+        start,
+        move |p| resolved(p) >= n as u64,
+    )
+    .await;
+    let total = start.elapsed();
+    expect_completed(&batch?, n)?;
+    Ok((write_rate(&seen), total))
+}
+
+/// Results per second from the first batch seen written to the last; the first batch itself
+/// is not counted, its start being unseen.
+fn write_rate(seen: &[(Duration, JobProgress)]) -> f64 {
+    let first = seen.iter().find(|(_, p)| resolved(p) > 0);
+    let last = seen.iter().rev().find(|(_, p)| resolved(p) > 0);
+    match (first, last) {
+        (Some((t0, p0)), Some((t1, p1))) if t1 > t0 && resolved(p1) > resolved(p0) => {
+            (resolved(p1) - resolved(p0)) as f64 / (*t1 - *t0).as_secs_f64()
+        }
+        (_, Some((t1, p1))) => resolved(p1) as f64 / t1.as_secs_f64(),
+        _ => f64::NAN,
+    }
+}

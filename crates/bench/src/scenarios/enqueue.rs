@@ -1,0 +1,336 @@
+//! Enqueue (and cancel) a job with the gate closed: nothing takes members out of the set.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use batch_executor::Executor;
+use batch_producer::{request_token, JobMessages, Producer, ProducerOptions};
+use batch_wire::BatchStatus;
+use fred::interfaces::{KeysInterface, SortedSetsInterface, TransactionInterface};
+use fred::types::Expiration;
+use tokio_util::sync::CancellationToken;
+
+use super::{blocking, lines, ready, record_until, spec};
+use crate::inputs::{write_input, POOL};
+use crate::lab::{load, Lab};
+use crate::redis_benchmark::RedisBenchmark;
+use crate::report::{Kind, Report, Row, Target, Unit};
+use crate::stats::Summary;
+use crate::BenchError;
+
+const ENQUEUE: &str = "Enqueue";
+const CANCEL: &str = "Cancel";
+const RATE: Unit = Unit::PerSecond("req/s");
+
+pub(crate) async fn run(
+    lab: &Lab,
+    s: &crate::Settings,
+    report: &mut Report,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<(), BenchError> {
+    let n = s.enqueue_lines;
+    let input = lab.path("enqueue.jsonl");
+    let bytes = write_input(&input, n, s.request_bytes)?;
+    let config = load(&lab.async_config("enqueue.yaml", "enqueue", "")?)?;
+    let queue = config
+        .try_queue_names()
+        .map_err(|e| BenchError::Config(e.to_string()))?
+        .request_queue_name(POOL)
+        .map_err(|e| BenchError::Config(e.to_string()))?;
+    let chunk = config.async_dispatch.enqueue_chunk;
+
+    // Planning alone: the validating pass and the plan files.
+    let mut plan_secs = Vec::new();
+    for run in 0..s.short_runs {
+        let dir = lab.fresh_dir(&format!("plan-{run}"))?;
+        let input = input.clone();
+        let secs = blocking(move || {
+            let t = Instant::now();
+            let limits = batch_plan::Limits {
+                max_requests: u64::MAX,
+                max_file_bytes: u64::MAX,
+            };
+            batch_plan::Plan::build(&input, &dir, limits)?;
+            Ok(t.elapsed().as_secs_f64())
+        })
+        .await?;
+        plan_secs.push(secs);
+    }
+    progress(&format!(
+        "   planning {} lines: {:.3} s",
+        lines(n),
+        Summary::new(plan_secs.clone()).median()
+    ));
+
+    // The executor path: validate, plan, enqueue; then cancel the job.
+    let executor = Executor::new(config).await?;
+    let runs = executor_runs(&executor, lab, s, &input, &queue, progress).await;
+    executor.shutdown().await;
+    let (rates, cancel_secs, to_queue, after_prepare) = runs?;
+
+    // The producer alone, and the naive baseline, on members built beforehand.
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    let messages = JobMessages {
+        job_id: "batch_producer".into(),
+        created: now,
+        deadline: now + 24 * 3600,
+        request_queue: queue.clone(),
+        result_queue: batch_queue_names::QueueNames::new(
+            batch_queue_names::DEFAULT_PREFIX,
+            "enqueue",
+        )
+        .and_then(|names| names.result_queue_name(POOL))
+        .map_err(|e| BenchError::Config(e.to_string()))?,
+        headers: Default::default(),
+    };
+    let text = std::fs::read_to_string(&input).map_err(|e| BenchError::io(&input, e))?;
+    let members = text
+        .lines()
+        .enumerate()
+        .map(|(i, line)| messages.member(i as u64, line.as_bytes()))
+        .collect::<Result<Vec<String>, _>>()?;
+    drop(text);
+    let member_bytes = members.iter().map(String::len).sum::<usize>() / members.len().max(1);
+
+    let producer = Producer::new(
+        lab.client().clone(),
+        ProducerOptions {
+            chunk,
+            ..ProducerOptions::default()
+        },
+    );
+    let mut producer_rates = Vec::new();
+    for _ in 0..s.short_runs {
+        lab.flush_redis().await?;
+        let batch = members.clone();
+        let t = Instant::now();
+        let added = producer.enqueue(&queue, messages.score(), batch).await?;
+        let secs = t.elapsed().as_secs_f64();
+        if added != n as u64 {
+            return Err(BenchError::Check(format!(
+                "the producer added {added} of {n} members"
+            )));
+        }
+        producer_rates.push(n as f64 / secs);
+    }
+
+    let mut naive_rates = Vec::new();
+    for _ in 0..s.long_runs {
+        lab.flush_redis().await?;
+        let t = Instant::now();
+        naive_enqueue(lab, &messages, &queue, &members).await?;
+        naive_rates.push(n as f64 / t.elapsed().as_secs_f64());
+        if lab.zcard(&queue).await? != n as u64 {
+            return Err(BenchError::Check("the naive baseline lost members".into()));
+        }
+    }
+    drop(members);
+
+    // The limit: redis-benchmark ZADD of members of the same size, one per command.
+    let prefix = "m:__rand_int__:";
+    let pad = "x".repeat(member_bytes.saturating_sub(prefix.len() + 8));
+    let member = format!("{prefix}{pad}");
+    let mut limits = Vec::new();
+    for pipeline in [1, 32] {
+        let mut runs = Vec::new();
+        for _ in 0..s.long_runs {
+            lab.flush_redis().await?;
+            let bench = RedisBenchmark::new(lab.redis_port(), s.redis_benchmark_requests, pipeline);
+            let member = member.clone();
+            runs.push(blocking(move || bench.run(&["ZADD", "bench:zadd", "1", &member])).await?);
+        }
+        limits.push((pipeline, Summary::new(runs)));
+    }
+    lab.flush_redis().await?;
+    let (best_pipeline, best) = limits
+        .iter()
+        .max_by(|a, b| a.1.median().total_cmp(&b.1.median()))
+        .map(|(p, s)| (*p, s.median()))
+        .unwrap_or((1, f64::NAN));
+    let limit_name = format!("redis-benchmark ZADD, -P {best_pipeline}");
+
+    let plan = Summary::new(plan_secs);
+    let rate = Summary::new(rates);
+    report.rows.push(
+        Row::new(
+            ENQUEUE,
+            format!(
+                "executor: validate + plan + ZADD, {} lines of {} B",
+                lines(n),
+                bytes / n.max(1) as u64
+            ),
+            RATE,
+            rate.clone(),
+        )
+        .limit(&limit_name, best)
+        .target(Target::RatioAtLeast(0.8)),
+    );
+    report.rows.push(Row::new(
+        ENQUEUE,
+        "of which validating and planning (Plan::build alone)",
+        Unit::Seconds,
+        plan.clone(),
+    ));
+    report.rows.push(
+        Row::new(
+            ENQUEUE,
+            "executor: ZADD part only (after prepare returned)",
+            RATE,
+            Summary::new(after_prepare),
+        )
+        .limit(&limit_name, best),
+    );
+    report.rows.push(
+        Row::new(
+            ENQUEUE,
+            "Producer::enqueue of pre-built members",
+            RATE,
+            Summary::new(producer_rates),
+        )
+        .limit(&limit_name, best),
+    );
+    report.rows.push(
+        Row::new(
+            ENQUEUE,
+            "baseline: one MULTI (DEL, SET, ZADD) per request",
+            RATE,
+            Summary::new(naive_rates),
+        )
+        .limit(&limit_name, best)
+        .kind(Kind::Baseline),
+    );
+    for (pipeline, runs) in limits {
+        report.rows.push(
+            Row::new(
+                ENQUEUE,
+                format!("redis-benchmark ZADD, -P {pipeline}"),
+                RATE,
+                runs,
+            )
+            .kind(Kind::Limit),
+        );
+    }
+    report.rows.push(Row::new(
+        CANCEL,
+        format!(
+            "cancel with {} members pending: until none is left",
+            lines(n)
+        ),
+        Unit::Seconds,
+        Summary::new(cancel_secs),
+    ));
+    report.note(ENQUEUE, format!(
+        "The executor figure runs from `Executor::prepare` (validation and planning included) until the job's `dispatched` counter reaches its {} lines, through the real async path, with no dispatcher taking members (a closed gate). Planning alone took {:.0} ms of the {:.0} ms (median). The target applies to this whole figure; the \"ZADD part only\" row leaves out `Executor::prepare` (validation, planning, opening the result files), measured in the same runs.",
+        lines(n), plan.median() * 1000.0, Summary::new(to_queue).median() * 1000.0
+    ));
+    report.note(ENQUEUE, format!(
+        "Members are {member_bytes} bytes on average (the envelope around a {} B input line). The producer sends variadic ZADDs of {chunk} members, 4 in flight.",
+        bytes / n.max(1) as u64
+    ));
+    report.note(ENQUEUE, format!(
+        "The limit is the best median of `redis-benchmark -c 50 -n {} -r 100000000000 ZADD bench:zadd 1 m:__rand_int__:<{member_bytes} B>` with `-P 1` and `-P 32` (one member per command; `__rand_int__` makes members unique).",
+        s.redis_benchmark_requests
+    ));
+    report.note(ENQUEUE, "The baseline is the original Go producer's way: per request one MULTI of DEL request-cancel:<id>, SET request-active:<id> <token> PX <ttl>, ZADD, EXEC, awaited one by one.");
+    report.note(CANCEL, format!(
+        "Measured in the enqueue runs: from the cancel until `execute` returned the job `cancelled`, its pending members removed with batched ZREMs (a Lua script, {chunk} per call) and every line written as `batch_cancelled`; the set was checked empty after each run."
+    ));
+    Ok(())
+}
+
+/// One MULTI/EXEC per request, as the original producer enqueues.
+async fn naive_enqueue(
+    lab: &Lab,
+    messages: &JobMessages,
+    queue: &str,
+    members: &[String],
+) -> Result<(), BenchError> {
+    let client = lab.client();
+    let ttl_ms = Duration::from_secs((messages.deadline - messages.created).max(1) as u64)
+        .as_millis() as i64;
+    for (i, member) in members.iter().enumerate() {
+        let id = batch_wire::request_id(&messages.job_id, i as u64);
+        let token = request_token(&messages.job_id, messages.created, i as u64);
+        let trx = client.multi();
+        let _: () = trx.del(batch_queue_names::cancel_marker_key(&id)).await?;
+        let _: () = trx
+            .set(
+                format!("request-active:{id}"),
+                token,
+                Some(Expiration::PX(ttl_ms)),
+                None,
+                false,
+            )
+            .await?;
+        let _: () = trx
+            .zadd(
+                queue,
+                None,
+                None,
+                false,
+                false,
+                (messages.score(), member.as_str()),
+            )
+            .await?;
+        let _: Vec<fred::types::Value> = trx.exec(true).await?;
+    }
+    Ok(())
+}
+
+/// Per run: enqueue the job through the executor until it is all in the set, then cancel it.
+/// Returns the enqueue rates, the cancel times, the enqueue times and the rates after
+/// `prepare` (validation and planning) returned.
+async fn executor_runs(
+    executor: &Executor,
+    lab: &Lab,
+    s: &crate::Settings,
+    input: &std::path::Path,
+    queue: &str,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>), BenchError> {
+    let (mut rates, mut cancel_secs, mut to_queue, mut after_prepare) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for run in 0..s.short_runs {
+        lab.flush_redis().await?;
+        let out = lab.fresh_dir(&format!("enqueue-{run}"))?;
+        let cancel = CancellationToken::new();
+        let start = Instant::now();
+        let job = ready(
+            executor,
+            &spec(input, &out, Some(format!("batch_enqueue{run}"))),
+        )?;
+        let prepared = start.elapsed();
+        let total = job.progress().borrow().counts.total;
+        let rx = job.progress();
+        let execute = executor.execute(job, cancel.clone());
+        tokio::pin!(execute);
+        let enqueued = tokio::select! {
+            seen = record_until(rx, start, |p| p.dispatched >= total, std::future::pending()) => seen.last().map(|(t, _)| *t).unwrap_or_default(),
+            ended = &mut execute => return Err(BenchError::Check(format!("enqueue run {run}: the job ended before it was enqueued: {:?}", ended.map(|b| b.status)))),
+        };
+        let queued = lab.zcard(queue).await;
+        let cancelled_at = Instant::now();
+        cancel.cancel();
+        let batch = execute.await?;
+        let ended = Instant::now();
+        let (queued, left) = (queued?, lab.zcard(queue).await?);
+        if queued != total || batch.status != BatchStatus::Cancelled || left != 0 {
+            return Err(BenchError::Check(format!(
+                "enqueue run {run}: {queued} of {total} members queued, job {}, {left} members left after the cancel",
+                batch.status.as_str()
+            )));
+        }
+        rates.push(total as f64 / enqueued.as_secs_f64());
+        to_queue.push(enqueued.as_secs_f64());
+        after_prepare.push(total as f64 / (enqueued - prepared).as_secs_f64());
+        cancel_secs.push(ended.duration_since(cancelled_at).as_secs_f64());
+        progress(&format!(
+            "   run {run}: {} lines enqueued in {:.3} s, cancelled in {:.3} s",
+            lines(total as usize),
+            enqueued.as_secs_f64(),
+            cancel_secs[run]
+        ));
+    }
+    Ok((rates, cancel_secs, to_queue, after_prepare))
+}

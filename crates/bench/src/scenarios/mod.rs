@@ -1,0 +1,189 @@
+//! The scenarios, and what they share.
+
+mod aimd;
+mod drain;
+mod e2e;
+mod enqueue;
+mod memory;
+
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use batch_executor::{Executor, Job, JobProgress, JobSpec, Prepared};
+use tokio::sync::watch;
+
+use crate::lab::Lab;
+use crate::report::Report;
+use crate::{BenchError, Settings};
+
+/// A group of figures measured together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scenario {
+    /// Enqueue a job (and cancel it: the cancel figure comes from the same runs).
+    Enqueue,
+    /// Write results already waiting in the result list.
+    Drain,
+    /// A job through the dispatcher simulator.
+    EndToEnd,
+    /// Sync mode against a gateway of limited capacity.
+    Aimd,
+    /// Peak RSS of the `processor` binary.
+    Memory,
+}
+
+impl Scenario {
+    /// Every scenario, in run order.
+    pub const ALL: [Scenario; 5] = [
+        Scenario::Enqueue,
+        Scenario::Drain,
+        Scenario::EndToEnd,
+        Scenario::Aimd,
+        Scenario::Memory,
+    ];
+
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::Enqueue => "enqueue",
+            Scenario::Drain => "drain",
+            Scenario::EndToEnd => "e2e",
+            Scenario::Aimd => "aimd",
+            Scenario::Memory => "memory",
+        }
+    }
+}
+
+impl FromStr for Scenario {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Scenario::ALL
+            .into_iter()
+            .find(|c| c.name() == s || (s == "cancel" && *c == Scenario::Enqueue))
+            .ok_or_else(|| {
+                let names: Vec<_> = Scenario::ALL.iter().map(|c| c.name()).collect();
+                format!("unknown scenario {s:?}; use one of {}", names.join(", "))
+            })
+    }
+}
+
+/// Runs one scenario, adding its rows to `report`.
+pub(crate) async fn run(
+    scenario: Scenario,
+    lab: &Lab,
+    settings: &Settings,
+    report: &mut Report,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Result<(), BenchError> {
+    match scenario {
+        Scenario::Enqueue => enqueue::run(lab, settings, report, progress).await,
+        Scenario::Drain => drain::run(lab, settings, report, progress).await,
+        Scenario::EndToEnd => e2e::run(lab, settings, report, progress).await,
+        Scenario::Aimd => aimd::run(lab, settings, report, progress).await,
+        Scenario::Memory => memory::run(lab, settings, report, progress).await,
+    }
+}
+
+/// Prepares a job that must be ready to dispatch.
+pub(crate) fn ready(executor: &Executor, spec: &JobSpec) -> Result<Arc<Job>, BenchError> {
+    match executor.prepare(spec)? {
+        Prepared::Ready(job) => Ok(job),
+        Prepared::Finished(batch) => Err(BenchError::Check(format!(
+            "job {} was {} before it started: {:?}",
+            batch.id,
+            batch.status.as_str(),
+            batch.errors
+        ))),
+    }
+}
+
+/// A spec for `input` into `out`, with a fixed id when given.
+pub(crate) fn spec(input: &std::path::Path, out: &std::path::Path, id: Option<String>) -> JobSpec {
+    JobSpec {
+        job_id: id,
+        ..JobSpec::new(input, out)
+    }
+}
+
+/// Each progress change seen, with when it was seen (since `start`), until `done` holds or
+/// `ended` resolves (then with one last look).
+pub(crate) async fn record_until(
+    mut rx: watch::Receiver<JobProgress>,
+    start: Instant,
+    mut done: impl FnMut(&JobProgress) -> bool,
+    ended: impl Future<Output = ()>,
+) -> Vec<(Duration, JobProgress)> {
+    tokio::pin!(ended);
+    let mut seen = Vec::new();
+    loop {
+        let p = rx.borrow_and_update().clone();
+        let stop = done(&p);
+        seen.push((start.elapsed(), p));
+        if stop {
+            return seen;
+        }
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { return seen },
+            _ = &mut ended => {
+                seen.push((start.elapsed(), rx.borrow_and_update().clone()));
+                return seen;
+            }
+        }
+    }
+}
+
+/// Runs `execute` (a job's execution) while a task of its own records the job's progress
+/// until `done` holds or the execution ends, so what it sees does not wait for the job's task.
+pub(crate) async fn drive<T>(
+    execute: impl Future<Output = T>,
+    rx: watch::Receiver<JobProgress>,
+    start: Instant,
+    done: impl FnMut(&JobProgress) -> bool + Send + 'static,
+) -> (T, Vec<(Duration, JobProgress)>) {
+    let (tx, ended) = tokio::sync::oneshot::channel::<()>();
+    let ended = async move {
+        let _ = ended.await;
+    };
+    let recorder = tokio::spawn(record_until(rx, start, done, ended));
+    let out = execute.await;
+    let _ = tx.send(());
+    let seen = recorder.await.unwrap_or_default();
+    (out, seen)
+}
+
+/// Lines with a result in `p`.
+pub(crate) fn resolved(p: &JobProgress) -> u64 {
+    p.counts.completed + p.counts.failed
+}
+
+/// Runs a blocking call off the async workers.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, BenchError> + Send + 'static,
+) -> Result<T, BenchError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| BenchError::Check(format!("a blocking task failed: {e}")))?
+}
+
+/// Fails unless the batch completed with every line a success.
+pub(crate) fn expect_completed(batch: &batch_wire::Batch, lines: usize) -> Result<(), BenchError> {
+    let c = batch.request_counts;
+    if batch.status != batch_wire::BatchStatus::Completed || c.completed != lines as u64 {
+        return Err(BenchError::Check(format!(
+            "job {} ended {} with {} of {} lines completed ({} failed)",
+            batch.id,
+            batch.status.as_str(),
+            c.completed,
+            lines,
+            c.failed
+        )));
+    }
+    Ok(())
+}
+
+/// `n` lines, with thousands separators.
+pub(crate) fn lines(n: usize) -> String {
+    crate::report::thousands(n as f64)
+}
