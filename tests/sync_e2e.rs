@@ -116,18 +116,15 @@ async fn overload_that_clears_ends_with_every_line_completed() {
         .await;
         env.gateway.set_config(GatewayConfig::default()).unwrap();
     };
-    let ((batch, samples), ()) = tokio::join!(
-        sampling_limits(
-            &executor,
-            "llama-3",
-            executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
-        ),
+    let (batch, ()) = tokio::join!(
+        executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new()),
         flip
     );
     let batch = batch.unwrap();
     assert_eq!(batch.request_counts.completed, 300);
     Results::read(&env.path("out")).assert_each_once(&lines);
-    assert_eq!(samples.iter().min(), Some(&5), "decreased to the floor");
+    // Answers that needed a 429 retry cut the limit (once per overload episode).
+    assert!(executor.endpoint_cuts("llama-3").unwrap() >= 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

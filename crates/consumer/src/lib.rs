@@ -1,10 +1,12 @@
 //! The result-list consumer: one per result list, shared by every active job of the replica.
 //!
-//! The dispatcher LPUSHes results, so [`ResultConsumer`] takes them from the right (oldest
-//! first), up to a batch at a time, blocking up to the poll timeout when the list is empty. It
-//! never holds a result that exists nowhere else: each batch is first moved, atomically, into
-//! this consumer's own in-flight list, then handed to the [`ResultHandler`], and deleted from
-//! the in-flight list only once the handler says it is written. A consumer that starts finds
+//! The dispatcher LPUSHes results. [`ResultConsumer`] never holds a result that exists nowhere
+//! else: it first moves what waits in the result list into its own in-flight list, atomically
+//! and in O(1) (`RENAMENX`: the whole backlog at once), then reads the in-flight list from the
+//! right (oldest first) a batch at a time, hands each batch to the [`ResultHandler`], and trims
+//! it from the in-flight list only once the handler says it is written. The next batch is read
+//! while one is being written, so Redis and the writer work side by side. When the result list
+//! is empty it blocks (BLMOVE of one result into flight) for up to the poll timeout. A consumer that starts finds
 //! whatever a crashed predecessor left in flight and handles it first; the handler skips what was
 //! written already, so each result still ends in exactly one line.
 //!
@@ -18,8 +20,8 @@
 //!
 //! struct Print;
 //! impl ResultHandler for Print {
-//!     fn write(&self, results: Vec<Routed>) -> Result<WriteReport, HandlerError> {
-//!         for r in &results {
+//!     fn write(&self, results: &[Routed]) -> Result<WriteReport, HandlerError> {
+//!         for r in results {
 //!             println!("{} line {}: {:?}", r.job_id, r.index, r.result.outcome());
 //!         }
 //!         Ok(WriteReport { written: results.len() as u64, ..WriteReport::default() })
@@ -48,7 +50,7 @@ use std::time::Duration;
 
 use batch_wire::{parse_request_id, ResultMessage};
 use fred::clients::Client;
-use fred::interfaces::{KeysInterface, ListInterface};
+use fred::interfaces::ListInterface;
 use fred::types::lists::LMoveDirection;
 use fred::types::scripts::Script;
 use tokio_util::sync::CancellationToken;
@@ -86,7 +88,7 @@ pub struct HandlerError(pub String);
 pub trait ResultHandler: Send + Sync + 'static {
     /// Writes every result of the batch to its job, returning once a crash of this process can
     /// no longer lose them. Called on a blocking thread.
-    fn write(&self, results: Vec<Routed>) -> Result<WriteReport, HandlerError>;
+    fn write(&self, results: &[Routed]) -> Result<WriteReport, HandlerError>;
 }
 
 /// Tuning of [`ResultConsumer`].
@@ -113,13 +115,14 @@ impl Default for ConsumerOptions {
     }
 }
 
-// Moves up to ARGV[1] results from the right of KEYS[1] to KEYS[2] and returns them, in one step,
-// so no result is ever only in this process's memory.
+// Makes the whole result list KEYS[1] the in-flight list KEYS[2] when that one is empty, in
+// O(1); returns how many results it moved (0 when there were none).
 const TAKE_LUA: &str = r#"
-local items = redis.call('RPOP', KEYS[1], ARGV[1])
-if not items then return {} end
-redis.call('LPUSH', KEYS[2], unpack(items))
-return items
+local n = redis.call('LLEN', KEYS[1])
+if n == 0 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return redis.error_reply('in-flight list not empty') end
+redis.call('RENAME', KEYS[1], KEYS[2])
+return n
 "#;
 
 /// Reads one result list; see the crate documentation.
@@ -190,6 +193,8 @@ impl ResultConsumer {
     pub async fn run(self, shutdown: CancellationToken) {
         tracing::info!(results = %self.results, "result consumer started");
         let mut backoff = self.options.min_backoff;
+        // False at start and after any error: the in-flight list is then drained first, so
+        // what it holds is written before anything new is taken.
         let mut recovered = false;
         while !shutdown.is_cancelled() {
             let step = if recovered {
@@ -203,6 +208,7 @@ impl ResultConsumer {
             match step {
                 Ok(()) => backoff = self.options.min_backoff,
                 Err(e) => {
+                    recovered = false;
                     self.stats.redis_error();
                     tracing::warn!(results = %self.results, error = %e, "result consumer error, retrying in {backoff:?}");
                     tokio::select! {
@@ -217,48 +223,73 @@ impl ResultConsumer {
     }
 
     async fn recover(&self, shutdown: &CancellationToken) -> Result<u64, fred::error::Error> {
-        let left: Vec<String> = self.client.lrange(&self.inflight, 0, -1).await?;
-        let n = left.len() as u64;
-        if n > 0 {
-            tracing::info!(inflight = %self.inflight, results = n, "handling results left in flight");
-            if self.handle(left, shutdown).await {
-                let _: i64 = self.client.del(&self.inflight).await?;
-            }
+        let left: u64 = self.client.llen(&self.inflight).await?;
+        if left > 0 {
+            tracing::info!(inflight = %self.inflight, results = left, "handling results left in flight");
+            self.drain_in_flight(shutdown).await?;
         }
-        Ok(n)
+        Ok(left)
     }
 
     async fn step(&self, shutdown: &CancellationToken) -> Result<(), fred::error::Error> {
-        let batch = self.options.batch.max(1);
-        let mut items: Vec<String> = self
+        let taken: i64 = self
             .take
-            .evalsha_with_reload(&self.client, vec![&self.results, &self.inflight], batch)
+            .evalsha_with_reload(&self.client, vec![&self.results, &self.inflight], ())
             .await?;
-        if items.is_empty() {
+        if taken == 0 {
             self.stats.empty_poll();
             let timeout = self.options.poll_timeout.as_secs_f64();
             let popped: Option<String> = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 r = self.client.blmove(&self.results, &self.inflight, LMoveDirection::Right, LMoveDirection::Left, timeout) => r?,
             };
-            match popped {
-                Some(item) => items.push(item),
-                None => return Ok(()),
+            if popped.is_none() {
+                return Ok(());
             }
         }
-        if self.handle(items, shutdown).await {
-            // Everything in the in-flight list has been written by now, including anything a
-            // failed earlier acknowledgement left there.
-            let _: i64 = self.client.del(&self.inflight).await?;
+        self.drain_in_flight(shutdown).await
+    }
+
+    /// Writes everything in the in-flight list, oldest first, a batch at a time, trimming each
+    /// batch once written. Nothing else adds to the list meanwhile, so positions are stable.
+    async fn drain_in_flight(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Result<(), fred::error::Error> {
+        let batch = self.options.batch.max(1) as i64;
+        let mut items = self.read_in_flight(-batch, -1).await?;
+        while !items.is_empty() {
+            let n = items.len() as i64;
+            // The next batch, just left of this one, is read while this one is written.
+            let next = self.read_in_flight(-n - batch, -n - 1);
+            let (next, written) = tokio::join!(next, self.handle(items, shutdown));
+            if !written {
+                // Shutting down: what is not written stays in flight for the next consumer.
+                return Ok(());
+            }
+            let _: () = self.client.ltrim(&self.inflight, 0, -n - 1).await?;
+            items = next?;
         }
         Ok(())
+    }
+
+    /// In-flight results between two positions, oldest (rightmost) first.
+    async fn read_in_flight(
+        &self,
+        start: i64,
+        stop: i64,
+    ) -> Result<Vec<String>, fred::error::Error> {
+        let mut items: Vec<String> = self.client.lrange(&self.inflight, start, stop).await?;
+        items.reverse();
+        Ok(items)
     }
 
     /// Routes and writes `items`, retrying the handler until it succeeds; false when shut down
     /// first (the items then stay in flight for the next consumer).
     async fn handle(&self, items: Vec<String>, shutdown: &CancellationToken) -> bool {
         self.stats.received(items.len() as u64);
-        let routed: Vec<Routed> = items.iter().filter_map(|raw| self.route(raw)).collect();
+        let routed: Arc<Vec<Routed>> =
+            Arc::new(items.iter().filter_map(|raw| self.route(raw)).collect());
         if routed.is_empty() {
             return true;
         }
@@ -266,7 +297,7 @@ impl ResultConsumer {
         loop {
             let handler = self.handler.clone();
             let batch = routed.clone();
-            match tokio::task::spawn_blocking(move || handler.write(batch)).await {
+            match tokio::task::spawn_blocking(move || handler.write(&batch)).await {
                 Ok(Ok(report)) => {
                     self.stats.report(&report);
                     if report.unknown_job > 0 {

@@ -39,7 +39,7 @@ impl Recorder {
 }
 
 impl ResultHandler for Recorder {
-    fn write(&self, results: Vec<Routed>) -> Result<WriteReport, HandlerError> {
+    fn write(&self, results: &[Routed]) -> Result<WriteReport, HandlerError> {
         if self
             .fail_next
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -60,7 +60,7 @@ impl ResultHandler for Recorder {
                 report.duplicates += 1;
             } else {
                 report.written += 1;
-                seen.push(r);
+                seen.push(r.clone());
             }
         }
         Ok(report)
@@ -264,4 +264,69 @@ async fn shutdown_while_writes_fail_leaves_the_results_in_flight() {
         "kept for the next consumer"
     );
     assert!(handler.indexes().is_empty());
+}
+
+/// Writes its first batch, then fails every time.
+struct FirstBatchOnly(Arc<Recorder>, AtomicU32);
+
+impl ResultHandler for FirstBatchOnly {
+    fn write(&self, results: &[Routed]) -> Result<WriteReport, HandlerError> {
+        if self.1.fetch_add(1, Ordering::SeqCst) > 0 {
+            return Err(HandlerError("disk full".into()));
+        }
+        self.0.write(results)
+    }
+}
+
+#[tokio::test]
+async fn only_written_batches_leave_the_in_flight_list() {
+    let redis = RedisServer::start();
+    push(&redis, "job", 0..30);
+    let recorder = Recorder::for_jobs(&["job"]);
+    let client = batch_redis::connect(&redis.url(), &Default::default())
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let options = ConsumerOptions {
+        batch: 10,
+        poll_timeout: Duration::from_millis(200),
+        min_backoff: Duration::from_millis(20),
+        max_backoff: Duration::from_millis(50),
+    };
+    let handle = ResultConsumer::new(
+        client,
+        RESULTS.into(),
+        INFLIGHT.into(),
+        Arc::new(FirstBatchOnly(recorder.clone(), AtomicU32::new(0))),
+        options.clone(),
+    )
+    .spawn(shutdown.clone());
+    until("the second batch failing", || {
+        handle.stats().handler_errors_total() >= 1
+    })
+    .await;
+    shutdown.cancel();
+    handle.join().await;
+    assert_eq!(recorder.indexes(), (0..10).collect::<Vec<_>>());
+    // The batch being written and the one taken meanwhile are both still in flight, nothing else.
+    let mut in_flight: Vec<u64> = redis
+        .command_list(&["LRANGE", INFLIGHT, "0", "-1"])
+        .iter()
+        .map(|raw| {
+            batch_wire::parse_request_id(&ResultMessage::parse(raw).unwrap().id)
+                .unwrap()
+                .1
+        })
+        .collect();
+    in_flight.sort();
+    assert_eq!(in_flight, (10..30).collect::<Vec<_>>());
+
+    // A healthy successor writes them, each once.
+    let (handle, shutdown) = start(&redis, recorder.clone(), 10).await;
+    until("all results", || recorder.indexes().len() == 30).await;
+    assert_eq!(handle.stats().recovered_total(), 20);
+    handle.stats().drained().await;
+    assert_eq!(redis.command(&["LLEN", INFLIGHT]), ":0");
+    shutdown.cancel();
+    handle.join().await;
 }

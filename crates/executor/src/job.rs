@@ -232,39 +232,48 @@ impl Job {
         self.batch.lock().expect("batch lock").created_at
     }
 
-    /// The model name of line `index`.
-    pub(crate) fn model_of(&self, index: u64) -> &str {
-        let i = self.model_of_line.get(index as usize).copied().unwrap_or(0);
-        &self.plan.models()[i as usize].model
-    }
-
     /// The custom_id of line `index`, `None` when outside the job.
     pub(crate) fn custom_id(&self, index: u64) -> Option<&str> {
         self.plan.custom_ids().get(index as usize)
     }
 
-    /// Writes one outcome (skipped when the line exists), without flushing.
+    /// The index into `plan.models()` of line `index`.
+    pub(crate) fn model_index(&self, index: u64) -> u16 {
+        self.model_of_line.get(index as usize).copied().unwrap_or(0)
+    }
+
+    /// Writes one outcome (skipped when the line exists), without flushing; `tally` collects
+    /// what the metrics need.
     pub(crate) fn record_unflushed(
         &self,
         sink: &mut JobSink,
         index: u64,
         outcome: &Outcome<'_>,
+        tally: &mut m::Tally,
     ) -> Result<Written, ExecError> {
         let custom_id = self.custom_id(index).unwrap_or_default();
         let written = sink.record(index, custom_id, outcome)?;
-        if !matches!(written, Written::Duplicate) {
-            m::result_written(self.model_of(index), &written);
-        }
+        tally.add(self.model_index(index), &written);
         Ok(written)
+    }
+
+    /// Emits a tally's metrics under this job's model names.
+    pub(crate) fn emit(&self, tally: m::Tally, settle_inflight: bool) {
+        tally.emit(
+            |i| self.plan.models()[i as usize].model.clone(),
+            settle_inflight,
+        );
     }
 
     /// Writes one outcome and flushes.
     pub(crate) fn record(&self, index: u64, outcome: &Outcome<'_>) -> Result<Written, ExecError> {
+        let mut tally = m::Tally::default();
         let mut sink = self.sink.lock().expect("sink lock");
-        let written = self.record_unflushed(&mut sink, index, outcome)?;
+        let written = self.record_unflushed(&mut sink, index, outcome, &mut tally)?;
         sink.flush()?;
         let counts = sink.counts();
         drop(sink);
+        self.emit(tally, false);
         self.publish(counts);
         Ok(written)
     }
@@ -324,14 +333,17 @@ impl Job {
 
     /// Gives every line still without one an error line with `code`.
     pub(crate) fn resolve_all(&self, code: &str, message: &str) -> Result<u64, ExecError> {
+        let mut tally = m::Tally::default();
         let mut sink = self.sink.lock().expect("sink lock");
         let open: Vec<u64> = sink.unresolved().collect();
         for &index in &open {
-            self.record_unflushed(&mut sink, index, &Outcome::Failed { code, message })?;
+            let outcome = Outcome::Failed { code, message };
+            self.record_unflushed(&mut sink, index, &outcome, &mut tally)?;
         }
         sink.flush()?;
         let counts = sink.counts();
         drop(sink);
+        self.emit(tally, false);
         self.publish(counts);
         Ok(open.len() as u64)
     }

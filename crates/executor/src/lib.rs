@@ -297,6 +297,14 @@ impl Executor {
         }
     }
 
+    /// How many times a sync endpoint's AIMD limit was cut (`None` in async mode).
+    pub fn endpoint_cuts(&self, model: &str) -> Option<u64> {
+        match &self.mode {
+            Mode::Sync(mode) => mode.dispatcher().cuts(model),
+            Mode::Async(_) => None,
+        }
+    }
+
     /// The async mode's result-consumer counters, by pool (empty in sync mode).
     pub async fn consumer_stats(
         &self,

@@ -1,5 +1,7 @@
 //! The executor's metrics, with the original processor's names.
 
+use std::collections::BTreeMap;
+
 use batch_sink::Written;
 use batch_wire::BatchStatus;
 
@@ -11,25 +13,60 @@ pub(crate) fn job_processed(status: BatchStatus, reason: &'static str, duration:
     }
 }
 
-pub(crate) fn result_written(model: &str, written: &Written) {
-    let model = model.to_owned();
-    match written {
-        Written::Output { status, usage } => {
-            if *status != 200 {
+/// Per-model counts of written lines, emitted once per batch of results: the metrics registry
+/// is looked up per model, not per line.
+#[derive(Default)]
+pub(crate) struct Tally {
+    models: BTreeMap<u16, ModelTally>,
+}
+
+#[derive(Default)]
+struct ModelTally {
+    written: u64,
+    errors: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+}
+
+impl Tally {
+    pub(crate) fn add(&mut self, model: u16, written: &Written) {
+        let t = self.models.entry(model).or_default();
+        match written {
+            Written::Output { status, usage } => {
+                t.written += 1;
+                t.errors += (*status != 200) as u64;
+                if let Some(u) = usage {
+                    t.prompt_tokens += u.prompt_tokens;
+                    t.completion_tokens += u.completion_tokens;
+                }
+            }
+            Written::Error => {
+                t.written += 1;
+                t.errors += 1;
+            }
+            Written::Duplicate => {}
+        }
+    }
+
+    /// Emits the counts; `settle_inflight` lowers `model_inflight_requests` by the lines
+    /// written (results of requests that were counted in flight).
+    pub(crate) fn emit(self, model_name: impl Fn(u16) -> String, settle_inflight: bool) {
+        for (model, t) in self.models {
+            let model = model_name(model);
+            if t.errors > 0 {
                 metrics::counter!("request_errors_by_model_total", "model" => model.clone())
-                    .increment(1);
+                    .increment(t.errors);
             }
-            if let Some(u) = usage {
+            if t.prompt_tokens + t.completion_tokens > 0 {
                 metrics::counter!("batch_request_prompt_tokens_total", "model" => model.clone())
-                    .increment(u.prompt_tokens);
-                metrics::counter!("batch_request_generation_tokens_total", "model" => model)
-                    .increment(u.completion_tokens);
+                    .increment(t.prompt_tokens);
+                metrics::counter!("batch_request_generation_tokens_total", "model" => model.clone())
+                    .increment(t.completion_tokens);
+            }
+            if settle_inflight && t.written > 0 {
+                model_inflight(&model, -(t.written as f64));
             }
         }
-        Written::Error => {
-            metrics::counter!("request_errors_by_model_total", "model" => model).increment(1)
-        }
-        Written::Duplicate => {}
     }
 }
 

@@ -162,9 +162,9 @@ impl JobSink {
             Some(_) => (&mut self.output, &self.output_path),
             None => (&mut self.error, &self.error_path),
         };
-        let mut line = rendered.line.into_bytes();
-        line.push(b'\n');
-        file.write_all(&line).map_err(io(path))?;
+        file.write_all(rendered.line.as_bytes())
+            .and_then(|()| file.write_all(b"\n"))
+            .map_err(io(path))?;
         self.done.insert(index);
         if rendered.status == Some(200) {
             self.counts.completed += 1;

@@ -202,6 +202,12 @@ impl SyncDispatcher {
         self.endpoint(endpoint).map(|e| e.semaphore.limit())
     }
 
+    /// How many times this endpoint's AIMD limit was cut (one per overload episode; 0 when AIMD
+    /// is off).
+    pub fn cuts(&self, endpoint: &str) -> Option<u64> {
+        self.endpoint(endpoint).map(|e| e.epoch())
+    }
+
     /// Requests of this endpoint holding its permit (waiting for the global one, or in flight).
     pub fn in_use(&self, endpoint: &str) -> Option<usize> {
         self.endpoint(endpoint).map(|e| e.semaphore.in_use())
