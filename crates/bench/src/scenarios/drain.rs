@@ -117,10 +117,10 @@ pub(crate) async fn run(
         lines(n), s.result_bytes, Summary::new(totals).median()
     ));
     report.note(DRAIN, format!(
-        "The limit is the best median of `redis-benchmark -c 50 -n {0} RPOP bench:list` with `-P 1` and `-P 32`, the list filled first with {0} elements of the same size by `redis-benchmark LPUSH`. The consumer takes up to 1,000 results per round trip (RPOP with a count, moved to its in-flight list in the same Lua call), so it is not bound by one command per result.",
+        "The limit is the best median of `redis-benchmark -c 50 -n {0} RPOP bench:list` with `-P 1` and `-P 32`, the list filled first with {0} elements of the same size by `redis-benchmark LPUSH`. The consumer moves the whole backlog into its in-flight list at once (RENAMENX, O(1)), then reads it 1,000 results per LRANGE, oldest first, and trims each batch once written, so it is not bound by one command per result.",
         s.redis_benchmark_requests
     ));
-    report.note(DRAIN, "What bounds the consumer: it takes, writes and acknowledges one batch at a time, so Redis's work (the Lua call that moves a batch into the in-flight list copies every element several times inside Redis) and the parsing and writing in the processor never overlap. Taking the next batch while the current one is written (acknowledging with LTRIM of the older batch instead of DEL of the whole in-flight list) would overlap them.");
+    report.note(DRAIN, "What bounds the consumer: the next batch is read while one is parsed and written, so the figure is set by the slower of the two, on a machine whose two cores also run redis-server: parsing each result (its payload is a JSON string to unescape) and rendering its line (the body is checked as JSON and its usage read) take about 6 µs per result.");
     Ok(())
 }
 
