@@ -46,7 +46,7 @@ fn quick_run_reports_every_scenario() {
     let md = std::fs::read_to_string(out.path().join("benchmarks.md")).unwrap();
     for row in [
         "| Enqueue | executor: validate + plan + ZADD",
-        "| Enqueue | executor: ZADD part only",
+        "| Enqueue | executor: enqueue (read, build and ZADD every member",
         "| Enqueue | redis-benchmark ZADD, -P 32 |",
         "| Enqueue | baseline: one MULTI",
         "| Cancel | cancel with",
