@@ -313,15 +313,17 @@ impl Job {
         &self,
         model: &batch_plan::ModelPlan,
     ) -> Result<Vec<Record>, ExecError> {
+        // The plan file is read before the sink is locked: result writers wait on that lock.
+        let records: Vec<Record> = self
+            .plan
+            .records(model)?
+            .collect::<Result<_, _>>()
+            .map_err(|e| ExecError::io(&model.path, e))?;
         let sink = self.sink.lock().expect("sink lock");
-        let mut out = Vec::new();
-        for record in self.plan.records(model)? {
-            let record = record.map_err(|e| ExecError::io(&model.path, e))?;
-            if !sink.is_done(record.line as u64) {
-                out.push(record);
-            }
-        }
-        Ok(out)
+        Ok(records
+            .into_iter()
+            .filter(|r| !sink.is_done(r.line as u64))
+            .collect())
     }
 
     /// Reads the input line of `record`.

@@ -7,9 +7,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use batch_wire::ResultMessage;
 use bytes::Bytes;
 use dispatcher_sim::{DispatcherConfig, QueueEntry};
-use fred::prelude::{
-    Builder, Client, ClientLike, Config, KeysInterface, ListInterface, SortedSetsInterface,
-};
+use fred::prelude::{Client, KeysInterface, ListInterface, SortedSetsInterface};
 use http_body_util::{BodyExt, Full};
 use hyper::header::HeaderMap;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -27,11 +25,9 @@ pub fn now() -> i64 {
 
 /// A connected Redis client for assertions and set-up.
 pub async fn redis(url: &str) -> Client {
-    let client = Builder::from_config(Config::from_url(url).unwrap())
-        .build()
-        .unwrap();
-    client.init().await.unwrap();
-    client
+    batch_redis::connect(url, &Default::default())
+        .await
+        .unwrap()
 }
 
 /// A valid envelope; `internal` is the JSON object text of the internal block.
