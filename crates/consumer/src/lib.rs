@@ -1,22 +1,33 @@
-//! The result-list consumer: one per result list, shared by every active job of the replica.
+//! The result-list consumer: one reader per result list, shared by every job of the process.
 //!
 //! The dispatcher LPUSHes results. [`ResultConsumer`] never holds a result that exists nowhere
-//! else: it first moves what waits in the result list into its own in-flight list, atomically
-//! and in O(1) (`RENAMENX`: the whole backlog at once), then reads the in-flight list from the
-//! right (oldest first) a batch at a time, hands each batch to the [`ResultHandler`], and trims
-//! it from the in-flight list only once the handler says it is written. The next batch is read
-//! while one is being written, so Redis and the writer work side by side. When the result list
-//! is empty it blocks (BLMOVE of one result into flight) for up to the poll timeout. A consumer that starts finds
-//! whatever a crashed predecessor left in flight and handles it first; the handler skips what was
-//! written already, so each result still ends in exactly one line.
+//! else: it moves what waits in the result list into the list's in-flight list (`{<list>}:inflight`,
+//! atomically and in O(1): the whole backlog at once), reads the in-flight list from the right
+//! (oldest first) a batch at a time, hands each batch to the [`ResultHandler`], and removes it
+//! from the in-flight list only once the handler says it is written. The next batch is read while
+//! one is being written. When the result list is empty it blocks (BLMOVE of one result into
+//! flight) for up to the poll timeout; an empty poll is not an error.
+//!
+//! - **One reader per list**: the consumer holds the list's [`Lease`] and every script that takes
+//!   or acknowledges results checks it, so a process that lost its lease (frozen, cut off) stops
+//!   taking results. A consumer that starts first handles whatever a predecessor left in flight;
+//!   the handler skips what was written already, so each result still ends in exactly one line.
+//! - **Idempotent acknowledgements**: each acknowledgement carries a fresh nonce and the first and
+//!   last results it removes; the script applies it once and only to exactly those entries,
+//!   whatever the Redis client resends after a dropped connection.
+//! - **Results of jobs that run elsewhere are kept**: a result for a job the handler does not run,
+//!   but that is registered in `{<list>}:jobs` and not past its deadline, is moved to that job's
+//!   parked list (`{<list>}:parked:<job>`) for whoever runs the job; only results of jobs that exist
+//!   nowhere are dropped.
+//! - Redis outages are waited out with backoff (one WARN per outage); malformed messages are
+//!   counted and dropped.
 //!
 //! Results are routed by their id ([`batch_wire::parse_request_id`]), or by echoed `metadata`
-//! when a dispatcher sends it. A malformed message, or one for a job nobody runs, is logged,
-//! counted and dropped; neither stops the loop. Redis errors are retried with backoff.
+//! when a dispatcher sends it.
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use batch_consumer::{ConsumerOptions, HandlerError, ResultConsumer, ResultHandler, Routed, WriteReport};
+//! use batch_consumer::{Acquired, ConsumerOptions, HandlerError, Lease, ResultConsumer, ResultHandler, Routed, WriteReport};
 //!
 //! struct Print;
 //! impl ResultHandler for Print {
@@ -28,33 +39,37 @@
 //!     }
 //! }
 //!
-//! # async fn demo(client: fred::clients::Client) {
+//! # async fn demo(client: fred::clients::Client) -> Result<(), fred::error::Error> {
+//! let list = "llm-d-async:results:pool-a:$batch";
+//! let options = ConsumerOptions::default();
+//! let keys = batch_queue_names::ListKeys::new(list);
+//! let Acquired::Taken(lease) = Lease::try_acquire(&client, &keys.lease, options.lease_ttl).await? else {
+//!     panic!("another process reads {list}");
+//! };
 //! let shutdown = tokio_util::sync::CancellationToken::new();
-//! let consumer = ResultConsumer::new(
-//!     client,
-//!     "llm-d-async:results:pool-a:$batch".into(),
-//!     "llm-d-async:results:pool-a:$batch:inflight".into(),
-//!     Arc::new(Print),
-//!     ConsumerOptions::default(),
-//! );
-//! let handle = consumer.spawn(shutdown.clone());
+//! let consumer = ResultConsumer::new(client.clone(), client, keys, Arc::new(Print), options);
+//! let handle = consumer.spawn(Some(lease), shutdown.clone());
 //! shutdown.cancel();
 //! handle.join().await;
-//! # }
+//! # Ok(()) }
 //! ```
 
+mod lease;
+mod scripts;
 mod stats;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use batch_queue_names::ListKeys;
 use batch_wire::{parse_request_id, ResultMessage};
 use fred::clients::Client;
-use fred::interfaces::ListInterface;
-use fred::types::lists::LMoveDirection;
-use fred::types::scripts::Script;
+use fred::interfaces::{ClientLike, ListInterface};
+use fred::types::config::Options;
+use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio_util::sync::CancellationToken;
 
+pub use lease::{Acquired, Holder, Lease};
 pub use stats::ConsumerStats;
 
 /// A result with the job and line it belongs to.
@@ -69,14 +84,14 @@ pub struct Routed {
 }
 
 /// What a [`ResultHandler`] did with a batch.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WriteReport {
     /// Results written.
     pub written: u64,
     /// Results whose line already existed.
     pub duplicates: u64,
-    /// Results of jobs the handler does not run.
-    pub unknown_job: u64,
+    /// Results of jobs the handler does not run: positions in the batch it was given.
+    pub not_here: Vec<usize>,
 }
 
 /// A handler could not write; the batch stays in flight and is offered again.
@@ -96,12 +111,17 @@ pub trait ResultHandler: Send + Sync + 'static {
 pub struct ConsumerOptions {
     /// Results taken per round trip.
     pub batch: usize,
-    /// How long one blocking pop waits on an empty list.
+    /// How long one blocking pop waits on an empty list (or, when not `blocking`, the pause
+    /// between two looks at an empty list).
     pub poll_timeout: Duration,
+    /// Block on the list when it is empty (a connection of its own); false polls instead.
+    pub blocking: bool,
     /// First wait after a Redis or handler error; doubled up to `max_backoff`.
     pub min_backoff: Duration,
     /// Longest wait after errors.
     pub max_backoff: Duration,
+    /// Lifetime of the list's lease when its holder stops renewing it.
+    pub lease_ttl: Duration,
 }
 
 impl Default for ConsumerOptions {
@@ -109,37 +129,30 @@ impl Default for ConsumerOptions {
         Self {
             batch: 1000,
             poll_timeout: Duration::from_secs(5),
+            blocking: true,
             min_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(5),
+            lease_ttl: Duration::from_secs(10),
         }
     }
 }
 
-// Makes the whole result list KEYS[1] the in-flight list KEYS[2] when that one is empty, in
-// O(1); returns how many results it moved (0 when there were none).
-const TAKE_LUA: &str = r#"
-local n = redis.call('LLEN', KEYS[1])
-if n == 0 then return 0 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return redis.error_reply('in-flight list not empty') end
-redis.call('RENAME', KEYS[1], KEYS[2])
-return n
-"#;
-
 /// Reads one result list; see the crate documentation.
 pub struct ResultConsumer {
     client: Client,
-    results: String,
-    inflight: String,
+    lease_client: Client,
+    keys: ListKeys,
     handler: Arc<dyn ResultHandler>,
     options: ConsumerOptions,
     stats: Arc<ConsumerStats>,
-    take: Script,
+    scripts: scripts::Scripts,
 }
 
 /// A running consumer.
 pub struct ConsumerHandle {
     task: tokio::task::JoinHandle<()>,
     stats: Arc<ConsumerStats>,
+    list: String,
 }
 
 impl ConsumerHandle {
@@ -148,7 +161,12 @@ impl ConsumerHandle {
         &self.stats
     }
 
-    /// Waits for the consumer to stop (after its shutdown token fired).
+    /// The list it reads.
+    pub fn list(&self) -> &str {
+        &self.list
+    }
+
+    /// Waits for the consumer to stop (after its shutdown token fired); its lease is released.
     pub async fn join(self) {
         if let Err(e) = self.task.await {
             tracing::error!(error = %e, "result consumer task failed");
@@ -156,24 +174,38 @@ impl ConsumerHandle {
     }
 }
 
+/// Why one pass of the loop stopped.
+enum Halt {
+    /// Redis or the handler failed; retry after a pause.
+    Error(String),
+    /// The lease is gone: take it again before reading on.
+    LeaseLost,
+}
+
+impl From<fred::error::Error> for Halt {
+    fn from(e: fred::error::Error) -> Self {
+        Halt::Error(e.to_string())
+    }
+}
+
 impl ResultConsumer {
-    /// A consumer of `results`, keeping taken results in `inflight` until `handler` wrote them.
-    /// `client` should be its own: blocking pops hold its connection.
+    /// A consumer of the list `keys` names. `client` should be its own when `blocking` (a
+    /// blocking pop holds its connection); `lease_client` renews the lease and may be shared.
     pub fn new(
         client: Client,
-        results: String,
-        inflight: String,
+        lease_client: Client,
+        keys: ListKeys,
         handler: Arc<dyn ResultHandler>,
         options: ConsumerOptions,
     ) -> Self {
         Self {
             client,
-            results,
-            inflight,
+            lease_client,
+            keys,
             handler,
             options,
             stats: Arc::new(ConsumerStats::default()),
-            take: Script::from_lua(TAKE_LUA),
+            scripts: scripts::Scripts::default(),
         }
     }
 
@@ -182,139 +214,245 @@ impl ResultConsumer {
         self.stats.clone()
     }
 
-    /// Runs on a task until `shutdown` fires.
-    pub fn spawn(self, shutdown: CancellationToken) -> ConsumerHandle {
+    /// Runs on a task until `shutdown` fires. With `lease` the consumer starts at once; without
+    /// one (or once it is lost) it takes the list's lease first, waiting while another holds it.
+    pub fn spawn(self, lease: Option<Lease>, shutdown: CancellationToken) -> ConsumerHandle {
         let stats = self.stats.clone();
-        let task = tokio::spawn(self.run(shutdown));
-        ConsumerHandle { task, stats }
+        let list = self.keys.list.clone();
+        let task = tokio::spawn(self.run(lease, shutdown));
+        ConsumerHandle { task, stats, list }
     }
 
     /// Handles what a predecessor left in flight, then consumes until `shutdown` fires.
-    pub async fn run(self, shutdown: CancellationToken) {
-        tracing::info!(results = %self.results, "result consumer started");
+    pub async fn run(self, mut lease: Option<Lease>, shutdown: CancellationToken) {
+        tracing::info!(results = %self.keys.list, "result consumer started");
         let mut backoff = self.options.min_backoff;
-        // False at start and after any error: the in-flight list is then drained first, so
-        // what it holds is written before anything new is taken.
-        let mut recovered = false;
+        let mut outage = false;
         while !shutdown.is_cancelled() {
-            let step = if recovered {
-                self.step(&shutdown).await
-            } else {
-                self.recover(&shutdown).await.map(|n| {
-                    recovered = true;
-                    self.stats.add_recovered(n);
-                })
+            let Some(held) = lease.take() else {
+                lease = self.take_lease(&shutdown).await;
+                continue;
             };
-            match step {
-                Ok(()) => backoff = self.options.min_backoff,
-                Err(e) => {
-                    recovered = false;
+            match self.read_while_held(&held, &shutdown).await {
+                Ok(()) => {
+                    lease = Some(held);
+                    break;
+                }
+                Err(Halt::LeaseLost) => {
+                    tracing::warn!(results = %self.keys.list, "lost the lease on the result list; stopped reading it");
+                    drop(held);
+                }
+                Err(Halt::Error(e)) => {
+                    lease = Some(held);
                     self.stats.redis_error();
-                    tracing::warn!(results = %self.results, error = %e, "result consumer error, retrying in {backoff:?}");
+                    if outage {
+                        tracing::debug!(results = %self.keys.list, error = %e, "result consumer still failing");
+                    } else {
+                        outage = true;
+                        tracing::warn!(results = %self.keys.list, error = %e, "result consumer error, retrying with backoff (logged once until it recovers)");
+                    }
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
                         _ = tokio::time::sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(self.options.max_backoff);
+                    continue;
                 }
             }
+            backoff = self.options.min_backoff;
+            outage = false;
         }
-        tracing::info!(results = %self.results, "result consumer stopped");
+        if let Some(lease) = lease {
+            lease.release().await;
+        }
+        tracing::info!(results = %self.keys.list, "result consumer stopped");
     }
 
-    async fn recover(&self, shutdown: &CancellationToken) -> Result<u64, fred::error::Error> {
-        let left: u64 = self.client.llen(&self.inflight).await?;
+    /// Takes the lease, waiting while another process holds it; `None` when shut down.
+    async fn take_lease(&self, shutdown: &CancellationToken) -> Option<Lease> {
+        let mut logged = false;
+        while !shutdown.is_cancelled() {
+            match Lease::try_acquire(&self.lease_client, &self.keys.lease, self.options.lease_ttl)
+                .await
+            {
+                Ok(Acquired::Taken(lease)) => {
+                    if logged {
+                        tracing::info!(results = %self.keys.list, "took the lease on the result list");
+                    }
+                    return Some(lease);
+                }
+                Ok(Acquired::Held(holder)) if !logged => {
+                    logged = true;
+                    let who = holder.map_or_else(|raw| raw, |h| h.to_string());
+                    tracing::warn!(results = %self.keys.list, holder = %who, "another process reads this result list; waiting for it to stop");
+                }
+                Ok(Acquired::Held(_)) => {}
+                Err(e) => tracing::debug!(results = %self.keys.list, error = %e, "could not take the lease"),
+            }
+            let pause = (self.options.lease_ttl / 4).max(Duration::from_millis(50));
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+        None
+    }
+
+    /// Reads until shut down (Ok), or until an error or the loss of the lease.
+    async fn read_while_held(&self, lease: &Lease, shutdown: &CancellationToken) -> Result<(), Halt> {
+        // What a predecessor (or this consumer, before an error) left in flight comes first.
+        let left: u64 = self.client.llen(&self.keys.inflight).await?;
         if left > 0 {
-            tracing::info!(inflight = %self.inflight, results = left, "handling results left in flight");
-            self.drain_in_flight(shutdown).await?;
+            tracing::info!(inflight = %self.keys.inflight, results = left, "handling results left in flight");
+            self.stats.add_recovered(left);
+            self.drain_in_flight(lease, shutdown).await?;
         }
-        Ok(left)
+        while !shutdown.is_cancelled() {
+            if lease.lost().is_cancelled() {
+                return Err(Halt::LeaseLost);
+            }
+            self.step(lease, shutdown).await?;
+        }
+        Ok(())
     }
 
-    async fn step(&self, shutdown: &CancellationToken) -> Result<(), fred::error::Error> {
-        let taken: i64 = self
-            .take
-            .evalsha_with_reload(&self.client, vec![&self.results, &self.inflight], ())
-            .await?;
+    async fn step(&self, lease: &Lease, shutdown: &CancellationToken) -> Result<(), Halt> {
+        let taken = self.scripts.take(&self.client, &self.keys, lease.value()).await?;
+        if taken < 0 {
+            return Err(Halt::LeaseLost);
+        }
         if taken == 0 {
             self.stats.empty_poll();
-            let timeout = self.options.poll_timeout.as_secs_f64();
-            let popped: Option<String> = tokio::select! {
+            let waited = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
-                r = self.client.blmove(&self.results, &self.inflight, LMoveDirection::Right, LMoveDirection::Left, timeout) => r?,
+                _ = lease.lost().cancelled() => return Err(Halt::LeaseLost),
+                r = self.wait_for_results() => r?,
             };
-            if popped.is_none() {
+            if !waited {
                 return Ok(());
             }
         }
-        self.drain_in_flight(shutdown).await
+        self.drain_in_flight(lease, shutdown).await
     }
 
-    /// Writes everything in the in-flight list, oldest first, a batch at a time, trimming each
-    /// batch once written. Nothing else adds to the list meanwhile, so positions are stable.
-    async fn drain_in_flight(
-        &self,
-        shutdown: &CancellationToken,
-    ) -> Result<(), fred::error::Error> {
+    /// Waits for the list to fill: true when a result was moved into flight.
+    async fn wait_for_results(&self) -> Result<bool, fred::error::Error> {
+        if !self.options.blocking {
+            tokio::time::sleep(self.options.poll_timeout).await;
+            return Ok(false);
+        }
+        // A custom command: fred turns BLMOVE's nil (nothing came) into a timeout error,
+        // which would make every idle poll look like a failure.
+        let block = self.options.poll_timeout.as_secs_f64().max(0.01);
+        let options = Options {
+            timeout: Some(self.options.poll_timeout + Duration::from_secs(10)),
+            ..Options::default()
+        };
+        let cmd = CustomCommand::new_static("BLMOVE", ClusterHash::FirstKey, true);
+        let moved: Value = self
+            .client
+            .with_options(&options)
+            .custom(
+                cmd,
+                vec![
+                    Value::from(self.keys.list.as_str()),
+                    Value::from(self.keys.inflight.as_str()),
+                    Value::from("RIGHT"),
+                    Value::from("LEFT"),
+                    Value::from(format!("{block:.3}")),
+                ],
+            )
+            .await?;
+        Ok(!moved.is_null())
+    }
+
+    /// Writes everything in the in-flight list, oldest first, a batch at a time, acknowledging
+    /// each batch once written. Nothing else adds to the list meanwhile, so positions are stable.
+    async fn drain_in_flight(&self, lease: &Lease, shutdown: &CancellationToken) -> Result<(), Halt> {
         let batch = self.options.batch.max(1) as i64;
         let mut items = self.read_in_flight(-batch, -1).await?;
         while !items.is_empty() {
             let n = items.len() as i64;
             // The next batch, just left of this one, is read while this one is written.
             let next = self.read_in_flight(-n - batch, -n - 1);
-            let (next, written) = tokio::join!(next, self.handle(items, shutdown));
-            if !written {
-                // Shutting down: what is not written stays in flight for the next consumer.
+            let (next, handled) = tokio::join!(next, self.handle(&items, shutdown));
+            let Some(not_here) = handled else {
+                // Shutting down: what is not written stays in flight for the next reader.
                 return Ok(());
+            };
+            let parked = self
+                .scripts
+                .ack(&self.client, &self.keys, lease.value(), &items, &not_here, now_unix())
+                .await?;
+            match parked {
+                scripts::Ack::Done { parked } => {
+                    let dropped = not_here.len() as u64 - parked;
+                    self.stats.parked_and_dropped(parked, dropped);
+                    if dropped > 0 {
+                        tracing::warn!(results = %self.keys.list, count = dropped, "dropped results of jobs that exist nowhere");
+                    }
+                }
+                scripts::Ack::LeaseLost => return Err(Halt::LeaseLost),
+                scripts::Ack::Mismatch => {
+                    return Err(Halt::Error("the in-flight list changed under its reader".into()))
+                }
             }
-            let _: () = self.client.ltrim(&self.inflight, 0, -n - 1).await?;
             items = next?;
         }
         Ok(())
     }
 
-    /// In-flight results between two positions, oldest (rightmost) first.
-    async fn read_in_flight(
-        &self,
-        start: i64,
-        stop: i64,
-    ) -> Result<Vec<String>, fred::error::Error> {
-        let mut items: Vec<String> = self.client.lrange(&self.inflight, start, stop).await?;
-        items.reverse();
-        Ok(items)
+    /// In-flight results between two positions, in list order (newest first).
+    async fn read_in_flight(&self, start: i64, stop: i64) -> Result<Vec<String>, fred::error::Error> {
+        self.client.lrange(&self.keys.inflight, start, stop).await
     }
 
-    /// Routes and writes `items`, retrying the handler until it succeeds; false when shut down
-    /// first (the items then stay in flight for the next consumer).
-    async fn handle(&self, items: Vec<String>, shutdown: &CancellationToken) -> bool {
+    /// Routes and writes `items` (list order), retrying the handler until it succeeds. Returns
+    /// the (list position, job) of results of jobs not here, or `None` when shut down first.
+    async fn handle(&self, items: &[String], shutdown: &CancellationToken) -> Option<Vec<(usize, String)>> {
         self.stats.received(items.len() as u64);
-        let routed: Arc<Vec<Routed>> =
-            Arc::new(items.iter().filter_map(|raw| self.route(raw)).collect());
-        if routed.is_empty() {
-            return true;
+        // Oldest first: the rightmost item is the oldest.
+        let mut positions = Vec::with_capacity(items.len());
+        let mut routed = Vec::with_capacity(items.len());
+        for (pos, raw) in items.iter().enumerate().rev() {
+            if let Some(r) = self.route(raw) {
+                positions.push(pos);
+                routed.push(r);
+            }
         }
+        if routed.is_empty() {
+            return Some(Vec::new());
+        }
+        let routed = Arc::new(routed);
         let mut backoff = self.options.min_backoff;
+        let mut failing = false;
         loop {
             let handler = self.handler.clone();
             let batch = routed.clone();
             match tokio::task::spawn_blocking(move || handler.write(&batch)).await {
                 Ok(Ok(report)) => {
-                    self.stats.report(&report);
-                    if report.unknown_job > 0 {
-                        tracing::warn!(results = %self.results, count = report.unknown_job, "dropped results of jobs not running here");
+                    if failing {
+                        tracing::info!(results = %self.keys.list, "results are written again");
                     }
-                    return true;
+                    self.stats.report(&report);
+                    return Some(
+                        report
+                            .not_here
+                            .iter()
+                            .filter_map(|&i| Some((*positions.get(i)?, routed.get(i)?.job_id.clone())))
+                            .collect(),
+                    );
                 }
-                Ok(Err(e)) => {
-                    tracing::error!(error = %e, "could not write results, retrying in {backoff:?}")
+                Ok(Err(e)) if !failing => {
+                    failing = true;
+                    tracing::error!(error = %e, "could not write results; they stay in flight and are retried (logged once until it recovers)")
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, "result handler panicked, retrying in {backoff:?}")
-                }
+                Ok(Err(e)) => tracing::debug!(error = %e, "still cannot write results"),
+                Err(e) => tracing::error!(error = %e, "result handler panicked; retrying"),
             }
             self.stats.handler_error();
             tokio::select! {
-                _ = shutdown.cancelled() => return false,
+                _ = shutdown.cancelled() => return None,
                 _ = tokio::time::sleep(backoff) => {}
             }
             backoff = (backoff * 2).min(self.options.max_backoff);
@@ -326,7 +464,7 @@ impl ResultConsumer {
             Ok(r) => r,
             Err(e) => {
                 self.stats.malformed();
-                tracing::warn!(results = %self.results, error = %e, message = %preview(raw), "dropped a malformed result");
+                tracing::warn!(results = %self.keys.list, error = %e, message = %preview(raw), "dropped a malformed result");
                 return None;
             }
         };
@@ -345,11 +483,17 @@ impl ResultConsumer {
             }),
             None => {
                 self.stats.malformed();
-                tracing::warn!(results = %self.results, id = %preview(&result.id), "dropped a result whose id names no job");
+                tracing::warn!(results = %self.keys.list, id = %preview(&result.id), "dropped a result whose id names no job");
                 None
             }
         }
     }
+}
+
+fn now_unix() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
 }
 
 fn preview(raw: &str) -> String {

@@ -11,6 +11,7 @@ pub struct ConsumerStats {
     written: AtomicU64,
     duplicates: AtomicU64,
     unknown_job: AtomicU64,
+    parked: AtomicU64,
     malformed: AtomicU64,
     recovered: AtomicU64,
     redis_errors: AtomicU64,
@@ -25,6 +26,7 @@ impl Default for ConsumerStats {
             written: AtomicU64::new(0),
             duplicates: AtomicU64::new(0),
             unknown_job: AtomicU64::new(0),
+            parked: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
             recovered: AtomicU64::new(0),
             redis_errors: AtomicU64::new(0),
@@ -46,10 +48,15 @@ impl ConsumerStats {
     pub(crate) fn report(&self, r: &WriteReport) {
         self.written.fetch_add(r.written, Relaxed);
         self.duplicates.fetch_add(r.duplicates, Relaxed);
-        self.unknown_job.fetch_add(r.unknown_job, Relaxed);
         count("written", r.written);
         count("duplicate", r.duplicates);
-        count("unknown_job", r.unknown_job);
+    }
+
+    pub(crate) fn parked_and_dropped(&self, parked: u64, dropped: u64) {
+        self.parked.fetch_add(parked, Relaxed);
+        self.unknown_job.fetch_add(dropped, Relaxed);
+        count("parked", parked);
+        count("unknown_job", dropped);
     }
 
     pub(crate) fn malformed(&self) {
@@ -85,9 +92,13 @@ impl ConsumerStats {
     pub fn duplicates_total(&self) -> u64 {
         self.duplicates.load(Relaxed)
     }
-    /// Results of jobs not running here.
+    /// Results dropped because their job exists nowhere (not here, not registered).
     pub fn unknown_job_total(&self) -> u64 {
         self.unknown_job.load(Relaxed)
+    }
+    /// Results of jobs registered but running elsewhere, kept in their jobs' parked lists.
+    pub fn parked_total(&self) -> u64 {
+        self.parked.load(Relaxed)
     }
     /// Messages that were not results, or named no job.
     pub fn malformed_total(&self) -> u64 {

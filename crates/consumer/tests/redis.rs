@@ -10,18 +10,20 @@ use batch_consumer::{
     ConsumerHandle, ConsumerOptions, HandlerError, ResultConsumer, ResultHandler, Routed,
     WriteReport,
 };
+use batch_queue_names::ListKeys;
 use batch_testkit::RedisServer;
 use batch_wire::{request_id, ResultMessage};
 use tokio_util::sync::CancellationToken;
 
 const RESULTS: &str = "llm-d-async:results:pool-a:$batch";
-const INFLIGHT: &str = "llm-d-async:results:pool-a:$batch:inflight";
+const INFLIGHT: &str = "{llm-d-async:results:pool-a:$batch}:inflight";
 
 /// Keeps what it is given; knows a fixed set of jobs; can be told to fail a few times.
 #[derive(Default)]
 struct Recorder {
     jobs: HashSet<String>,
     seen: Mutex<Vec<Routed>>,
+    written: Mutex<HashSet<(String, u64)>>,
     batches: Mutex<Vec<usize>>,
     fail_next: AtomicU32,
 }
@@ -50,12 +52,14 @@ impl ResultHandler for Recorder {
         self.batches.lock().unwrap().push(results.len());
         let mut report = WriteReport::default();
         let mut seen = self.seen.lock().unwrap();
-        for r in results {
+        for (i, r) in results.iter().enumerate() {
             if !self.jobs.contains(&r.job_id) {
-                report.unknown_job += 1;
-            } else if seen
-                .iter()
-                .any(|s| s.job_id == r.job_id && s.index == r.index)
+                report.not_here.push(i);
+            } else if !self
+                .written
+                .lock()
+                .unwrap()
+                .insert((r.job_id.clone(), r.index))
             {
                 report.duplicates += 1;
             } else {
@@ -67,28 +71,43 @@ impl ResultHandler for Recorder {
     }
 }
 
-async fn start(
+fn options(batch: usize) -> ConsumerOptions {
+    ConsumerOptions {
+        batch,
+        poll_timeout: Duration::from_millis(200),
+        min_backoff: Duration::from_millis(20),
+        max_backoff: Duration::from_millis(200),
+        lease_ttl: Duration::from_secs(2),
+        ..ConsumerOptions::default()
+    }
+}
+
+/// Starts a consumer of RESULTS that takes the lease itself.
+async fn spawn_with(
     redis: &RedisServer,
-    handler: Arc<Recorder>,
-    batch: usize,
+    handler: Arc<dyn ResultHandler>,
+    options: ConsumerOptions,
 ) -> (ConsumerHandle, CancellationToken) {
     let client = batch_redis::connect(&redis.url(), &Default::default())
         .await
         .unwrap();
     let shutdown = CancellationToken::new();
     let consumer = ResultConsumer::new(
+        client.clone(),
         client,
-        RESULTS.into(),
-        INFLIGHT.into(),
+        ListKeys::new(RESULTS),
         handler,
-        ConsumerOptions {
-            batch,
-            poll_timeout: Duration::from_millis(200),
-            min_backoff: Duration::from_millis(20),
-            max_backoff: Duration::from_millis(200),
-        },
+        options,
     );
-    (consumer.spawn(shutdown.clone()), shutdown)
+    (consumer.spawn(None, shutdown.clone()), shutdown)
+}
+
+async fn start(
+    redis: &RedisServer,
+    handler: Arc<Recorder>,
+    batch: usize,
+) -> (ConsumerHandle, CancellationToken) {
+    spawn_with(redis, handler, options(batch)).await
 }
 
 fn push(redis: &RedisServer, job: &str, indexes: impl IntoIterator<Item = u64>) {
@@ -221,21 +240,15 @@ async fn survives_a_redis_restart() {
 #[tokio::test]
 async fn stops_promptly_while_blocked() {
     let redis = RedisServer::start();
-    let client = batch_redis::connect(&redis.url(), &Default::default())
-        .await
-        .unwrap();
-    let shutdown = CancellationToken::new();
-    let consumer = ResultConsumer::new(
-        client,
-        RESULTS.into(),
-        INFLIGHT.into(),
+    let (handle, shutdown) = spawn_with(
+        &redis,
         Recorder::for_jobs(&[]),
         ConsumerOptions {
             poll_timeout: Duration::from_secs(30),
             ..ConsumerOptions::default()
         },
-    );
-    let handle = consumer.spawn(shutdown.clone());
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(5), handle.join())
@@ -283,24 +296,12 @@ async fn only_written_batches_leave_the_in_flight_list() {
     let redis = RedisServer::start();
     push(&redis, "job", 0..30);
     let recorder = Recorder::for_jobs(&["job"]);
-    let client = batch_redis::connect(&redis.url(), &Default::default())
-        .await
-        .unwrap();
-    let shutdown = CancellationToken::new();
-    let options = ConsumerOptions {
-        batch: 10,
-        poll_timeout: Duration::from_millis(200),
-        min_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(50),
-    };
-    let handle = ResultConsumer::new(
-        client,
-        RESULTS.into(),
-        INFLIGHT.into(),
+    let (handle, shutdown) = spawn_with(
+        &redis,
         Arc::new(FirstBatchOnly(recorder.clone(), AtomicU32::new(0))),
-        options.clone(),
+        options(10),
     )
-    .spawn(shutdown.clone());
+    .await;
     until("the second batch failing", || {
         handle.stats().handler_errors_total() >= 1
     })
@@ -326,6 +327,139 @@ async fn only_written_batches_leave_the_in_flight_list() {
     until("all results", || recorder.indexes().len() == 30).await;
     assert_eq!(handle.stats().recovered_total(), 20);
     handle.stats().drained().await;
+    assert_eq!(redis.command(&["LLEN", INFLIGHT]), ":0");
+    shutdown.cancel();
+    handle.join().await;
+}
+
+
+#[tokio::test]
+async fn a_second_reader_waits_until_the_first_lets_go() {
+    let redis = RedisServer::start();
+    let first = Recorder::for_jobs(&["job"]);
+    let second = Recorder::for_jobs(&["job"]);
+    let (a, stop_a) = start(&redis, first.clone(), 10).await;
+    until("the first consumer's lease", || {
+        redis.command(&["EXISTS", "{llm-d-async:results:pool-a:$batch}:lease"]) == ":1"
+    })
+    .await;
+    let (b, stop_b) = start(&redis, second.clone(), 10).await;
+    push(&redis, "job", 0..50);
+    until("50 results", || first.indexes().len() == 50).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(second.indexes().is_empty(), "the second reader took results");
+    // The first stops and releases its lease: the second takes over at once.
+    stop_a.cancel();
+    a.join().await;
+    push(&redis, "job", 50..60);
+    until("10 more results", || second.indexes().len() == 10).await;
+    assert_eq!(second.indexes(), (50..60).collect::<Vec<_>>());
+    stop_b.cancel();
+    b.join().await;
+}
+
+#[tokio::test]
+async fn results_of_jobs_registered_elsewhere_are_parked_not_dropped() {
+    let redis = RedisServer::start();
+    let keys = ListKeys::new(RESULTS);
+    let future = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600)
+        .to_string();
+    redis.command(&["HSET", &keys.jobs, "elsewhere", &future]);
+    redis.command(&["HSET", &keys.jobs, "long-gone", "1000"]);
+    let handler = Recorder::for_jobs(&["job"]);
+    let (handle, shutdown) = start(&redis, handler.clone(), 10).await;
+    push(&redis, "elsewhere", [1, 2]);
+    push(&redis, "job", [0]);
+    push(&redis, "long-gone", [4]);
+    push(&redis, "nobody", [5]);
+    until("the local result", || handler.indexes() == [0]).await;
+    handle.stats().drained().await;
+    let parked = keys.parked_list("elsewhere");
+    let kept: Vec<u64> = redis
+        .command_list(&["LRANGE", &parked, "0", "-1"])
+        .iter()
+        .map(|raw| batch_wire::parse_request_id(&ResultMessage::parse(raw).unwrap().id).unwrap().1)
+        .collect();
+    assert_eq!(kept, [2, 1], "kept in the dispatcher's order (oldest on the right)");
+    assert_eq!(handle.stats().parked_total(), 2);
+    assert_eq!(handle.stats().unknown_job_total(), 2, "past deadline or unregistered");
+    let ttl: i64 = redis.command(&["TTL", &parked])[1..].parse().unwrap();
+    assert!(ttl > 3600, "the parked list expires after its job's deadline: {ttl}");
+    shutdown.cancel();
+    handle.join().await;
+
+    // Whoever runs the job later reads its parked list like any other.
+    let runner = Recorder::for_jobs(&["elsewhere"]);
+    let client = batch_redis::connect(&redis.url(), &Default::default()).await.unwrap();
+    let stop = CancellationToken::new();
+    let parked_reader = ResultConsumer::new(
+        client.clone(),
+        client,
+        ListKeys::parked(RESULTS, "elsewhere"),
+        runner.clone(),
+        ConsumerOptions { blocking: false, ..options(10) },
+    )
+    .spawn(None, stop.clone());
+    until("the parked results", || runner.indexes() == [1, 2]).await;
+    stop.cancel();
+    parked_reader.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_killed_every_few_milliseconds_lose_and_double_nothing() {
+    const N: u64 = 50_000;
+    let redis = RedisServer::start();
+    // Many results at once, as RPUSH of prepared messages in chunks.
+    let messages: Vec<String> = (0..N)
+        .map(|i| ResultMessage::http(request_id("job", i), 200, format!(r#"{{"n":{i}}}"#)).to_json())
+        .collect();
+    let filler = batch_redis::connect(&redis.url(), &Default::default()).await.unwrap();
+    for chunk in messages.chunks(1000) {
+        let _: i64 = fred::interfaces::ListInterface::lpush(&filler, RESULTS, chunk.to_vec()).await.unwrap();
+    }
+    let handler = Recorder::for_jobs(&["job"]);
+    let (handle, shutdown) = start(&redis, handler.clone(), 500).await;
+    // Kill every client connection but the killer's, every 5 ms, while they drain.
+    let port = redis.port();
+    let killing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let kills = {
+        let killing = killing.clone();
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let mut killed = 0u32;
+            let mut buf = [0u8; 64];
+            while killing.load(Ordering::SeqCst) {
+                s.write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n").unwrap();
+                let n = s.read(&mut buf).unwrap();
+                if buf[..n].starts_with(b":") && &buf[..n] != b":0\r\n" {
+                    killed += 1;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            killed
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while (handler.written.lock().unwrap().len() as u64) < N {
+        assert!(Instant::now() < deadline, "only {} of {N} results after 300 s", handler.written.lock().unwrap().len());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    killing.store(false, Ordering::SeqCst);
+    let killed = kills.join().unwrap();
+    assert!(killed > 10, "the connections were killed only {killed} times");
+    handle.stats().drained().await;
+    let written = handler.written.lock().unwrap().clone();
+    assert_eq!(written.len() as u64, N);
+    assert!((0..N).all(|i| written.contains(&("job".to_owned(), i))));
+    // Each result was written once; a batch offered again after a kill is all duplicates.
+    let seen = handler.seen.lock().unwrap().len() as u64;
+    assert_eq!(seen, N, "a result was written twice");
+    assert_eq!(redis.command(&["LLEN", RESULTS]), ":0");
     assert_eq!(redis.command(&["LLEN", INFLIGHT]), ":0");
     shutdown.cancel();
     handle.join().await;

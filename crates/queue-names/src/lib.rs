@@ -57,7 +57,7 @@ pub fn validate_part(what: &'static str, value: &str) -> Result<(), NameError> {
     }
     if let Some(found) = value
         .chars()
-        .find(|c| *c == ':' || c.is_whitespace() || c.is_control())
+        .find(|c| matches!(c, ':' | '{' | '}') || c.is_whitespace() || c.is_control())
     {
         return Err(NameError::BadCharacter {
             what,
@@ -132,10 +132,69 @@ impl QueueNames {
 
     /// The list where results popped from `pool`'s result list wait until they are written.
     ///
-    /// Not a dispatcher key: it belongs to this replica alone, which is what makes a crash between
-    /// popping and writing recoverable.
+    /// Not a dispatcher key: it belongs to the list's reader alone, which is what makes a crash
+    /// between popping and writing recoverable.
     pub fn inflight_queue_name(&self, pool: &str) -> Result<String, NameError> {
-        Ok(format!("{}:inflight", self.result_queue_name(pool)?))
+        Ok(ListKeys::new(&self.result_queue_name(pool)?).inflight)
+    }
+}
+
+/// The processor's own keys that go with one result list.
+///
+/// Each is named `{<list>}:...`, so in a Redis Cluster it lands in the list's own hash slot and one
+/// script may touch the list and all of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListKeys {
+    /// The list results are taken from.
+    pub list: String,
+    /// Where taken results wait until they are written.
+    pub inflight: String,
+    /// Who reads the list: one reader at a time.
+    pub lease: String,
+    /// The last acknowledgement applied, so a resent one is applied once.
+    pub acked: String,
+    /// Jobs whose requests name the list (job id → deadline): their results are kept, never
+    /// dropped, by whichever process reads the list.
+    pub jobs: String,
+    /// The base list, whose slot every key shares.
+    base: String,
+}
+
+impl ListKeys {
+    /// The keys of the dispatcher's result list `list`.
+    pub fn new(list: &str) -> Self {
+        Self {
+            list: list.to_owned(),
+            inflight: format!("{{{list}}}:inflight"),
+            lease: format!("{{{list}}}:lease"),
+            acked: format!("{{{list}}}:acked"),
+            jobs: format!("{{{list}}}:jobs"),
+            base: list.to_owned(),
+        }
+    }
+
+    /// The keys of the list where results of `job` wait that arrived on `list` while no process
+    /// running the job read it.
+    pub fn parked(list: &str, job: &str) -> Self {
+        let parked = format!("{{{list}}}:parked:{job}");
+        Self {
+            inflight: format!("{parked}:inflight"),
+            lease: format!("{parked}:lease"),
+            acked: format!("{parked}:acked"),
+            jobs: format!("{{{list}}}:jobs"),
+            list: parked,
+            base: list.to_owned(),
+        }
+    }
+
+    /// The parked list of `job` beside this one's base list.
+    pub fn parked_list(&self, job: &str) -> String {
+        format!("{{{}}}:parked:{job}", self.base)
+    }
+
+    /// The dispatcher's result list these keys go with.
+    pub fn base(&self) -> &str {
+        &self.base
     }
 }
 
@@ -180,13 +239,13 @@ mod tests {
         );
         assert_eq!(
             names.inflight_queue_name("p").unwrap(),
-            "prod:results:p:replica-7:inflight"
+            "{prod:results:p:replica-7}:inflight"
         );
     }
 
     #[test]
     fn ambiguous_pool_names_are_errors() {
-        for bad in ["", "a:b", "a b", " pool", "pool\n", "tab\there"] {
+        for bad in ["", "a:b", "a b", " pool", "pool\n", "tab\there", "{a}", "a}"] {
             assert!(request_queue_name(bad).is_err(), "{bad:?} accepted");
             assert!(result_queue_name(bad).is_err(), "{bad:?} accepted");
         }
@@ -204,6 +263,19 @@ mod tests {
         assert!(QueueNames::new("a:b", "x").is_err());
         assert!(QueueNames::new("p", "").is_err());
         assert!(QueueNames::new("p", "with space").is_err());
+    }
+
+    #[test]
+    fn list_keys_share_the_lists_slot() {
+        let keys = ListKeys::new("llm-d-async:results:p:$batch");
+        for k in [&keys.inflight, &keys.lease, &keys.acked, &keys.jobs] {
+            assert!(k.starts_with("{llm-d-async:results:p:$batch}:"), "{k}");
+        }
+        let parked = ListKeys::parked("llm-d-async:results:p:$batch", "batch_1");
+        assert_eq!(parked.list, "{llm-d-async:results:p:$batch}:parked:batch_1");
+        assert_eq!(parked.list, keys.parked_list("batch_1"));
+        assert_eq!(parked.jobs, keys.jobs);
+        assert!(parked.inflight.starts_with("{llm-d-async:results:p:$batch}:"));
     }
 
     #[test]

@@ -16,9 +16,13 @@
 //! # Ok(()) }
 //! ```
 
+mod fault;
+
 use std::time::Duration;
 
 use fred::prelude::*;
+
+pub use fault::{is_transient, Retry, RetryError};
 
 /// How hard [`connect`] tries.
 #[derive(Debug, Clone)]

@@ -1,0 +1,353 @@
+//! One reader per result list: a lease, renewed while its holder runs.
+//!
+//! The lease is a key (`{<list>}:lease`) holding who reads the list, with an expiry that the
+//! holder keeps pushing back. A process that dies stops renewing, so its lease lapses after one
+//! TTL; a process found dead on this very machine (same boot, same PID namespace, its PID gone)
+//! loses its lease at once. Two live processes never read one list.
+
+use std::fmt;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use fred::clients::Client;
+use fred::types::scripts::Script;
+use tokio_util::sync::CancellationToken;
+
+/// Who holds a lease: enough to find the process, and to tell whether it still runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// The host name.
+    pub host: String,
+    /// The process id on that host.
+    pub pid: u32,
+    /// The kernel boot and PID namespace the pid belongs to.
+    pub space: String,
+    /// Random per process, so a reused pid is not mistaken for its predecessor.
+    pub instance: String,
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "host {}, pid {}", self.host, self.pid)
+    }
+}
+
+impl Holder {
+    /// This process.
+    pub fn this_process() -> &'static Holder {
+        static ME: OnceLock<Holder> = OnceLock::new();
+        ME.get_or_init(|| Holder {
+            host: host_name(),
+            pid: std::process::id(),
+            space: process_space(),
+            instance: format!("{:016x}", rand_u64()),
+        })
+    }
+
+    /// A lease value: `host pid space instance serial`, space-separated (no part holds a
+    /// space); `serial` tells two leases of one process apart.
+    pub fn encode(&self, serial: u64) -> String {
+        format!(
+            "{} {} {} {} {serial}",
+            self.host.replace(' ', "_"),
+            self.pid,
+            self.space,
+            self.instance
+        )
+    }
+
+    /// Reads a lease value; `None` for anything else.
+    pub fn decode(value: &str) -> Option<Holder> {
+        let mut parts = value.split(' ');
+        let holder = Holder {
+            host: parts.next()?.to_owned(),
+            pid: parts.next()?.parse().ok()?,
+            space: parts.next()?.to_owned(),
+            instance: parts.next()?.to_owned(),
+        };
+        parts.next()?.parse::<u64>().ok()?;
+        parts.next().is_none().then_some(holder)
+    }
+
+    /// True only when the holder provably no longer runs: it lived on this machine, in this
+    /// boot and PID namespace, and its pid is gone.
+    pub fn is_dead_here(&self) -> bool {
+        let me = Holder::this_process();
+        if self.host != me.host || self.space != me.space || self.space.is_empty() {
+            return false;
+        }
+        if self.pid == me.pid {
+            return self.instance != me.instance;
+        }
+        // SAFETY: signal 0 only checks that the pid exists; nothing is sent.
+        let alive = unsafe { libc::kill(self.pid as libc::pid_t, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        !alive
+    }
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".into())
+}
+
+fn process_space() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    let pidns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if boot.is_empty() || pidns.is_empty() {
+        return String::new();
+    }
+    let ns: String = pidns.chars().filter(char::is_ascii_digit).collect();
+    format!("{boot}/{ns}")
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+// KEYS[1] = lease; ARGV[1] = me, ARGV[2] = ttl ms, ARGV[3] = a holder known dead ('' if none).
+// Returns {1, me} when taken (or renewed), {0, holder} when another holds it.
+const ACQUIRE_LUA: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if (not v) or v == ARGV[1] or (ARGV[3] ~= '' and v == ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2]))
+  return {1, ARGV[1]}
+end
+return {0, v}
+"#;
+
+// KEYS[1] = lease; ARGV[1] = me, ARGV[2] = ttl ms. 1 when renewed, 0 when lost.
+const RENEW_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+  return 1
+end
+return 0
+"#;
+
+// KEYS[1] = lease; ARGV[1] = me. Deletes the lease only if it is ours.
+const RELEASE_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"#;
+
+/// What [`Lease::try_acquire`] found.
+pub enum Acquired {
+    /// The lease is ours now.
+    Taken(Lease),
+    /// Another process holds it (the raw value when it is not one of ours).
+    Held(Result<Holder, String>),
+}
+
+/// A held lease on one key, renewed in the background until released or lost.
+pub struct Lease {
+    client: Client,
+    key: String,
+    me: String,
+    lost: CancellationToken,
+    stop: CancellationToken,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease").field("key", &self.key).finish()
+    }
+}
+
+impl Lease {
+    /// Takes the lease on `key` if it is free, ours, or held by a process that is provably
+    /// dead; otherwise says who holds it.
+    pub async fn try_acquire(
+        client: &Client,
+        key: &str,
+        ttl: Duration,
+    ) -> Result<Acquired, fred::error::Error> {
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let me = Holder::this_process().encode(serial);
+        let ttl_ms = ttl.as_millis().max(1) as u64;
+        let script = Script::from_lua(ACQUIRE_LUA);
+        let mut dead = String::new();
+        for _ in 0..2 {
+            let (taken, value): (i64, String) = script
+                .evalsha_with_reload(client, key, vec![me.clone(), ttl_ms.to_string(), dead])
+                .await?;
+            if taken == 1 {
+                return Ok(Acquired::Taken(Self::start(client.clone(), key, me, ttl)));
+            }
+            match Holder::decode(&value) {
+                Some(h) if h.is_dead_here() => {
+                    tracing::info!(key, holder = %h, "taking the lease of a process that is gone");
+                    dead = value;
+                }
+                Some(h) => return Ok(Acquired::Held(Ok(h))),
+                None => return Ok(Acquired::Held(Err(value))),
+            }
+        }
+        Ok(Acquired::Held(Err("a process that keeps changing".into())))
+    }
+
+    /// Like [`Lease::try_acquire`], but when the holder is not provably dead, waits up to `wait`
+    /// for its lease to lapse (a holder that stopped renewing). Returns the holder when it is
+    /// still there after `wait`, or `None` if `stop` fired.
+    pub async fn acquire_waiting(
+        client: &Client,
+        key: &str,
+        ttl: Duration,
+        wait: Duration,
+        stop: &CancellationToken,
+    ) -> Result<Result<Lease, Result<Holder, String>>, fred::error::Error> {
+        let until = Instant::now() + wait;
+        loop {
+            match Self::try_acquire(client, key, ttl).await? {
+                Acquired::Taken(lease) => return Ok(Ok(lease)),
+                Acquired::Held(holder) if Instant::now() >= until || stop.is_cancelled() => {
+                    return Ok(Err(holder))
+                }
+                Acquired::Held(_) => {
+                    let pause = (ttl / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn start(client: Client, key: &str, me: String, ttl: Duration) -> Lease {
+        let lease = Lease {
+            client,
+            key: key.to_owned(),
+            me,
+            lost: CancellationToken::new(),
+            stop: CancellationToken::new(),
+        };
+        tokio::spawn(renew(
+            lease.client.clone(),
+            lease.key.clone(),
+            lease.me.clone(),
+            ttl,
+            lease.lost.clone(),
+            lease.stop.clone(),
+        ));
+        lease
+    }
+
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The value identifying this process in the lease.
+    pub fn value(&self) -> &str {
+        &self.me
+    }
+
+    /// Fires when the lease is lost (taken by another after it lapsed, or not renewable for a
+    /// whole TTL): stop reading.
+    pub fn lost(&self) -> &CancellationToken {
+        &self.lost
+    }
+
+    /// Stops renewing and deletes the lease (if still ours), so another process may take it now.
+    pub async fn release(self) {
+        self.stop.cancel();
+        let script = Script::from_lua(RELEASE_LUA);
+        let released: Result<i64, _> = tokio::time::timeout(
+            Duration::from_secs(2),
+            script.evalsha_with_reload(&self.client, self.key.as_str(), vec![self.me.clone()]),
+        )
+        .await
+        .unwrap_or_else(|_| Err(fred::error::Error::new(fred::error::ErrorKind::Timeout, "timed out")));
+        if let Err(e) = released {
+            tracing::debug!(key = %self.key, error = %e, "could not release a lease; it lapses by itself");
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn renew(
+    client: Client,
+    key: String,
+    me: String,
+    ttl: Duration,
+    lost: CancellationToken,
+    stop: CancellationToken,
+) {
+    let script = Script::from_lua(RENEW_LUA);
+    let every = (ttl / 3).max(Duration::from_millis(10));
+    let mut renewed = Instant::now();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let ttl_ms = ttl.as_millis().max(1) as u64;
+        let call = script.evalsha_with_reload::<i64, _, _>(
+            &client,
+            key.as_str(),
+            vec![me.clone(), ttl_ms.to_string()],
+        );
+        match tokio::time::timeout(every, call).await {
+            Ok(Ok(1)) => renewed = Instant::now(),
+            Ok(Ok(_)) => {
+                tracing::error!(key, "lost the lease to another process; stopping");
+                lost.cancel();
+                return;
+            }
+            Ok(Err(e)) => tracing::debug!(key, error = %e, "could not renew the lease"),
+            Err(_) => tracing::debug!(key, "renewing the lease timed out"),
+        }
+        if renewed.elapsed() >= ttl {
+            // Not renewed for a whole TTL: another process may hold it by now.
+            tracing::warn!(key, "could not renew the lease for a whole TTL; stopping until it is taken again");
+            lost.cancel();
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holders_round_trip_and_are_alive() {
+        let me = Holder::this_process();
+        assert_eq!(Holder::decode(&me.encode(7)).as_ref(), Some(me));
+        assert!(!me.is_dead_here());
+        assert!(Holder::decode("garbage").is_none());
+        let gone = Holder {
+            pid: 0x7fff_fff0,
+            ..me.clone()
+        };
+        assert!(gone.is_dead_here(), "a pid that does not exist is dead");
+        let elsewhere = Holder {
+            host: "other-host".into(),
+            ..gone.clone()
+        };
+        assert!(!elsewhere.is_dead_here(), "cannot tell for another host");
+    }
+}

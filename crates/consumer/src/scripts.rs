@@ -1,0 +1,163 @@
+//! The consumer's Lua scripts. Every key a script touches is passed in KEYS and is one of the
+//! list's own keys (`{<list>}:...`), so each script is legal in a Redis Cluster.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use batch_queue_names::ListKeys;
+use fred::clients::Client;
+use fred::types::scripts::Script;
+
+use crate::Holder;
+
+// Moves the whole result list into flight when nothing is in flight; O(1).
+// KEYS: list, inflight, lease. ARGV: the lease holder.
+// Returns -1 when the lease is not ours, else how many results are in flight now. Resent after
+// a dropped connection it changes nothing: the results are in flight already.
+const TAKE_LUA: &str = r#"
+if redis.call('GET', KEYS[3]) ~= ARGV[1] then return -1 end
+local n = redis.call('LLEN', KEYS[2])
+if n > 0 then return n end
+n = redis.call('LLEN', KEYS[1])
+if n > 0 then redis.call('RENAME', KEYS[1], KEYS[2]) end
+return n
+"#;
+
+// Acknowledges the n rightmost (oldest) in-flight results once they are written, parking those
+// of jobs that run elsewhere.
+// KEYS: inflight, lease, acked, jobs, then one parked list per job to park for.
+// ARGV: holder, nonce, n, oldest, newest, now (Unix s), then triples (list-order position among
+//       the n, index into KEYS of the parked list, job id), oldest first.
+// Returns {1, parked} when applied (or when this very nonce was applied already: {1, -1}),
+// {-1} when the lease is not ours, {-2} when the entries are not the ones written.
+const ACK_LUA: &str = r#"
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {-1} end
+if redis.call('GET', KEYS[3]) == ARGV[2] then return {1, -1} end
+local n = tonumber(ARGV[3])
+if redis.call('LLEN', KEYS[1]) < n
+  or redis.call('LINDEX', KEYS[1], -1) ~= ARGV[4]
+  or redis.call('LINDEX', KEYS[1], -n) ~= ARGV[5] then
+  return {-2}
+end
+local now = tonumber(ARGV[6])
+local parked = 0
+for i = 7, #ARGV, 3 do
+  local deadline = tonumber(redis.call('HGET', KEYS[4], ARGV[i + 2]) or '0')
+  if deadline > now then
+    local key = KEYS[tonumber(ARGV[i + 1])]
+    redis.call('LPUSH', key, redis.call('LINDEX', KEYS[1], -n + tonumber(ARGV[i])))
+    redis.call('EXPIREAT', key, deadline + 86400)
+    parked = parked + 1
+  end
+end
+redis.call('LTRIM', KEYS[1], 0, -n - 1)
+redis.call('SET', KEYS[3], ARGV[2], 'EX', 3600)
+return {1, parked}
+"#;
+
+/// What an acknowledgement did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ack {
+    /// Applied; `parked` results were kept for their jobs, the rest of the not-here ones dropped.
+    Done { parked: u64 },
+    /// The lease is someone else's: nothing was changed.
+    LeaseLost,
+    /// The in-flight list does not end with what was written: nothing was changed.
+    Mismatch,
+}
+
+pub(crate) struct Scripts {
+    take: Script,
+    ack: Script,
+}
+
+impl Default for Scripts {
+    fn default() -> Self {
+        Self {
+            take: Script::from_lua(TAKE_LUA),
+            ack: Script::from_lua(ACK_LUA),
+        }
+    }
+}
+
+fn nonce() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{}:{}",
+        Holder::this_process().instance,
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl Scripts {
+    pub(crate) async fn take(
+        &self,
+        client: &Client,
+        keys: &ListKeys,
+        holder: &str,
+    ) -> Result<i64, fred::error::Error> {
+        self.take
+            .evalsha_with_reload(
+                client,
+                vec![keys.list.as_str(), keys.inflight.as_str(), keys.lease.as_str()],
+                vec![holder],
+            )
+            .await
+    }
+
+    /// `items` in list order (newest first); `not_here` as (list position, job).
+    pub(crate) async fn ack(
+        &self,
+        client: &Client,
+        keys: &ListKeys,
+        holder: &str,
+        items: &[String],
+        not_here: &[(usize, String)],
+        now: i64,
+    ) -> Result<Ack, fred::error::Error> {
+        let (Some(newest), Some(oldest)) = (items.first(), items.last()) else {
+            return Ok(Ack::Done { parked: 0 });
+        };
+        let mut key_list = vec![
+            keys.inflight.clone(),
+            keys.lease.clone(),
+            keys.acked.clone(),
+            keys.jobs.clone(),
+        ];
+        let mut args = vec![
+            holder.to_owned(),
+            nonce(),
+            items.len().to_string(),
+            oldest.clone(),
+            newest.clone(),
+            now.to_string(),
+        ];
+        let mut park: Vec<&(usize, String)> = not_here.iter().collect();
+        // Oldest first, so a parked list keeps the dispatcher's order (oldest on the right).
+        park.sort_by(|a, b| b.0.cmp(&a.0));
+        for (pos, job) in park {
+            let key = keys.parked_list(job);
+            let index = match key_list.iter().position(|k| *k == key) {
+                Some(i) => i + 1,
+                None => {
+                    key_list.push(key);
+                    key_list.len()
+                }
+            };
+            args.push(pos.to_string());
+            args.push(index.to_string());
+            args.push(job.clone());
+        }
+        let reply: Vec<i64> = self.ack.evalsha_with_reload(client, key_list, args).await?;
+        Ok(match reply.as_slice() {
+            // This very acknowledgement was applied before its reply was lost.
+            [1, -1] => Ack::Done {
+                parked: not_here.len() as u64,
+            },
+            [1, parked] => Ack::Done {
+                parked: (*parked).max(0) as u64,
+            },
+            [-1] => Ack::LeaseLost,
+            _ => Ack::Mismatch,
+        })
+    }
+}
