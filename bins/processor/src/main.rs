@@ -32,6 +32,9 @@ enum Command {
     /// Run batch jobs to their end: output.jsonl, error.jsonl and batch.json in each output dir.
     #[command(after_help = cmd::run::RUN_EXIT_CODES)]
     Run(cmd::run::Args),
+    /// Cancel a job that is not running: withdraw its requests, close it as cancelled.
+    #[command(after_help = EXIT_CODES)]
+    Cancel(cmd::cancel::Args),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
         Command::CheckConfig(args) => cmd::check_config::run(args),
         Command::Queues(args) => cmd::queues::run(args),
         Command::Run(args) => cmd::run::run(args),
+        Command::Cancel(args) => cmd::cancel::run(args),
     };
     match outcome {
         Ok(code) => code,

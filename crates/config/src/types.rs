@@ -116,6 +116,13 @@ pub struct AsyncDispatchConfig {
     pub queue_prefix: String,
     /// This replica's result-list id (default `$batch`).
     pub consumer_id: String,
+    /// Whether `consumer_id` was given. When it was not, a process whose `$batch` list another
+    /// live process reads takes the next free one (`$batch-2`, `$batch-3`, ...) by itself.
+    #[serde(skip)]
+    pub consumer_id_set: bool,
+    /// The dispatcher's retry sorted set (its `retry_queue_name`, default `retry-sortedset`),
+    /// looked into before a request is taken for lost.
+    pub retry_queue_name: String,
     /// A request neither queued nor answered for this long is enqueued again (default 10m, > 0).
     #[serde(serialize_with = "ser_duration")]
     pub lost_request_timeout: Duration,
@@ -131,6 +138,8 @@ impl Default for AsyncDispatchConfig {
             result_poll_timeout: Duration::from_secs(5),
             queue_prefix: batch_queue_names::DEFAULT_PREFIX.to_owned(),
             consumer_id: batch_queue_names::DEFAULT_CONSUMER_ID.to_owned(),
+            consumer_id_set: false,
+            retry_queue_name: "retry-sortedset".to_owned(),
             lost_request_timeout: Duration::from_secs(600),
             enqueue_chunk: 1000,
             result_batch: 1000,

@@ -1,30 +1,72 @@
 //! Async dispatch: every request into the dispatcher's sorted set, results back through the
-//! shared result consumers.
+//! result consumers, one per result list, shared by every job of the process.
+//!
+//! Each pool's result list is this process's alone, under a lease: with an explicit
+//! `consumer_id` a list another live process reads is refused; without one the process takes the
+//! first free list of `$batch`, `$batch-2`, ... A job records the list its requests name; whoever
+//! resumes it reads that list too (waiting for its lease), and meanwhile takes the job's results
+//! that the list's reader parked for it.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use batch_config::ProcessorConfig;
-use batch_consumer::{ConsumerHandle, ConsumerOptions, ResultConsumer};
-use batch_producer::{JobMessages, PendingMember, Producer, ProducerOptions};
-use batch_queue_names::QueueNames;
+use batch_consumer::{Acquired, ConsumerHandle, ConsumerOptions, Lease, ResultConsumer};
+use batch_producer::{JobMessages, PendingMember, Producer, ProducerError, ProducerOptions};
+use batch_queue_names::{ListKeys, QueueNames};
+use batch_redis::Retry;
+use batch_wire::Envelope;
+use fred::clients::Client;
+use fred::interfaces::HashesInterface;
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::job::{End, Job};
 use crate::metrics as m;
 use crate::registry::Registry;
-use crate::{wait_for_end, ExecError};
+use crate::stop::Stop;
+use crate::{blocking, wait_for_end, Dispatch, ExecError};
+
+/// How many lists named `<consumer_id>`, `<consumer_id>-2`, ... a process tries by itself.
+const AUTO_LISTS: usize = 64;
 
 pub(crate) struct AsyncMode {
     config: Arc<ProcessorConfig>,
     names: QueueNames,
     redis_url: String,
     connect: batch_redis::ConnectOptions,
+    client: Client,
     producer: Producer,
     registry: Arc<Registry>,
+    /// This process's own result list, by pool.
+    own: tokio::sync::Mutex<HashMap<String, String>>,
+    /// Consumers of whole result lists, by list.
     consumers: tokio::sync::Mutex<HashMap<String, ConsumerHandle>>,
+    /// Consumers of jobs' parked lists, by job.
+    parked: Mutex<HashMap<String, Vec<(CancellationToken, ConsumerHandle)>>>,
     shutdown: CancellationToken,
+}
+
+/// One model's share of a job, as the queues see it.
+struct ModelQueue {
+    model: batch_plan::ModelPlan,
+    pool: String,
+    messages: JobMessages,
+    /// Plan position of the model's first record within its queue.
+    first_position: u64,
+}
+
+fn name_error(e: batch_queue_names::NameError) -> ExecError {
+    ExecError::Config(e.to_string())
+}
+
+fn producer_error(e: ProducerError, stop: &Stop) -> Result<End, ExecError> {
+    match e {
+        ProducerError::Stopped => Ok(stop.end().unwrap_or(End::Paused)),
+        e => Err(e.into()),
+    }
 }
 
 impl AsyncMode {
@@ -43,7 +85,7 @@ impl AsyncMode {
             .map_err(|e| ExecError::Config(e.to_string()))?;
         let client = batch_redis::connect(&redis_url, &connect).await?;
         let producer = Producer::new(
-            client,
+            client.clone(),
             ProducerOptions {
                 chunk: config.async_dispatch.enqueue_chunk,
                 ..ProducerOptions::default()
@@ -54,9 +96,12 @@ impl AsyncMode {
             names,
             redis_url,
             connect,
+            client,
             producer,
             registry: Arc::default(),
+            own: Default::default(),
             consumers: Default::default(),
+            parked: Default::default(),
             shutdown: CancellationToken::new(),
         })
     }
@@ -69,91 +114,222 @@ impl AsyncMode {
             .as_deref()
     }
 
-    /// The job's members, by model, for the models this replica can serve.
-    fn messages(&self, job: &Job) -> Result<BTreeMap<String, JobMessages>, ExecError> {
-        let mut out = BTreeMap::new();
+    fn consumer_options(&self) -> ConsumerOptions {
+        ConsumerOptions {
+            batch: self.config.async_dispatch.result_batch,
+            poll_timeout: self.config.async_dispatch.result_poll_timeout,
+            ..ConsumerOptions::default()
+        }
+    }
+
+    /// This process's result list for `pool`, taking its lease (and starting its consumer) the
+    /// first time.
+    async fn own_list(&self, pool: &str) -> Result<String, ExecError> {
+        let mut own = self.own.lock().await;
+        if let Some(list) = own.get(pool) {
+            return Ok(list.clone());
+        }
+        let ttl = self.consumer_options().lease_ttl;
+        let base = self.names.consumer_id().to_owned();
+        let (list, lease) = if self.config.async_dispatch.consumer_id_set {
+            let list = self.names.result_queue_name(pool).map_err(name_error)?;
+            let keys = ListKeys::new(&list);
+            // A holder that stopped renewing (killed elsewhere) lapses within one TTL.
+            let wait = ttl + Duration::from_secs(1);
+            match Lease::acquire_waiting(&self.client, &keys.lease, ttl, wait, &self.shutdown)
+                .await
+                .map_err(|e| ExecError::Redis(e.to_string()))?
+            {
+                Ok(lease) => (list, lease),
+                Err(holder) => {
+                    let who = holder.map_or_else(|raw| raw, |h| h.to_string());
+                    return Err(ExecError::ListHeld(format!(
+                        "result list {list} is read by another live process ({who}); give each process its own async_dispatch.consumer_id, or leave it unset to have one picked"
+                    )));
+                }
+            }
+        } else {
+            let mut taken = None;
+            for n in 1..=AUTO_LISTS {
+                let id = if n == 1 { base.clone() } else { format!("{base}-{n}") };
+                let names = QueueNames::new(self.names.prefix(), id).map_err(name_error)?;
+                let list = names.result_queue_name(pool).map_err(name_error)?;
+                let keys = ListKeys::new(&list);
+                match Lease::try_acquire(&self.client, &keys.lease, ttl)
+                    .await
+                    .map_err(|e| ExecError::Redis(e.to_string()))?
+                {
+                    Acquired::Taken(lease) => {
+                        taken = Some((list, lease));
+                        break;
+                    }
+                    Acquired::Held(_) => continue,
+                }
+            }
+            taken.ok_or_else(|| {
+                ExecError::ListHeld(format!(
+                    "all {AUTO_LISTS} result lists of pool {pool} ({base} to {base}-{AUTO_LISTS}) are read by other processes"
+                ))
+            })?
+        };
+        if list != self.names.result_queue_name(pool).map_err(name_error)? {
+            tracing::info!(pool, list = %list, "using a free result list: another process reads the first one");
+        }
+        self.start_consumer(&list, Some(lease)).await?;
+        own.insert(pool.to_owned(), list.clone());
+        Ok(list)
+    }
+
+    /// Starts a consumer of the whole list `list` unless one runs; without `lease` it waits for
+    /// the list's lease first.
+    async fn start_consumer(&self, list: &str, lease: Option<Lease>) -> Result<(), ExecError> {
+        let mut consumers = self.consumers.lock().await;
+        if consumers.contains_key(list) {
+            return Ok(());
+        }
+        // Its own connection: the blocking pop holds it.
+        let client = batch_redis::connect(&self.redis_url, &self.connect).await?;
+        let consumer = ResultConsumer::new(
+            client,
+            self.client.clone(),
+            ListKeys::new(list),
+            self.registry.clone(),
+            self.consumer_options(),
+        );
+        consumers.insert(
+            list.to_owned(),
+            consumer.spawn(lease, self.shutdown.child_token()),
+        );
+        Ok(())
+    }
+
+    /// Reads what the reader of `list` parked for `job`, until the job ends.
+    fn start_parked_consumer(&self, list: &str, job: &Job) {
+        let stop = self.shutdown.child_token();
+        let consumer = ResultConsumer::new(
+            self.client.clone(),
+            self.client.clone(),
+            ListKeys::parked(list, &job.id),
+            self.registry.clone(),
+            ConsumerOptions {
+                blocking: false,
+                poll_timeout: Duration::from_secs(1),
+                ..self.consumer_options()
+            },
+        );
+        let handle = consumer.spawn(None, stop.clone());
+        self.parked
+            .lock()
+            .expect("parked lock")
+            .entry(job.id.clone())
+            .or_default()
+            .push((stop, handle));
+    }
+
+    /// The job's queues by model, for the models this replica can serve; the result list of
+    /// each is the one the job recorded (or this process's own, recorded now).
+    async fn queues(&self, job: &Arc<Job>) -> Result<Vec<ModelQueue>, ExecError> {
+        let mut out = Vec::new();
+        let mut next_position: HashMap<String, u64> = HashMap::new();
         for model in job.plan.models() {
             let Some(pool) = self.pool_of(&model.model) else {
                 continue;
             };
-            let name_error = |e: batch_queue_names::NameError| ExecError::Config(e.to_string());
+            let own = self.own_list(pool).await?;
+            let recorded = {
+                let (j, pool, own) = (job.clone(), pool.to_owned(), own.clone());
+                blocking(move || j.result_list(&pool, &own)).await?
+            };
             let mut headers = job.headers.clone();
             if let Some(objective) = &self.config.model_gateways[&model.model].inference_objective {
                 headers.insert("x-gateway-inference-objective".into(), objective.clone());
             }
-            out.insert(
-                model.model.clone(),
-                JobMessages {
+            let position = next_position.entry(pool.to_owned()).or_default();
+            out.push(ModelQueue {
+                model: model.clone(),
+                pool: pool.to_owned(),
+                messages: JobMessages {
                     job_id: job.id.clone(),
                     created: job.created_at(),
                     deadline: job.expires_at(),
                     request_queue: self.names.request_queue_name(pool).map_err(name_error)?,
-                    result_queue: self.names.result_queue_name(pool).map_err(name_error)?,
+                    result_queue: recorded,
                     headers,
                 },
-            );
+                first_position: *position,
+            });
+            *position += model.requests;
         }
         Ok(out)
     }
 
-    /// Registers the job so results reach it. Call before [`AsyncMode::run`], and for every job
-    /// of a batch of resumed jobs before any runs, so no result is taken for a job not yet known.
-    pub(crate) fn register(&self, job: &Arc<Job>) {
-        self.registry.insert(job.clone());
-    }
-
-    async fn ensure_consumer(&self, pool: &str) -> Result<(), ExecError> {
-        let mut consumers = self.consumers.lock().await;
-        if consumers.contains_key(pool) {
-            return Ok(());
-        }
-        let name_error = |e: batch_queue_names::NameError| ExecError::Config(e.to_string());
-        let client = batch_redis::connect(&self.redis_url, &self.connect).await?;
-        let consumer = ResultConsumer::new(
-            client,
-            self.names.result_queue_name(pool).map_err(name_error)?,
-            self.names.inflight_queue_name(pool).map_err(name_error)?,
-            self.registry.clone(),
-            ConsumerOptions {
-                batch: self.config.async_dispatch.result_batch,
-                poll_timeout: self.config.async_dispatch.result_poll_timeout,
-                ..ConsumerOptions::default()
-            },
-        );
-        consumers.insert(pool.to_owned(), consumer.spawn(self.shutdown.child_token()));
-        Ok(())
-    }
-
-    /// Enqueues every line of the job still without a result, then waits for the results, the
-    /// deadline or a cancel.
-    pub(crate) async fn run(&self, job: &Arc<Job>, cancel: &CancellationToken) -> End {
-        match self.dispatch(job, cancel).await {
-            Ok(end) => end,
-            Err(e) => End::Failed(e.to_string()),
-        }
-    }
-
-    async fn dispatch(&self, job: &Arc<Job>, cancel: &CancellationToken) -> Result<End, ExecError> {
-        let messages = self.messages(job)?;
-        let pools: Vec<String> = messages
-            .keys()
-            .filter_map(|model| self.pool_of(model).map(str::to_owned))
+    async fn dispatch(&self, job: &Arc<Job>, stop: &Stop) -> Result<End, ExecError> {
+        let queues = match self.queues(job).await {
+            Ok(q) => q,
+            Err(e) if stop.halt.is_cancelled() => {
+                tracing::debug!(job = %job.id, error = %e, "stopped while setting up");
+                return Ok(stop.end().unwrap_or(End::Paused));
+            }
+            Err(e) => return Err(e),
+        };
+        let lists: HashSet<String> = queues
+            .iter()
+            .map(|q| q.messages.result_queue.clone())
             .collect();
-        for pool in &pools {
-            self.ensure_consumer(pool).await?;
-        }
-        if job.resumed {
-            // Results that arrived while no processor ran are written first, so what is
-            // enqueued again below is only what has no result.
-            let consumers = self.consumers.lock().await;
-            for pool in &pools {
-                consumers[pool].stats().drained().await;
+        let producer = self.producer.with_stop(stop.halt.clone());
+        for list in &lists {
+            // Registered, its results are kept by whichever process reads the list.
+            let keys = ListKeys::new(list);
+            let registered = Retry::new(format!("HSET {}", keys.jobs))
+                .run(&stop.halt, || {
+                    self.client
+                        .hset::<(), _, _>(&keys.jobs, (job.id.as_str(), job.expires_at()))
+                })
+                .await;
+            if let Err(e) = registered {
+                return match e {
+                    batch_redis::RetryError::Stopped => Ok(stop.end().unwrap_or(End::Paused)),
+                    e => Err(ExecError::Redis(e.to_string())),
+                };
+            }
+            let own = self.own.lock().await.values().any(|l| l == list);
+            if !own {
+                // Another process's list (the job started there): read it once it is free,
+                // and meanwhile what its reader parks for this job.
+                self.start_consumer(list, None).await?;
+            }
+            if job.resumed || !own {
+                self.start_parked_consumer(list, job);
             }
         }
-        if crate::deadline_passed(job) {
-            return Ok(End::Expired);
+        if job.resumed {
+            // Results that arrived while no process ran the job are written first, so what is
+            // put back below is only what has no result.
+            let consumers = self.consumers.lock().await;
+            let ttl = self.consumer_options().lease_ttl;
+            let wait = self.config.async_dispatch.result_poll_timeout + ttl * 2;
+            for list in &lists {
+                if let Some(c) = consumers.get(list) {
+                    tokio::select! {
+                        _ = stop.halt.cancelled() => return Ok(stop.end().unwrap_or(End::Paused)),
+                        _ = tokio::time::timeout(wait, c.stats().drained()) => {}
+                    }
+                }
+            }
         }
-        let enqueued = self.enqueue_unresolved(job, &messages, true).await?;
+        if stop.halt.is_cancelled() {
+            return Ok(stop.end().unwrap_or(End::Paused));
+        }
+        let enqueued = if job.resumed {
+            self.put_back_missing(job, &queues, &producer).await
+        } else {
+            self.enqueue_all(job, &queues, &producer).await
+        };
+        let enqueued = match enqueued {
+            Ok(n) => n,
+            Err(ExecError::Producer(e)) => return producer_error(e, stop),
+            Err(e) => return Err(e),
+        };
         tracing::info!(job = %job.id, enqueued, "requests enqueued");
         let lost_after = self.config.async_dispatch.lost_request_timeout;
         let check_every =
@@ -161,134 +337,357 @@ impl AsyncMode {
         let mut checks = tokio::time::interval(check_every);
         checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut progress = job.progress();
+        job.touch();
         loop {
             let end = tokio::select! {
-                end = wait_for_end(job, &mut progress, cancel) => end,
+                end = wait_for_end(&mut progress, stop) => end,
                 _ = checks.tick() => None,
             };
             if let Some(end) = end {
                 return Ok(end);
             }
             if job.quiet_for() >= lost_after && job.remaining() > 0 {
-                // Nothing for a long time: whatever is neither queued nor answered was lost
-                // (a dispatcher that crashed or dropped it); put it back. Members still queued
-                // are the same bytes, so ZADD leaves them as they are.
-                let requeued = self.enqueue_unresolved(job, &messages, false).await?;
-                if requeued > 0 {
-                    tracing::warn!(job = %job.id, requeued, "requests lost downstream were enqueued again");
+                // Nothing for a long time: put back what is neither answered nor anywhere in
+                // the dispatcher's hands (a dispatcher that crashed or dropped it).
+                match self.put_back_missing(job, &queues, &producer).await {
+                    Ok(0) => tracing::debug!(job = %job.id, "nothing lost: every unanswered request is queued"),
+                    Ok(n) => tracing::warn!(job = %job.id, requeued = n, "requests lost downstream were enqueued again"),
+                    Err(ExecError::Producer(e)) => return producer_error(e, stop),
+                    Err(e) => return Err(e),
                 }
                 job.touch();
             }
         }
     }
 
-    /// ZADDs the member of every unresolved line; returns how many were new to the sets.
-    /// `first` is the job's first enqueue in this process; later ones put back lost requests.
-    async fn enqueue_unresolved(
+    /// ZADDs the member of every unresolved line, reading and building members on a blocking
+    /// thread while earlier chunks are sent.
+    async fn enqueue_all(
         &self,
         job: &Arc<Job>,
-        messages: &BTreeMap<String, JobMessages>,
-        first: bool,
+        queues: &[ModelQueue],
+        producer: &Producer,
     ) -> Result<u64, ExecError> {
         let mut total = 0;
-        for model in job.plan.models() {
-            let Some(msgs) = messages.get(&model.model) else {
-                continue;
-            };
-            let records = job.unresolved_records(model)?;
-            let count = records.len();
-            let mut failure = None;
-            let members = records.iter().map_while(|r| {
-                match job
-                    .read_line(r)
-                    .and_then(|line| Ok(msgs.member(r.line as u64, &line)?))
-                {
-                    Ok(member) => Some(member),
-                    Err(e) => {
-                        failure = Some(e);
-                        None
+        for q in queues {
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<(f64, String)>, ExecError>>(4);
+            let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
+            let (j, model, msgs, first) = (
+                job.clone(),
+                q.model.clone(),
+                q.messages.clone(),
+                q.first_position,
+            );
+            let reader = tokio::task::spawn_blocking(move || {
+                let send = |item| tx.blocking_send(item).is_ok();
+                let records = match j.unresolved_positions(&model) {
+                    Ok(r) => r,
+                    Err(e) => return send(Err(e)),
+                };
+                let mut batch = Vec::with_capacity(chunk);
+                for (pos, record) in records {
+                    let member = j
+                        .read_line(&record)
+                        .and_then(|line| Ok(msgs.member(record.line as u64, &line)?));
+                    match member {
+                        Ok(member) => batch.push((msgs.score_at(first + pos), member)),
+                        Err(e) => return send(Err(e)),
+                    }
+                    if batch.len() == chunk && !send(Ok(std::mem::take(&mut batch))) {
+                        return false;
                     }
                 }
+                batch.is_empty() || send(Ok(batch))
             });
-            let added = self
-                .producer
-                .enqueue(&msgs.request_queue, msgs.score(), members)
-                .await?;
+            let mut in_flight = FuturesUnordered::new();
+            let (mut added, mut count) = (0u64, 0u64);
+            let mut failure = None;
+            while let Some(chunk) = rx.recv().await {
+                let chunk = match chunk {
+                    Ok(c) => c,
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                };
+                count += chunk.len() as u64;
+                in_flight.push(producer.enqueue_scored(&q.messages.request_queue, chunk));
+                while in_flight.len() >= 4 {
+                    added += in_flight.next().await.expect("not empty")?;
+                }
+            }
+            drop(rx);
+            while let Some(done) = in_flight.next().await {
+                added += done?;
+            }
+            let _ = reader.await;
             if let Some(e) = failure {
                 return Err(e);
             }
-            let pool = self.pool_of(&model.model).unwrap_or_default();
-            if first {
-                m::model_inflight(&model.model, count as f64);
-                job.dispatched(count as u64);
-            }
-            if first && !job.resumed {
-                m::pool_counter("batch_requests_enqueued_total", pool, added);
-            } else {
-                m::pool_counter("batch_requests_requeued_total", pool, added);
-            }
+            m::model_inflight(&q.model.model, count as f64);
+            job.dispatched(count);
+            m::pool_counter("batch_requests_enqueued_total", &q.pool, added);
             total += added;
         }
         Ok(total)
     }
 
-    /// Takes the job's unresolved requests out of the queues (and marks those already taken),
-    /// a chunk at a time so memory stays flat however large the job.
-    pub(crate) async fn withdraw(&self, job: &Arc<Job>) -> Result<(), ExecError> {
-        let messages = self.messages(job)?;
+    /// Puts back the unresolved lines whose requests are nowhere in the dispatcher's hands: not
+    /// in the request set, not in its retry set, not claimed (v0.10), matched by request id
+    /// whatever bytes the dispatcher re-wrote them with. Reads only those lines.
+    async fn put_back_missing(
+        &self,
+        job: &Arc<Job>,
+        queues: &[ModelQueue],
+        producer: &Producer,
+    ) -> Result<u64, ExecError> {
+        let present = self.present_ids(job, queues, producer).await?;
+        let mut total = 0;
+        for q in queues {
+            let (j, model, msgs, first, present) = (
+                job.clone(),
+                q.model.clone(),
+                q.messages.clone(),
+                q.first_position,
+                present.clone(),
+            );
+            let members: Vec<(f64, String)> = blocking(move || {
+                let mut out = Vec::new();
+                for (pos, record) in j.unresolved_positions(&model)? {
+                    if present.contains(&record.line) {
+                        continue;
+                    }
+                    let line = j.read_line(&record)?;
+                    out.push((msgs.score_at(first + pos), msgs.member(record.line as u64, &line)?));
+                }
+                Ok(out)
+            })
+            .await?;
+            let count = members.len() as u64;
+            let added = producer
+                .enqueue_scored(&q.messages.request_queue, members)
+                .await?;
+            if job.resumed && job.progress().borrow().dispatched == 0 {
+                job.dispatched(count);
+                m::model_inflight(&q.model.model, count as f64);
+            }
+            m::pool_counter("batch_requests_requeued_total", &q.pool, added);
+            total += added;
+        }
+        Ok(total)
+    }
+
+    /// Line indexes of the job whose requests the dispatcher holds in some form.
+    async fn present_ids(
+        &self,
+        job: &Job,
+        queues: &[ModelQueue],
+        producer: &Producer,
+    ) -> Result<Arc<HashSet<u32>>, ExecError> {
+        let prefix = job_id_prefix(&job.id);
+        let member_pattern = format!("*\"id\":\"{prefix}*");
+        let mut present = HashSet::new();
+        let mut keep = |id: &str| {
+            if let Some((job_id, index)) = batch_wire::parse_request_id(id) {
+                if job_id == job.id {
+                    present.insert(index as u32);
+                }
+            }
+        };
+        let sets: HashSet<&str> = queues
+            .iter()
+            .map(|q| q.messages.request_queue.as_str())
+            .chain([self.config.async_dispatch.retry_queue_name.as_str()])
+            .collect();
+        for set in sets {
+            for member in producer.scan_members(set, &member_pattern).await? {
+                if let Ok(envelope) = Envelope::parse(&member) {
+                    keep(&envelope.data.id);
+                }
+            }
+        }
+        // The v0.10 dispatcher keeps what it has in hand in `{<queue>}:claimed`, keyed by
+        // id NUL token.
+        let claimed: HashSet<String> = queues
+            .iter()
+            .map(|q| format!("{{{}}}:claimed", q.messages.request_queue))
+            .collect();
+        for key in claimed {
+            for field in producer.scan_fields(&key, &format!("{prefix}*")).await? {
+                keep(field.split('\0').next().unwrap_or_default());
+            }
+        }
+        Ok(Arc::new(present))
+    }
+
+    /// Takes the job's unresolved requests out of the queues (also those the dispatcher
+    /// re-wrote), and marks those it may have in hand, a chunk at a time.
+    async fn withdraw_job(&self, job: &Arc<Job>, stop: &CancellationToken) -> Result<(), ExecError> {
+        let queues = self.queues(job).await?;
+        let producer = self.producer.with_stop(stop.clone());
         let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
-        for model in job.plan.models() {
-            let Some(msgs) = messages.get(&model.model) else {
-                continue;
+        for q in &queues {
+            let records = {
+                let (j, model) = (job.clone(), q.model.clone());
+                blocking(move || j.unresolved_records(&model)).await?
             };
-            let records = job.unresolved_records(model)?;
             let (mut removed, mut marked) = (0, 0);
             for records in records.chunks(chunk) {
-                let pending: Vec<PendingMember> = records
-                    .iter()
-                    .map(|r| Ok(msgs.pending(r.line as u64, &job.read_line(r)?)?))
-                    .collect::<Result<_, ExecError>>()?;
-                let report = self.producer.remove(&msgs.request_queue, &pending).await?;
+                let (j, msgs, records) = (job.clone(), q.messages.clone(), records.to_vec());
+                let pending: Vec<PendingMember> = blocking(move || {
+                    records
+                        .iter()
+                        .map(|r| Ok(msgs.pending(r.line as u64, &j.read_line(r)?)?))
+                        .collect()
+                })
+                .await?;
+                let report = producer.remove(&q.messages.request_queue, &pending).await?;
                 removed += report.removed;
                 marked += report.marked;
             }
-            let pool = self.pool_of(&model.model).unwrap_or_default();
-            m::pool_counter("batch_requests_removed_total", pool, removed);
-            m::model_inflight(&model.model, -(records.len() as f64));
+            // Members the dispatcher put back re-serialised have other bytes: find them by id.
+            let pattern = format!("*\"id\":\"{}*", job_id_prefix(&job.id));
+            for set in [
+                q.messages.request_queue.as_str(),
+                self.config.async_dispatch.retry_queue_name.as_str(),
+            ] {
+                let leftovers: Vec<PendingMember> = producer
+                    .scan_members(set, &pattern)
+                    .await?
+                    .into_iter()
+                    .filter(|m| Envelope::parse(m).is_ok_and(|e| {
+                        batch_wire::parse_request_id(&e.data.id).is_some_and(|(j, _)| j == job.id)
+                    }))
+                    .map(|member| PendingMember {
+                        member,
+                        id: String::new(),
+                        token: String::new(),
+                    })
+                    .collect();
+                if !leftovers.is_empty() {
+                    let r = producer.remove_exact(set, &leftovers).await?;
+                    removed += r;
+                }
+            }
+            m::pool_counter("batch_requests_removed_total", &q.pool, removed);
+            m::model_inflight(&q.model.model, -(records.len() as f64));
             if !records.is_empty() {
-                tracing::info!(job = %job.id, model = %model.model, removed, marked, "withdrew pending requests");
+                tracing::info!(job = %job.id, model = %q.model.model, removed, marked, "withdrew pending requests");
             }
         }
         Ok(())
     }
 
-    pub(crate) fn unregister(&self, job: &Job) {
-        self.registry.remove(&job.id);
+    /// Forgets the job in its lists' registries: later results of it are dropped.
+    async fn close_job(&self, job: &Job) {
+        let lists: Vec<String> = job
+            .manifest
+            .lock()
+            .expect("manifest lock")
+            .result_lists
+            .values()
+            .cloned()
+            .collect();
+        for list in lists {
+            let keys = ListKeys::new(&list);
+            let done = tokio::time::timeout(
+                Duration::from_secs(5),
+                self.client.hdel::<i64, _, _>(&keys.jobs, job.id.as_str()),
+            )
+            .await;
+            if !matches!(done, Ok(Ok(_))) {
+                tracing::debug!(job = %job.id, list, "could not unregister the job; its entry lapses at its deadline");
+            }
+        }
+    }
+}
+
+/// What every request id of `job` starts with: `batch_req_<escaped job>_`.
+fn job_id_prefix(job: &str) -> String {
+    let id = batch_wire::request_id(job, 0);
+    id[..id.len() - 1].to_owned()
+}
+
+impl Dispatch for AsyncMode {
+    fn register(&self, job: &Arc<Job>) {
+        self.registry.insert(job.clone());
     }
 
-    pub(crate) async fn shutdown(&self) {
-        self.shutdown.cancel();
-        let consumers: Vec<_> = self
-            .consumers
+    fn unregister(&self, job: &Job) {
+        self.registry.remove(&job.id);
+        let parked = self
+            .parked
             .lock()
-            .await
-            .drain()
-            .map(|(_, c)| c)
-            .collect();
-        for c in consumers {
-            c.join().await;
+            .expect("parked lock")
+            .remove(&job.id)
+            .unwrap_or_default();
+        for (stop, _handle) in parked {
+            stop.cancel();
         }
     }
 
-    /// The consumers' counters by pool.
-    pub(crate) async fn consumer_stats(
+    fn run<'a>(&'a self, job: &'a Arc<Job>, stop: &'a Stop) -> BoxFuture<'a, End> {
+        Box::pin(async move {
+            let end = match self.dispatch(job, stop).await {
+                Ok(end) => end,
+                Err(e) => End::Failed(e.to_string()),
+            };
+            if matches!(end, End::Completed | End::Failed(_)) {
+                self.close_job(job).await;
+            }
+            end
+        })
+    }
+
+    fn withdraw<'a>(
+        &'a self,
+        job: &'a Arc<Job>,
+        stop: &'a CancellationToken,
+    ) -> BoxFuture<'a, Result<(), ExecError>> {
+        Box::pin(async move {
+            let result = self.withdraw_job(job, stop).await;
+            if !stop.is_cancelled() {
+                self.close_job(job).await;
+            }
+            result
+        })
+    }
+
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.shutdown.cancel();
+            let consumers: Vec<_> = self
+                .consumers
+                .lock()
+                .await
+                .drain()
+                .map(|(_, c)| c)
+                .collect();
+            let parked: Vec<_> = self
+                .parked
+                .lock()
+                .expect("parked lock")
+                .drain()
+                .flat_map(|(_, v)| v)
+                .collect();
+            for c in consumers {
+                c.join().await;
+            }
+            for (_, c) in parked {
+                c.join().await;
+            }
+        })
+    }
+
+    fn consumer_stats(
         &self,
-    ) -> BTreeMap<String, Arc<batch_consumer::ConsumerStats>> {
-        self.consumers
-            .lock()
-            .await
-            .iter()
-            .map(|(pool, c)| (pool.clone(), c.stats().clone()))
-            .collect()
+    ) -> BoxFuture<'_, BTreeMap<String, Arc<batch_consumer::ConsumerStats>>> {
+        Box::pin(async move {
+            let own = self.own.lock().await.clone();
+            let consumers = self.consumers.lock().await;
+            own.into_iter()
+                .filter_map(|(pool, list)| Some((pool, consumers.get(&list)?.stats().clone())))
+                .collect()
+        })
     }
 }

@@ -10,6 +10,7 @@ use batch_sink::{JobSink, Written};
 use batch_wire::{Batch, BatchErrors, BatchStatus, Outcome, RequestCounts};
 use tokio::sync::watch;
 
+use crate::dir::{DirLock, InputRecord, Manifest};
 use crate::metrics as m;
 use crate::ExecError;
 
@@ -78,6 +79,8 @@ pub(crate) enum End {
     Completed,
     Expired,
     Cancelled,
+    /// Stopped to be resumed later (SIGTERM): nothing withdrawn, nothing closed.
+    Paused,
     Failed(String),
 }
 
@@ -96,6 +99,8 @@ pub struct Job {
     pub(crate) started: Instant,
     progress: watch::Sender<JobProgress>,
     last_result: Mutex<Instant>,
+    pub(crate) manifest: Mutex<Manifest>,
+    _lock: DirLock,
 }
 
 /// A prepared job, or one that needs nothing more.
@@ -125,6 +130,7 @@ impl Job {
     ) -> Result<Prepared, ExecError> {
         std::fs::create_dir_all(&spec.output_dir)
             .map_err(|e| ExecError::io(&spec.output_dir, e))?;
+        let lock = DirLock::take(&spec.output_dir)?;
         let existing = batch_sink::read_batch(&spec.output_dir)?;
         let (mut batch, resumed) = match existing {
             Some(b) if b.status.is_terminal() => return Ok(Prepared::Finished(Box::new(b))),
@@ -168,6 +174,7 @@ impl Job {
             }
             Err(e) => return Err(e.into()),
         };
+        let manifest = Self::check_manifest(spec, &batch.id, &plan)?;
         let input = plan.open_input()?;
         let mut model_of_line = vec![0u16; plan.total() as usize];
         for (i, model) in plan.models().iter().enumerate() {
@@ -204,7 +211,51 @@ impl Job {
             started: Instant::now(),
             progress,
             last_result: Mutex::new(Instant::now()),
+            manifest: Mutex::new(manifest),
+            _lock: lock,
         })))
+    }
+
+    /// The directory's manifest, written at the first run; on a resume, the input must be the
+    /// file the job started with.
+    fn check_manifest(spec: &JobSpec, job_id: &str, plan: &Plan) -> Result<Manifest, ExecError> {
+        let digest = plan.digest();
+        let record = InputRecord {
+            path: std::fs::canonicalize(&spec.input).unwrap_or_else(|_| spec.input.clone()),
+            bytes: digest.bytes,
+            xxh3: format!("{:016x}", digest.xxh3),
+        };
+        match Manifest::read(&spec.output_dir)? {
+            Some(m) if m.input.bytes != record.bytes || m.input.xxh3 != record.xxh3 => {
+                Err(ExecError::InputChanged {
+                    dir: spec.output_dir.clone(),
+                    input: spec.input.clone(),
+                    was: m.input.bytes,
+                    now: record.bytes,
+                })
+            }
+            Some(m) => Ok(m),
+            None => {
+                let m = Manifest {
+                    job_id: job_id.to_owned(),
+                    input: record,
+                    result_lists: BTreeMap::new(),
+                };
+                m.write(&spec.output_dir)?;
+                Ok(m)
+            }
+        }
+    }
+
+    /// The result list recorded for `pool`, or records `list` as it.
+    pub(crate) fn result_list(&self, pool: &str, list: &str) -> Result<String, ExecError> {
+        let mut manifest = self.manifest.lock().expect("manifest lock");
+        if let Some(recorded) = manifest.result_lists.get(pool) {
+            return Ok(recorded.clone());
+        }
+        manifest.result_lists.insert(pool.to_owned(), list.to_owned());
+        manifest.write(&self.dir)?;
+        Ok(list.to_owned())
     }
 
     /// The job id.
@@ -323,6 +374,25 @@ impl Job {
         Ok(records
             .into_iter()
             .filter(|r| !sink.is_done(r.line as u64))
+            .collect())
+    }
+
+    /// Unresolved records of one model with their positions in the model's plan order.
+    pub(crate) fn unresolved_positions(
+        &self,
+        model: &batch_plan::ModelPlan,
+    ) -> Result<Vec<(u64, Record)>, ExecError> {
+        let records: Vec<Record> = self
+            .plan
+            .records(model)?
+            .collect::<Result<_, _>>()
+            .map_err(|e| ExecError::io(&model.path, e))?;
+        let sink = self.sink.lock().expect("sink lock");
+        Ok(records
+            .into_iter()
+            .enumerate()
+            .filter(|(_, r)| !sink.is_done(r.line as u64))
+            .map(|(pos, r)| (pos as u64, r))
             .collect())
     }
 

@@ -32,24 +32,28 @@
 //! ```
 
 mod async_mode;
+mod dir;
 mod job;
 mod metrics;
 mod registry;
+mod stop;
 mod sync_mode;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use batch_config::{DispatchMode, ProcessorConfig};
 use batch_wire::{error_codes, Batch, BatchStatus, Outcome};
+use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+pub use dir::{LOCK_FILE, MANIFEST_FILE};
 pub use job::{Job, JobProgress, JobSpec, Prepared};
 
 use async_mode::AsyncMode;
 use job::End;
+use stop::Stop;
 use sync_mode::SyncMode;
 
 /// The message of `batch_cancelled` lines.
@@ -81,6 +85,9 @@ pub enum ExecError {
     /// A gateway could not be set up.
     #[error(transparent)]
     Gateway(#[from] batch_sync_dispatch::DispatchError),
+    /// Redis answered an error that waiting will not cure.
+    #[error("Redis: {0}")]
+    Redis(String),
     /// Async mode without a Redis URL.
     #[error("async mode needs the Redis URL (redis_url_file)")]
     NoRedisUrl,
@@ -97,6 +104,32 @@ pub enum ExecError {
         /// The job asked for.
         wanted: String,
     },
+    /// Another process (or another job of this one) writes the directory.
+    #[error("{dir} is in use by another run of its job ({holder}); wait for it to end, or use another output directory")]
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+        /// Who holds it, as its lock file says.
+        holder: String,
+    },
+    /// The input changed since the job started: its old results would be mapped onto new lines.
+    #[error("{input} changed since the job in {dir} started ({was} bytes then, {now} now); its results belong to the old file: restore it, or use another output directory")]
+    InputChanged {
+        /// The job directory.
+        dir: PathBuf,
+        /// The input file.
+        input: PathBuf,
+        /// Its size at the first run.
+        was: u64,
+        /// Its size now.
+        now: u64,
+    },
+    /// The result list this job needs is read by another live process.
+    #[error("{0}")]
+    ListHeld(String),
+    /// The job directory holds no job.
+    #[error("{0} holds no job (no batch.json)")]
+    NoJob(PathBuf),
 }
 
 impl ExecError {
@@ -108,16 +141,45 @@ impl ExecError {
     }
 }
 
-enum Mode {
-    Sync(SyncMode),
-    Async(Box<AsyncMode>),
+/// One way of getting a job's requests answered: sync (HTTP to the gateways) or async (the
+/// dispatcher's queues). The executor drives jobs through it without knowing which.
+pub(crate) trait Dispatch: Send + Sync {
+    /// Makes a prepared job known before it runs (results of a resumed job may be waiting).
+    fn register(&self, _job: &Arc<Job>) {}
+    /// Forgets a job that ended.
+    fn unregister(&self, _job: &Job) {}
+    /// Gets every unresolved line answered, or stops when `stop` fires.
+    fn run<'a>(&'a self, job: &'a Arc<Job>, stop: &'a Stop) -> BoxFuture<'a, End>;
+    /// Takes back what is pending of a job that expired or was cancelled.
+    fn withdraw<'a>(
+        &'a self,
+        _job: &'a Arc<Job>,
+        _stop: &'a CancellationToken,
+    ) -> BoxFuture<'a, Result<(), ExecError>> {
+        Box::pin(async { Ok(()) })
+    }
+    /// Stops background work (result consumers) and lets go of what it holds.
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+    /// The sync endpoint's current limit and cuts, when sync.
+    fn endpoint_limit(&self, _model: &str) -> Option<(usize, u64)> {
+        None
+    }
+    /// The async result consumers' counters, by pool.
+    fn consumer_stats(
+        &self,
+    ) -> BoxFuture<'_, std::collections::BTreeMap<String, Arc<batch_consumer::ConsumerStats>>> {
+        Box::pin(async { Default::default() })
+    }
 }
 
 /// Runs jobs with one configuration; one per process is the intended use (the sync mode's
 /// global limit and the async mode's result consumers are shared by all its jobs).
 pub struct Executor {
     config: Arc<ProcessorConfig>,
-    mode: Mode,
+    dispatch: Box<dyn Dispatch>,
+    pause: CancellationToken,
 }
 
 impl Executor {
@@ -132,13 +194,15 @@ impl Executor {
         connect: batch_redis::ConnectOptions,
     ) -> Result<Self, ExecError> {
         let config = Arc::new(config);
-        let mode = match config.dispatch_mode {
-            DispatchMode::Sync => Mode::Sync(SyncMode::new(config.clone())?),
-            DispatchMode::Async => {
-                Mode::Async(Box::new(AsyncMode::new(config.clone(), connect).await?))
-            }
+        let dispatch: Box<dyn Dispatch> = match config.dispatch_mode {
+            DispatchMode::Sync => Box::new(SyncMode::new(config.clone())?),
+            DispatchMode::Async => Box::new(AsyncMode::new(config.clone(), connect).await?),
         };
-        Ok(Self { config, mode })
+        Ok(Self {
+            config,
+            dispatch,
+            pause: CancellationToken::new(),
+        })
     }
 
     /// The configuration.
@@ -146,22 +210,57 @@ impl Executor {
         &self.config
     }
 
-    /// Creates or resumes the job of `spec` and validates its input (blocking file I/O).
-    pub fn prepare(&self, spec: &JobSpec) -> Result<Prepared, ExecError> {
+    /// Stops every running job so that it can be resumed (SIGTERM): requests stay queued,
+    /// results wait in their lists, `batch.json` keeps its status. Their runs return soon.
+    pub fn pause(&self) {
+        self.pause.cancel();
+    }
+
+    /// The token [`Executor::pause`] fires, for a signal handler to hold.
+    pub fn pause_token(&self) -> CancellationToken {
+        self.pause.clone()
+    }
+
+    /// Creates or resumes the job of `spec`, locks its directory and validates its input.
+    pub async fn prepare(&self, spec: &JobSpec) -> Result<Prepared, ExecError> {
         let limits = batch_plan::Limits {
             max_requests: self.config.input.max_requests,
             max_file_bytes: self.config.input.max_file_bytes,
         };
-        let prepared = Job::prepare(spec, &self.config.work_dir, limits)?;
-        if let (Prepared::Ready(job), Mode::Async(mode)) = (&prepared, &self.mode) {
-            mode.register(job);
+        let (spec, work_dir) = (spec.clone(), self.config.work_dir.clone());
+        let prepared = tokio::task::spawn_blocking(move || Job::prepare(&spec, &work_dir, limits))
+            .await
+            .map_err(|e| ExecError::Config(format!("preparing the job panicked: {e}")))??;
+        if let Prepared::Ready(job) = &prepared {
+            self.dispatch.register(job);
         }
         Ok(prepared)
     }
 
+    /// Cancels a job that is not running (`processor cancel`): withdraws its pending requests,
+    /// gives every line without a result `batch_cancelled`, and ends it `cancelled`.
+    pub async fn cancel_stopped(&self, dir: &Path) -> Result<Batch, ExecError> {
+        let manifest = dir::Manifest::read(dir)?;
+        let batch = batch_sink::read_batch(dir)?.ok_or_else(|| ExecError::NoJob(dir.to_owned()))?;
+        if batch.status.is_terminal() {
+            return Ok(batch);
+        }
+        let input = manifest
+            .map(|m| m.input.path)
+            .unwrap_or_else(|| PathBuf::from(&batch.input_file_id));
+        let mut spec = JobSpec::new(input, dir);
+        spec.job_id = Some(batch.id.clone());
+        let cancel = CancellationToken::new();
+        cancel.cancel();
+        match self.prepare(&spec).await? {
+            Prepared::Finished(batch) => Ok(*batch),
+            Prepared::Ready(job) => self.execute(job, cancel).await,
+        }
+    }
+
     /// Prepares and runs one job to its end.
     pub async fn run(&self, spec: JobSpec, cancel: CancellationToken) -> Result<Batch, ExecError> {
-        match self.prepare(&spec)? {
+        match self.prepare(&spec).await? {
             Prepared::Finished(batch) => Ok(*batch),
             Prepared::Ready(job) => self.execute(job, cancel).await,
         }
@@ -174,7 +273,10 @@ impl Executor {
         specs: &[JobSpec],
         cancel: CancellationToken,
     ) -> Vec<Result<Batch, ExecError>> {
-        let prepared: Vec<_> = specs.iter().map(|s| self.prepare(s)).collect();
+        let mut prepared = Vec::with_capacity(specs.len());
+        for spec in specs {
+            prepared.push(self.prepare(spec).await);
+        }
         let runs = prepared.into_iter().map(|p| {
             let cancel = cancel.clone();
             async move {
@@ -187,74 +289,89 @@ impl Executor {
         futures::future::join_all(runs).await
     }
 
-    /// Dispatches a prepared job and finishes it.
+    /// Dispatches a prepared job and finishes it. A paused run returns the job as it stands,
+    /// not terminal, to be resumed.
     pub async fn execute(
         &self,
         job: Arc<Job>,
         cancel: CancellationToken,
     ) -> Result<Batch, ExecError> {
-        self.resolve_unknown_models(&job)?;
-        let end = if job.status() == BatchStatus::Cancelling {
+        self.resolve_unknown_models(&job).await?;
+        let end = if job.status() == BatchStatus::Cancelling || cancel.is_cancelled() {
             End::Cancelled
+        } else if self.pause.is_cancelled() {
+            End::Paused
         } else {
-            match &self.mode {
-                Mode::Async(mode) => {
-                    mode.register(&job);
-                    mode.run(&job, &cancel).await
-                }
-                Mode::Sync(mode) => mode.run(&job, &cancel).await,
-            }
+            self.dispatch.register(&job);
+            let stop = Stop::new(job.expires_at(), cancel, self.pause.clone());
+            self.dispatch.run(&job, &stop).await
         };
         let result = self.finish(&job, end).await;
-        if let Mode::Async(mode) = &self.mode {
-            mode.unregister(&job);
-        }
+        self.dispatch.unregister(&job);
         result
     }
 
-    fn resolve_unknown_models(&self, job: &Job) -> Result<(), ExecError> {
-        for model in job.plan.models() {
-            if self.config.model_gateways.contains_key(&model.model) {
-                continue;
-            }
-            let message = format!(
-                "The model `{}` is not served by this processor.",
-                model.model
-            );
-            for record in job.unresolved_records(model)? {
-                job.record(
-                    record.line as u64,
-                    &Outcome::Failed {
+    async fn resolve_unknown_models(&self, job: &Arc<Job>) -> Result<(), ExecError> {
+        let unknown: Vec<_> = job
+            .plan
+            .models()
+            .iter()
+            .filter(|m| !self.config.model_gateways.contains_key(&m.model))
+            .cloned()
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let job = job.clone();
+        blocking(move || {
+            for model in &unknown {
+                let message = format!(
+                    "The model `{}` is not served by this processor.",
+                    model.model
+                );
+                let records = job.unresolved_records(model)?;
+                let mut sink = job.sink.lock().expect("sink lock");
+                let mut tally = metrics::Tally::default();
+                for record in records {
+                    let outcome = Outcome::Failed {
                         code: error_codes::MODEL_NOT_FOUND,
                         message: &message,
-                    },
-                )?;
+                    };
+                    job.record_unflushed(&mut sink, record.line as u64, &outcome, &mut tally)?;
+                }
+                sink.flush()?;
+                let counts = sink.counts();
+                drop(sink);
+                job.emit(tally, false);
+                job.publish(counts);
             }
-        }
-        Ok(())
+            Ok(())
+        })
+        .await
     }
 
     async fn finish(&self, job: &Arc<Job>, end: End) -> Result<Batch, ExecError> {
+        if let End::Paused = end {
+            let j = job.clone();
+            blocking(move || j.sync_files()).await?;
+            let batch = job.batch.lock().expect("batch lock").clone();
+            tracing::info!(job = %job.id, status = batch.status.as_str(), "job paused; run it again to resume");
+            return Ok(batch);
+        }
         let (status, reason, code, message) = match &end {
-            End::Completed => {
-                job.set_status(BatchStatus::Finalizing)?;
-                (BatchStatus::Completed, "", "", String::new())
-            }
+            End::Completed => (BatchStatus::Completed, "", "", String::new()),
             End::Expired => (
                 BatchStatus::Expired,
                 "deadline",
                 error_codes::BATCH_EXPIRED,
                 error_codes::BATCH_EXPIRED_MESSAGE.to_owned(),
             ),
-            End::Cancelled => {
-                job.set_status(BatchStatus::Cancelling)?;
-                (
-                    BatchStatus::Cancelled,
-                    "cancelled",
-                    error_codes::BATCH_CANCELLED,
-                    CANCELLED_MESSAGE.to_owned(),
-                )
-            }
+            End::Cancelled => (
+                BatchStatus::Cancelled,
+                "cancelled",
+                error_codes::BATCH_CANCELLED,
+                CANCELLED_MESSAGE.to_owned(),
+            ),
             End::Failed(e) => {
                 tracing::error!(job = %job.id, error = %e, "job failed");
                 job.add_error("system_error", e);
@@ -265,18 +382,43 @@ impl Executor {
                     format!("The batch failed before this request completed: {e}"),
                 )
             }
+            End::Paused => unreachable!("handled above"),
         };
-        if !matches!(end, End::Completed) {
-            if let Mode::Async(mode) = &self.mode {
-                if let Err(e) = mode.withdraw(job).await {
-                    tracing::error!(job = %job.id, error = %e, "could not withdraw pending requests; their results will be ignored");
-                }
+        match &end {
+            End::Completed => {
+                set_status(job, BatchStatus::Finalizing).await?;
             }
-            let resolved = job.resolve_all(code, &message)?;
+            End::Cancelled => {
+                set_status(job, BatchStatus::Cancelling).await?;
+            }
+            _ => {}
+        }
+        if !matches!(end, End::Completed) {
+            // Withdrawing needs Redis; it stops for a pause, and gives up after a while (the
+            // dispatcher drops expired requests, and cancel markers cover the rest).
+            let give_up = self.pause.child_token();
+            let timer = {
+                let give_up = give_up.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+                    give_up.cancel();
+                })
+            };
+            if let Err(e) = self.dispatch.withdraw(job, &give_up).await {
+                tracing::error!(job = %job.id, error = %e, "could not withdraw pending requests; their results will be ignored");
+            }
+            timer.abort();
+            if self.pause.is_cancelled() && matches!(end, End::Cancelled) {
+                // Stopped half way through a cancel: the next run finishes it.
+                return Ok(job.batch.lock().expect("batch lock").clone());
+            }
+            let (j, c, msg) = (job.clone(), code, message.clone());
+            let resolved = blocking(move || j.resolve_all(c, &msg)).await?;
             tracing::info!(job = %job.id, resolved, code, "unresolved requests closed");
         }
-        job.sync_files()?;
-        let batch = job.set_status(status)?;
+        let j = job.clone();
+        blocking(move || j.sync_files()).await?;
+        let batch = set_status(job, status).await?;
         metrics::job_processed(status, reason, Some(job.started.elapsed().as_secs_f64()));
         tracing::info!(
             job = %job.id,
@@ -291,70 +433,55 @@ impl Executor {
 
     /// The current limit of a sync endpoint (`None` in async mode or for unknown names).
     pub fn endpoint_limit(&self, model: &str) -> Option<usize> {
-        match &self.mode {
-            Mode::Sync(mode) => mode.dispatcher().limit(model),
-            Mode::Async(_) => None,
-        }
+        self.dispatch.endpoint_limit(model).map(|(limit, _)| limit)
     }
 
     /// How many times a sync endpoint's AIMD limit was cut (`None` in async mode).
     pub fn endpoint_cuts(&self, model: &str) -> Option<u64> {
-        match &self.mode {
-            Mode::Sync(mode) => mode.dispatcher().cuts(model),
-            Mode::Async(_) => None,
-        }
+        self.dispatch.endpoint_limit(model).map(|(_, cuts)| cuts)
     }
 
     /// The async mode's result-consumer counters, by pool (empty in sync mode).
     pub async fn consumer_stats(
         &self,
     ) -> std::collections::BTreeMap<String, Arc<batch_consumer::ConsumerStats>> {
-        match &self.mode {
-            Mode::Async(mode) => mode.consumer_stats().await,
-            Mode::Sync(_) => Default::default(),
-        }
+        self.dispatch.consumer_stats().await
     }
 
-    /// Stops the result consumers.
+    /// Stops the result consumers and releases their result lists.
     pub async fn shutdown(&self) {
-        if let Mode::Async(mode) = &self.mode {
-            mode.shutdown().await;
-        }
+        self.dispatch.shutdown().await;
     }
 }
 
-fn deadline_of(job: &Job) -> SystemTime {
-    UNIX_EPOCH + Duration::from_secs(job.expires_at().max(0) as u64)
+/// Runs blocking file work off the async runtime's threads.
+pub(crate) async fn blocking<T, F>(f: F) -> Result<T, ExecError>
+where
+    F: FnOnce() -> Result<T, ExecError> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ExecError::Config(format!("file work panicked: {e}")))?
 }
 
-pub(crate) fn deadline_passed(job: &Job) -> bool {
-    SystemTime::now() >= deadline_of(job)
+async fn set_status(job: &Arc<Job>, status: BatchStatus) -> Result<Batch, ExecError> {
+    let j = job.clone();
+    blocking(move || j.set_status(status)).await
 }
 
-/// Sleeps until the job's SLO deadline.
-pub(crate) fn deadline_sleep(job: &Job) -> tokio::time::Sleep {
-    let left = deadline_of(job)
-        .duration_since(SystemTime::now())
-        .unwrap_or_default();
-    tokio::time::sleep(left)
-}
-
-/// Waits until every line has a result (completed), the deadline passes or `cancel` fires.
+/// Waits until every line has a result (completed) or `stop` fires (its end).
 pub(crate) async fn wait_for_end(
-    job: &Job,
     progress: &mut watch::Receiver<JobProgress>,
-    cancel: &CancellationToken,
+    stop: &Stop,
 ) -> Option<End> {
-    let deadline = deadline_sleep(job);
-    tokio::pin!(deadline);
     loop {
         if progress.borrow_and_update().remaining() == 0 {
             return Some(End::Completed);
         }
         tokio::select! {
             changed = progress.changed() => if changed.is_err() { return None },
-            _ = &mut deadline => return Some(End::Expired),
-            _ = cancel.cancelled() => return Some(End::Cancelled),
+            _ = stop.halt.cancelled() => return stop.end(),
         }
     }
 }

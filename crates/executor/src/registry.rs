@@ -36,18 +36,19 @@ impl ResultHandler for Registry {
     fn write(&self, results: &[Routed]) -> Result<WriteReport, HandlerError> {
         let mut report = WriteReport::default();
         // One lock, one flush and one round of metrics per job and batch.
-        let mut by_job: Vec<&Routed> = results.iter().collect();
-        by_job.sort_by(|a, b| a.job_id.cmp(&b.job_id));
-        for group in by_job.chunk_by(|a, b| a.job_id == b.job_id) {
-            let Some(job) = self.get(&group[0].job_id) else {
-                report.unknown_job += group.len() as u64;
+        let mut by_job: Vec<(usize, &Routed)> = results.iter().enumerate().collect();
+        by_job.sort_by(|a, b| a.1.job_id.cmp(&b.1.job_id));
+        for group in by_job.chunk_by(|a, b| a.1.job_id == b.1.job_id) {
+            let Some(job) = self.get(&group[0].1.job_id) else {
+                report.not_here.extend(group.iter().map(|(i, _)| *i));
                 continue;
             };
             let mut tally = Tally::default();
             let mut sink = job.sink.lock().expect("sink lock");
-            for r in group {
+            for &(_, r) in group {
                 if job.custom_id(r.index).is_none() {
-                    report.unknown_job += 1;
+                    // Not a line of this job: nobody else can use it either.
+                    report.duplicates += 1;
                     continue;
                 }
                 let written = job

@@ -9,12 +9,13 @@ use batch_sync_dispatch::{
     EndpointOptions, LimitOptions, SyncDispatcher, SyncOutcome, SyncRequest, TlsOptions,
 };
 use batch_wire::{InputLine, Outcome};
+use futures::future::BoxFuture;
 use futures::stream::{self, StreamExt};
-use tokio_util::sync::CancellationToken;
 
 use crate::job::{End, Job};
 use crate::metrics as m;
-use crate::ExecError;
+use crate::stop::Stop;
+use crate::{blocking, Dispatch, ExecError};
 
 pub(crate) struct SyncMode {
     dispatcher: SyncDispatcher,
@@ -54,29 +55,23 @@ impl SyncMode {
         Ok(Self { dispatcher, config })
     }
 
-    /// The dispatcher, for its limits.
-    pub(crate) fn dispatcher(&self) -> &SyncDispatcher {
-        &self.dispatcher
-    }
-
-    /// Sends every unresolved line, models side by side; the deadline or a cancel drops every
-    /// call in flight at once.
-    pub(crate) async fn run(&self, job: &Arc<Job>, cancel: &CancellationToken) -> End {
-        if crate::deadline_passed(job) {
-            return End::Expired;
+    /// Sends every unresolved line, models side by side; the deadline, a cancel or a pause
+    /// drops every call in flight at once.
+    async fn run_job(&self, job: &Arc<Job>, stop: &Stop) -> End {
+        if stop.halt.is_cancelled() {
+            return stop.end().unwrap_or(End::Expired);
         }
         tokio::select! {
-            sent = self.send_all(job) => match sent {
+            sent = self.send_all(job, stop) => match sent {
                 Err(e) => End::Failed(e.to_string()),
                 Ok(()) if job.remaining() == 0 => End::Completed,
-                Ok(()) => End::Failed(format!("{} requests were left without an answer", job.remaining())),
+                Ok(()) => stop.end().unwrap_or_else(|| End::Failed(format!("{} requests were left without an answer", job.remaining()))),
             },
-            _ = crate::deadline_sleep(job) => End::Expired,
-            _ = cancel.cancelled() => End::Cancelled,
+            _ = stop.halt.cancelled() => stop.end().unwrap_or(End::Expired),
         }
     }
 
-    async fn send_all(&self, job: &Arc<Job>) -> Result<(), ExecError> {
+    async fn send_all(&self, job: &Arc<Job>, stop: &Stop) -> Result<(), ExecError> {
         let slo = UNIX_EPOCH + Duration::from_secs(job.expires_at().max(0) as u64);
         let headers: Vec<(String, String)> = job
             .headers
@@ -89,17 +84,20 @@ impl SyncMode {
             if !self.config.model_gateways.contains_key(&model.model) {
                 continue;
             }
-            let records = job.unresolved_records(model)?;
+            let records = {
+                let (j, model) = (job.clone(), model.clone());
+                blocking(move || j.unresolved_records(&model)).await?
+            };
             job.dispatched(records.len() as u64);
             let name = model.model.as_str();
             let headers = &headers;
             let calls = stream::iter(records)
                 .map(move |record| async move {
-                    let line = job.read_line(&record)?;
+                    let j = job.clone();
+                    let line = blocking(move || j.read_line(&record)).await?;
                     let index = record.line as u64;
                     let outcome = self.call(name, index, &line, slo, headers, job).await;
-                    job.record(index, &outcome.as_outcome())?;
-                    Ok::<(), ExecError>(())
+                    write_outcome(job, index, outcome, stop).await
                 })
                 .buffer_unordered(width);
             per_model.push(calls.boxed());
@@ -146,6 +144,36 @@ impl SyncMode {
             SyncOutcome::Http { status, body } => Owned::Http(status, body),
             SyncOutcome::Failed { code, message } => Owned::Failed(code, message),
         }
+    }
+}
+
+/// Writes one answer, retrying a failed write (a full disk) until it succeeds or the job stops.
+async fn write_outcome(job: &Arc<Job>, index: u64, outcome: Owned, stop: &Stop) -> Result<(), ExecError> {
+    let outcome = Arc::new(outcome);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let (j, o) = (job.clone(), outcome.clone());
+        match blocking(move || j.record(index, &o.as_outcome())).await {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                tracing::error!(job = %job.id, error = %e, "could not write an answer; retrying");
+                tokio::select! {
+                    _ = stop.halt.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+impl Dispatch for SyncMode {
+    fn run<'a>(&'a self, job: &'a Arc<Job>, stop: &'a Stop) -> BoxFuture<'a, End> {
+        Box::pin(self.run_job(job, stop))
+    }
+
+    fn endpoint_limit(&self, model: &str) -> Option<(usize, u64)> {
+        Some((self.dispatcher.limit(model)?, self.dispatcher.cuts(model)?))
     }
 }
 

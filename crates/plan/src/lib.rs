@@ -101,10 +101,20 @@ pub struct ModelPlan {
     pub path: PathBuf,
 }
 
+/// What identifies an input file's content: its size and a hash of every byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InputDigest {
+    /// Bytes in the file.
+    pub bytes: u64,
+    /// XXH3-64 of the whole file.
+    pub xxh3: u64,
+}
+
 /// A validated input file and its per-model plan files.
 #[derive(Debug)]
 pub struct Plan {
     input: PathBuf,
+    digest: InputDigest,
     models: Vec<ModelPlan>,
     custom_ids: CustomIds,
     endpoint: Option<String>,
@@ -131,6 +141,7 @@ impl Plan {
         let mut reader = BufReader::with_capacity(1 << 16, file);
         let mut buf = Vec::new();
         let mut offset = 0u64;
+        let mut hash = xxhash_rust::xxh3::Xxh3::new();
         loop {
             buf.clear();
             let n = reader
@@ -139,13 +150,23 @@ impl Plan {
             if n == 0 {
                 break;
             }
+            hash.update(&buf);
             let mut text = &buf[..];
             text = text.strip_suffix(b"\n").unwrap_or(text);
             text = text.strip_suffix(b"\r").unwrap_or(text);
             builder.line(offset, text);
             offset += n as u64;
         }
-        builder.finish(input, dir)
+        let digest = InputDigest {
+            bytes: offset,
+            xxh3: hash.digest(),
+        };
+        builder.finish(input, dir, digest)
+    }
+
+    /// Size and hash of the input as it was planned.
+    pub fn digest(&self) -> InputDigest {
+        self.digest
     }
 
     /// The input file.
@@ -332,7 +353,7 @@ impl Builder {
         }
     }
 
-    fn finish(mut self, input: &Path, dir: &Path) -> Result<Plan, PlanError> {
+    fn finish(mut self, input: &Path, dir: &Path, digest: InputDigest) -> Result<Plan, PlanError> {
         if self.lines == 0 || (self.custom_ids.is_empty() && self.errors.is_empty()) {
             self.error(BatchError {
                 code: error_codes::EMPTY_FILE.into(),
@@ -367,6 +388,7 @@ impl Builder {
         }
         Ok(Plan {
             input: input.to_owned(),
+            digest,
             models,
             custom_ids: self.custom_ids,
             endpoint: self.endpoint.flatten(),

@@ -35,13 +35,15 @@ mod messages;
 
 use std::time::Duration;
 
+use batch_redis::{Retry, RetryError};
 use fred::clients::Client;
-use fred::interfaces::SortedSetsInterface;
+use fred::interfaces::{ClientLike, KeysInterface, SortedSetsInterface};
 use fred::types::scripts::Script;
-use fred::types::Value;
+use fred::types::{ClusterHash, CustomCommand, Expiration, Value};
 use futures::stream::{FuturesUnordered, StreamExt};
+use tokio_util::sync::CancellationToken;
 
-pub use messages::{request_token, JobMessages, PendingMember};
+pub use messages::{request_token, JobMessages, PendingMember, MAX_POSITION};
 
 /// Why the producer failed.
 #[derive(Debug, thiserror::Error)]
@@ -54,18 +56,19 @@ pub enum ProducerError {
         /// What is wrong with it.
         source: serde_json::Error,
     },
-    /// Redis kept failing after retries.
-    #[error("Redis {command} on {key} failed after {attempts} attempts: {source}")]
+    /// Redis answered with an error that waiting will not cure (a permission, a wrong type).
+    #[error("Redis {command} on {key}: {source}")]
     Redis {
         /// The command.
         command: &'static str,
         /// The key.
         key: String,
-        /// Attempts made.
-        attempts: u32,
-        /// The last error.
+        /// Redis' answer.
         source: fred::error::Error,
     },
+    /// The producer's stop token fired while it waited for Redis.
+    #[error("stopped while waiting for Redis")]
+    Stopped,
 }
 
 /// Tuning of [`Producer`].
@@ -75,10 +78,8 @@ pub struct ProducerOptions {
     pub chunk: usize,
     /// Chunks in flight at once (pipelining depth).
     pub depth: usize,
-    /// Attempts per chunk before giving up.
-    pub attempts: u32,
-    /// First wait after a failed chunk; doubled each time.
-    pub backoff: Duration,
+    /// Longest wait between two attempts while Redis is out.
+    pub max_backoff: Duration,
     /// Lifetime of `request-cancel:<id>` markers (the real producer uses 7 days).
     pub cancel_marker_ttl: Duration,
 }
@@ -88,8 +89,7 @@ impl Default for ProducerOptions {
         Self {
             chunk: 1000,
             depth: 4,
-            attempts: 8,
-            backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
             cancel_marker_ttl: Duration::from_secs(7 * 24 * 3600),
         }
     }
@@ -104,37 +104,45 @@ pub struct RemoveReport {
     pub marked: u64,
 }
 
-// ZREM each member; for one that is gone (taken by the dispatcher, maybe waiting for a retry),
-// set the dispatcher's cancel marker instead. KEYS[1] = the request queue; ARGV[1] = marker TTL in
-// seconds, then (member, id, token) triples.
+// ZREMs each member of KEYS[1] given in ARGV; returns the 1-based positions of those that were
+// not there. Cancel markers are set outside the script: they are keys of other hash slots.
 const REMOVE_LUA: &str = r#"
-local removed = 0
-local ttl = tonumber(ARGV[1])
-for i = 2, #ARGV, 3 do
-  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
-    removed = removed + 1
-  else
-    redis.call('SET', 'request-cancel:' .. ARGV[i + 1], ARGV[i + 2], 'EX', ttl)
-  end
+local missing = {}
+for i = 1, #ARGV do
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 0 then missing[#missing + 1] = i end
 end
-return removed
+return missing
 "#;
 
 /// Writes and removes members of the dispatcher's request sorted sets.
+///
+/// Every operation waits out Redis outages (restarts, failovers, `LOADING`, `READONLY`, `OOM`)
+/// until the producer's stop token fires ([`Producer::with_stop`]); an error that waiting cannot
+/// cure is returned at once.
 #[derive(Clone)]
 pub struct Producer {
     client: Client,
     options: ProducerOptions,
     remove_script: Script,
+    stop: CancellationToken,
 }
 
 impl Producer {
-    /// A producer over a connected client.
+    /// A producer over a connected client, never stopped.
     pub fn new(client: Client, options: ProducerOptions) -> Self {
         Self {
             client,
             options,
             remove_script: Script::from_lua(REMOVE_LUA),
+            stop: CancellationToken::new(),
+        }
+    }
+
+    /// The same producer, giving up waiting for Redis when `stop` fires.
+    pub fn with_stop(&self, stop: CancellationToken) -> Self {
+        Self {
+            stop,
+            ..self.clone()
         }
     }
 
@@ -145,24 +153,26 @@ impl Producer {
 
     /// ZADDs every member at `score`, in chunks, with up to `depth` chunks in flight. Returns
     /// how many members were new to the set.
-    pub async fn enqueue<I>(
-        &self,
-        queue: &str,
-        score: f64,
-        members: I,
-    ) -> Result<u64, ProducerError>
+    pub async fn enqueue<I>(&self, queue: &str, score: f64, members: I) -> Result<u64, ProducerError>
     where
         I: IntoIterator<Item = String>,
+    {
+        self.enqueue_scored(queue, members.into_iter().map(|m| (score, m)))
+            .await
+    }
+
+    /// ZADDs each `(score, member)`, in chunks, with up to `depth` chunks in flight. Returns how
+    /// many members were new to the set.
+    pub async fn enqueue_scored<I>(&self, queue: &str, members: I) -> Result<u64, ProducerError>
+    where
+        I: IntoIterator<Item = (f64, String)>,
     {
         let mut members = members.into_iter();
         let mut in_flight = FuturesUnordered::new();
         let mut added = 0u64;
         loop {
-            let chunk: Vec<(f64, String)> = members
-                .by_ref()
-                .take(self.options.chunk.max(1))
-                .map(|m| (score, m))
-                .collect();
+            let chunk: Vec<(f64, String)> =
+                members.by_ref().take(self.options.chunk.max(1)).collect();
             let last = chunk.is_empty();
             if !last {
                 in_flight.push(self.zadd(queue, chunk));
@@ -184,35 +194,128 @@ impl Producer {
         .await
     }
 
-    /// Removes `members` from `queue`; sets a cancel marker for each one that is no longer there.
+    /// Removes `members` from `queue`; sets a cancel marker for each one that is no longer there
+    /// (the dispatcher may have it in hand, or in its retry set).
     pub async fn remove(
         &self,
         queue: &str,
         members: &[PendingMember],
     ) -> Result<RemoveReport, ProducerError> {
-        let ttl = self.options.cancel_marker_ttl.as_secs().max(1).to_string();
         let mut report = RemoveReport::default();
         for chunk in members.chunks(self.options.chunk.max(1)) {
-            let mut args = Vec::with_capacity(1 + chunk.len() * 3);
-            args.push(ttl.clone());
-            for m in chunk {
-                args.push(m.member.clone());
-                args.push(m.id.clone());
-                args.push(m.token.clone());
-            }
-            let removed: u64 = self
+            let args: Vec<&str> = chunk.iter().map(|m| m.member.as_str()).collect();
+            let missing: Vec<usize> = self
                 .retry("ZREM", queue, || {
-                    self.remove_script.evalsha_with_reload::<u64, _, _>(
+                    self.remove_script.evalsha_with_reload::<Vec<usize>, _, _>(
                         &self.client,
                         queue,
                         args.clone(),
                     )
                 })
                 .await?;
-            report.removed += removed;
-            report.marked += chunk.len() as u64 - removed;
+            let gone: Vec<&PendingMember> = missing
+                .iter()
+                .filter_map(|&i| chunk.get(i.checked_sub(1)?))
+                .collect();
+            let requests: Vec<(&str, &str)> = gone
+                .iter()
+                .map(|m| (m.id.as_str(), m.token.as_str()))
+                .collect();
+            self.mark_cancelled(&requests).await?;
+            report.removed += (chunk.len() - gone.len()) as u64;
+            report.marked += gone.len() as u64;
         }
         Ok(report)
+    }
+
+    /// Removes exactly these members of `key` (ZREM), whatever they are; returns how many were
+    /// there.
+    pub async fn remove_exact(&self, key: &str, members: &[PendingMember]) -> Result<u64, ProducerError> {
+        let mut removed = 0;
+        for chunk in members.chunks(self.options.chunk.max(1)) {
+            let bytes: Vec<&str> = chunk.iter().map(|m| m.member.as_str()).collect();
+            removed += self
+                .retry("ZREM", key, || self.client.zrem::<u64, _, _>(key, bytes.clone()))
+                .await?;
+        }
+        Ok(removed)
+    }
+
+    /// Sets the dispatcher's cancel marker `request-cancel:<id>` = token for each request, so
+    /// the dispatcher answers `CANCELLED` instead of sending it.
+    pub async fn mark_cancelled(&self, requests: &[(&str, &str)]) -> Result<(), ProducerError> {
+        let ttl = self.options.cancel_marker_ttl.as_secs().max(1) as i64;
+        let mut sets = FuturesUnordered::new();
+        for &(id, token) in requests {
+            let key = batch_queue_names::cancel_marker_key(id);
+            let token = token.to_owned();
+            sets.push(async move {
+                self.retry("SET", "request-cancel:*", || {
+                    self.client.set::<(), _, _>(
+                        key.as_str(),
+                        token.as_str(),
+                        Some(Expiration::EX(ttl)),
+                        None,
+                        false,
+                    )
+                })
+                .await
+            });
+            if sets.len() >= 64 {
+                sets.next().await.expect("not empty")?;
+            }
+        }
+        while let Some(done) = sets.next().await {
+            done?;
+        }
+        Ok(())
+    }
+
+    /// Every member of the sorted set `key` that matches the glob `pattern` (ZSCAN MATCH),
+    /// e.g. `*"id":"batch_req_<job>_*` for one job's requests whatever their exact bytes.
+    pub async fn scan_members(&self, key: &str, pattern: &str) -> Result<Vec<String>, ProducerError> {
+        self.scan("ZSCAN", key, pattern, 2).await
+    }
+
+    /// Every field of the hash `key` that matches `pattern` (HSCAN MATCH).
+    pub async fn scan_fields(&self, key: &str, pattern: &str) -> Result<Vec<String>, ProducerError> {
+        self.scan("HSCAN", key, pattern, 2).await
+    }
+
+    async fn scan(
+        &self,
+        command: &'static str,
+        key: &str,
+        pattern: &str,
+        stride: usize,
+    ) -> Result<Vec<String>, ProducerError> {
+        let mut cursor = "0".to_owned();
+        let mut found = Vec::new();
+        loop {
+            let cmd = CustomCommand::new_static(command, ClusterHash::FirstKey, false);
+            let args = vec![
+                Value::from(key),
+                Value::from(cursor.as_str()),
+                Value::from("MATCH"),
+                Value::from(pattern),
+                Value::from("COUNT"),
+                Value::from(1000),
+            ];
+            let reply: (String, Vec<Value>) = self
+                .retry(command, key, || self.client.custom(cmd.clone(), args.clone()))
+                .await?;
+            found.extend(
+                reply
+                    .1
+                    .iter()
+                    .step_by(stride)
+                    .filter_map(|v| v.as_bytes().map(|b| String::from_utf8_lossy(b).into_owned())),
+            );
+            if reply.0 == "0" {
+                return Ok(found);
+            }
+            cursor = reply.0;
+        }
     }
 
     /// For each member, whether it is still in `queue`.
@@ -238,33 +341,23 @@ impl Producer {
         &self,
         command: &'static str,
         key: &str,
-        mut call: F,
+        call: F,
     ) -> Result<T, ProducerError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, fred::error::Error>>,
     {
-        let mut backoff = self.options.backoff;
-        let attempts = self.options.attempts.max(1);
-        let mut attempt = 1;
-        loop {
-            match call().await {
-                Ok(v) => return Ok(v),
-                Err(e) if attempt < attempts => {
-                    tracing::warn!(command, key, attempt, error = %e, "Redis command failed, retrying in {backoff:?}");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
-                    attempt += 1;
-                }
-                Err(source) => {
-                    return Err(ProducerError::Redis {
-                        command,
-                        key: key.to_owned(),
-                        attempts,
-                        source,
-                    })
-                }
-            }
-        }
+        Retry::new(format!("{command} {key}"))
+            .max_backoff(self.options.max_backoff)
+            .run(&self.stop, call)
+            .await
+            .map_err(|e| match e {
+                RetryError::Stopped => ProducerError::Stopped,
+                RetryError::Failed { source, .. } => ProducerError::Redis {
+                    command,
+                    key: key.to_owned(),
+                    source,
+                },
+            })
     }
 }

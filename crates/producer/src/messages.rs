@@ -4,6 +4,12 @@ use batch_wire::{Envelope, InputLine, Internal, RequestKind, RequestMessage};
 
 use crate::ProducerError;
 
+/// Steps of one second in a score's fraction: float64 keeps them exact at today's epoch.
+const POSITION_STEPS: f64 = 2_097_152.0;
+
+/// The last plan position with a score of its own (2^21 - 1).
+pub const MAX_POSITION: u64 = 2_097_151;
+
 /// Everything a job's members share; [`JobMessages::member`] adds the line.
 #[derive(Debug, Clone)]
 pub struct JobMessages {
@@ -39,9 +45,17 @@ pub fn request_token(job_id: &str, created: i64, index: u64) -> String {
 }
 
 impl JobMessages {
-    /// The sorted-set score of every member: the deadline.
+    /// The sorted-set score of a member at the head of the job's plan: the deadline.
     pub fn score(&self) -> f64 {
         self.deadline as f64
+    }
+
+    /// The score of the member at `position` in the job's plan order for its queue: the
+    /// deadline plus `position / 2^21` s (as the v0.10 dispatcher's own producer orders equal
+    /// deadlines), so the dispatcher, which takes the lowest score first, sends the job's
+    /// requests in plan order. Positions from [`MAX_POSITION`] on share the last step.
+    pub fn score_at(&self, position: u64) -> f64 {
+        self.deadline as f64 + position.min(MAX_POSITION) as f64 / POSITION_STEPS
     }
 
     /// The member of line `index`, built from the raw input line.
@@ -152,6 +166,19 @@ mod tests {
             job().member(7, LINE).unwrap(),
             job().member(8, LINE).unwrap()
         );
+    }
+
+    #[test]
+    fn scores_keep_plan_order_within_the_deadline_second() {
+        let j = job();
+        let scores: Vec<f64> = (0..50_000).map(|p| j.score_at(p)).collect();
+        assert!(scores.windows(2).all(|w| w[0] < w[1]), "strictly increasing");
+        assert!(scores.iter().all(|s| s.floor() as i64 == j.deadline));
+        assert_eq!(j.score_at(MAX_POSITION + 5), j.score_at(MAX_POSITION));
+        assert!(j.score_at(MAX_POSITION) < (j.deadline + 1) as f64);
+        // The text Redis is sent reads back as the same number.
+        let text = j.score_at(12_345).to_string();
+        assert_eq!(text.parse::<f64>().unwrap(), j.score_at(12_345));
     }
 
     #[test]

@@ -26,6 +26,18 @@ impl DoneSet {
         fresh
     }
 
+    /// Unmarks `index`; false when it was not marked.
+    pub fn remove(&mut self, index: u64) -> bool {
+        if index >= self.total {
+            return false;
+        }
+        let (word, bit) = ((index / 64) as usize, 1u64 << (index % 64));
+        let was = self.bits[word] & bit != 0;
+        self.bits[word] &= !bit;
+        self.len -= was as u64;
+        was
+    }
+
     /// Whether `index` is marked.
     pub fn contains(&self, index: u64) -> bool {
         index < self.total && self.bits[(index / 64) as usize] & (1u64 << (index % 64)) != 0

@@ -104,15 +104,64 @@ pub enum Written {
 }
 
 /// The result files of one job.
+///
+/// Lines are written in batches: everything recorded since the last successful
+/// [`JobSink::flush`] either reaches the files whole, or, when a write fails (a full disk, a
+/// file-size limit), is taken back: the files are cut back to their last complete line and those
+/// requests count as not done, so writing them again later leaves no torn or doubled line.
 #[derive(Debug)]
 pub struct JobSink {
     job_id: String,
-    output_path: PathBuf,
-    error_path: PathBuf,
-    output: BufWriter<File>,
-    error: BufWriter<File>,
+    output: Appender,
+    error: Appender,
     done: DoneSet,
     counts: RequestCounts,
+    /// Requests recorded since the last flush, and whether each counted as completed.
+    pending: Vec<(u64, bool)>,
+}
+
+/// One result file: a buffered appender that knows where its last flushed line ends.
+#[derive(Debug)]
+struct Appender {
+    path: PathBuf,
+    writer: BufWriter<File>,
+    /// Bytes handed to `writer` so far.
+    written: u64,
+    /// Length of the file at the last successful flush.
+    committed: u64,
+}
+
+impl Appender {
+    fn new(path: PathBuf, file: File, len: u64) -> Self {
+        Self {
+            path,
+            writer: BufWriter::with_capacity(1 << 16, file),
+            written: len,
+            committed: len,
+        }
+    }
+
+    fn write_line(&mut self, line: &[u8]) -> std::io::Result<()> {
+        self.writer.write_all(line)?;
+        self.writer.write_all(b"\n")?;
+        self.written += line.len() as u64 + 1;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.writer.flush()
+    }
+
+    /// Drops what is buffered and cuts the file back to its last flushed line.
+    fn roll_back(&mut self) -> std::io::Result<()> {
+        let file = self.writer.get_ref().try_clone()?;
+        let fresh = BufWriter::with_capacity(self.writer.capacity(), file);
+        // `into_parts` hands back the buffer instead of writing it, as dropping would.
+        let (file, _unwritten) = std::mem::replace(&mut self.writer, fresh).into_parts();
+        file.set_len(self.committed)?;
+        self.written = self.committed;
+        Ok(())
+    }
 }
 
 impl JobSink {
@@ -126,16 +175,15 @@ impl JobSink {
         };
         let output_path = dir.join(OUTPUT_FILE);
         let error_path = dir.join(ERROR_FILE);
-        let output = resume_file(&output_path, job_id, &mut done, &mut counts)?;
-        let error = resume_file(&error_path, job_id, &mut done, &mut counts)?;
+        let (output, out_len) = resume_file(&output_path, job_id, &mut done, &mut counts)?;
+        let (error, err_len) = resume_file(&error_path, job_id, &mut done, &mut counts)?;
         Ok(Self {
             job_id: job_id.to_owned(),
-            output_path,
-            error_path,
-            output: BufWriter::with_capacity(1 << 16, output),
-            error: BufWriter::with_capacity(1 << 16, error),
+            output: Appender::new(output_path, output, out_len),
+            error: Appender::new(error_path, error, err_len),
             done,
             counts,
+            pending: Vec::new(),
         })
     }
 
@@ -158,19 +206,22 @@ impl JobSink {
         }
         let id = batch_wire::request_id(&self.job_id, index);
         let rendered = render(&id, custom_id, outcome);
-        let (file, path) = match rendered.status {
-            Some(_) => (&mut self.output, &self.output_path),
-            None => (&mut self.error, &self.error_path),
+        let file = match rendered.status {
+            Some(_) => &mut self.output,
+            None => &mut self.error,
         };
-        file.write_all(rendered.line.as_bytes())
-            .and_then(|()| file.write_all(b"\n"))
-            .map_err(io(path))?;
+        if let Err(e) = file.write_line(rendered.line.as_bytes()) {
+            let path = file.path.clone();
+            return Err(self.roll_back(path, e));
+        }
         self.done.insert(index);
-        if rendered.status == Some(200) {
+        let completed = rendered.status == Some(200);
+        if completed {
             self.counts.completed += 1;
         } else {
             self.counts.failed += 1;
         }
+        self.pending.push((index, completed));
         Ok(match rendered.status {
             Some(status) => Written::Output {
                 status,
@@ -201,23 +252,52 @@ impl JobSink {
     }
 
     /// Hands buffered lines to the operating system; after this a crash of the process loses
-    /// nothing written.
+    /// nothing written. When it fails, every line recorded since the last successful flush is
+    /// taken back (see [`JobSink`]) and its request counts as not done.
     pub fn flush(&mut self) -> Result<(), SinkError> {
-        self.output.flush().map_err(io(&self.output_path))?;
-        self.error.flush().map_err(io(&self.error_path))
+        let failed = match self.output.flush() {
+            Err(e) => Some((self.output.path.clone(), e)),
+            Ok(()) => self.error.flush().err().map(|e| (self.error.path.clone(), e)),
+        };
+        if let Some((path, e)) = failed {
+            return Err(self.roll_back(path, e));
+        }
+        // Both files hold every pending line: only now are they kept.
+        self.output.committed = self.output.written;
+        self.error.committed = self.error.written;
+        self.pending.clear();
+        Ok(())
+    }
+
+    /// Takes back everything recorded since the last successful flush after `error`.
+    fn roll_back(&mut self, path: PathBuf, error: std::io::Error) -> SinkError {
+        for file in [&mut self.output, &mut self.error] {
+            if let Err(e) = file.roll_back() {
+                // The next open cuts a torn last line anyway; say why this one could not.
+                tracing::error!(path = %file.path.display(), error = %e, "could not cut a result file back to its last line");
+            }
+        }
+        for (index, completed) in self.pending.drain(..) {
+            self.done.remove(index);
+            if completed {
+                self.counts.completed -= 1;
+            } else {
+                self.counts.failed -= 1;
+            }
+        }
+        SinkError::Io {
+            path,
+            source: error,
+        }
     }
 
     /// Flushes and asks the disk to keep the files (for the job's end).
     pub fn sync(&mut self) -> Result<(), SinkError> {
         self.flush()?;
-        self.output
-            .get_ref()
-            .sync_all()
-            .map_err(io(&self.output_path))?;
-        self.error
-            .get_ref()
-            .sync_all()
-            .map_err(io(&self.error_path))
+        for file in [&self.output, &self.error] {
+            file.writer.get_ref().sync_all().map_err(io(&file.path))?;
+        }
+        Ok(())
     }
 }
 
@@ -234,13 +314,14 @@ struct StatusOnly {
     status_code: u16,
 }
 
-/// Opens `path` for appending after reading back what it holds; cuts a torn last line.
+/// Opens `path` for appending after reading back what it holds; cuts a torn last line. Returns
+/// the file and its length.
 fn resume_file(
     path: &Path,
     job_id: &str,
     done: &mut DoneSet,
     counts: &mut RequestCounts,
-) -> Result<File, SinkError> {
+) -> Result<(File, u64), SinkError> {
     let mut file = OpenOptions::new()
         .read(true)
         .append(true)
@@ -285,7 +366,7 @@ fn resume_file(
         // A crash mid-write left a partial line: its request is not done and will be written again.
         file.set_len(kept).map_err(io(path))?;
     }
-    Ok(file)
+    Ok((file, kept))
 }
 
 /// Writes `batch.json` into `dir` atomically (a temporary file renamed over the old one).

@@ -1,5 +1,6 @@
 //! One module per subcommand: its `Args` (clap) and a `run` returning the exit code.
 
+pub mod cancel;
 pub mod check_config;
 pub mod observe;
 pub mod progress;

@@ -44,9 +44,10 @@ impl Observability {
     }
 }
 
-/// The first SIGINT or SIGTERM cancels `cancel`; the second exits the process at once,
-/// leaving jobs to be resumed.
-pub async fn cancel_on_signals(cancel: CancellationToken) {
+/// SIGTERM (Kubernetes stopping the pod) fires `pause`: the jobs stop within seconds and stay
+/// resumable. SIGINT (Ctrl-C) fires `cancel`: the jobs are cancelled cleanly. A second signal of
+/// the same kind exits at once, leaving the jobs to be resumed.
+pub async fn handle_signals(cancel: CancellationToken, pause: CancellationToken) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
@@ -57,16 +58,22 @@ pub async fn cancel_on_signals(cancel: CancellationToken) {
         );
         return;
     };
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = int.recv() => {},
+    let (mut terms, mut ints) = (0, 0);
+    loop {
+        tokio::select! {
+            _ = term.recv() => terms += 1,
+            _ = int.recv() => ints += 1,
+        }
+        if terms > 1 || ints > 1 {
+            eprintln!("processor: exiting at once; run the same command again to resume the jobs");
+            std::process::exit(130);
+        }
+        if terms == 1 && !pause.is_cancelled() {
+            tracing::warn!("SIGTERM: stopping; the jobs stay resumable (run the same command again)");
+            pause.cancel();
+        } else if ints == 1 && !cancel.is_cancelled() {
+            tracing::warn!("cancelling the jobs (press Ctrl-C again to exit at once)");
+            cancel.cancel();
+        }
     }
-    tracing::warn!("cancelling the jobs (send the signal again to exit at once)");
-    cancel.cancel();
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = int.recv() => {},
-    }
-    eprintln!("processor: exiting at once; run the same command again to resume the jobs");
-    std::process::exit(130);
 }

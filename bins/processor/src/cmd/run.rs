@@ -21,10 +21,12 @@ Exit codes:
   2  invalid configuration or usage
   3  a job failed (invalid input file: see errors.data in batch.json; or a system error)
   4  a job expired (its completion window passed; partial results kept)
-  5  a job was cancelled (SIGINT/SIGTERM; partial results kept)
-With several jobs the first that applies of 3, 4, 5 wins.
-A first SIGINT/SIGTERM cancels the jobs cleanly; a second one exits at once (130) and
-leaves them to be resumed by running the same command again.";
+  5  a job was cancelled (SIGINT, `processor cancel`; partial results kept)
+  6  stopped by SIGTERM before the end: the jobs are resumable (run the same command again)
+With several jobs the first that applies of 3, 4, 5, 6 wins.
+SIGTERM stops the jobs within seconds and leaves them resumable: their requests stay queued,
+their results wait, batch.json says in_progress. The first SIGINT (Ctrl-C) cancels the jobs
+cleanly. A second signal exits at once (130) and leaves the jobs to be resumed.";
 
 /// Arguments of `processor run`.
 #[derive(Debug, clap::Args)]
@@ -90,6 +92,17 @@ fn specs(args: &Args) -> Result<Vec<JobSpec>, String> {
             ))
         }
     };
+    let mut seen: BTreeMap<&PathBuf, &PathBuf> = BTreeMap::new();
+    for (input, dir) in args.input.iter().zip(&dirs) {
+        if let Some(first) = seen.insert(dir, input) {
+            return Err(format!(
+                "{} and {} would both write to {}: give each input its own --output-dir",
+                first.display(),
+                input.display(),
+                dir.display()
+            ));
+        }
+    }
     let headers: BTreeMap<String, String> = args.headers.iter().cloned().collect();
     Ok(args
         .input
@@ -131,13 +144,17 @@ async fn run_jobs(
     let observability = super::observe::start(&config).await?;
     let executor = Executor::new(config).await?;
     let cancel = CancellationToken::new();
-    tokio::spawn(super::observe::cancel_on_signals(cancel.clone()));
+    tokio::spawn(super::observe::handle_signals(
+        cancel.clone(),
+        executor.pause_token(),
+    ));
 
     let mut prepared = Vec::with_capacity(specs.len());
     for spec in &specs {
         prepared.push(
             executor
                 .prepare(spec)
+                .await
                 .with_context(|| format!("preparing {}", spec.input.display()))?,
         );
     }
@@ -214,6 +231,8 @@ fn exit_code(batches: &[Batch]) -> ExitCode {
         4
     } else if has(BatchStatus::Cancelled) {
         5
+    } else if batches.iter().any(|b| !b.status.is_terminal()) {
+        6
     } else {
         0
     };

@@ -130,7 +130,7 @@ async fn one_run(
     let out = lab.fresh_dir(&format!("aimd-{factor}-{run}"))?;
     let mut samples = Vec::new();
     let start = Instant::now();
-    let job = ready(&executor, &spec(input, &out, None))?;
+    let job = ready(&executor, &spec(input, &out, None)).await?;
     let execute = executor.execute(job, CancellationToken::new());
     tokio::pin!(execute);
     let mut ticks = tokio::time::interval(SAMPLE_EVERY);

@@ -136,11 +136,11 @@ async fn one_run(
     let n = elements.len();
     let job_spec = spec(input, out, Some(JOB_ID.into()));
     // Prepared and left: the job now exists on disk, so the run below resumes it.
-    drop(ready(executor, &job_spec)?);
+    drop(ready(executor, &job_spec).await?);
     for chunk in elements.chunks(1000) {
         let _: u64 = lab.client().lpush(results_list, chunk.to_vec()).await?;
     }
-    let job = ready(executor, &job_spec)?;
+    let job = ready(executor, &job_spec).await?;
     let rx = job.progress();
     let start = Instant::now();
     let (batch, seen) = drive(

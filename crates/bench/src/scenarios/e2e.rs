@@ -131,7 +131,7 @@ async fn runs(
     for run in 0..s.long_runs {
         let out = lab.fresh_dir(&format!("e2e-{run}"))?;
         let start = Instant::now();
-        let job = ready(executor, &spec(input, &out, None))?;
+        let job = ready(executor, &spec(input, &out, None)).await?;
         let rx = job.progress();
         let (batch, seen) = drive(
             executor.execute(job, CancellationToken::new()),

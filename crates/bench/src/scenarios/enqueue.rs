@@ -299,7 +299,8 @@ async fn executor_runs(
         let job = ready(
             executor,
             &spec(input, &out, Some(format!("batch_enqueue{run}"))),
-        )?;
+        )
+        .await?;
         let prepared = start.elapsed();
         let total = job.progress().borrow().counts.total;
         let rx = job.progress();

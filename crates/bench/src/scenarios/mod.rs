@@ -87,8 +87,8 @@ pub(crate) async fn run(
 }
 
 /// Prepares a job that must be ready to dispatch.
-pub(crate) fn ready(executor: &Executor, spec: &JobSpec) -> Result<Arc<Job>, BenchError> {
-    match executor.prepare(spec)? {
+pub(crate) async fn ready(executor: &Executor, spec: &JobSpec) -> Result<Arc<Job>, BenchError> {
+    match executor.prepare(spec).await? {
         Prepared::Ready(job) => Ok(job),
         Prepared::Finished(batch) => Err(BenchError::Check(format!(
             "job {} was {} before it started: {:?}",
