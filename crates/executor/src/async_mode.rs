@@ -91,7 +91,7 @@ impl AsyncMode {
                 ..ProducerOptions::default()
             },
         );
-        Ok(Self {
+        let mode = Self {
             config,
             names,
             redis_url,
@@ -103,7 +103,17 @@ impl AsyncMode {
             consumers: Default::default(),
             parked: Default::default(),
             shutdown: CancellationToken::new(),
-        })
+        };
+        if mode.config.async_dispatch.consumer_id_set {
+            // A list given by name is this process's or nothing: refuse to start without it.
+            for pool in mode.config.pools().keys() {
+                if let Err(e) = mode.own_list(pool).await {
+                    mode.shutdown().await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(mode)
     }
 
     fn pool_of(&self, model: &str) -> Option<&str> {
@@ -321,7 +331,9 @@ impl AsyncMode {
             return Ok(stop.end().unwrap_or(End::Paused));
         }
         let enqueued = if job.resumed {
-            self.put_back_missing(job, &queues, &producer).await
+            self.put_back_missing(job, &queues, &producer, None)
+                .await
+                .map(|(n, _)| n)
         } else {
             self.enqueue_all(job, &queues, &producer).await
         };
@@ -338,6 +350,10 @@ impl AsyncMode {
         checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut progress = job.progress();
         job.touch();
+        // Lines found missing by a look, and since when: a v0.9 dispatcher holds what it is
+        // sending in no set at all, so a line is put back only once two looks, far enough
+        // apart within one quiet spell, both miss it.
+        let mut suspects: Option<HashMap<u32, std::time::Instant>> = None;
         loop {
             let end = tokio::select! {
                 end = wait_for_end(&mut progress, stop) => end,
@@ -346,16 +362,27 @@ impl AsyncMode {
             if let Some(end) = end {
                 return Ok(end);
             }
-            if job.quiet_for() >= lost_after && job.remaining() > 0 {
-                // Nothing for a long time: put back what is neither answered nor anywhere in
-                // the dispatcher's hands (a dispatcher that crashed or dropped it).
-                match self.put_back_missing(job, &queues, &producer).await {
-                    Ok(0) => tracing::debug!(job = %job.id, "nothing lost: every unanswered request is queued"),
-                    Ok(n) => tracing::warn!(job = %job.id, requeued = n, "requests lost downstream were enqueued again"),
-                    Err(ExecError::Producer(e)) => return producer_error(e, stop),
-                    Err(e) => return Err(e),
+            if job.quiet_for() < lost_after || job.remaining() == 0 {
+                suspects = None;
+                continue;
+            }
+            // Nothing for a long time: put back what is neither answered nor anywhere in the
+            // dispatcher's hands (a dispatcher that crashed, or dropped it).
+            let known = suspects.take().unwrap_or_default();
+            match self
+                .put_back_missing(job, &queues, &producer, Some((known, lost_after / 2)))
+                .await
+            {
+                Ok((0, left)) => {
+                    tracing::debug!(job = %job.id, suspects = left.len(), "nothing put back");
+                    suspects = Some(left);
                 }
-                job.touch();
+                Ok((n, left)) => {
+                    tracing::warn!(job = %job.id, requeued = n, "requests lost downstream were enqueued again");
+                    suspects = Some(left);
+                }
+                Err(ExecError::Producer(e)) => return producer_error(e, stop),
+                Err(e) => return Err(e),
             }
         }
     }
@@ -435,34 +462,65 @@ impl AsyncMode {
     /// Puts back the unresolved lines whose requests are nowhere in the dispatcher's hands: not
     /// in the request set, not in its retry set, not claimed (v0.10), matched by request id
     /// whatever bytes the dispatcher re-wrote them with. Reads only those lines.
+    ///
+    /// With `confirm` = (suspects, after), a missing line is only put back when it was already
+    /// missing `after` ago; the suspects left are returned for the next look.
     async fn put_back_missing(
         &self,
         job: &Arc<Job>,
         queues: &[ModelQueue],
         producer: &Producer,
-    ) -> Result<u64, ExecError> {
+        confirm: Option<(HashMap<u32, std::time::Instant>, Duration)>,
+    ) -> Result<(u64, HashMap<u32, std::time::Instant>), ExecError> {
         let present = self.present_ids(job, queues, producer).await?;
+        let (mut known, after) = match confirm {
+            Some((known, after)) => (Some(known), after),
+            None => (None, Duration::ZERO),
+        };
+        let mut left = HashMap::new();
         let mut total = 0;
         for q in queues {
-            let (j, model, msgs, first, present) = (
+            let (j, model, msgs, first, present, mut known_here) = (
                 job.clone(),
                 q.model.clone(),
                 q.messages.clone(),
                 q.first_position,
                 present.clone(),
+                known.take(),
             );
-            let members: Vec<(f64, String)> = blocking(move || {
+            let (members, known_back, left_here) = blocking(move || {
+                let now = std::time::Instant::now();
                 let mut out = Vec::new();
+                let mut left = HashMap::new();
                 for (pos, record) in j.unresolved_positions(&model)? {
                     if present.contains(&record.line) {
                         continue;
                     }
+                    if let Some(known) = &known_here {
+                        match known.get(&record.line) {
+                            Some(since) if now.duration_since(*since) >= after => {}
+                            Some(since) => {
+                                left.insert(record.line, *since);
+                                continue;
+                            }
+                            None => {
+                                left.insert(record.line, now);
+                                continue;
+                            }
+                        }
+                    }
                     let line = j.read_line(&record)?;
                     out.push((msgs.score_at(first + pos), msgs.member(record.line as u64, &line)?));
                 }
-                Ok(out)
+                if let Some(known) = &mut known_here {
+                    known.retain(|line, _| !left.contains_key(line));
+                }
+                Ok((out, known_here, left))
             })
             .await?;
+            known = known_back;
+            left.extend(left_here);
+            let members: Vec<(f64, String)> = members;
             let count = members.len() as u64;
             let added = producer
                 .enqueue_scored(&q.messages.request_queue, members)
@@ -474,7 +532,7 @@ impl AsyncMode {
             m::pool_counter("batch_requests_requeued_total", &q.pool, added);
             total += added;
         }
-        Ok(total)
+        Ok((total, left))
     }
 
     /// Line indexes of the job whose requests the dispatcher holds in some form.

@@ -1,0 +1,468 @@
+//! Faults injected into the async path, end to end: several processes on one pool, a Redis
+//! restart, a closed gate, a write that fails half way, SIGTERM, a second writer, a changed
+//! input, an idle consumer. Real redis-server, the simulated dispatcher and gateway, and the
+//! `processor` binary.
+
+mod support;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use batch_executor::{Executor, JobSpec};
+use batch_wire::BatchStatus;
+use dispatcher_sim::GatewayConfig;
+use support::*;
+use tokio_util::sync::CancellationToken;
+
+const QUEUE: &str = "llm-d-async:requests:pool-a";
+
+fn run_cmd(config: &Path, input: &Path, out: &Path) -> Command {
+    let mut cmd = Command::new(PROCESSOR);
+    cmd.arg("run")
+        .arg("--config")
+        .arg(config)
+        .arg("--input")
+        .arg(input)
+        .arg("--output-dir")
+        .arg(out)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn signal(child: &std::process::Child, sig: i32) {
+    // SAFETY: a signal to our own child process.
+    unsafe { libc::kill(child.id() as i32, sig) };
+}
+
+fn lines_in(path: &Path) -> usize {
+    std::fs::read_to_string(path)
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let until = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < until, "the processor did not exit within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn stderr_of(child: &mut std::process::Child) -> String {
+    let mut text = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut text);
+    }
+    text
+}
+
+fn closed_gate(config: &mut dispatcher_sim::DispatcherConfig) {
+    for q in &mut config.queues {
+        q.gate_type = Some("redis".into());
+    }
+}
+
+/// N processes with the default config (no consumer_id) on one pool, 2,000 lines each: every
+/// job completes with each custom_id once. Returns the seconds it took.
+async fn processes_on_one_pool(n: usize) -> f64 {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let inputs: Vec<(PathBuf, PathBuf, Vec<String>)> = (0..n)
+        .map(|i| {
+            let input = env.path(&format!("in-{i}.jsonl"));
+            let lines = write_input(&input, 2000, &["llama-3"]);
+            (input, env.path(&format!("out-{i}")), lines)
+        })
+        .collect();
+    let started = Instant::now();
+    let children: Vec<Child> = inputs
+        .iter()
+        .map(|(input, out, _)| {
+            Child(
+                run_cmd(&config, input, out)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    for (mut child, (_, out, lines)) in children.into_iter().zip(&inputs) {
+        let status = wait_exit(&mut child.0, Duration::from_secs(180));
+        let stderr = stderr_of(&mut child.0);
+        assert!(status.success(), "{}: {stderr}", out.display());
+        let results = Results::read(out);
+        results.assert_each_once(lines);
+        results.assert_answers_match(lines);
+        assert_eq!(batch_json(out)["status"], "completed");
+    }
+    let took = started.elapsed().as_secs_f64();
+    sim.shutdown().await;
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_then_five_processes_on_one_pool_each_finish_every_line_once() {
+    let two = processes_on_one_pool(2).await;
+    let five = processes_on_one_pool(5).await;
+    eprintln!("2 processes × 2,000 lines: {two:.1} s; 5 processes × 2,000 lines: {five:.1} s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_explicit_consumer_id_read_by_a_live_process_is_refused() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = env.async_config(&[("llama-3", "pool-a")], "  consumer_id: replica-1\n");
+    let _sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    write_input(&env.path("a.jsonl"), 10, &["llama-3"]);
+    write_input(&env.path("b.jsonl"), 10, &["llama-3"]);
+    let mut first = Child(
+        run_cmd(&config, &env.path("a.jsonl"), &env.path("a"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("the first job enqueued", Duration::from_secs(30), || {
+        env.redis.command(&["ZCARD", QUEUE]) == ":10"
+    })
+    .await;
+    let second = run_cmd(&config, &env.path("b.jsonl"), &env.path("b"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("llm-d-async:results:pool-a:replica-1"), "{stderr}");
+    assert!(stderr.contains(&format!("pid {}", first.0.id())), "names the holder: {stderr}");
+    assert!(stderr.contains("async_dispatch.consumer_id"), "names the key: {stderr}");
+    signal(&first.0, libc::SIGTERM);
+    wait_exit(&mut first.0, Duration::from_secs(15));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_restart_in_the_middle_of_a_job_is_waited_out() {
+    let mut env = Env::start(GatewayConfig::default()).await;
+    // Data must survive the restart: the queue and the results are in Redis.
+    env.redis = batch_testkit::RedisServer::builder().aof(true).start();
+    env.redis_url_file = env.redis.write_url_file(env.dir.path());
+    let lines = write_input(&env.path("in.jsonl"), 20_000, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let sim = env.dispatcher(&["pool-a"], |c| c.batch_size = 200).await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let out = env.path("out");
+    let spec = JobSpec::new(env.path("in.jsonl"), &out);
+    let run = executor.run(spec, CancellationToken::new());
+    tokio::pin!(run);
+    let watch = async {
+        eventually("5,000 lines", Duration::from_secs(120), || {
+            lines_in(&out.join("output.jsonl")) >= 5000
+        })
+        .await;
+    };
+    tokio::select! {
+        _ = watch => {}
+        done = &mut run => panic!("finished before the restart: {:?}", done.map(|b| b.status)),
+    }
+    let at = lines_in(&out.join("output.jsonl"));
+    assert!(at < 20_000, "the job finished before the restart");
+    env.redis.restart();
+    let batch = tokio::time::timeout(Duration::from_secs(300), run)
+        .await
+        .expect("the job finished after the restart")
+        .unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed, "{batch:?}");
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    assert_eq!(batch.request_counts.completed, 20_000);
+    executor.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gate_closed_for_three_lost_timeouts_sends_each_request_once() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(200),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
+    let config = env.async_config(
+        &[("llama-3", "pool-a")],
+        "  lost_request_timeout: 1s\n",
+    );
+    env.redis.command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
+    let sim = env
+        .dispatcher(&["pool-a"], |c| {
+            closed_gate(c);
+            c.batch_size = 50;
+            c.concurrency = 8;
+            for q in &mut c.queues {
+                q.id = Some("pool-a".into());
+            }
+        })
+        .await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let out = env.path("out");
+    let run = executor.run(JobSpec::new(env.path("in.jsonl"), &out), CancellationToken::new());
+    tokio::pin!(run);
+    // Let the dispatcher take members into its hands, then close the gate: the ones it holds
+    // go back re-serialised (other bytes than the processor wrote).
+    let taken = async {
+        eventually("members in the dispatcher's hands", Duration::from_secs(30), || {
+            sim.stats().taken >= 40
+        })
+        .await
+    };
+    tokio::select! { _ = taken => {}, _ = &mut run => panic!("finished too early") }
+    env.redis.command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "0"]);
+    let refused = async {
+        eventually("members put back re-serialised", Duration::from_secs(30), || {
+            sim.stats().gate_refused > 0
+        })
+        .await
+    };
+    tokio::select! { _ = refused => {}, _ = &mut run => panic!("finished too early") }
+    // Closed for three lost-request timeouts: the processor looks and must find every one.
+    let closed = tokio::time::sleep(Duration::from_millis(3500));
+    tokio::select! { _ = closed => {}, _ = &mut run => panic!("finished with the gate closed") }
+    let queued = env.redis.command_list(&["ZRANGE", QUEUE, "0", "-1"]);
+    let mut ids: Vec<String> = queued
+        .iter()
+        .map(|m| batch_wire::Envelope::parse(m).unwrap().data.id)
+        .collect();
+    let n = ids.len();
+    ids.sort();
+    ids.dedup();
+    eprintln!("queued while closed: {n} members, {} ids; gateway so far {}; dispatcher {:?}", ids.len(), env.gateway.stats().total, sim.stats());
+    assert_eq!(n, ids.len(), "a request is queued twice");
+    env.redis.command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
+    let batch = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("finished once the gate opened")
+        .unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    Results::read(&out).assert_each_once(&lines);
+    assert_eq!(
+        env.gateway.stats().total,
+        300,
+        "the gateway got a request more than once"
+    );
+    executor.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_that_fails_half_way_leaves_the_job_resumable() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let lines = write_input(&env.path("in.jsonl"), 2000, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let out = env.path("out");
+    let mut limited = run_cmd(&config, &env.path("in.jsonl"), &out);
+    limited.stdout(Stdio::null()).stderr(Stdio::piped());
+    // A file-size limit stops a write half way (EFBIG), as a full disk does.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        limited.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 200_000,
+                rlim_max: 200_000,
+            };
+            libc::setrlimit(libc::RLIMIT_FSIZE, &limit);
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let mut child = Child(limited.spawn().unwrap());
+    eventually("the output file to reach the limit", Duration::from_secs(60), || {
+        std::fs::metadata(out.join("output.jsonl")).is_ok_and(|m| m.len() > 150_000)
+    })
+    .await;
+    // Writes keep failing; the processor waits for the disk, it does not fail the job.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(child.0.try_wait().unwrap().is_none(), "the processor gave up");
+    signal(&child.0, libc::SIGTERM);
+    let status = wait_exit(&mut child.0, Duration::from_secs(15));
+    let stderr = stderr_of(&mut child.0);
+    assert_eq!(status.code(), Some(6), "paused: {stderr}");
+    assert!(stderr.contains("could not write results"), "{stderr}");
+    let text = std::fs::read_to_string(out.join("output.jsonl")).unwrap();
+    assert!(text.is_empty() || text.ends_with('\n'), "a torn last line was left");
+
+    let rerun = run_cmd(&config, &env.path("in.jsonl"), &out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&rerun.stderr);
+    assert!(rerun.status.success(), "{stderr}");
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    assert_eq!(batch_json(&out)["status"], "completed");
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_pauses_and_a_rerun_completes_with_nothing_cancelled() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(5),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 2000, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let sim = env.dispatcher(&["pool-a"], |c| c.batch_size = 10).await;
+    let out = env.path("out");
+    let mut child = Child(
+        run_cmd(&config, &env.path("in.jsonl"), &out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("some results", Duration::from_secs(60), || {
+        lines_in(&out.join("output.jsonl")) >= 200
+    })
+    .await;
+    let sent = Instant::now();
+    signal(&child.0, libc::SIGTERM);
+    let status = wait_exit(&mut child.0, Duration::from_secs(15));
+    let stopped_in = sent.elapsed();
+    let stderr = stderr_of(&mut child.0);
+    assert_eq!(status.code(), Some(6), "{stderr}");
+    assert!(stopped_in < Duration::from_secs(10), "took {stopped_in:?} to stop");
+    assert_eq!(batch_json(&out)["status"], "in_progress");
+    assert!(Results::read(&out).error_codes().is_empty(), "lines were closed on SIGTERM");
+    assert_ne!(env.redis.command(&["ZCARD", QUEUE]), ":0", "requests were withdrawn");
+
+    let rerun = run_cmd(&config, &env.path("in.jsonl"), &out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&rerun.stderr);
+    assert!(rerun.status.success(), "{stderr}");
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    assert!(results.error_codes().is_empty(), "{:?}", results.error_codes());
+    assert_eq!(batch_json(&out)["status"], "completed");
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn processor_cancel_closes_a_stopped_job() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let lines = write_input(&env.path("in.jsonl"), 100, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let _sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let out = env.path("out");
+    let mut child = Child(
+        run_cmd(&config, &env.path("in.jsonl"), &out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("the job enqueued", Duration::from_secs(30), || {
+        env.redis.command(&["ZCARD", QUEUE]) == ":100"
+    })
+    .await;
+    signal(&child.0, libc::SIGTERM);
+    assert_eq!(wait_exit(&mut child.0, Duration::from_secs(15)).code(), Some(6));
+    assert_eq!(env.redis.command(&["ZCARD", QUEUE]), ":100", "a pause keeps them queued");
+
+    let cancel = Command::new(PROCESSOR)
+        .args(["cancel", "--config"])
+        .arg(&config)
+        .arg("--output-dir")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&cancel.stderr);
+    assert!(cancel.status.success(), "{stderr}");
+    assert_eq!(batch_json(&out)["status"], "cancelled");
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    assert_eq!(results.error_codes().get("batch_cancelled"), Some(&100));
+    assert_eq!(env.redis.command(&["ZCARD", QUEUE]), ":0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_writer_and_a_changed_input_are_refused() {
+    let env = Env::start(GatewayConfig::default()).await;
+    write_input(&env.path("in.jsonl"), 50, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let _sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let out = env.path("out");
+    let mut first = Child(
+        run_cmd(&config, &env.path("in.jsonl"), &out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("the job enqueued", Duration::from_secs(30), || {
+        env.redis.command(&["ZCARD", QUEUE]) == ":50"
+    })
+    .await;
+    let second = run_cmd(&config, &env.path("in.jsonl"), &out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("in use by another run"), "{stderr}");
+    assert!(stderr.contains(&format!("pid {}", first.0.id())), "{stderr}");
+    signal(&first.0, libc::SIGTERM);
+    assert_eq!(wait_exit(&mut first.0, Duration::from_secs(15)).code(), Some(6));
+
+    // The input changes before the resume: the old results would land on other lines.
+    write_input(&env.path("in.jsonl"), 60, &["llama-3"]);
+    let resumed = run_cmd(&config, &env.path("in.jsonl"), &out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&resumed.stderr);
+    assert_eq!(resumed.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("changed since the job"), "{stderr}");
+
+    // Two inputs that would share one output directory.
+    std::fs::create_dir_all(env.path("x")).unwrap();
+    std::fs::create_dir_all(env.path("y")).unwrap();
+    write_input(&env.path("x/same.jsonl"), 5, &["llama-3"]);
+    write_input(&env.path("y/same.jsonl"), 5, &["llama-3"]);
+    let both = Command::new(PROCESSOR)
+        .args(["run", "--config"])
+        .arg(&config)
+        .arg("--input")
+        .arg(env.path("x/same.jsonl"))
+        .arg("--input")
+        .arg(env.path("y/same.jsonl"))
+        .arg("--output-dir")
+        .arg(env.path("both"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&both.stderr);
+    assert_eq!(both.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("would both write to"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_job_logs_no_warning() {
+    let env = Env::start(GatewayConfig::default()).await;
+    write_input(&env.path("in.jsonl"), 20, &["llama-3"]);
+    let mut config = std::fs::read_to_string(env.async_config(&[("llama-3", "pool-a")], "")).unwrap();
+    config = config.replace("result_poll_timeout: 200ms", "result_poll_timeout: 1s");
+    std::fs::write(env.path("idle.yaml"), config).unwrap();
+    let _sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let mut child = Child(
+        run_cmd(&env.path("idle.yaml"), &env.path("in.jsonl"), &env.path("out"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    signal(&child.0, libc::SIGTERM);
+    wait_exit(&mut child.0, Duration::from_secs(15));
+    let stderr = stderr_of(&mut child.0);
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| (l.contains("WARN") || l.contains("ERROR")) && !l.contains("SIGTERM"))
+        .collect();
+    assert!(warnings.is_empty(), "an idle job warned:\n{}", warnings.join("\n"));
+    assert!(stderr.contains("requests enqueued"), "the job did not start: {stderr}");
+}
