@@ -72,7 +72,9 @@ mod tests {
         let a = body(
             r#"{"model":"m","messages":[{"role":"user","content":"q1"},{"role":"system","content":"S"}]}"#,
         );
-        let b = body(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q2"}]}"#);
+        let b = body(
+            r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"q2"}]}"#,
+        );
         assert_eq!(prefix_key(&a), prefix_key(&b));
         let c = body(r#"{"model":"m","messages":[{"role":"user","content":"q1"}]}"#);
         let d = body(r#"{"model":"m","messages":[{"role":"user","content":"q2"}]}"#);

@@ -6,9 +6,7 @@ use std::time::{Duration, Instant};
 
 use batch_wire::hash::body_digest;
 use common::{get, post};
-use gateway_sim::{
-    FailureKind, FailureRule, Gateway, GatewayConfig, GatewayHandle, SeenRequest,
-};
+use gateway_sim::{FailureKind, FailureRule, Gateway, GatewayConfig, GatewayHandle, SeenRequest};
 use serde_json::Value;
 
 async fn start(config: GatewayConfig) -> GatewayHandle {

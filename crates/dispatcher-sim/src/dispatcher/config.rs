@@ -444,7 +444,10 @@ mod tests {
             time_scale: 0.01,
             ..SimOptions::default()
         };
-        assert_eq!(fast.scaled(Duration::from_secs(300)), Duration::from_secs(3));
+        assert_eq!(
+            fast.scaled(Duration::from_secs(300)),
+            Duration::from_secs(3)
+        );
         assert_eq!(fast.scaled(Duration::ZERO), Duration::from_millis(10));
     }
 

@@ -534,7 +534,9 @@ impl Shared {
         let now = now_f64();
         let lease = now + self.sim.scaled(self.sim.claim_lease).as_secs_f64();
         let cap = deadline as f64 + self.sim.scaled(LEASE_GRACE).as_secs_f64();
-        lease.min(cap).max(now + self.heartbeat_interval().as_secs_f64())
+        lease
+            .min(cap)
+            .max(now + self.heartbeat_interval().as_secs_f64())
     }
 
     /// lease / 3, within 1–30 s, then scaled.
@@ -570,9 +572,7 @@ impl Shared {
         }))
     }
 
-    fn held_claims(
-        &self,
-    ) -> std::sync::MutexGuard<'_, Held> {
+    fn held_claims(&self) -> std::sync::MutexGuard<'_, Held> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -587,8 +587,13 @@ impl Shared {
         };
         let expiry = self.lease_expiry(deadline);
         self.redis_write("EVALSHA (renew)", || {
-            self.scripts
-                .renew(&self.redis, &claim.keys, &claim.key, &self.instance_id, expiry)
+            self.scripts.renew(
+                &self.redis,
+                &claim.keys,
+                &claim.key,
+                &self.instance_id,
+                expiry,
+            )
         })
         .await
         .unwrap_or(false)
@@ -687,7 +692,11 @@ impl Shared {
                 Some(Ok(env)) if request_queue => env.score(),
                 _ => now,
             };
-            match self.scripts.reclaim(&self.redis, keys, &key, now, score).await {
+            match self
+                .scripts
+                .reclaim(&self.redis, keys, &key, now, score)
+                .await
+            {
                 Ok(true) => {
                     Counters::bump(&self.counters.reclaimed);
                     tracing::info!(queue = %keys.queue, "an expired claim was put back");
@@ -722,8 +731,11 @@ impl Shared {
             let answer = self.version == DispatcherVersion::V0_10
                 || self.sim.expired == ExpiredPolicy::Result;
             if answer {
-                let result =
-                    ResultMessage::failed(&env.data.id, codes::DEADLINE_EXCEEDED, "deadline exceeded");
+                let result = ResultMessage::failed(
+                    &env.data.id,
+                    codes::DEADLINE_EXCEEDED,
+                    "deadline exceeded",
+                );
                 self.deliver(&q, taken, result);
             } else {
                 Counters::bump(&self.counters.dropped_expired);
