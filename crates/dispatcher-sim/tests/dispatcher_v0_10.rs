@@ -484,3 +484,40 @@ async fn a_gate_refusal_puts_the_message_back_and_releases_its_claim() {
     .await;
     d.shutdown().await;
 }
+
+/// "An ack script (owner checked)": a result whose claim now belongs to another dispatcher is
+/// not written; the request comes back when that claim's lease runs out and is answered then.
+#[tokio::test]
+async fn the_ack_is_owner_checked() {
+    let rig = Rig::new(GatewayConfig {
+        latency_fixed: Duration::from_millis(800),
+        ..GatewayConfig::default()
+    })
+    .await;
+    rig.enqueue("r1", now() + 3600).await;
+    let d = rig.start(rig.config()).await;
+    eventually(WAIT, "at the gateway", || async {
+        rig.gw.stats().in_flight == 1
+    })
+    .await;
+    let keys = ClaimKeys::for_queue(QUEUE);
+    let _: i64 = rig
+        .client
+        .hset(keys.owners.as_str(), ("r1\0tok-r1", "someone-else"))
+        .await
+        .unwrap();
+    eventually(WAIT, "the result refused", || async {
+        d.stats().claims_lost == 1
+    })
+    .await;
+    assert_eq!(llen(&rig.client, RESULTS).await, 0);
+    // The lease (3 s) runs out, the reclaimer puts it back, and it is answered.
+    let got = results(&rig.client, RESULTS, 1, WAIT).await;
+    assert_eq!(got[0].id, "r1");
+    let s = d.stats();
+    assert_eq!(
+        (s.reclaimed, s.claims_lost, rig.gw.stats().total),
+        (1, 1, 2)
+    );
+    d.shutdown().await;
+}
