@@ -126,6 +126,7 @@ impl Env {
         config.poll_interval = Duration::from_millis(20);
         config.batch_size = 500;
         config.sim.time_scale = 0.01;
+        config.version = dispatcher_sim::DispatcherVersion::V0_9;
         configure(&mut config);
         Dispatcher::start(config, None)
             .await

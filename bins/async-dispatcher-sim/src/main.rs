@@ -1,6 +1,7 @@
 //! `async-dispatcher-sim`: the simulated llm-d-async dispatcher (same flags as the real one's
-//! sorted-set transport) and, with the `gateway` subcommand, the fake inference gateway alone.
-//! All behaviour lives in the `dispatcher-sim` library; this is argument parsing and wiring.
+//! sorted-set transport, v0.9's `--redis.ss.*` and v0.10's `--transport-config*`) and, with the
+//! `gateway` subcommand, the fake inference gateway alone. All behaviour lives in the
+//! `dispatcher-sim` library; this is argument parsing and wiring.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -11,8 +12,9 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use dispatcher_sim::{
-    check_listen_addr, Dispatcher, DispatcherConfig, ExpiredPolicy, FailureRule, Gateway,
-    GatewayConfig, QueueEntry, SimOptions, DEFAULT_RESULT_QUEUE, DEFAULT_RETRY_QUEUE,
+    check_listen_addr, Dispatcher, DispatcherConfig, DispatcherVersion, ExpiredPolicy, FailureRule,
+    Gateway, GatewayConfig, QueueEntry, SimOptions, TransportConfig, DEFAULT_RESULT_QUEUE,
+    DEFAULT_RETRY_QUEUE,
 };
 
 /// The exit code after `--sim.crash-after` fires, as a shell reports a SIGKILLed process.
@@ -64,6 +66,12 @@ struct GatewayModel {
     /// Seed for the failure dice.
     #[arg(long = "seed")]
     seed: Option<u64>,
+    /// Prompt prefixes each endpoint keeps cached (LRU); 0 = no prefix-cache model.
+    #[arg(long = "prefix-cache-size", default_value_t = 0)]
+    prefix_cache_size: usize,
+    /// Extra latency of a request whose prompt prefix is not cached.
+    #[arg(long = "prefix-miss-latency", value_parser = duration, default_value = "0s")]
+    prefix_miss_latency: Duration,
 }
 
 impl GatewayModel {
@@ -75,6 +83,8 @@ impl GatewayModel {
             failures: self.fail.clone(),
             retry_after_secs: self.retry_after,
             seed: self.seed,
+            prefix_cache_size: self.prefix_cache_size,
+            prefix_miss_latency: self.prefix_miss_latency,
             ..GatewayConfig::default()
         }
     }
@@ -94,8 +104,13 @@ struct GatewayArgs {
 
 #[derive(Args)]
 struct DispatcherArgs {
-    /// Message queue implementation; only redis-sortedset is simulated.
-    #[arg(long = "message-queue-impl", default_value = "redis-sortedset")]
+    /// Message queue implementation (v0.10 calls it --transport); only redis-sortedset is
+    /// simulated.
+    #[arg(
+        long = "message-queue-impl",
+        visible_alias = "transport",
+        default_value = "redis-sortedset"
+    )]
     message_queue_impl: String,
     /// Redis URL, e.g. redis://127.0.0.1:6379.
     #[arg(long = "redis.url", env = "REDIS_URL", hide_env_values = true)]
@@ -106,6 +121,23 @@ struct DispatcherArgs {
     /// The array of queue entries as inline JSON.
     #[arg(long = "redis.ss.queues-config")]
     queues_config: Option<String>,
+    /// v0.10: a JSON file holding {url, retry_queue_name, result_queue_name, poll_interval_ms,
+    /// batch_size, enable_tracing, queues}; its fields win over the --redis.ss.* flags.
+    #[arg(
+        long = "transport-config-file",
+        conflicts_with_all = ["transport_config", "queues_config_file", "queues_config"]
+    )]
+    transport_config_file: Option<PathBuf>,
+    /// v0.10: the transport config object as inline JSON.
+    #[arg(
+        long = "transport-config",
+        conflicts_with_all = ["queues_config_file", "queues_config"]
+    )]
+    transport_config: Option<String>,
+    /// The release to behave like: 0.9 (ZPOPMIN, expired dropped) or 0.10 (leased claims,
+    /// DEADLINE_EXCEEDED, request_token in results).
+    #[arg(long = "dispatcher-version", default_value = "0.10")]
+    dispatcher_version: DispatcherVersion,
     /// The result list used when neither the queue entry nor the message names one.
     #[arg(long = "redis.ss.result-queue-name", default_value = DEFAULT_RESULT_QUEUE)]
     result_queue_name: String,
@@ -124,9 +156,20 @@ struct DispatcherArgs {
     /// Timeout of one HTTP request to the gateway.
     #[arg(long = "request-timeout", value_parser = duration, default_value = "5m")]
     request_timeout: Duration,
-    /// Expired messages: drop (v0.9) or result (DEADLINE_EXCEEDED, v0.10+).
-    #[arg(long = "sim.expired", default_value = "drop")]
+    /// v0.9 only: expired messages dropped, or answered with DEADLINE_EXCEEDED (result);
+    /// v0.10 always answers them.
+    #[arg(
+        long = "sim.expired",
+        visible_alias = "sim.expired-policy",
+        default_value = "drop"
+    )]
     expired: ExpiredPolicy,
+    /// v0.10: claim lease (scaled by --sim.time-scale).
+    #[arg(long = "sim.claim-lease", value_parser = duration, default_value = "300s")]
+    claim_lease: Duration,
+    /// v0.10: how often expired claims are put back (scaled by --sim.time-scale).
+    #[arg(long = "sim.reclaim-interval", value_parser = duration, default_value = "15s")]
+    reclaim_interval: Duration,
     /// Multiplies every retry backoff.
     #[arg(long = "sim.time-scale", default_value_t = 1.0)]
     time_scale: f64,
@@ -160,6 +203,12 @@ struct DispatcherArgs {
     /// Embedded gateway: failure rule KIND:RATE[:LIMIT]. Repeatable.
     #[arg(long = "gateway.fail")]
     gateway_fail: Vec<FailureRule>,
+    /// Embedded gateway: prompt prefixes cached per endpoint (0 = off).
+    #[arg(long = "gateway.prefix-cache-size", default_value_t = 0)]
+    gateway_prefix_cache_size: usize,
+    /// Embedded gateway: extra latency of a prefix-cache miss.
+    #[arg(long = "gateway.prefix-miss-latency", value_parser = duration, default_value = "0s")]
+    gateway_prefix_miss_latency: Duration,
     /// Where the dispatcher serves /metrics.
     #[arg(long = "metrics-listen", default_value = "127.0.0.1:0")]
     metrics_listen: SocketAddr,
@@ -223,19 +272,25 @@ async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
             args.message_queue_impl
         );
     }
-    let Some(redis_url) = args.redis_url.clone() else {
-        bail!("--redis.url (or REDIS_URL) is required");
-    };
-    let queues = match (&args.queues_config_file, &args.queues_config) {
-        (Some(path), _) => {
+    let transport = transport_config(&args)?;
+    let queues = match (&args.queues_config_file, &args.queues_config, &transport) {
+        (Some(path), _, _) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
             QueueEntry::parse_list(&text).with_context(|| path.display().to_string())?
         }
-        (None, Some(json)) => QueueEntry::parse_list(json)?,
-        (None, None) => {
-            bail!("--redis.ss.queues-config-file or --redis.ss.queues-config is required")
+        (None, Some(json), _) => QueueEntry::parse_list(json)?,
+        (None, None, Some(t)) if !t.queues.is_empty() => t.queues.clone(),
+        (None, None, _) => {
+            bail!("the queue entries are required: --transport-config-file, --transport-config (with queues), --redis.ss.queues-config-file or --redis.ss.queues-config")
         }
+    };
+    let redis_url = transport
+        .as_ref()
+        .and_then(|t| t.url.clone())
+        .or_else(|| args.redis_url.clone());
+    let Some(redis_url) = redis_url else {
+        bail!("--redis.url (or REDIS_URL, or url in the transport config) is required");
     };
     check_listen_addr(args.metrics_listen, args.allow_non_loopback)?;
 
@@ -246,6 +301,8 @@ async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
             latency_per_token: args.gateway_per_token,
             capacity: args.gateway_capacity,
             failures: args.gateway_fail.clone(),
+            prefix_cache_size: args.gateway_prefix_cache_size,
+            prefix_miss_latency: args.gateway_prefix_miss_latency,
             ..GatewayConfig::default()
         };
         Some(Gateway::start(args.embedded_gateway_listen, config).await?)
@@ -261,6 +318,7 @@ async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
     config.concurrency = args.concurrency;
     config.request_timeout = args.request_timeout;
     config.metrics_listen = Some(args.metrics_listen);
+    config.version = args.dispatcher_version;
     config.sim = SimOptions {
         expired: args.expired,
         time_scale: args.time_scale,
@@ -268,7 +326,12 @@ async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
         crash_after: args.crash_after,
         result_delay: args.result_delay,
         seed: args.seed,
+        claim_lease: args.claim_lease,
+        reclaim_interval: args.reclaim_interval,
     };
+    if let Some(t) = &transport {
+        t.apply(&mut config);
+    }
     let dispatcher = Dispatcher::start(config, gateway.as_ref()).await?;
     let metrics = dispatcher
         .metrics_addr()
@@ -294,6 +357,23 @@ async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
         g.shutdown().await;
     }
     Ok(())
+}
+
+/// The v0.10 transport config, from its file or inline, when given.
+fn transport_config(args: &DispatcherArgs) -> anyhow::Result<Option<TransportConfig>> {
+    match (&args.transport_config_file, &args.transport_config) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let parsed =
+                TransportConfig::parse(&text).with_context(|| path.display().to_string())?;
+            Ok(Some(parsed))
+        }
+        (None, Some(json)) => Ok(Some(
+            TransportConfig::parse(json).context("--transport-config")?,
+        )),
+        (None, None) => Ok(None),
+    }
 }
 
 async fn shutdown_signal() {

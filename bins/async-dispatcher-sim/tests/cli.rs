@@ -97,6 +97,14 @@ impl Sim {
     fn stderr(&self) -> String {
         self.stderr.lock().unwrap().clone()
     }
+
+    /// SIGTERM, as an orchestrator stops it.
+    fn terminate(&self) {
+        let pid = libc::pid_t::try_from(self.child.id()).unwrap();
+        // SAFETY: kill(2) with a pid this test spawned and has not reaped yet.
+        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+    }
 }
 
 impl Drop for Sim {
@@ -242,16 +250,13 @@ fn processes_messages_end_to_end_from_a_queues_config_file() {
         "{page}"
     );
 
-    let term = Command::new("kill")
-        .args(["-TERM", &sim.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
+    sim.terminate();
     let status = sim.wait(Duration::from_secs(15));
     assert!(status.success(), "{status:?}; stderr:\n{}", sim.stderr());
 }
 
-/// `--sim.crash-after N` exits non-zero after taking exactly N, and those N never get results.
+/// `--sim.crash-after N` exits non-zero after taking exactly N, and (v0.9) those N never get
+/// results.
 #[test]
 fn crash_after_exits_non_zero_and_loses_the_messages_in_hand() {
     let redis = RedisServer::start();
@@ -282,6 +287,8 @@ fn crash_after_exits_non_zero_and_loses_the_messages_in_hand() {
         "50",
         "--sim.crash-after",
         "3",
+        "--dispatcher-version",
+        "0.9",
     ]);
     let status = sim.wait(Duration::from_secs(20));
     assert!(!status.success(), "{status:?}");
@@ -333,4 +340,209 @@ fn refuses_non_loopback_listeners_and_other_transports() {
     ]);
     assert!(!sim.wait(Duration::from_secs(20)).success());
     assert!(sim.stderr().contains("redis-pubsub"), "{}", sim.stderr());
+}
+
+/// Pops `n` raw results, oldest first, as JSON values (to see every field written).
+fn pop_raw(redis: &RedisServer, list: &str, n: usize) -> Vec<serde_json::Value> {
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut out = Vec::new();
+    while out.len() < n {
+        let raw = redis.command(&["RPOP", list]);
+        if raw.starts_with('{') {
+            out.push(serde_json::from_str(&raw).unwrap());
+        } else {
+            assert!(
+                Instant::now() < until,
+                "{} of {n} results on {list}",
+                out.len()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    out
+}
+
+/// `--dispatcher-version 0.9` drops an expired message silently and writes no `request_token`;
+/// `0.10` (the default) answers it with `DEADLINE_EXCEEDED` and puts `request_token` in results.
+#[test]
+fn dispatcher_version_switches_expired_handling_and_tokens() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let mut sims = Vec::new();
+    for (version, queue) in [(Some("0.9"), "q9"), (None, "q10")] {
+        enqueue(
+            &redis,
+            queue,
+            &envelope(
+                &format!("old-{queue}"),
+                now() - 5,
+                chat,
+                &format!("res-{queue}"),
+            ),
+            now() - 5,
+        );
+        let deadline = now() + 600;
+        enqueue(
+            &redis,
+            queue,
+            &envelope(
+                &format!("new-{queue}"),
+                deadline,
+                chat,
+                &format!("res-{queue}"),
+            ),
+            deadline,
+        );
+        let queues = format!(r#"[{{"queue_name":"{queue}"}}]"#);
+        let mut args = vec![
+            "--redis.url",
+            &url,
+            "--redis.ss.queues-config",
+            &queues,
+            "--redis.ss.poll-interval-ms",
+            "50",
+            "--embedded-gateway",
+        ];
+        if let Some(v) = version {
+            args.extend(["--dispatcher-version", v]);
+        }
+        let sim = Sim::spawn(&args);
+        sim.listening();
+        sims.push(sim);
+    }
+    let v09 = pop_raw(&redis, "res-q9", 1);
+    assert_eq!(v09[0]["id"], "new-q9");
+    assert_eq!(v09[0]["status_code"], 200);
+    assert!(v09[0].get("request_token").is_none(), "{}", v09[0]);
+
+    let mut v10 = pop_raw(&redis, "res-q10", 2);
+    v10.sort_by_key(|r| r["id"].as_str().unwrap().to_owned());
+    assert_eq!(v10[0]["id"], "new-q10");
+    assert_eq!(v10[0]["status_code"], 200);
+    assert_eq!(v10[0]["request_token"], "t-new-q10");
+    assert_eq!(v10[1]["id"], "old-q10");
+    assert_eq!(v10[1]["error_code"], "DEADLINE_EXCEEDED");
+    assert_eq!(v10[1]["request_token"], "t-old-q10");
+
+    // Given time to have written one, v0.9 wrote nothing for the expired message.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(redis.command(&["LLEN", "res-q9"]), ":0");
+    assert_eq!(redis.command(&["ZCARD", "q9"]), ":0", "it was taken");
+    let bad = Sim::spawn(&["--dispatcher-version", "0.8"]).wait(Duration::from_secs(20));
+    assert!(!bad.success());
+}
+
+/// v0.10's `--transport redis-sortedset --transport-config-file FILE`: the URL, the queues, the
+/// default result list and the poll interval all come from the one JSON object.
+#[test]
+fn transport_config_file_configures_everything() {
+    let redis = RedisServer::start();
+    let dir = tempdir().unwrap();
+    let file = dir.path().join("transport.json");
+    std::fs::write(
+        &file,
+        format!(
+            r#"{{"url": "{}", "retry_queue_name": "tc-retries", "result_queue_name": "tc-results",
+  "poll_interval_ms": 50, "batch_size": 5, "enable_tracing": false,
+  "queues": [{{"queue_name": "tq", "request_path_url": "/v1/chat/completions"}}]}}"#,
+            redis.url()
+        ),
+    )
+    .unwrap();
+    let mut sim = Sim::spawn(&[
+        "--transport",
+        "redis-sortedset",
+        "--transport-config-file",
+        file.to_str().unwrap(),
+        "--embedded-gateway",
+    ]);
+    sim.listening();
+    let deadline = now() + 600;
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"tc"}]}"#;
+    // No internal.result_queue_name: the transport config's default list gets it.
+    let member = format!(
+        r#"{{"internal":{{"request_token":"tok"}},"request_kind":"plain","data":{{"id":"tc1","created":1,"deadline":{deadline},"payload":{chat}}}}}"#
+    );
+    enqueue(&redis, "tq", &member, deadline);
+    let got = pop_raw(&redis, "tc-results", 1);
+    assert_eq!(got[0]["id"], "tc1");
+    assert_eq!(got[0]["status_code"], 200);
+    assert_eq!(got[0]["request_token"], "tok");
+    sim.terminate();
+    assert!(sim.wait(Duration::from_secs(15)).success());
+
+    let mut bad = Sim::spawn(&["--transport-config", r#"[{"queue_name":"q"}]"#]);
+    assert!(!bad.wait(Duration::from_secs(20)).success());
+    assert!(
+        bad.stderr().contains("transport config"),
+        "{}",
+        bad.stderr()
+    );
+}
+
+/// v0.10: "a dispatcher killed with requests in hand no longer loses them". The first
+/// simulator crashes with three claimed; once their lease runs out a second one reclaims and
+/// answers them, so all ten get a result.
+#[test]
+fn crash_after_loses_nothing_in_v0_10() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let deadline = now() + 600;
+    for i in 0..10 {
+        let member = envelope(
+            &format!("m{i}"),
+            deadline + i,
+            r#"{"model":"m"}"#,
+            "crash-results",
+        );
+        enqueue(&redis, "q", &member, deadline + i);
+    }
+    let queues = r#"[{"queue_name":"q"}]"#;
+    let common = [
+        "--redis.url",
+        &url,
+        "--redis.ss.queues-config",
+        queues,
+        "--redis.ss.poll-interval-ms",
+        "50",
+        "--embedded-gateway",
+        "--sim.claim-lease",
+        "1s",
+        "--sim.reclaim-interval",
+        "100ms",
+    ];
+    let mut first = Sim::spawn(
+        &[
+            &common[..],
+            &["--gateway.latency", "5s", "--sim.crash-after", "3"],
+        ]
+        .concat(),
+    );
+    let status = first.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(137), "{}", first.stderr());
+    assert_eq!(redis.command(&["ZCARD", "q"]), ":7");
+    assert_eq!(
+        redis.command(&["HLEN", "{q}:claimed"]),
+        ":3",
+        "in hand, claimed"
+    );
+    assert_eq!(redis.command(&["LLEN", "crash-results"]), ":0");
+
+    let second = Sim::spawn(&common);
+    second.listening();
+    let mut ids: Vec<String> = pop_results(&redis, "crash-results", 10)
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 10, "{ids:?}");
+    // Each claim is released right after its result is pushed.
+    let until = Instant::now() + Duration::from_secs(10);
+    while redis.command(&["HLEN", "{q}:claimed"]) != ":0" {
+        assert!(Instant::now() < until, "claims left after every result");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(redis.command(&["ZCARD", "q"]), ":0");
 }

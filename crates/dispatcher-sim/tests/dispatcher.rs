@@ -1,5 +1,6 @@
-//! Conformance of the simulated dispatcher with `dispatcher-contract.md`, against a real
-//! redis-server and the simulated gateway. Each test quotes the sentence of the contract it pins.
+//! Conformance of the simulated dispatcher with `dispatcher-contract.md` §2–§4, as v0.9 ("M"),
+//! against a real redis-server and the simulated gateway. Each test quotes the sentence of the
+//! contract it pins. v0.10 ("N", §6) is in `dispatcher_v0_10.rs`.
 
 mod common;
 

@@ -98,6 +98,42 @@ fn lenient_map<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, Strin
         .collect()
 }
 
+/// Which release of the real dispatcher to behave like.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DispatcherVersion {
+    /// v0.9 ("M"): ZPOPMIN, expired messages dropped silently (unless
+    /// [`SimOptions::expired`] says otherwise), no `request_token` in results; a crash loses
+    /// what was in hand.
+    V0_9,
+    /// v0.10 ("N", contract §6): leased claims instead of ZPOPMIN, `DEADLINE_EXCEEDED` for
+    /// expired messages, `request_token` in results; a crash loses nothing.
+    #[default]
+    V0_10,
+}
+
+impl FromStr for DispatcherVersion {
+    type Err = SimError;
+
+    fn from_str(s: &str) -> Result<Self, SimError> {
+        match s.trim().trim_start_matches('v') {
+            "0.9" => Ok(Self::V0_9),
+            "0.10" => Ok(Self::V0_10),
+            other => Err(SimError::Config(format!(
+                "--dispatcher-version must be 0.9 or 0.10, got {other:?}"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for DispatcherVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::V0_9 => "0.9",
+            Self::V0_10 => "0.10",
+        })
+    }
+}
+
 /// What to do with a message whose deadline has passed when it is taken.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ExpiredPolicy {
@@ -131,10 +167,11 @@ impl fmt::Display for ExpiredPolicy {
     }
 }
 
-/// The simulator's own switches; the defaults behave like the real v0.9 dispatcher.
+/// The simulator's own switches; the defaults behave like the real dispatcher.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SimOptions {
-    /// Expired messages: dropped (default) or answered with `DEADLINE_EXCEEDED`.
+    /// v0.9 only: expired messages dropped (default) or answered with `DEADLINE_EXCEEDED`.
+    /// v0.10 always answers them.
     pub expired: ExpiredPolicy,
     /// Multiplies every retry backoff (including `Retry-After`), so tests need not wait seconds.
     pub time_scale: f64,
@@ -146,6 +183,20 @@ pub struct SimOptions {
     pub result_delay: Duration,
     /// Seeds the jitter and duplicate dice; random when absent.
     pub seed: Option<u64>,
+    /// v0.10: how long a claim is leased before the reclaimer may put it back (300 s), scaled
+    /// by `time_scale`; capped at the deadline plus 5 minutes (scaled too).
+    pub claim_lease: Duration,
+    /// v0.10: how often the reclaimer looks for expired claims (15 s), scaled by `time_scale`.
+    pub reclaim_interval: Duration,
+}
+
+impl SimOptions {
+    /// `d` × `time_scale`, never below 10 ms so that no loop spins.
+    pub fn scaled(&self, d: Duration) -> Duration {
+        Duration::try_from_secs_f64(d.as_secs_f64() * self.time_scale)
+            .unwrap_or(Duration::MAX)
+            .max(Duration::from_millis(10))
+    }
 }
 
 impl Default for SimOptions {
@@ -157,6 +208,8 @@ impl Default for SimOptions {
             crash_after: None,
             result_delay: Duration::ZERO,
             seed: None,
+            claim_lease: Duration::from_secs(300),
+            reclaim_interval: Duration::from_secs(15),
         }
     }
 }
@@ -187,6 +240,11 @@ pub struct DispatcherConfig {
     pub shutdown_grace: Duration,
     /// Simulator switches.
     pub sim: SimOptions,
+    /// The release to behave like (v0.10 by default).
+    pub version: DispatcherVersion,
+    /// v0.10: this instance's name in `{<queue>}:claim-owners`; random by default, so that
+    /// two dispatchers never share one.
+    pub instance_id: String,
 }
 
 impl DispatcherConfig {
@@ -204,6 +262,8 @@ impl DispatcherConfig {
             metrics_listen: None,
             shutdown_grace: Duration::from_secs(10),
             sim: SimOptions::default(),
+            version: DispatcherVersion::default(),
+            instance_id: random_instance_id(),
         }
     }
 
@@ -252,7 +312,88 @@ impl DispatcherConfig {
         if s.crash_after == Some(0) {
             return bad("crash-after must be at least 1".into());
         }
+        if s.claim_lease.is_zero() {
+            return bad("claim lease must be > 0".into());
+        }
+        if s.reclaim_interval.is_zero() {
+            return bad("reclaim interval must be > 0".into());
+        }
+        if self.instance_id.is_empty() {
+            return bad("the instance id is empty".into());
+        }
         Ok(())
+    }
+}
+
+/// `sim-<pid>-<random>`: unique per process and per dispatcher.
+fn random_instance_id() -> String {
+    format!("sim-{}-{:016x}", std::process::id(), rand::random::<u64>())
+}
+
+/// The v0.10 `--transport-config` object (or the file `--transport-config-file` names):
+/// `{url, retry_queue_name, result_queue_name, poll_interval_ms, batch_size, enable_tracing,
+/// queues}`. Absent fields keep the flags' (or the defaults') values; unknown ones are ignored.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct TransportConfig {
+    /// The Redis URL.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// The retry sorted set.
+    #[serde(default)]
+    pub retry_queue_name: Option<String>,
+    /// The default result list.
+    #[serde(default)]
+    pub result_queue_name: Option<String>,
+    /// The poll interval, milliseconds.
+    #[serde(default)]
+    pub poll_interval_ms: Option<u64>,
+    /// Messages per poll at budget 1.
+    #[serde(default)]
+    pub batch_size: Option<usize>,
+    /// Accepted and ignored: the simulator does not trace.
+    #[serde(default)]
+    pub enable_tracing: Option<bool>,
+    /// The queue entries, as in the older queues-config array.
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub queues: Vec<QueueEntry>,
+}
+
+fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<QueueEntry>, D::Error> {
+    Ok(Option::<Vec<QueueEntry>>::deserialize(d)?.unwrap_or_default())
+}
+
+impl TransportConfig {
+    /// Reads the JSON object.
+    pub fn parse(json: &str) -> Result<Self, SimError> {
+        if !json.trim_start().starts_with('{') {
+            return Err(SimError::Config(
+                "the transport config must be a JSON object".into(),
+            ));
+        }
+        serde_json::from_str(json)
+            .map_err(|e| SimError::Config(format!("the transport config is invalid: {e}")))
+    }
+
+    /// Writes the fields that are set into `config` (the queues only when some are listed).
+    pub fn apply(&self, config: &mut DispatcherConfig) {
+        if let Some(url) = &self.url {
+            config.redis_url = url.clone();
+        }
+        if let Some(q) = &self.retry_queue_name {
+            config.retry_queue = q.clone();
+        }
+        if let Some(q) = &self.result_queue_name {
+            config.default_result_queue = q.clone();
+        }
+        if let Some(ms) = self.poll_interval_ms {
+            config.poll_interval = Duration::from_millis(ms);
+        }
+        if let Some(n) = self.batch_size {
+            config.batch_size = n;
+        }
+        if !self.queues.is_empty() {
+            config.queues = self.queues.clone();
+        }
     }
 }
 
@@ -289,7 +430,25 @@ mod tests {
         assert_eq!(c.concurrency, 64);
         assert_eq!(c.request_timeout, Duration::from_secs(300));
         assert_eq!(c.sim.expired, ExpiredPolicy::Drop);
+        assert_eq!(c.version, DispatcherVersion::V0_10);
+        assert_eq!(c.sim.claim_lease, Duration::from_secs(300));
+        assert_eq!(c.sim.reclaim_interval, Duration::from_secs(15));
+        let other = DispatcherConfig::new("redis://127.0.0.1:1", vec![QueueEntry::new("q")]);
+        assert_ne!(c.instance_id, other.instance_id);
         c.validate().unwrap();
+        assert_eq!(
+            c.sim.scaled(Duration::from_secs(300)),
+            Duration::from_secs(300)
+        );
+        let fast = SimOptions {
+            time_scale: 0.01,
+            ..SimOptions::default()
+        };
+        assert_eq!(
+            fast.scaled(Duration::from_secs(300)),
+            Duration::from_secs(3)
+        );
+        assert_eq!(fast.scaled(Duration::ZERO), Duration::from_millis(10));
     }
 
     #[test]
@@ -354,5 +513,43 @@ mod tests {
             ExpiredPolicy::Result
         );
         assert!("later".parse::<ExpiredPolicy>().is_err());
+        assert_eq!(
+            "0.9".parse::<DispatcherVersion>().unwrap(),
+            DispatcherVersion::V0_9
+        );
+        assert_eq!(
+            "v0.10".parse::<DispatcherVersion>().unwrap(),
+            DispatcherVersion::V0_10
+        );
+        assert!("0.11".parse::<DispatcherVersion>().is_err());
+    }
+
+    #[test]
+    fn reads_the_transport_config_object() {
+        let t = TransportConfig::parse(
+            r#"{"url":"redis://127.0.0.1:7","retry_queue_name":"retries","result_queue_name":"res",
+                "poll_interval_ms":250,"batch_size":20,"enable_tracing":true,"future":1,
+                "queues":[{"queue_name":"q1","igw_base_url":"http://127.0.0.1:9"}]}"#,
+        )
+        .unwrap();
+        let mut c = DispatcherConfig::new("redis://127.0.0.1:1", vec![]);
+        t.apply(&mut c);
+        assert_eq!(c.redis_url, "redis://127.0.0.1:7");
+        assert_eq!(
+            (c.retry_queue.as_str(), c.default_result_queue.as_str()),
+            ("retries", "res")
+        );
+        assert_eq!(
+            (c.poll_interval, c.batch_size),
+            (Duration::from_millis(250), 20)
+        );
+        assert_eq!(c.queues[0].queue_name, "q1");
+        let partial = TransportConfig::parse(r#"{"queues":null}"#).unwrap();
+        let mut d = DispatcherConfig::new("redis://127.0.0.1:1", vec![QueueEntry::new("q")]);
+        partial.apply(&mut d);
+        assert_eq!(d.queues, vec![QueueEntry::new("q")]);
+        assert_eq!(d.batch_size, 10);
+        assert!(TransportConfig::parse(r#"[{"queue_name":"q"}]"#).is_err());
+        assert!(TransportConfig::parse(r#"{"batch_size":"x"}"#).is_err());
     }
 }

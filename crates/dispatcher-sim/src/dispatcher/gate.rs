@@ -10,7 +10,7 @@ use http_body_util::BodyExt;
 use hyper::Uri;
 
 use super::config::{QueueEntry, DEFAULT_BUDGET_KEY};
-use crate::gateway::GatewayLoad;
+use crate::GatewayLoad;
 use crate::{GatewayHandle, SimError};
 
 /// The gate types the simulator implements.

@@ -5,6 +5,7 @@ mod config;
 mod engine;
 mod gate;
 mod stats;
+mod wire;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,9 +16,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{
-    DispatcherConfig, ExpiredPolicy, QueueEntry, SimOptions, DEFAULT_BUDGET_KEY,
-    DEFAULT_RESULT_QUEUE, DEFAULT_RETRY_QUEUE,
+    DispatcherConfig, DispatcherVersion, ExpiredPolicy, QueueEntry, SimOptions, TransportConfig,
+    DEFAULT_BUDGET_KEY, DEFAULT_RESULT_QUEUE, DEFAULT_RETRY_QUEUE,
 };
+pub use engine::ClaimKeys;
 pub use stats::DispatcherStats;
 
 use crate::http::{self, Reply};
@@ -105,7 +107,9 @@ impl DispatcherHandle {
     }
 
     /// Resolves once `crash_after` has fired (never otherwise): every task has been stopped
-    /// abruptly, the messages in hand are lost, and nothing more is taken or written.
+    /// abruptly and nothing more is taken or written. In v0.9 the messages in hand are lost;
+    /// in v0.10 their claims stay in Redis until the lease runs out and a reclaimer (of any
+    /// dispatcher) puts them back.
     pub async fn crashed(&self) {
         self.shared.crash_signal().cancelled().await;
     }

@@ -11,7 +11,8 @@ use crate::prom::Page;
 /// A snapshot of the dispatcher's counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct DispatcherStats {
-    /// Messages taken from request queues (ZPOPMIN that returned a member).
+    /// Messages taken from request queues (v0.9: ZPOPMIN that returned a member; v0.10: claims
+    /// won, and invalid members removed).
     pub taken: u64,
     /// HTTP requests sent to a gateway (first attempts and retries).
     pub dispatched: u64,
@@ -31,6 +32,11 @@ pub struct DispatcherStats {
     pub redis_errors: u64,
     /// Messages being worked on now.
     pub in_flight: u64,
+    /// v0.10: expired claims put back into their sorted set by the reclaimer.
+    pub reclaimed: u64,
+    /// v0.10: results not written because the claim was no longer this dispatcher's (its lease
+    /// ran out and the request was reclaimed, so it will be answered again).
+    pub claims_lost: u64,
 }
 
 impl DispatcherStats {
@@ -47,7 +53,7 @@ impl DispatcherStats {
     /// The Prometheus text page of these counters.
     pub fn to_prometheus(&self) -> String {
         let mut p = Page::default();
-        let counters: [(&str, &str, u64); 6] = [
+        let counters: [(&str, &str, u64); 8] = [
             (
                 "dispatcher_taken_total",
                 "Messages taken from request queues.",
@@ -77,6 +83,16 @@ impl DispatcherStats {
                 "dispatcher_redis_errors_total",
                 "Failed Redis commands.",
                 self.redis_errors,
+            ),
+            (
+                "dispatcher_reclaimed_total",
+                "Expired claims put back (v0.10).",
+                self.reclaimed,
+            ),
+            (
+                "dispatcher_claims_lost_total",
+                "Results dropped because the claim had been reclaimed (v0.10).",
+                self.claims_lost,
             ),
         ];
         for (name, help, v) in counters {
@@ -126,6 +142,8 @@ pub(crate) struct Counters {
     pub retried: AtomicU64,
     pub duplicated: AtomicU64,
     pub redis_errors: AtomicU64,
+    pub reclaimed: AtomicU64,
+    pub claims_lost: AtomicU64,
     results: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -160,6 +178,8 @@ impl Counters {
                 .clone(),
             redis_errors: get(&self.redis_errors),
             in_flight,
+            reclaimed: get(&self.reclaimed),
+            claims_lost: get(&self.claims_lost),
         }
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use batch_wire::ResultMessage;
 use bytes::Bytes;
-use dispatcher_sim::{DispatcherConfig, QueueEntry};
+use dispatcher_sim::{DispatcherConfig, DispatcherVersion, QueueEntry};
 use fred::prelude::{Client, KeysInterface, ListInterface, SortedSetsInterface};
 use http_body_util::{BodyExt, Full};
 use hyper::header::HeaderMap;
@@ -118,13 +118,22 @@ where
     }
 }
 
-/// A dispatcher configuration that runs fast: 50 ms polls, backoffs scaled by 0.01.
+/// A v0.9 dispatcher configuration that runs fast: 50 ms polls, backoffs scaled by 0.01. The
+/// tests of `dispatcher.rs` pin v0.9 behaviour; `fast_v0_10` is for those of v0.10.
 pub fn fast(redis_url: &str, queues: Vec<QueueEntry>) -> DispatcherConfig {
     let mut c = DispatcherConfig::new(redis_url, queues);
+    c.version = DispatcherVersion::V0_9;
     c.poll_interval = Duration::from_millis(50);
     c.sim.time_scale = 0.01;
     c.sim.seed = Some(42);
     c.shutdown_grace = Duration::from_secs(2);
+    c
+}
+
+/// As [`fast`], behaving like v0.10.
+pub fn fast_v0_10(redis_url: &str, queues: Vec<QueueEntry>) -> DispatcherConfig {
+    let mut c = fast(redis_url, queues);
+    c.version = DispatcherVersion::V0_10;
     c
 }
 

@@ -1,14 +1,17 @@
 //! The dispatcher's moving parts: one poller per request queue, one retry poller, and a worker
-//! per message, all sharing a Redis client, an HTTP client and a pool of worker permits.
+//! per message, all sharing a Redis client, an HTTP client and a pool of worker permits. In
+//! v0.10 a heartbeat renews the leases of the claims in hand and a reclaimer returns expired
+//! ones.
 
+mod claims;
 mod worker;
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use batch_wire::{dispatcher_error_codes as codes, Envelope, ResultMessage};
 use fred::prelude::{
     Builder, Client as RedisClient, ClientLike, Config as RedisConfig, KeysInterface,
     ReconnectPolicy, SortedSetsInterface, Value,
@@ -22,16 +25,26 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::config::{DispatcherConfig, ExpiredPolicy, SimOptions};
+pub use claims::ClaimKeys;
+
+use super::config::{DispatcherConfig, DispatcherVersion, ExpiredPolicy, SimOptions};
 use super::gate::Gate;
 use super::stats::{Counters, DispatcherStats};
+use super::wire::{self, codes, Envelope, ResultMessage};
 use crate::{http, GatewayHandle, SimError};
+use claims::Scripts;
 
 /// The path used when neither the message nor the queue entry names one.
 const DEFAULT_PATH: &str = "/v1/completions";
 
 /// How many due retries one pass of the retry poller takes at most.
 const RETRY_BATCH: i64 = 100;
+
+/// How many expired claims one pass of the reclaimer returns per sorted set at most.
+const RECLAIM_BATCH: i64 = 100;
+
+/// v0.10 caps a lease at the deadline plus this (scaled like the lease).
+const LEASE_GRACE: Duration = Duration::from_secs(300);
 
 /// One request queue, resolved.
 pub(crate) struct Queue {
@@ -43,6 +56,22 @@ pub(crate) struct Queue {
     objective: Option<String>,
     result_queue: Option<String>,
     gate: Gate,
+    claims: Arc<ClaimKeys>,
+}
+
+/// v0.10: the lease under which a message is held.
+pub(crate) struct Claim {
+    keys: Arc<ClaimKeys>,
+    key: String,
+}
+
+/// The claims in hand: (sorted set, claim key) → (its keys, the request's deadline).
+type Held = HashMap<(String, String), (Arc<ClaimKeys>, i64)>;
+
+/// A message in hand, with its claim in v0.10.
+pub(crate) struct Taken {
+    env: Envelope,
+    claim: Option<Claim>,
 }
 
 /// State shared by every task of one dispatcher.
@@ -70,6 +99,13 @@ pub(crate) struct Shared {
     /// Takes reserved against `crash_after`, so that no more than N are ever popped.
     take_slots: AtomicU64,
     workers: TaskTracker,
+    version: DispatcherVersion,
+    instance_id: String,
+    scripts: Scripts,
+    retry_claims: Arc<ClaimKeys>,
+    /// v0.10: the claims in hand, by (sorted set, claim key), with their deadline; the
+    /// heartbeat renews them.
+    held: Mutex<Held>,
 }
 
 fn non_empty(s: &Option<String>) -> Option<&str> {
@@ -149,6 +185,7 @@ impl Queue {
             objective: non_empty(&entry.inference_objective).map(str::to_owned),
             result_queue: non_empty(&entry.result_queue_name).map(str::to_owned),
             gate,
+            claims: Arc::new(ClaimKeys::for_queue(&name)),
             name,
         })
     }
@@ -207,6 +244,11 @@ impl Shared {
             crashed: AtomicBool::new(false),
             take_slots: AtomicU64::new(0),
             workers: TaskTracker::new(),
+            version: config.version,
+            instance_id: config.instance_id.clone(),
+            scripts: Scripts::new(),
+            retry_claims: Arc::new(ClaimKeys::for_queue(&config.retry_queue)),
+            held: Mutex::new(HashMap::new()),
         })
     }
 
@@ -218,6 +260,12 @@ impl Shared {
             .map(|q| tokio::spawn(self.guarded(self.clone().poll_queue(q.clone()))))
             .collect();
         tasks.push(tokio::spawn(self.guarded(self.clone().poll_retries())));
+        if self.version == DispatcherVersion::V0_10 {
+            // Not ended by `stop`: leases in hand must be renewed until the last worker is
+            // done, and only `kill` (or a crash) ends them.
+            tokio::spawn(self.guarded(self.clone().heartbeat()));
+            tokio::spawn(self.guarded(self.clone().reclaimer()));
+        }
         tasks
     }
 
@@ -350,35 +398,311 @@ impl Shared {
             }
             let budget = q.gate.budget(&self.redis, &self.http).await;
             let n = (self.batch_size as f64 * budget).floor() as usize;
-            for _ in 0..n {
-                if self.stop.is_cancelled() || !self.reserve_take() {
-                    return;
-                }
-                match self.zpopmin(&q.name).await {
-                    Ok(Some((member, score))) => {
-                        failures = 0;
-                        if self.count_take() {
-                            return;
-                        }
-                        self.clone().take(q.clone(), member, score).await;
-                    }
-                    Ok(None) => {
-                        self.unreserve_take();
-                        break;
-                    }
-                    Err(e) => {
-                        self.unreserve_take();
-                        self.redis_error("ZPOPMIN", &e);
-                        failures = failures.saturating_add(1);
-                        let pause =
-                            (self.poll_interval * failures.min(6)).min(Duration::from_secs(5));
-                        tokio::select! {
-                            _ = self.stop.cancelled() => return,
-                            _ = tokio::time::sleep(pause) => {}
-                        }
-                        break;
+            if n == 0 {
+                continue;
+            }
+            let outcome = match self.version {
+                DispatcherVersion::V0_9 => self.pop_each(&q, n).await,
+                DispatcherVersion::V0_10 => self.claim_each(&q, n).await,
+            };
+            match outcome {
+                Ok(Continue::Yes) => failures = 0,
+                Ok(Continue::Stop) => return,
+                Err(()) => {
+                    failures = failures.saturating_add(1);
+                    let pause = (self.poll_interval * failures.min(6)).min(Duration::from_secs(5));
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = tokio::time::sleep(pause) => {}
                     }
                 }
+            }
+        }
+    }
+
+    /// v0.9: up to `n` ZPOPMIN, each message checked and handed to a worker.
+    async fn pop_each(self: &Arc<Self>, q: &Arc<Queue>, n: usize) -> Result<Continue, ()> {
+        for _ in 0..n {
+            if self.stop.is_cancelled() || !self.reserve_take() {
+                return Ok(Continue::Stop);
+            }
+            match self.zpopmin(&q.name).await {
+                Ok(Some((member, score))) => {
+                    if self.count_take() {
+                        return Ok(Continue::Stop);
+                    }
+                    match Envelope::parse(&member) {
+                        Ok(env) => {
+                            let taken = Taken { env, claim: None };
+                            self.clone().take(q.clone(), taken, member, score).await;
+                        }
+                        Err(why) => self.drop_invalid(q, &why),
+                    }
+                }
+                Ok(None) => {
+                    self.unreserve_take();
+                    break;
+                }
+                Err(e) => {
+                    self.unreserve_take();
+                    self.redis_error("ZPOPMIN", &e);
+                    return Err(());
+                }
+            }
+        }
+        Ok(Continue::Yes)
+    }
+
+    /// v0.10: peek at the `n` lowest members, then claim each (another dispatcher may win it).
+    async fn claim_each(self: &Arc<Self>, q: &Arc<Queue>, n: usize) -> Result<Continue, ()> {
+        let peeked: Vec<(String, f64)> = match self
+            .redis
+            .zrangebyscore(
+                q.name.as_str(),
+                "-inf",
+                "+inf",
+                true,
+                Some((0, i64::try_from(n).unwrap_or(i64::MAX))),
+            )
+            .await
+        {
+            Ok(members) => members,
+            Err(e) => {
+                self.redis_error("ZRANGEBYSCORE (peek)", &e);
+                return Err(());
+            }
+        };
+        for (member, score) in peeked {
+            if self.stop.is_cancelled() || !self.reserve_take() {
+                return Ok(Continue::Stop);
+            }
+            let env = match Envelope::parse(&member) {
+                Ok(env) => env,
+                Err(why) => {
+                    // Without an id there is no claim key: removed outright, no result.
+                    match self
+                        .redis
+                        .zrem::<i64, _, _>(q.name.as_str(), member.as_str())
+                        .await
+                    {
+                        Ok(1..) => {
+                            if self.count_take() {
+                                return Ok(Continue::Stop);
+                            }
+                            self.drop_invalid(q, &why);
+                        }
+                        Ok(_) => self.unreserve_take(),
+                        Err(e) => {
+                            self.unreserve_take();
+                            self.redis_error("ZREM (invalid member)", &e);
+                            return Err(());
+                        }
+                    }
+                    continue;
+                }
+            };
+            match self.claim(&q.claims, &member, &env).await {
+                Ok(Some(claim)) => {
+                    if self.count_take() {
+                        return Ok(Continue::Stop);
+                    }
+                    let taken = Taken {
+                        env,
+                        claim: Some(claim),
+                    };
+                    self.clone().take(q.clone(), taken, member, score).await;
+                }
+                Ok(None) => self.unreserve_take(),
+                Err(e) => {
+                    self.unreserve_take();
+                    self.redis_error("EVALSHA (claim)", &e);
+                    return Err(());
+                }
+            }
+        }
+        Ok(Continue::Yes)
+    }
+
+    fn drop_invalid(&self, q: &Queue, why: &str) {
+        Counters::bump(&self.counters.dropped_invalid);
+        tracing::warn!(queue = %q.name, error = %why, "dropping an invalid member without a result");
+    }
+
+    /// The lease expiry of a claim taken or renewed now: min(now + lease, deadline + 5 min),
+    /// both scaled, and never sooner than the next heartbeat.
+    fn lease_expiry(&self, deadline: i64) -> f64 {
+        let now = now_f64();
+        let lease = now + self.sim.scaled(self.sim.claim_lease).as_secs_f64();
+        let cap = deadline as f64 + self.sim.scaled(LEASE_GRACE).as_secs_f64();
+        lease
+            .min(cap)
+            .max(now + self.heartbeat_interval().as_secs_f64())
+    }
+
+    /// lease / 3, at most 30 s, then scaled. The real one also keeps it above 1 s, which with
+    /// the short leases of tests would renew too late.
+    fn heartbeat_interval(&self) -> Duration {
+        let third = self.sim.claim_lease / 3;
+        self.sim.scaled(third.min(Duration::from_secs(30)))
+    }
+
+    /// Claims `member` of `keys.queue`; `None` when another dispatcher has it.
+    async fn claim(
+        &self,
+        keys: &Arc<ClaimKeys>,
+        member: &str,
+        env: &Envelope,
+    ) -> Result<Option<Claim>, fred::error::Error> {
+        let key = ClaimKeys::claim_key(&env.data.id, env.token().unwrap_or(""));
+        let expiry = self.lease_expiry(env.data.deadline);
+        let won = self
+            .scripts
+            .claim(&self.redis, keys, member, &key, &self.instance_id, expiry)
+            .await?;
+        if !won {
+            return Ok(None);
+        }
+        self.held_claims().insert(
+            (keys.queue.clone(), key.clone()),
+            (keys.clone(), env.data.deadline),
+        );
+        Ok(Some(Claim {
+            keys: keys.clone(),
+            key,
+        }))
+    }
+
+    fn held_claims(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the claim is still ours, extending its lease (done before writing its result).
+    async fn still_ours(&self, claim: &Claim) -> bool {
+        let deadline = self
+            .held_claims()
+            .get(&(claim.keys.queue.clone(), claim.key.clone()))
+            .map(|(_, d)| *d);
+        let Some(deadline) = deadline else {
+            return false;
+        };
+        let expiry = self.lease_expiry(deadline);
+        self.redis_write("EVALSHA (renew)", || {
+            self.scripts.renew(
+                &self.redis,
+                &claim.keys,
+                &claim.key,
+                &self.instance_id,
+                expiry,
+            )
+        })
+        .await
+        .unwrap_or(false)
+    }
+
+    /// Stops renewing a claim.
+    fn forget(&self, claim: &Claim) {
+        self.held_claims()
+            .remove(&(claim.keys.queue.clone(), claim.key.clone()));
+    }
+
+    /// The ack's second half: deletes the claim's entries (owner checked).
+    async fn release(&self, claim: &Claim) {
+        self.forget(claim);
+        let released = self
+            .redis_write("EVALSHA (release)", || {
+                self.scripts
+                    .release(&self.redis, &claim.keys, &claim.key, &self.instance_id)
+            })
+            .await;
+        if released == Some(false) {
+            tracing::warn!(queue = %claim.keys.queue, "a claim was reclaimed while in hand");
+        }
+    }
+
+    /// Renews every lease in hand, every lease / 3.
+    async fn heartbeat(self: Arc<Self>) {
+        let mut ticker = tokio::time::interval(self.heartbeat_interval());
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let held: Vec<(Arc<ClaimKeys>, String, i64)> = self
+                .held_claims()
+                .iter()
+                .map(|((_, key), (keys, deadline))| (keys.clone(), key.clone(), *deadline))
+                .collect();
+            for (keys, key, deadline) in held {
+                let expiry = self.lease_expiry(deadline);
+                match self
+                    .scripts
+                    .renew(&self.redis, &keys, &key, &self.instance_id, expiry)
+                    .await
+                {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(queue = %keys.queue, "a claim in hand was reclaimed");
+                    }
+                    Err(e) => self.redis_error("EVALSHA (renew)", &e),
+                }
+            }
+        }
+    }
+
+    /// Every reclaim interval: expired claims of every queue (and of the retry set) go back.
+    async fn reclaimer(self: Arc<Self>) {
+        let mut ticker = tokio::time::interval(self.sim.scaled(self.sim.reclaim_interval));
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut sets: Vec<(Arc<ClaimKeys>, bool)> = self
+            .queues
+            .iter()
+            .map(|q| (q.claims.clone(), true))
+            .collect();
+        sets.push((self.retry_claims.clone(), false));
+        loop {
+            ticker.tick().await;
+            for (keys, request_queue) in &sets {
+                self.reclaim(keys, *request_queue).await;
+            }
+        }
+    }
+
+    /// Puts back the expired claims of one sorted set: request queue members at their deadline
+    /// score, retries due at once.
+    async fn reclaim(&self, keys: &ClaimKeys, request_queue: bool) {
+        let now = now_f64();
+        let expired = match self
+            .scripts
+            .expired(&self.redis, keys, now, RECLAIM_BATCH)
+            .await
+        {
+            Ok(e) => e,
+            Err(e) => {
+                self.redis_error("ZRANGEBYSCORE (claims)", &e);
+                return;
+            }
+        };
+        for key in expired {
+            let member = match self.scripts.member(&self.redis, keys, &key).await {
+                Ok(m) => m,
+                Err(e) => {
+                    self.redis_error("HGET (claimed)", &e);
+                    continue;
+                }
+            };
+            let score = match member.as_deref().map(Envelope::parse) {
+                Some(Ok(env)) if request_queue => env.score(),
+                _ => now,
+            };
+            match self
+                .scripts
+                .reclaim(&self.redis, keys, &key, now, score)
+                .await
+            {
+                Ok(true) => {
+                    Counters::bump(&self.counters.reclaimed);
+                    tracing::info!(queue = %keys.queue, "an expired claim was put back");
+                }
+                Ok(false) => {}
+                Err(e) => self.redis_error("EVALSHA (reclaim)", &e),
             }
         }
     }
@@ -401,76 +725,65 @@ impl Shared {
     }
 
     /// The checks made at dequeue, then a worker.
-    async fn take(self: Arc<Self>, q: Arc<Queue>, member: String, score: f64) {
-        let env = match Envelope::parse(&member) {
-            Ok(env) => env,
-            Err(e) => {
-                Counters::bump(&self.counters.dropped_invalid);
-                tracing::warn!(queue = %q.name, error = %e, "dropping an invalid member without a result");
-                return;
-            }
-        };
+    async fn take(self: Arc<Self>, q: Arc<Queue>, taken: Taken, member: String, score: f64) {
+        let env = &taken.env;
         if expired(env.data.deadline) {
-            match self.sim.expired {
-                ExpiredPolicy::Drop => {
-                    Counters::bump(&self.counters.dropped_expired);
-                    tracing::info!(queue = %q.name, id = %env.data.id, deadline = env.data.deadline, "dropping an expired message");
-                }
-                ExpiredPolicy::Result => self.deliver(
-                    &q,
-                    &env,
-                    ResultMessage::failed(
-                        &env.data.id,
-                        codes::DEADLINE_EXCEEDED,
-                        "deadline exceeded",
-                    ),
-                ),
+            let answer = self.version == DispatcherVersion::V0_10
+                || self.sim.expired == ExpiredPolicy::Result;
+            if answer {
+                let result = ResultMessage::failed(
+                    &env.data.id,
+                    codes::DEADLINE_EXCEEDED,
+                    "deadline exceeded",
+                );
+                self.deliver(&q, taken, result);
+            } else {
+                Counters::bump(&self.counters.dropped_expired);
+                tracing::info!(queue = %q.name, id = %env.data.id, deadline = env.data.deadline, "dropping an expired message");
             }
             return;
         }
-        if self.answer_if_cancelled(&q, &env).await {
+        if self.is_cancelled(env).await {
+            self.deliver_cancelled(&q, taken);
             return;
         }
         // The real poller blocks here, message in hand, until a worker is free.
         let permit = tokio::select! {
             p = self.permits.clone().acquire_owned() => p,
             _ = self.stop.cancelled() => {
-                self.put_back(&q.name, score, &member).await;
+                self.put_back(&q.name, score, &member, taken.claim.as_ref()).await;
                 return;
             }
         };
         let Ok(permit) = permit else { return };
         self.workers
-            .spawn(self.guarded(self.clone().work(q, env, permit)));
+            .spawn(self.guarded(self.clone().work(q, taken, permit)));
     }
 
-    /// Graceful shutdown with a message in hand: return it unchanged.
-    async fn put_back(&self, queue: &str, score: f64, member: &str) {
+    /// Graceful shutdown with a message in hand: return it unchanged (and release its claim).
+    async fn put_back(&self, queue: &str, score: f64, member: &str, claim: Option<&Claim>) {
         self.redis_write("ZADD (put back)", || {
             self.redis
                 .zadd::<i64, _, _>(queue, None, None, false, false, (score, member))
         })
         .await;
-    }
-
-    /// Writes the `CANCELLED` result when the request's cancel marker matches its token.
-    async fn answer_if_cancelled(self: &Arc<Self>, q: &Queue, env: &Envelope) -> bool {
-        let cancelled = self.is_cancelled(env).await;
-        if cancelled {
-            self.deliver(
-                q,
-                env,
-                ResultMessage::failed(&env.data.id, codes::CANCELLED, "cancelled"),
-            );
+        if let Some(claim) = claim {
+            self.release(claim).await;
         }
-        cancelled
     }
 
+    /// Writes the `CANCELLED` result.
+    fn deliver_cancelled(self: &Arc<Self>, q: &Queue, taken: Taken) {
+        let result = ResultMessage::failed(&taken.env.data.id, codes::CANCELLED, "cancelled");
+        self.deliver(q, taken, result);
+    }
+
+    /// Whether the request's cancel marker matches its token.
     async fn is_cancelled(&self, env: &Envelope) -> bool {
-        let Some(token) = non_empty(&env.internal.request_token) else {
+        let Some(token) = env.token() else {
             return false;
         };
-        let key = batch_queue_names::cancel_marker_key(&env.data.id);
+        let key = wire::cancel_marker_key(&env.data.id);
         match self.redis.get::<Option<String>, _>(key).await {
             Ok(marker) => marker.as_deref() == Some(token),
             Err(e) => {
@@ -512,27 +825,50 @@ impl Shared {
                     _ = self.stop.cancelled() => return,
                 };
                 let Ok(permit) = permit else { return };
-                // Several dispatchers may share the retry set: whoever removes it owns it.
-                match self
-                    .redis
-                    .zrem::<i64, _, _>(self.retry_queue.as_str(), member.as_str())
-                    .await
-                {
-                    Ok(1..) => {}
-                    Ok(_) => continue,
-                    Err(e) => {
-                        self.redis_error("ZREM (retries)", &e);
-                        continue;
-                    }
-                }
-                let Some((q, env)) = self.retry_target(&member) else {
-                    Counters::bump(&self.counters.dropped_invalid);
+                let Some((q, taken)) = self.take_retry(&member).await else {
                     continue;
                 };
                 self.workers
-                    .spawn(self.guarded(self.clone().work(q, env, permit)));
+                    .spawn(self.guarded(self.clone().work(q, taken, permit)));
             }
         }
+    }
+
+    /// Takes one due retry: whoever removes (v0.9) or claims (v0.10) it owns it, since several
+    /// dispatchers may share the retry set.
+    async fn take_retry(&self, member: &str) -> Option<(Arc<Queue>, Taken)> {
+        let target = self.retry_target(member);
+        let claim = match (&target, self.version) {
+            (Some((_, env)), DispatcherVersion::V0_10) => {
+                match self.claim(&self.retry_claims, member, env).await {
+                    Ok(Some(claim)) => Some(claim),
+                    Ok(None) => return None,
+                    Err(e) => {
+                        self.redis_error("EVALSHA (claim retry)", &e);
+                        return None;
+                    }
+                }
+            }
+            _ => {
+                match self
+                    .redis
+                    .zrem::<i64, _, _>(self.retry_queue.as_str(), member)
+                    .await
+                {
+                    Ok(1..) => None,
+                    Ok(_) => return None,
+                    Err(e) => {
+                        self.redis_error("ZREM (retries)", &e);
+                        return None;
+                    }
+                }
+            }
+        };
+        let Some((q, env)) = target else {
+            Counters::bump(&self.counters.dropped_invalid);
+            return None;
+        };
+        Some((q, Taken { env, claim }))
     }
 
     fn retry_target(&self, member: &str) -> Option<(Arc<Queue>, Envelope)> {
@@ -557,4 +893,10 @@ impl Shared {
             }
         }
     }
+}
+
+/// Whether a poller goes on after one batch.
+enum Continue {
+    Yes,
+    Stop,
 }

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use batch_wire::{dispatcher_error_codes as codes, Envelope, ResultMessage};
 use bytes::Bytes;
 use fred::prelude::{ListInterface, SortedSetsInterface};
 use http_body_util::{BodyExt, Full};
@@ -13,25 +12,29 @@ use hyper::{Request, Uri};
 use rand::Rng;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::{error_chain, non_empty, normalize_path, now_f64, Queue, Shared};
+use super::{error_chain, non_empty, normalize_path, now_f64, Queue, Shared, Taken};
 use crate::dispatcher::backoff;
+use crate::dispatcher::config::DispatcherVersion;
 use crate::dispatcher::stats::Counters;
+use crate::dispatcher::wire::{codes, Envelope, ResultMessage};
 
 impl Shared {
     /// Sends one message and turns the response into a result or a retry.
     pub(super) async fn work(
         self: Arc<Self>,
         q: Arc<Queue>,
-        mut env: Envelope,
+        taken: Taken,
         _permit: OwnedSemaphorePermit,
     ) {
-        if self.answer_if_cancelled(&q, &env).await {
+        if self.is_cancelled(&taken.env).await {
+            self.deliver_cancelled(&q, taken);
             return;
         }
         if q.gate.budget(&self.redis, &self.http).await <= 0.0 {
-            self.refuse(&q, env).await;
+            self.refuse(&q, taken).await;
             return;
         }
+        let env = &taken.env;
         let path = env
             .data
             .endpoint
@@ -40,37 +43,35 @@ impl Shared {
             .filter(|e| !e.is_empty())
             .map(normalize_path)
             .unwrap_or_else(|| q.path.clone());
-        let request = match build_request(&q, &env, &path) {
+        let request = match build_request(&q, env, &path) {
             Ok(r) => r,
             Err(why) => {
-                self.deliver(
-                    &q,
-                    &env,
-                    ResultMessage::failed(&env.data.id, codes::INVALID_REQUEST, &why),
-                );
+                let result = ResultMessage::failed(&env.data.id, codes::INVALID_REQUEST, &why);
+                self.deliver(&q, taken, result);
                 return;
             }
         };
         Counters::bump(&self.counters.dispatched);
         match self.send(request).await {
-            Err(why) => self.deliver(
-                &q,
-                &env,
-                ResultMessage::failed(&env.data.id, codes::INFERENCE_ERROR, &why),
-            ),
+            Err(why) => {
+                let result = ResultMessage::failed(&env.data.id, codes::INFERENCE_ERROR, &why);
+                self.deliver(&q, taken, result);
+            }
             Ok((status, retry_after, body)) if status == 429 || status >= 500 => {
-                self.retry_or_finish(&q, &mut env, status, retry_after, body)
+                self.retry_or_finish(&q, taken, status, retry_after, body)
                     .await
             }
             Ok((status, _, body)) => {
-                self.deliver(&q, &env, ResultMessage::http(&env.data.id, status, body))
+                let result = ResultMessage::http(&env.data.id, status, body);
+                self.deliver(&q, taken, result);
             }
         }
     }
 
     /// The gate closed between taking and sending: back into the queue at the deadline score,
     /// re-serialised (so the member's bytes may differ from what the producer wrote).
-    pub(super) async fn refuse(&self, q: &Queue, mut env: Envelope) {
+    pub(super) async fn refuse(&self, q: &Queue, taken: Taken) {
+        let Taken { mut env, claim } = taken;
         mark_queue(&mut env, q);
         let member = env.to_member();
         let score = env.score();
@@ -89,6 +90,9 @@ impl Shared {
         if added.is_some() {
             Counters::bump(&self.counters.gate_refused);
             tracing::debug!(queue = %q.name, id = %env.data.id, "gate closed; message put back");
+        }
+        if let Some(claim) = claim {
+            self.release(&claim).await;
         }
     }
 
@@ -134,11 +138,12 @@ impl Shared {
     async fn retry_or_finish(
         self: &Arc<Self>,
         q: &Queue,
-        env: &mut Envelope,
+        mut taken: Taken,
         status: u16,
         retry_after: Option<Duration>,
         body: String,
     ) {
+        let env = &mut taken.env;
         let attempt = env.internal.retry_count.unwrap_or(0);
         let wait = {
             let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
@@ -147,7 +152,8 @@ impl Shared {
         let wait = wait.as_secs_f64() * self.sim.time_scale;
         let due = now_f64() + wait;
         if !due.is_finite() || due.floor() as i64 > env.data.deadline {
-            self.deliver(q, env, ResultMessage::http(&env.data.id, status, body));
+            let result = ResultMessage::http(&env.data.id, status, body);
+            self.deliver(q, taken, result);
             return;
         }
         env.internal.retry_count = Some(attempt.saturating_add(1));
@@ -169,10 +175,19 @@ impl Shared {
             Counters::bump(&self.counters.retried);
             tracing::debug!(id = %env.data.id, status, retry_count = attempt + 1, wait_secs = wait, "retry scheduled");
         }
+        if let Some(claim) = &taken.claim {
+            self.release(claim).await;
+        }
     }
 
-    /// Writes a result in the background: routed, maybe delayed, maybe duplicated.
-    pub(super) fn deliver(self: &Arc<Self>, q: &Queue, env: &Envelope, result: ResultMessage) {
+    /// Writes a result in the background: routed, maybe delayed, maybe duplicated. In v0.10 it
+    /// carries the request token, is written only while the claim is still ours, and the claim
+    /// is released once it is.
+    pub(super) fn deliver(self: &Arc<Self>, q: &Queue, taken: Taken, mut result: ResultMessage) {
+        let Taken { env, claim } = taken;
+        if self.version == DispatcherVersion::V0_10 {
+            result.request_token = env.token().map(str::to_owned);
+        }
         let list = q
             .result_queue
             .clone()
@@ -190,16 +205,21 @@ impl Shared {
         } else {
             1
         };
-        let outcome = match result.status_code {
-            Some(s) if s > 0 => s.to_string(),
-            _ => result.error_code.clone().unwrap_or_default(),
-        };
+        let outcome = result.outcome();
         let json = result.to_json();
         let delay = self.sim.result_delay;
         let this = self.clone();
         self.workers.spawn(self.guarded(async move {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
+            }
+            if let Some(claim) = &claim {
+                if !this.still_ours(claim).await {
+                    this.forget(claim);
+                    Counters::bump(&this.counters.claims_lost);
+                    tracing::warn!(queue = %claim.keys.queue, "result dropped: the claim was reclaimed, the request will be answered again");
+                    return;
+                }
             }
             let values = vec![json; copies];
             let pushed = this
@@ -212,6 +232,9 @@ impl Shared {
                 if copies == 2 {
                     Counters::bump(&this.counters.duplicated);
                 }
+            }
+            if let Some(claim) = &claim {
+                this.release(claim).await;
             }
         }));
     }

@@ -6,9 +6,7 @@ use std::time::{Duration, Instant};
 
 use batch_wire::hash::body_digest;
 use common::{get, post};
-use dispatcher_sim::{
-    FailureKind, FailureRule, Gateway, GatewayConfig, GatewayHandle, SeenRequest,
-};
+use gateway_sim::{FailureKind, FailureRule, Gateway, GatewayConfig, GatewayHandle, SeenRequest};
 use serde_json::Value;
 
 async fn start(config: GatewayConfig) -> GatewayHandle {
@@ -347,4 +345,140 @@ async fn in_flight_is_visible_while_serving() {
         assert_eq!(c.await.unwrap().unwrap().0, 200);
     }
     assert_eq!(gw.stats().in_flight, 0);
+}
+
+fn chat_with_system(system: &str, question: &str) -> String {
+    serde_json::json!({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question}
+        ],
+        "max_tokens": 1
+    })
+    .to_string()
+}
+
+/// The prefix-cache model: each endpoint keeps the last K prompt prefixes (the first system
+/// message) in an LRU; hits and misses are counted in the stats, on `/admin/stats` and on
+/// `/metrics`.
+#[tokio::test]
+async fn prefix_cache_counts_hits_and_misses_per_endpoint() {
+    let gw = start(GatewayConfig {
+        prefix_cache_size: 2,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let chat = format!("{}/v1/chat/completions", gw.base_url());
+    // A, A, B, A: miss, hit, miss, hit. Then C evicts B (A was used last), so B misses again.
+    let mut expected = Vec::new();
+    for (system, hit) in [
+        ("A", false),
+        ("A", true),
+        ("B", false),
+        ("A", true),
+        ("C", false),
+        ("B", false),
+    ] {
+        let body = chat_with_system(system, &format!("question {}", expected.len()));
+        assert_eq!(post(&chat, &body, &[]).await.unwrap().0, 200);
+        expected.push(hit);
+    }
+    let hits = expected.iter().filter(|h| **h).count() as u64;
+    let misses = expected.len() as u64 - hits;
+    assert_eq!((hits, misses), (2, 4));
+    let s = gw.stats();
+    assert_eq!((s.prefix_cache_hits, s.prefix_cache_misses), (hits, misses));
+
+    // Another endpoint has its own cache: the same prefix misses there first.
+    let completions = format!("{}/v1/completions", gw.base_url());
+    post(&completions, &chat_with_system("A", "x"), &[])
+        .await
+        .unwrap();
+    // A request without messages has no prefix and counts neither way.
+    post(&completions, r#"{"model":"m","prompt":"p"}"#, &[])
+        .await
+        .unwrap();
+    let s = gw.stats();
+    assert_eq!((s.prefix_cache_hits, s.prefix_cache_misses), (2, 5));
+
+    let (_, stats) = get(&format!("{}/admin/stats", gw.base_url())).await;
+    let stats: Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(stats["prefix_cache_hits"], 2);
+    assert_eq!(stats["prefix_cache_misses"], 5);
+    assert_eq!(stats["total"], 8);
+    let (_, page) = get(&format!("{}/metrics", gw.base_url())).await;
+    for line in [
+        "sim_gateway_prefix_cache_hits_total 2",
+        "sim_gateway_prefix_cache_misses_total 5",
+    ] {
+        assert!(
+            page.lines().any(|l| l == line),
+            "missing {line:?} in\n{page}"
+        );
+    }
+}
+
+/// Off by default (size 0): nothing is counted; turned on at run time through `/admin/config`.
+#[tokio::test]
+async fn prefix_cache_is_off_by_default_and_configurable_at_run_time() {
+    let gw = start(GatewayConfig::default()).await;
+    let chat = format!("{}/v1/chat/completions", gw.base_url());
+    for _ in 0..2 {
+        post(&chat, &chat_with_system("S", "q"), &[]).await.unwrap();
+    }
+    let s = gw.stats();
+    assert_eq!((s.prefix_cache_hits, s.prefix_cache_misses), (0, 0));
+    let (status, _, reply) = post(
+        &format!("{}/admin/config", gw.base_url()),
+        r#"{"prefix_cache_size":1,"prefix_miss_latency":"5ms"}"#,
+        &[],
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(gw.config().prefix_cache_size, 1);
+    assert_eq!(gw.config().prefix_miss_latency, Duration::from_millis(5));
+    for _ in 0..3 {
+        post(&chat, &chat_with_system("S", "q"), &[]).await.unwrap();
+    }
+    let s = gw.stats();
+    assert_eq!((s.prefix_cache_hits, s.prefix_cache_misses), (2, 1));
+}
+
+/// A miss is charged `prefix_miss_latency` on top of the latency model; a hit is not.
+#[tokio::test]
+async fn a_prefix_miss_is_charged_extra_latency() {
+    let miss_latency = Duration::from_millis(400);
+    let gw = start(GatewayConfig {
+        prefix_cache_size: 4,
+        prefix_miss_latency: miss_latency,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let chat = format!("{}/v1/chat/completions", gw.base_url());
+    let started = Instant::now();
+    post(&chat, &chat_with_system("long shared prompt", "q1"), &[])
+        .await
+        .unwrap();
+    let miss = started.elapsed();
+    assert!(miss >= miss_latency, "a miss took only {miss:?}");
+    // The hit is timed against the miss, not a fixed bound: several hits must all beat the
+    // charged latency (a loaded machine can slow one request, not the sum of them below it).
+    let started = Instant::now();
+    for i in 0..3 {
+        post(
+            &chat,
+            &chat_with_system("long shared prompt", &format!("q{i}")),
+            &[],
+        )
+        .await
+        .unwrap();
+    }
+    let hits = started.elapsed();
+    assert_eq!(gw.stats().prefix_cache_hits, 3);
+    assert!(
+        hits < miss_latency * 3,
+        "three hits took {hits:?}: they were charged the miss latency"
+    );
 }

@@ -1,7 +1,4 @@
-//! The fake OpenAI-compatible inference gateway.
-
-mod config;
-mod reply;
+//! The fake OpenAI-compatible inference gateway: its server, state and counters.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -20,11 +17,11 @@ use serde_json::Value;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use config::{FailureKind, FailureRule, GatewayConfig};
-use reply::Endpoint;
-
+use crate::config::{FailureKind, GatewayConfig};
 use crate::http::{self, Reply, Resp};
+use crate::prefix::{self, Lru};
 use crate::prom::Page;
+use crate::reply::{self, Endpoint};
 use crate::SimError;
 
 /// How many requests `/admin/requests` remembers.
@@ -106,8 +103,9 @@ impl GatewayHandle {
         lock(&self.state.recent).iter().cloned().collect()
     }
 
-    /// A probe of the current load, for gates computed from it.
-    pub(crate) fn load(&self) -> GatewayLoad {
+    /// A probe of the current in-flight count that does not keep the server running: what an
+    /// in-process gate reads.
+    pub fn load(&self) -> GatewayLoad {
         GatewayLoad(self.state.clone())
     }
 
@@ -128,7 +126,7 @@ impl Drop for GatewayHandle {
 
 /// Reads a gateway's in-flight count without owning the gateway.
 #[derive(Clone)]
-pub(crate) struct GatewayLoad(Arc<GatewayState>);
+pub struct GatewayLoad(Arc<GatewayState>);
 
 impl GatewayLoad {
     /// Inference requests being served now.
@@ -152,6 +150,10 @@ pub struct GatewayStats {
     pub responses_by_status: BTreeMap<u16, u64>,
     /// Connections reset instead of answered.
     pub resets: u64,
+    /// Requests whose prompt prefix was in their endpoint's prefix cache.
+    pub prefix_cache_hits: u64,
+    /// Requests with a prompt prefix that was not cached (each charged `prefix_miss_latency`).
+    pub prefix_cache_misses: u64,
 }
 
 impl GatewayStats {
@@ -203,6 +205,10 @@ struct GatewayState {
     resets: AtomicU64,
     by_status: Mutex<BTreeMap<u16, u64>>,
     recent: Mutex<VecDeque<SeenRequest>>,
+    /// One prefix cache per endpoint, indexed by [`Endpoint::index`].
+    prefixes: Mutex<[Lru; Endpoint::COUNT]>,
+    prefix_hits: AtomicU64,
+    prefix_misses: AtomicU64,
 }
 
 /// Locks a mutex, shrugging off poisoning: the data are counters, still meaningful.
@@ -225,6 +231,9 @@ impl GatewayState {
             resets: AtomicU64::new(0),
             by_status: Mutex::new(BTreeMap::new()),
             recent: Mutex::new(VecDeque::new()),
+            prefixes: Mutex::new(Default::default()),
+            prefix_hits: AtomicU64::new(0),
+            prefix_misses: AtomicU64::new(0),
         };
         // Validated by the caller.
         let _ = state.set_config(config);
@@ -243,6 +252,9 @@ impl GatewayState {
         if let Some(seed) = config.seed {
             *lock(&self.rng) = StdRng::seed_from_u64(seed);
         }
+        for lru in lock(&self.prefixes).iter_mut() {
+            lru.shrink(config.prefix_cache_size);
+        }
         let fired = config.failures.iter().map(|_| AtomicU64::new(0)).collect();
         *self.active.write().unwrap_or_else(|e| e.into_inner()) =
             Arc::new(Active { config, fired });
@@ -257,7 +269,32 @@ impl GatewayState {
             total: self.total.load(Ordering::SeqCst),
             responses_by_status: lock(&self.by_status).clone(),
             resets: self.resets.load(Ordering::SeqCst),
+            prefix_cache_hits: self.prefix_hits.load(Ordering::SeqCst),
+            prefix_cache_misses: self.prefix_misses.load(Ordering::SeqCst),
         }
+    }
+
+    /// Looks the request's prompt prefix up in its endpoint's cache (and caches it); true on a
+    /// miss that costs latency. Nothing is counted when the model is off or there is no prefix.
+    fn prefix_miss(
+        &self,
+        config: &GatewayConfig,
+        endpoint: Endpoint,
+        body: &serde_json::Map<String, Value>,
+    ) -> bool {
+        if config.prefix_cache_size == 0 {
+            return false;
+        }
+        let Some(key) = prefix::prefix_key(body) else {
+            return false;
+        };
+        let hit = lock(&self.prefixes)[endpoint.index()].touch(key, config.prefix_cache_size);
+        if hit {
+            self.prefix_hits.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.prefix_misses.fetch_add(1, Ordering::SeqCst);
+        }
+        !hit
     }
 
     /// Takes an in-flight slot unless the capacity is reached.
@@ -358,7 +395,27 @@ impl GatewayState {
             "counter",
             "Connections reset unanswered.",
         )
-        .sample("gateway_connection_resets_total", &[], s.resets as f64);
+        .sample("gateway_connection_resets_total", &[], s.resets as f64)
+        .family(
+            "sim_gateway_prefix_cache_hits_total",
+            "counter",
+            "Requests whose prompt prefix was cached.",
+        )
+        .sample(
+            "sim_gateway_prefix_cache_hits_total",
+            &[],
+            s.prefix_cache_hits as f64,
+        )
+        .family(
+            "sim_gateway_prefix_cache_misses_total",
+            "counter",
+            "Requests whose prompt prefix was not cached.",
+        )
+        .sample(
+            "sim_gateway_prefix_cache_misses_total",
+            &[],
+            s.prefix_cache_misses as f64,
+        );
         page.finish()
     }
 }
@@ -406,6 +463,10 @@ async fn handle(state: Arc<GatewayState>, req: Request<Incoming>) -> Reply {
             serde_json::to_string(&state.active().config).unwrap_or_default(),
         )),
         (Method::POST, "/admin/config") => Reply::Response(admin_set_config(&state, req).await),
+        (Method::GET, "/admin/stats") => Reply::Response(http::json(
+            StatusCode::OK,
+            serde_json::to_string(&state.stats()).unwrap_or_default(),
+        )),
         (Method::GET, "/admin/requests") => {
             let recent: Vec<SeenRequest> = lock(&state.recent).iter().cloned().collect();
             Reply::Response(http::json(
@@ -427,7 +488,7 @@ async fn handle(state: Arc<GatewayState>, req: Request<Incoming>) -> Reply {
             let known = Endpoint::from_path(p).is_some()
                 || matches!(
                     p,
-                    "/health" | "/metrics" | "/admin/config" | "/admin/requests"
+                    "/health" | "/metrics" | "/admin/config" | "/admin/stats" | "/admin/requests"
                 );
             let status = if known {
                 StatusCode::METHOD_NOT_ALLOWED
@@ -573,7 +634,11 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
     }
 
     let tokens = reply::requested_tokens(request).unwrap_or(config.default_max_tokens);
-    tokio::time::sleep(config.latency(tokens)).await;
+    let mut latency = config.latency(tokens);
+    if state.prefix_miss(config, endpoint, request) {
+        latency = latency.saturating_add(config.prefix_miss_latency);
+    }
+    tokio::time::sleep(latency).await;
     let text = reply::success(endpoint, model, request, &digest, tokens);
     state.count(http::json(StatusCode::OK, text))
 }

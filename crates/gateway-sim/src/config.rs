@@ -1,4 +1,5 @@
-//! The gateway's run-time configuration: latency model, capacity and failure injection.
+//! The gateway's run-time configuration: latency model, prefix cache, capacity and failure
+//! injection.
 
 use std::fmt;
 use std::str::FromStr;
@@ -31,6 +32,13 @@ pub struct GatewayConfig {
     pub retry_after_secs: u64,
     /// Seeds the failure dice so a run can be repeated; random when absent.
     pub seed: Option<u64>,
+    /// Prompt prefixes each endpoint keeps cached (an LRU); 0 turns the prefix-cache model off.
+    /// The prefix is the content of a chat request's first system message, else of its first
+    /// message.
+    pub prefix_cache_size: usize,
+    /// Extra latency of a request whose prefix is not cached (only with `prefix_cache_size` > 0).
+    #[serde(with = "crate::duration_serde")]
+    pub prefix_miss_latency: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -43,6 +51,8 @@ impl Default for GatewayConfig {
             failures: Vec::new(),
             retry_after_secs: 1,
             seed: None,
+            prefix_cache_size: 0,
+            prefix_miss_latency: Duration::ZERO,
         }
     }
 }
@@ -233,6 +243,14 @@ mod tests {
         assert_eq!(c.latency_fixed, Duration::from_millis(20));
         assert_eq!(c.capacity, Some(4));
         assert_eq!(c.retry_after_secs, 1);
+        assert_eq!(c.prefix_cache_size, 0, "the prefix cache is off by default");
+        let p: GatewayConfig =
+            serde_json::from_str(r#"{"prefix_cache_size":4,"prefix_miss_latency":"50ms"}"#)
+                .unwrap();
+        assert_eq!(
+            (p.prefix_cache_size, p.prefix_miss_latency),
+            (4, Duration::from_millis(50))
+        );
         assert_eq!(
             c.failures,
             vec![FailureRule::new(FailureKind::Status503, 0.5).limit(2)]

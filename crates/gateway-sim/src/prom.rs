@@ -1,4 +1,5 @@
-//! A tiny Prometheus text-format writer: the library must not install a global recorder.
+//! A tiny Prometheus text-format writer and reader: the simulators must not install a global
+//! recorder.
 
 use std::fmt::Write;
 

@@ -1,5 +1,6 @@
-//! The HTTP plumbing both halves share: a small HTTP/1 server whose handlers may ask for the
-//! connection to be reset (TCP RST), and the client the dispatcher posts with.
+//! The HTTP plumbing the gateway and `dispatcher-sim` share: a small HTTP/1 server whose
+//! handlers may ask for the connection to be reset (TCP RST), and the client the dispatcher
+//! posts with.
 
 use std::future::Future;
 use std::io;

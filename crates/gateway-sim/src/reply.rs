@@ -18,6 +18,18 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    /// How many endpoints there are.
+    pub const COUNT: usize = 3;
+
+    /// A distinct index below [`Endpoint::COUNT`].
+    pub fn index(self) -> usize {
+        match self {
+            Self::Chat => 0,
+            Self::Completions => 1,
+            Self::Embeddings => 2,
+        }
+    }
+
     /// The endpoint served at `path`, if any.
     pub fn from_path(path: &str) -> Option<Self> {
         match path {
