@@ -47,15 +47,18 @@ pub use messages::{request_token, JobMessages, PendingMember};
 #[derive(Debug, thiserror::Error)]
 pub enum ProducerError {
     /// A member could not be built from its input line.
-    #[error("line {index}: {source}")]
+    ///
+    /// Like every variant, it shows its cause in the message and has no `source()`, so a
+    /// printed chain shows the cause once.
+    #[error("line {index}: {error}")]
     BadLine {
         /// 0-based line index.
         index: u64,
         /// What is wrong with it.
-        source: serde_json::Error,
+        error: serde_json::Error,
     },
     /// Redis kept failing after retries.
-    #[error("Redis {command} on {key} failed after {attempts} attempts: {source}")]
+    #[error("Redis {command} on {key} failed after {attempts} attempts: {error}")]
     Redis {
         /// The command.
         command: &'static str,
@@ -64,7 +67,7 @@ pub enum ProducerError {
         /// Attempts made.
         attempts: u32,
         /// The last error.
-        source: fred::error::Error,
+        error: fred::error::Error,
     },
 }
 
@@ -256,12 +259,12 @@ impl Producer {
                     backoff = (backoff * 2).min(Duration::from_secs(10));
                     attempt += 1;
                 }
-                Err(source) => {
+                Err(error) => {
                     return Err(ProducerError::Redis {
                         command,
                         key: key.to_owned(),
                         attempts,
-                        source,
+                        error,
                     })
                 }
             }
