@@ -51,7 +51,8 @@ impl Pty {
             unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
         }
         // SAFETY: openpty gave us these fds and nothing else owns them.
-        let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+        let (master, slave) =
+            unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
         let output = Arc::new(Mutex::new(Vec::new()));
         let sink = output.clone();
         let reader = std::thread::spawn(move || {
@@ -85,7 +86,13 @@ fn rows(parser: &vt100::Parser) -> (Vec<String>, Vec<usize>) {
 }
 
 /// The processor on the pty, killed when dropped.
-fn spawn(pty: &Pty, env: &Env, config: &std::path::Path, inputs: &[&str], log: Option<&str>) -> Child {
+fn spawn(
+    pty: &Pty,
+    env: &Env,
+    config: &std::path::Path,
+    inputs: &[&str],
+    log: Option<&str>,
+) -> Child {
     let mut cmd = Command::new(PROCESSOR);
     cmd.arg("run").arg("--config").arg(config);
     for input in inputs {
@@ -145,7 +152,11 @@ fn check_screen(parser: &vt100::Parser, totals: &[u64], info_allowed: bool, when
     let mut bar_row_numbers = Vec::new();
     for &total in totals {
         let bars = bar_rows(&rows, total);
-        assert!(bars.len() <= 1, "{when}: {} bars of the {total}-line job:\n{text}", bars.len());
+        assert!(
+            bars.len() <= 1,
+            "{when}: {} bars of the {total}-line job:\n{text}",
+            bars.len()
+        );
         for bar in bars {
             assert!(
                 bar.starts_with("batch_") && bar.contains(" [") && bar.contains("] "),
@@ -155,15 +166,27 @@ fn check_screen(parser: &vt100::Parser, totals: &[u64], info_allowed: bool, when
         }
     }
     if !info_allowed {
-        let other: Vec<_> = wrapped.iter().filter(|r| !bar_row_numbers.contains(r)).collect();
+        let other: Vec<_> = wrapped
+            .iter()
+            .filter(|r| !bar_row_numbers.contains(r))
+            .collect();
         assert!(other.is_empty(), "{when}: rows {other:?} wrap:\n{text}");
     }
     if !info_allowed {
-        assert!(!text.contains(" INFO "), "{when}: INFO lines on the screen:\n{text}");
+        assert!(
+            !text.contains(" INFO "),
+            "{when}: INFO lines on the screen:\n{text}"
+        );
     }
     // Log lines keep to their own rows: none is written into a bar.
-    for row in rows.iter().filter(|r| r.contains(" INFO ") || r.contains(" WARN ")) {
-        assert!(!row.contains("] "), "{when}: a log line torn by a bar: {row:?}\n{text}");
+    for row in rows
+        .iter()
+        .filter(|r| r.contains(" INFO ") || r.contains(" WARN "))
+    {
+        assert!(
+            !row.contains("] "),
+            "{when}: a log line torn by a bar: {row:?}\n{text}"
+        );
     }
 }
 
@@ -176,7 +199,11 @@ async fn two_jobs(log: Option<&str>) -> (Env, Vec<String>) {
     .await;
     write_input(&env.path("small.jsonl"), 600, &["llama-3"]);
     // A quarter of the big job names a model nobody serves: those lines fail at once.
-    write_input(&env.path("big.jsonl"), 1200, &["llama-3", "llama-3", "llama-3", "ghost"]);
+    write_input(
+        &env.path("big.jsonl"),
+        1200,
+        &["llama-3", "llama-3", "llama-3", "ghost"],
+    );
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env
         .dispatcher(&["pool-a"], |c| {
@@ -187,7 +214,11 @@ async fn two_jobs(log: Option<&str>) -> (Env, Vec<String>) {
     let pty = Pty::open();
     let mut child = spawn(&pty, &env, &config, &["small.jsonl", "big.jsonl"], log);
     // Only the processor holds the slave side now, so the reader ends when it exits.
-    let Pty { slave, output, reader } = pty;
+    let Pty {
+        slave,
+        output,
+        reader,
+    } = pty;
     drop(slave);
     let pty = PtyView { output };
 
@@ -204,18 +235,29 @@ async fn two_jobs(log: Option<&str>) -> (Env, Vec<String>) {
         );
         let (screen, history) = pty.screen();
         check_screen(&screen, &[600, 1200], log.is_some(), "while running");
-        check_screen(&history, &[600, 1200], log.is_some(), "while running (history)");
+        check_screen(
+            &history,
+            &[600, 1200],
+            log.is_some(),
+            "while running (history)",
+        );
         let (rows, _) = self::rows(&screen);
         // A moment where both bars are on the screen and the big job is under way.
         let small = bar_rows(&rows, 600);
         let big = bar_rows(&rows, 1200);
         if small.len() == 1 && big.len() == 1 && done_of(big[0], 1200) < 1200 {
+            // Under way, the bar says when it should be done.
+            assert!(big[0].contains(" eta "), "{:?}", big[0]);
             running_screens += 1;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     reader.join().unwrap();
-    assert!(status.success(), "exit {status:?}:\n{}", pty.screen().1.screen().contents());
+    assert!(
+        status.success(),
+        "exit {status:?}:\n{}",
+        pty.screen().1.screen().contents()
+    );
     assert!(
         running_screens >= 3,
         "the bars were seen under way only {running_screens} times"
@@ -224,7 +266,12 @@ async fn two_jobs(log: Option<&str>) -> (Env, Vec<String>) {
 
     let (screen, history) = pty.screen();
     check_screen(&screen, &[600, 1200], log.is_some(), "at the end");
-    check_screen(&history, &[600, 1200], log.is_some(), "at the end (history)");
+    check_screen(
+        &history,
+        &[600, 1200],
+        log.is_some(),
+        "at the end (history)",
+    );
     let (rows, _) = self::rows(&history);
     (env, rows)
 }
@@ -259,22 +306,44 @@ fn final_bar(rows: &[String], total: u64) -> String {
 async fn an_80_column_terminal_shows_one_bar_per_job_and_no_info_lines() {
     let (env, rows) = two_jobs(None).await;
     let text = rows.join("\n");
+    eprintln!("--- the final screen's history ---\n{}", text.trim_end());
 
     let small = final_bar(&rows, 600);
-    assert!(small.contains(" 600/600 ") && small.contains(" 0 failed"), "{small:?}");
+    assert!(
+        small.contains(" 600/600 ") && small.contains(" 0 failed"),
+        "{small:?}"
+    );
     let big = final_bar(&rows, 1200);
-    assert!(big.contains(" 1200/1200 ") && big.contains(" 300 failed"), "{big:?}");
+    assert!(
+        big.contains(" 1200/1200 ") && big.contains(" 300 failed"),
+        "{big:?}"
+    );
     for bar in [&small, &big] {
         // An integer rate, and the job's time once it is done.
         let rate = bar.split(' ').find(|w| w.ends_with("/s")).expect("a rate");
-        assert!(rate.trim_end_matches("/s").parse::<u64>().is_ok(), "{bar:?}");
-        assert!(bar.contains(" in ") && bar.trim_end().ends_with("completed"), "{bar:?}");
+        assert!(
+            rate.trim_end_matches("/s").parse::<u64>().is_ok(),
+            "{bar:?}"
+        );
+        assert!(
+            bar.contains(" in ") && bar.trim_end().ends_with("completed"),
+            "{bar:?}"
+        );
     }
     // The summary, in lines that fit.
     assert_eq!(text.matches(": completed\n").count(), 2, "{text}");
-    assert!(text.contains("  600 requests: 600 completed, 0 failed"), "{text}");
-    assert!(text.contains("  1200 requests: 900 completed, 300 failed"), "{text}");
-    assert!(text.contains(&format!("  results in {}", env.path("out").join("big").display())));
+    assert!(
+        text.contains("  600 requests: 600 completed, 0 failed"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  1200 requests: 900 completed, 300 failed"),
+        "{text}"
+    );
+    assert!(text.contains(&format!(
+        "  results in {}",
+        env.path("out").join("big").display()
+    )));
     // The Batch objects are for programs, not for the terminal.
     assert!(!text.contains("{\"id\""), "{text}");
     // Nothing but the bars, the summary and blank lines.
@@ -303,7 +372,13 @@ async fn log_lines_asked_for_scroll_above_the_bars() {
     final_bar(&rows, 600);
     final_bar(&rows, 1200);
     // The last job to finish logged its end above the bars.
-    let last_finished = rows.iter().rposition(|r| r.contains("job finished")).unwrap();
-    let bar = rows.iter().position(|r| !bar_rows(std::slice::from_ref(r), 1200).is_empty()).unwrap();
+    let last_finished = rows
+        .iter()
+        .rposition(|r| r.contains("job finished"))
+        .unwrap();
+    let bar = rows
+        .iter()
+        .position(|r| !bar_rows(std::slice::from_ref(r), 1200).is_empty())
+        .unwrap();
     assert!(last_finished < bar, "{text}");
 }

@@ -369,7 +369,8 @@ impl Builder {
             // Stable: equal hashes keep input order, so every run sends in the same order.
             records.sort_by_key(|r| (r.prefix_hash, r.line));
             let path = dir.join(format!("model-{i:04}.plan"));
-            records::write_records(&path, &records).map_err(io_error("writing the plan file", &path))?;
+            records::write_records(&path, &records)
+                .map_err(io_error("writing the plan file", &path))?;
             models.push(ModelPlan {
                 model,
                 requests: records.len() as u64,

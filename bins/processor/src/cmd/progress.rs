@@ -17,7 +17,10 @@ use tokio::sync::watch;
 const LOG_EVERY: Duration = Duration::from_secs(5);
 /// The bar is dropped before it gets narrower than this.
 const MIN_BAR: usize = 10;
-/// Job ids are shortened to this when the line is too narrow for the whole id.
+/// Job ids longer than this are shortened: `batch_` and 16 of the 32 hex digits tell jobs
+/// apart, and bars of generated ids line up.
+const MAX_LABEL: usize = 22;
+/// Job ids are shortened to this when the line is too narrow for `MAX_LABEL`.
 const MIN_LABEL: usize = 14;
 
 /// The bars of this process, once [`enable_bars`] was called.
@@ -191,12 +194,18 @@ fn style(label: String, extra: Arc<Mutex<Extra>>) -> ProgressStyle {
     ProgressStyle::with_template("{head}{wide_bar}{tail}")
         .expect("valid template")
         .progress_chars("=> ")
-        .with_key("head", move |s: &ProgressState, w: &mut dyn std::fmt::Write| {
-            let _ = w.write_str(&head_line(s).head);
-        })
-        .with_key("tail", move |s: &ProgressState, w: &mut dyn std::fmt::Write| {
-            let _ = w.write_str(&line(s).tail);
-        })
+        .with_key(
+            "head",
+            move |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = w.write_str(&head_line(s).head);
+            },
+        )
+        .with_key(
+            "tail",
+            move |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = w.write_str(&line(s).tail);
+            },
+        )
 }
 
 /// The text right of the bar.
@@ -240,6 +249,7 @@ struct Line {
 impl Line {
     /// Fits `label [bar] stats` into `width` columns.
     fn fit(width: usize, label: &str, stats: &str) -> Line {
+        let label = &shorten(label, MAX_LABEL);
         let tail = format!("] {stats}");
         let fixed = 2 + tail.chars().count(); // " [" and the tail
         if fixed + MIN_BAR + label.chars().count() <= width {
@@ -282,15 +292,17 @@ mod tests {
     const ID: &str = "batch_0123456789abcdef0123456789abcdef";
 
     #[test]
-    fn a_wide_terminal_shows_the_whole_id_and_a_bar() {
+    fn a_wide_terminal_shows_a_long_id_shortened_and_a_bar() {
         let line = Line::fit(120, ID, "5/10 3/s eta 2s 0 failed");
-        assert_eq!(line.head, format!("{ID} ["));
+        assert_eq!(line.head, "batch_0123456789abcde… [");
         assert_eq!(line.tail, "] 5/10 3/s eta 2s 0 failed");
+        let line = Line::fit(120, "my-job", "5/10 3/s eta 2s 0 failed");
+        assert_eq!(line.head, "my-job [");
     }
 
     #[test]
     fn the_id_is_shortened_before_the_bar_goes() {
-        let stats = "12345/20000 805/s eta 12s 3 failed";
+        let stats = "12345/20000 805/s eta 12m05s 12345 failed cancelling";
         let line = Line::fit(80, ID, stats);
         let used = line.head.chars().count() + line.tail.chars().count();
         assert!(80 - used >= MIN_BAR, "{line:?}");

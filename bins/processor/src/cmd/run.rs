@@ -159,27 +159,24 @@ async fn run_jobs(
             match p {
                 Prepared::Finished(batch) => Ok(*batch),
                 Prepared::Ready(job) => {
+                    let id = job.id().to_owned();
                     let watcher = progress.watch(job.progress());
                     let result = executor.execute(job, cancel).await;
                     watcher.finish().await;
-                    result
+                    result.with_context(|| format!("running job {id}"))
                 }
             }
         }
     });
-    let results: Vec<anyhow::Result<Batch>> = futures::future::join_all(runs)
-        .await
-        .into_iter()
-        .map(|r| r.map_err(anyhow::Error::from))
-        .collect();
+    let results: Vec<anyhow::Result<Batch>> = futures::future::join_all(runs).await;
     progress.close();
     observability.set_ready(false);
     executor.shutdown().await;
     observability.stop().await;
 
     let mut batches = Vec::new();
-    for (r, spec) in results.into_iter().zip(&specs) {
-        batches.push(r.with_context(|| format!("running the job in {}", spec.output_dir.display()))?);
+    for r in results {
+        batches.push(r?);
     }
     // A person at a terminal reads the summary; the Batch objects are for programs (and in
     // each job's batch.json).
