@@ -190,6 +190,8 @@ fn style(label: String, extra: Arc<Mutex<Extra>>) -> ProgressStyle {
         let width = console::Term::stderr().size().1 as usize;
         Line::fit(width, &label, &stats(state, &extra))
     };
+    // Head and tail are rendered one after the other and the rate or the failed count may move
+    // in between; indicatif sizes the bar from what both rendered, so the bar absorbs it.
     let head_line = line.clone();
     ProgressStyle::with_template("{head}{wide_bar}{tail}")
         .expect("valid template")
