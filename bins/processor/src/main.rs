@@ -38,8 +38,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    init_logging();
     let cli = Cli::parse();
+    let bars = matches!(&cli.command, Command::Run(args) if args.shows_progress());
+    if bars {
+        cmd::progress::enable_bars();
+    }
+    init_logging(bars);
     let outcome = match cli.command {
         Command::CheckConfig(args) => cmd::check_config::run(args),
         Command::Queues(args) => cmd::queues::run(args),
@@ -55,13 +59,16 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs go to stderr, filtered by `RUST_LOG` (default `info`), so stdout stays machine-readable.
-fn init_logging() {
+/// Logs go to stderr, above the progress bars if any, so stdout stays machine-readable.
+/// `RUST_LOG` filters them; by default `info`, or `warn` under progress bars, where a person
+/// reads the screen and the bars say what the info lines would.
+fn init_logging(bars: bool) {
+    let default = if bars { "warn" } else { "info" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
+        .with_writer(cmd::progress::LogWriter)
         .init();
 }

@@ -58,16 +58,18 @@ pub enum BenchError {
     #[error("{0} is not installed or does not run (scripts/bench.sh installs redis-server and redis-benchmark; build the processor with `cargo build --release --bins`)")]
     MissingTool(String),
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    ///
+    /// The I/O error is part of the message, not a `source()`, so a printed chain shows it once.
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
         /// What failed.
-        source: std::io::Error,
+        error: std::io::Error,
     },
-    /// A Redis command failed.
+    /// A Redis command failed (the client's error is in the message, not a `source()`).
     #[error("redis: {0}")]
-    Redis(#[from] fred::error::Error),
+    Redis(fred::error::Error),
     /// Redis could not be reached.
     #[error(transparent)]
     Connect(#[from] batch_redis::ConnectError),
@@ -98,11 +100,17 @@ pub enum BenchError {
 }
 
 impl BenchError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: &Path, error: std::io::Error) -> Self {
         Self::Io {
             path: path.to_owned(),
-            source,
+            error,
         }
+    }
+}
+
+impl From<fred::error::Error> for BenchError {
+    fn from(error: fred::error::Error) -> Self {
+        Self::Redis(error)
     }
 }
 

@@ -63,12 +63,14 @@ pub const CANCELLED_MESSAGE: &str = "The batch was cancelled before this request
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    ///
+    /// The I/O error is part of the message, not a `source()`, so a printed chain shows it once.
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
         /// What failed.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// Planning failed for a reason other than an invalid input.
     #[error(transparent)]
@@ -133,10 +135,10 @@ pub enum ExecError {
 }
 
 impl ExecError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: &Path, error: std::io::Error) -> Self {
         Self::Io {
             path: path.to_owned(),
-            source,
+            error,
         }
     }
 }

@@ -42,9 +42,9 @@ impl Gateway {
     ) -> Result<GatewayHandle, SimError> {
         config.validate()?;
         let listener = http::bind(listen).await?;
-        let addr = listener.local_addr().map_err(|source| SimError::Bind {
+        let addr = listener.local_addr().map_err(|error| SimError::Bind {
             addr: listen,
-            source,
+            error,
         })?;
         let state = Arc::new(GatewayState::new(config));
         let token = CancellationToken::new();

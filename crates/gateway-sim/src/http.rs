@@ -56,7 +56,7 @@ pub fn json(status: StatusCode, body: impl Into<Bytes>) -> Resp {
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, SimError> {
     TcpListener::bind(addr)
         .await
-        .map_err(|source| SimError::Bind { addr, source })
+        .map_err(|error| SimError::Bind { addr, error })
 }
 
 /// Serves HTTP/1 on `listener` until `token` is cancelled; each request goes to `handler`.

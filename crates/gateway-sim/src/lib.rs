@@ -55,12 +55,14 @@ pub enum SimError {
     #[error("configuration: {0}")]
     Config(String),
     /// A listener could not be bound.
-    #[error("cannot listen on {addr}")]
+    ///
+    /// The I/O error is part of the message, not a `source()`, so a printed chain shows it once.
+    #[error("cannot listen on {addr}: {error}")]
     Bind {
         /// The address asked for.
         addr: SocketAddr,
         /// Why binding failed.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The Redis client could not be built (the dispatcher's).
     #[error("redis: {0}")]

@@ -44,6 +44,9 @@ pub use server::{serve, Readiness, ServerHandle};
 use std::net::SocketAddr;
 
 /// What can go wrong when setting up metrics or the HTTP endpoint.
+///
+/// Each variant shows its cause in the message and has no `source()`, so a printed chain
+/// shows the cause once.
 #[derive(Debug, thiserror::Error)]
 pub enum ObservabilityError {
     /// Another `metrics` recorder (not ours) was installed globally first.
@@ -51,23 +54,21 @@ pub enum ObservabilityError {
     RecorderTaken,
     /// The Prometheus recorder refused its configuration.
     #[error("metrics recorder: {0}")]
-    Recorder(#[source] metrics_exporter_prometheus::BuildError),
+    Recorder(metrics_exporter_prometheus::BuildError),
     /// The endpoint could not listen on the requested address.
-    #[error("observability server: cannot bind {addr}: {source}")]
+    #[error("observability server: cannot bind {addr}: {error}")]
     Bind {
         /// The address that was asked for.
         addr: SocketAddr,
         /// Why binding failed.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The server task ended abnormally (it panicked or its runtime went away).
-    #[error("observability server on {addr}: task failed: {source}")]
+    #[error("observability server on {addr}: task failed: {error}")]
     Task {
         /// The address the server was listening on.
         addr: SocketAddr,
         /// How the task ended.
-        #[source]
-        source: tokio::task::JoinError,
+        error: tokio::task::JoinError,
     },
 }

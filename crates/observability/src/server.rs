@@ -70,9 +70,9 @@ impl ServerHandle {
     ///
     /// [`ObservabilityError::Task`] if the server task panicked or was aborted.
     pub async fn join(self) -> Result<(), ObservabilityError> {
-        self.task.await.map_err(|source| ObservabilityError::Task {
+        self.task.await.map_err(|error| ObservabilityError::Task {
             addr: self.local_addr,
-            source,
+            error,
         })
     }
 }
@@ -92,7 +92,7 @@ pub async fn serve(
     readiness: Readiness,
     shutdown: CancellationToken,
 ) -> Result<ServerHandle, ObservabilityError> {
-    let bind_error = |source| ObservabilityError::Bind { addr, source };
+    let bind_error = |error| ObservabilityError::Bind { addr, error };
     let listener = TcpListener::bind(addr).await.map_err(bind_error)?;
     let local_addr = listener.local_addr().map_err(bind_error)?;
     let routes = Arc::new(Routes { metrics, readiness });

@@ -74,19 +74,30 @@ pub enum PlanError {
     #[error("the input file is invalid ({} problems)", .0.len())]
     Invalid(Vec<BatchError>),
     /// Reading the input or writing a plan file failed.
-    #[error("{path}: {source}")]
+    ///
+    /// The I/O error is part of the message, not a `source()`, so a printed chain shows it once.
+    #[error("{action} {path}: {error}")]
     Io {
+        /// What was being done, such as `reading the input file`.
+        action: &'static str,
         /// The file concerned.
         path: PathBuf,
         /// What failed.
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 
-fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> PlanError + '_ {
-    move |source| PlanError::Io {
+const READ_INPUT: &str = "reading the input file";
+const READ_PLAN: &str = "reading the plan file";
+
+fn io_error<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> PlanError + 'a {
+    move |error| PlanError::Io {
+        action,
         path: path.to_owned(),
-        source,
+        error,
     }
 }
 
@@ -124,8 +135,8 @@ impl Plan {
     /// Validates `input` in one pass and writes the plan files into `dir` (created if needed,
     /// earlier plan files replaced).
     pub fn build(input: &Path, dir: &Path, limits: Limits) -> Result<Plan, PlanError> {
-        let file = File::open(input).map_err(io_error(input))?;
-        let size = file.metadata().map_err(io_error(input))?.len();
+        let file = File::open(input).map_err(io_error(READ_INPUT, input))?;
+        let size = file.metadata().map_err(io_error(READ_INPUT, input))?.len();
         if size > limits.max_file_bytes {
             return Err(PlanError::Invalid(vec![BatchError {
                 code: error_codes::TOO_LARGE.into(),
@@ -146,7 +157,7 @@ impl Plan {
             buf.clear();
             let n = reader
                 .read_until(b'\n', &mut buf)
-                .map_err(io_error(input))?;
+                .map_err(io_error(READ_INPUT, input))?;
             if n == 0 {
                 break;
             }
@@ -176,7 +187,7 @@ impl Plan {
 
     /// Opens the input for positioned reads of its lines.
     pub fn open_input(&self) -> Result<InputFile, PlanError> {
-        InputFile::open(&self.input).map_err(io_error(&self.input))
+        InputFile::open(&self.input).map_err(io_error(READ_INPUT, &self.input))
     }
 
     /// Every request line.
@@ -201,7 +212,7 @@ impl Plan {
 
     /// The records of one model, in send order.
     pub fn records(&self, model: &ModelPlan) -> Result<RecordReader, PlanError> {
-        RecordReader::open(&model.path).map_err(io_error(&model.path))
+        RecordReader::open(&model.path).map_err(io_error(READ_PLAN, &model.path))
     }
 }
 
@@ -373,13 +384,14 @@ impl Builder {
             }
             return Err(PlanError::Invalid(self.errors));
         }
-        std::fs::create_dir_all(dir).map_err(io_error(dir))?;
+        std::fs::create_dir_all(dir).map_err(io_error("creating the plan directory", dir))?;
         let mut models = Vec::with_capacity(self.by_model.len());
         for (i, (model, mut records)) in self.by_model.into_iter().enumerate() {
             // Stable: equal hashes keep input order, so every run sends in the same order.
             records.sort_by_key(|r| (r.prefix_hash, r.line));
             let path = dir.join(format!("model-{i:04}.plan"));
-            records::write_records(&path, &records).map_err(io_error(&path))?;
+            records::write_records(&path, &records)
+                .map_err(io_error("writing the plan file", &path))?;
             models.push(ModelPlan {
                 model,
                 requests: records.len() as u64,

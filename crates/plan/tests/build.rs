@@ -186,5 +186,14 @@ fn missing_input_is_an_io_error_naming_the_file() {
     )
     .unwrap_err();
     assert!(matches!(err, PlanError::Io { .. }));
-    assert!(err.to_string().contains("nope.jsonl"), "{err}");
+    let path = dir.path().join("nope.jsonl");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "reading the input file {}: No such file or directory (os error 2)",
+            path.display()
+        )
+    );
+    // The I/O error is in the message once, not again as a source.
+    assert!(std::error::Error::source(&err).is_none());
 }

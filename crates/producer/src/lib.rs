@@ -49,22 +49,25 @@ pub use messages::{request_token, JobMessages, PendingMember, MAX_POSITION};
 #[derive(Debug, thiserror::Error)]
 pub enum ProducerError {
     /// A member could not be built from its input line.
-    #[error("line {index}: {source}")]
+    ///
+    /// Like every variant, it shows its cause in the message and has no `source()`, so a
+    /// printed chain shows the cause once.
+    #[error("line {index}: {error}")]
     BadLine {
         /// 0-based line index.
         index: u64,
         /// What is wrong with it.
-        source: serde_json::Error,
+        error: serde_json::Error,
     },
     /// Redis answered with an error that waiting will not cure (a permission, a wrong type).
-    #[error("Redis {command} on {key}: {source}")]
+    #[error("Redis {command} on {key}: {error}")]
     Redis {
         /// The command.
         command: &'static str,
         /// The key.
         key: String,
         /// Redis' answer.
-        source: fred::error::Error,
+        error: fred::error::Error,
     },
     /// The producer's stop token fired while it waited for Redis.
     #[error("stopped while waiting for Redis")]
@@ -353,10 +356,10 @@ impl Producer {
             .await
             .map_err(|e| match e {
                 RetryError::Stopped => ProducerError::Stopped,
-                RetryError::Failed { source, .. } => ProducerError::Redis {
+                RetryError::Failed { error, .. } => ProducerError::Redis {
                     command,
                     key: key.to_owned(),
-                    source,
+                    error,
                 },
             })
     }

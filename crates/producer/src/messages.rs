@@ -64,7 +64,7 @@ impl JobMessages {
     /// time it is built, and how long it will wait in the queue is not known here anyway.
     pub fn member(&self, index: u64, line: &[u8]) -> Result<String, ProducerError> {
         let input: InputLine = serde_json::from_slice(line)
-            .map_err(|source| ProducerError::BadLine { index, source })?;
+            .map_err(|error| ProducerError::BadLine { index, error })?;
         let id = batch_wire::request_id(&self.job_id, index);
         let mut headers = self.headers.clone();
         headers.insert("X-Request-ID".into(), id.clone());

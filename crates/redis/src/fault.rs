@@ -50,12 +50,12 @@ pub enum RetryError {
     #[error("stopped while waiting for Redis")]
     Stopped,
     /// Redis answered with an error that waiting will not cure.
-    #[error("{what}: {source}")]
+    #[error("{what}: {error}")]
     Failed {
         /// The operation.
         what: String,
         /// Redis' answer.
-        source: Error,
+        error: Error,
     },
 }
 
@@ -117,10 +117,10 @@ impl Retry {
                     }
                     backoff = (backoff * 2).min(self.max);
                 }
-                Err(source) => {
+                Err(error) => {
                     return Err(RetryError::Failed {
                         what: self.what.clone(),
-                        source,
+                        error,
                     })
                 }
             }

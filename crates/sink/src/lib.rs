@@ -49,12 +49,14 @@ pub const BATCH_FILE: &str = "batch.json";
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     /// Reading or writing a file failed.
-    #[error("{path}: {source}")]
+    ///
+    /// The I/O error is part of the message, not a `source()`, so a printed chain shows it once.
+    #[error("{path}: {error}")]
     Io {
         /// The file concerned.
         path: PathBuf,
         /// What failed.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A file holds a line that does not belong to this job.
     #[error("{path}: line {line} does not belong to job {job_id}: {reason}")]
@@ -81,9 +83,9 @@ pub enum SinkError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SinkError + '_ {
-    move |source| SinkError::Io {
+    move |error| SinkError::Io {
         path: path.to_owned(),
-        source,
+        error,
     }
 }
 
@@ -287,7 +289,7 @@ impl JobSink {
         }
         SinkError::Io {
             path,
-            source: error,
+            error,
         }
     }
 
@@ -392,9 +394,9 @@ pub fn read_batch(dir: &Path) -> Result<Option<Batch>, SinkError> {
             .map(Some)
             .map_err(|e| SinkError::Io {
                 path,
-                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+                error: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
             }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(SinkError::Io { path, source: e }),
+        Err(error) => Err(SinkError::Io { path, error }),
     }
 }

@@ -54,9 +54,17 @@ pub use serde_json::value::RawValue;
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
     /// Not JSON, or JSON of the wrong shape (serde's message names the field).
+    ///
+    /// serde's error is part of the message, not a `source()`, so a printed chain shows it once.
     #[error("malformed message: {0}")]
-    Json(#[from] serde_json::Error),
+    Json(serde_json::Error),
     /// JSON of the right shape that the dispatcher still refuses.
     #[error("invalid message: {0}")]
     Invalid(String),
+}
+
+impl From<serde_json::Error> for WireError {
+    fn from(error: serde_json::Error) -> Self {
+        Self::Json(error)
+    }
 }

@@ -56,6 +56,13 @@ pub struct Args {
     no_progress: bool,
 }
 
+impl Args {
+    /// Whether progress bars are drawn: stderr is a terminal and `--no-progress` is not given.
+    pub fn shows_progress(&self) -> bool {
+        !self.no_progress && std::io::stderr().is_terminal()
+    }
+}
+
 fn parse_window(text: &str) -> Result<Duration, String> {
     match batch_config::parse_duration(text)? {
         d if d.as_secs() == 0 => Err("the window must be at least 1s".into()),
@@ -132,7 +139,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Err(code) => return Ok(code),
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    let show_bars = !args.no_progress && std::io::stderr().is_terminal();
+    let show_bars = args.shows_progress();
     runtime.block_on(run_jobs(config, specs, show_bars))
 }
 
@@ -155,7 +162,8 @@ async fn run_jobs(
             executor
                 .prepare(spec)
                 .await
-                .with_context(|| format!("preparing {}", spec.input.display()))?,
+                // The errors name the file that failed: the path would only repeat.
+                .context("preparing the job")?,
         );
     }
     observability.set_ready(true);
@@ -168,19 +176,17 @@ async fn run_jobs(
             match p {
                 Prepared::Finished(batch) => Ok(*batch),
                 Prepared::Ready(job) => {
+                    let id = job.id().to_owned();
                     let watcher = progress.watch(job.progress());
                     let result = executor.execute(job, cancel).await;
                     watcher.finish().await;
-                    result
+                    result.with_context(|| format!("running job {id}"))
                 }
             }
         }
     });
-    let results: Vec<anyhow::Result<Batch>> = futures::future::join_all(runs)
-        .await
-        .into_iter()
-        .map(|r| r.map_err(anyhow::Error::from))
-        .collect();
+    let results: Vec<anyhow::Result<Batch>> = futures::future::join_all(runs).await;
+    progress.close();
     observability.set_ready(false);
     executor.shutdown().await;
     observability.stop().await;
@@ -189,27 +195,30 @@ async fn run_jobs(
     for r in results {
         batches.push(r?);
     }
+    // A person at a terminal reads the summary; the Batch objects are for programs (and in
+    // each job's batch.json).
+    let print_batches = !std::io::stdout().is_terminal();
     for (spec, batch) in specs.iter().zip(&batches) {
         summarize(spec, batch);
-        println!(
-            "{}",
-            serde_json::to_string(batch).expect("batch serialises")
-        );
+        if print_batches {
+            println!(
+                "{}",
+                serde_json::to_string(batch).expect("batch serialises")
+            );
+        }
     }
     Ok(exit_code(&batches))
 }
 
 fn summarize(spec: &JobSpec, batch: &Batch) {
     let c = batch.request_counts;
+    // Short lines, so that an 80-column terminal does not wrap them.
+    eprintln!("job {}: {}", batch.id, batch.status.as_str());
     eprintln!(
-        "job {} {}: {} requests, {} completed, {} failed -> {}",
-        batch.id,
-        batch.status.as_str(),
-        c.total,
-        c.completed,
-        c.failed,
-        spec.output_dir.display()
+        "  {} requests: {} completed, {} failed",
+        c.total, c.completed, c.failed
     );
+    eprintln!("  results in {}", spec.output_dir.display());
     if let Some(errors) = &batch.errors {
         for e in errors.data.iter().take(20) {
             match e.line {

@@ -47,9 +47,9 @@ impl Dispatcher {
         let mut metrics_addr = None;
         if let Some(listen) = config.metrics_listen {
             let listener = http::bind(listen).await?;
-            metrics_addr = Some(listener.local_addr().map_err(|source| SimError::Bind {
+            metrics_addr = Some(listener.local_addr().map_err(|error| SimError::Bind {
                 addr: listen,
-                source,
+                error,
             })?);
             let source = shared.clone();
             let handler = Arc::new(move |req: hyper::Request<hyper::body::Incoming>| {
