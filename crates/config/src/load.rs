@@ -201,10 +201,12 @@ fn dispatch_mode(c: &mut Collector<'_>, root: &Table<'_>) -> DispatchMode {
 fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfig {
     let t = c.table(root, "async_dispatch", ASYNC_KEYS);
     let d = AsyncDispatchConfig::default();
+    let result_poll_timeout = c.positive_duration(&t, "result_poll_timeout", d.result_poll_timeout);
+    let queue_prefix = name_part(c, &t, "queue_prefix", "prefix").unwrap_or(d.queue_prefix);
     let consumer_id = name_part(c, &t, "consumer_id", "consumer id");
     AsyncDispatchConfig {
-        result_poll_timeout: c.positive_duration(&t, "result_poll_timeout", d.result_poll_timeout),
-        queue_prefix: name_part(c, &t, "queue_prefix", "prefix").unwrap_or(d.queue_prefix),
+        result_poll_timeout,
+        queue_prefix,
         consumer_id_set: consumer_id.is_some(),
         consumer_id: consumer_id.unwrap_or(d.consumer_id),
         retry_queue_name: c.string(&t, "retry_queue_name").unwrap_or(d.retry_queue_name),
