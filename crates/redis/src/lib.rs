@@ -262,8 +262,17 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
                         reason: last,
                     });
                 }
-                if parsed.is_tls() && last.to_ascii_lowercase().contains("timeout") {
-                    last.push_str(" (a TLS URL: does the server speak TLS on this port?)");
+                if parsed.is_tls() {
+                    // A plaintext server just waits for a command that never comes: ask it.
+                    if let Some((host, port)) = plaintext_node(&parsed).await {
+                        return Err(ConnectError::Tls {
+                            url: shown,
+                            addresses: format!("{host}:{port}"),
+                            reason: "the server answers in plaintext, not TLS (does the server speak TLS? \
+                                use redis:// for a plaintext server, or the server's TLS port)"
+                                .into(),
+                        });
+                    }
                 }
                 if attempt < attempts {
                     tracing::warn!(url = %shown, attempt, error = %last, "Redis not reachable, retrying in {backoff:?}");
@@ -278,6 +287,27 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
         attempts,
         last,
     })
+}
+
+/// The first node of `url` that answers a plaintext `PING` with a Redis reply, if any.
+async fn plaintext_node(url: &RedisUrl) -> Option<(String, u16)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    for (host, port) in url.nodes() {
+        let probe = async {
+            let mut stream = tokio::net::TcpStream::connect((host.as_str(), *port))
+                .await
+                .ok()?;
+            stream.write_all(b"PING\r\n").await.ok()?;
+            let mut first = [0u8; 1];
+            stream.read_exact(&mut first).await.ok()?;
+            // +PONG, or -NOAUTH when a password is required: a RESP reply either way.
+            matches!(first[0], b'+' | b'-').then_some(())
+        };
+        if let Ok(Some(())) = tokio::time::timeout(Duration::from_secs(2), probe).await {
+            return Some((host.clone(), *port));
+        }
+    }
+    None
 }
 
 fn is_auth_failure(detail: &str) -> bool {

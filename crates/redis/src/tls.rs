@@ -180,7 +180,12 @@ pub(crate) fn explain_handshake(detail: &str, tls: &RedisTls) -> Option<String> 
             tls.trust_description()
         )
     } else if has("NotValidForName") {
-        "the server's certificate is not valid for the host in the URL (set server_name to the name it carries)".to_owned()
+        match &tls.server_name {
+            Some(name) => format!("the server's certificate is not valid for server_name {name:?}"),
+            None => "the server's certificate is not valid for the host in the URL \
+                (set server_name to the name it carries)"
+                .to_owned(),
+        }
     } else if has("Expired") || has("NotValidYet") {
         "the server's certificate is expired or not yet valid".to_owned()
     } else if has("CertificateRequired") || (has("HandshakeFailure") && tls.cert_file.is_none()) {
@@ -203,5 +208,15 @@ pub(crate) fn explain_handshake(detail: &str, tls: &RedisTls) -> Option<String> 
     } else {
         return None;
     };
-    Some(format!("{why}: {detail}"))
+    Some(format!("{why}: {}", short(detail)))
+}
+
+/// rustls' error out of fred's `Custom { kind: InvalidData, error: … }` wrapping.
+fn short(detail: &str) -> &str {
+    match detail.split_once("error: ") {
+        Some((head, rest)) if head.starts_with("Custom {") => {
+            rest.strip_suffix(" }").unwrap_or(rest)
+        }
+        _ => detail,
+    }
 }
