@@ -104,6 +104,24 @@ const SCHEMES: [(&str, u8, bool); 6] = [
     ("rediss-sentinel", 2, true),
 ];
 
+/// Schemes a mistaken URL plausibly has, named in the error (none carries a secret).
+const KNOWN_OTHER_SCHEMES: [&str; 14] = [
+    "http",
+    "https",
+    "tcp",
+    "tls",
+    "unix",
+    "redis+unix",
+    "rediss+unix",
+    "valkey",
+    "valkeys",
+    "valkey-cluster",
+    "valkeys-cluster",
+    "valkey-sentinel",
+    "valkeys-sentinel",
+    "sentinel",
+];
+
 const EXPECTED: &str = "expected redis://, rediss://, redis-cluster://, rediss-cluster://, \
     redis-sentinel:// or rediss-sentinel://";
 
@@ -136,14 +154,10 @@ pub fn parse_url(url: &str) -> Result<RedisUrl, UrlError> {
         return bad(format!("not a Redis URL ({EXPECTED})"));
     };
     let Some(&(_, kind, tls)) = SCHEMES.iter().find(|(s, ..)| *s == scheme) else {
-        let shown = if scheme.len() <= 20
-            && scheme
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
-        {
-            format!("scheme {scheme:?}")
-        } else {
-            "scheme".to_owned()
+        // Only well-known schemes are named: whatever else precedes :// could be a secret.
+        let shown = match KNOWN_OTHER_SCHEMES.contains(&scheme) {
+            true => format!("scheme {scheme:?}"),
+            false => "scheme".to_owned(),
         };
         return bad(format!("unsupported {shown} ({EXPECTED})"));
     };
@@ -152,7 +166,11 @@ pub fn parse_url(url: &str) -> Result<RedisUrl, UrlError> {
     }
     let parsed = match url::Url::parse(url) {
         Ok(parsed) => parsed,
-        Err(e) => return bad(format!("the URL does not parse: {e}")),
+        Err(e) => {
+            return bad(format!(
+                "the URL does not parse: {e} (a password with # / ? @ or % must be percent-encoded: %23 %2F %3F %40 %25)"
+            ))
+        }
     };
     let host = match parsed.host_str() {
         Some(host) if !host.is_empty() => host.to_owned(),
@@ -310,14 +328,16 @@ mod tests {
         for (url, needle) in [
             ("127.0.0.1:6379", "not a Redis URL"),
             ("http://host", "unsupported scheme \"http\""),
-            ("unix:///tmp/r.sock", "unsupported scheme"),
+            ("unix:///tmp/r.sock", "unsupported scheme \"unix\""),
+            ("s3cret://host", "unsupported scheme ("),
             ("redis+unix:///tmp/r.sock", "unsupported scheme"),
             ("redis://", "no host"),
             ("redis://host:port", "does not parse"),
             ("redis://user@host", "no password"),
             ("redis://host/x", "database number"),
             ("redis://host/300", "database number"),
-            ("redis://:p#w@host", "fragment"),
+            ("redis://:pw@host#x", "fragment"),
+            ("redis://:p#w@host", "percent-encoded"),
             ("redis://h?node=h:2", "unknown query parameter \"node\""),
             ("redis-cluster://h:1/3", "only database 0"),
             ("redis-cluster://h:1?node=h", "expected host:port"),

@@ -199,6 +199,16 @@ impl RedisSentinels {
         panic!("no sentinel names a primary for {SERVICE}");
     }
 
+    /// The port of the data server that is not the primary now.
+    pub fn replica_port(&self) -> u16 {
+        let primary = self.primary_port();
+        self.servers
+            .iter()
+            .map(RedisServer::port)
+            .find(|p| *p != primary)
+            .expect("two data servers")
+    }
+
     /// The data server (primary or replica) listening on `port`.
     pub fn server(&self, port: u16) -> &RedisServer {
         self.servers
