@@ -39,7 +39,7 @@ use fred::types::config::ServerConfig;
 mod tls;
 mod url;
 
-pub use crate::tls::RedisTls;
+pub use crate::tls::{RedisTls, TlsSetupError};
 pub use crate::url::{parse_url, RedisUrl, Topology, UrlError};
 
 /// How [`connect`] connects and how hard it tries.

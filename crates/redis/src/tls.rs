@@ -35,6 +35,14 @@ impl RedisTls {
         }
     }
 
+    /// Reads and checks every file and the server name as [`crate::connect`] would, so a
+    /// config check refuses what connecting would refuse. The error names the field and file.
+    pub fn check(&self) -> Result<(), TlsSetupError> {
+        self.to_fred()
+            .map(drop)
+            .map_err(|reason| TlsSetupError { reason })
+    }
+
     /// fred's TLS settings; errors name the file or field at fault.
     pub(crate) fn to_fred(&self) -> Result<TlsConfig, String> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -126,6 +134,14 @@ fn read_certs(path: &Path, field: &str) -> Result<Vec<CertificateDer<'static>>, 
         ));
     }
     Ok(certs)
+}
+
+/// Why TLS settings cannot be used; the message names the field and file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct TlsSetupError {
+    /// What is wrong.
+    pub reason: String,
 }
 
 /// Verifies the chain as usual, but against the configured `server_name`.
