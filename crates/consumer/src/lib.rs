@@ -50,7 +50,8 @@ use std::time::Duration;
 
 use batch_wire::{parse_request_id, ResultMessage};
 use fred::clients::Client;
-use fred::interfaces::ListInterface;
+use fred::interfaces::{ClientLike, ListInterface};
+use fred::types::config::Options;
 use fred::types::lists::LMoveDirection;
 use fred::types::scripts::Script;
 use tokio_util::sync::CancellationToken;
@@ -239,9 +240,14 @@ impl ResultConsumer {
         if taken == 0 {
             self.stats.empty_poll();
             let timeout = self.options.poll_timeout.as_secs_f64();
+            // The client's default command timeout must not cut a long poll short.
+            let blocking = self.client.with_options(&Options {
+                timeout: Some(self.options.poll_timeout + Duration::from_secs(10)),
+                ..Options::default()
+            });
             let popped: Option<String> = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
-                r = self.client.blmove(&self.results, &self.inflight, LMoveDirection::Right, LMoveDirection::Left, timeout) => r?,
+                r = blocking.blmove(&self.results, &self.inflight, LMoveDirection::Right, LMoveDirection::Left, timeout) => r?,
             };
             if popped.is_none() {
                 return Ok(());
