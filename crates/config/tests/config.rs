@@ -1033,3 +1033,33 @@ fn redis_tls_files_are_checked_as_connecting_would() {
         "redis_tls.ca_fil: unknown key (did you mean ca_file?)",
     );
 }
+
+#[test]
+fn the_async_example_documents_every_redis_url_form_and_redis_tls() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let example = fs::read_to_string(root.join("examples/config/async.yaml")).unwrap();
+    let readme = fs::read_to_string(root.join("README.md")).unwrap();
+    for form in [
+        "redis://",
+        "rediss://",
+        "redis-cluster://",
+        "rediss-cluster://",
+        "redis-sentinel://",
+        "rediss-sentinel://",
+        "sentinelServiceName=",
+        "node=host:port",
+    ] {
+        assert!(example.contains(form), "async.yaml lacks {form}");
+        assert!(readme.contains(form), "README.md lacks {form}");
+    }
+    for key in [
+        "redis_tls:",
+        "ca_file:",
+        "cert_file:",
+        "key_file:",
+        "server_name:",
+    ] {
+        assert!(example.contains(key), "async.yaml lacks {key}");
+        assert!(readme.contains(key), "README.md lacks {key}");
+    }
+}
