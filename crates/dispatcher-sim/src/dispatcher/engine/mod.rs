@@ -161,9 +161,13 @@ fn redis_client(url: &str, tls: Option<&batch_redis::RedisTls>) -> Result<RedisC
         tls: tls.cloned(),
         ..batch_redis::ConnectOptions::default()
     };
-    // The error shows the URL without its password.
-    let mut builder =
-        batch_redis::builder(url, &options).map_err(|e| SimError::Redis(e.to_string()))?;
+    // The errors show the URL without its password.
+    let mut builder = batch_redis::builder(url, &options).map_err(|e| match e {
+        batch_redis::ConnectError::BadUrl { url, reason } => {
+            SimError::Redis(format!("the redis URL {url} is invalid: {reason}"))
+        }
+        other => SimError::Redis(other.to_string()),
+    })?;
     // Keep retrying when Redis is down at start, like every later outage.
     builder
         .with_config(|c| c.fail_fast = false)
