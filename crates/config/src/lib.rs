@@ -13,7 +13,9 @@
 //! reaches models whose names are lowercase and hold no `.`.
 //!
 //! Secrets (the Redis URL, gateway API keys) live in mounted files named by the config; they are
-//! read at load time into [`Secret`]s, which print as `[redacted]`.
+//! read at load time into [`Secret`]s, which print as `[redacted]`. The Redis URL is checked by
+//! the connection library's own parser ([`batch_redis::parse_url`]), so the config accepts exactly
+//! the forms connecting accepts; `redis_tls` ([`RedisTlsConfig`]) goes only with a `rediss…` URL.
 //!
 //! ```
 //! use batch_config::{DispatchMode, ProcessorConfig};

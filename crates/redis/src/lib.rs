@@ -103,8 +103,9 @@ pub enum ConnectError {
         /// What failed.
         reason: String,
     },
-    /// The server refused the credentials, or the user may not run a command the client needs.
-    #[error("Redis at {url} refused the login: {reason}")]
+    /// The server refused the credentials, or the user may not run a command the client needs
+    /// to set up its connection.
+    #[error("Redis at {url} refused the user or its rights: {reason}")]
     Auth {
         /// The URL, secrets removed.
         url: String,
