@@ -124,11 +124,14 @@ pub enum ConnectError {
     },
 }
 
-/// Query parameters whose values are shown as they are; every other one is masked.
+/// Query parameters whose values are shown as they are.
 const SHOWN_PARAMS: [&str; 2] = ["node", "sentinelServiceName"];
+/// Query parameters shown by name only; any other (even its name) is `***`.
+const MASKED_PARAMS: [&str; 2] = ["sentinelUsername", "sentinelPassword"];
 
 /// `url` with its secrets replaced by `***`, for logs and errors: the user name and password, and
-/// every query parameter but `node` and `sentinelServiceName` (so `sentinelPassword=***`).
+/// the values of `sentinelUsername` and `sentinelPassword`, and any unknown query parameter whole
+/// (`node` and `sentinelServiceName` are shown).
 /// Something that does not parse as a URL is shown as `<redacted>`.
 ///
 /// ```
@@ -162,7 +165,7 @@ pub fn redact_url(url: &str) -> String {
         separator = '&';
         if SHOWN_PARAMS.contains(&key.as_ref()) {
             out.push_str(&format!("{key}={value}"));
-        } else if key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        } else if MASKED_PARAMS.contains(&key.as_ref()) {
             out.push_str(&format!("{key}=***"));
         } else {
             out.push_str("***");
@@ -339,6 +342,41 @@ mod tests {
         );
         assert_eq!(redact_url("rediss://:p%40ss@host"), "rediss://***@host");
         assert_eq!(redact_url("garbage s3cret"), "<redacted>");
+    }
+
+    #[test]
+    fn redaction_covers_cluster_and_sentinel_urls() {
+        assert_eq!(
+            redact_url(
+                "rediss-cluster://batch:s3cret@10.0.0.1:7000?node=10.0.0.2:7000&node=10.0.0.3:7000"
+            ),
+            "rediss-cluster://***@10.0.0.1:7000?node=10.0.0.2:7000&node=10.0.0.3:7000"
+        );
+        let shown = redact_url(
+            "redis-sentinel://:s3cret@h:26379/2?sentinelServiceName=main&sentinelUsername=admin\
+             &sentinelPassword=t0p&node=h2:26379",
+        );
+        assert_eq!(
+            shown,
+            "redis-sentinel://***@h:26379/2?sentinelServiceName=main&sentinelUsername=***\
+             &sentinelPassword=***&node=h2:26379"
+        );
+        // Whatever else could hide a secret is masked too.
+        assert_eq!(redact_url("redis://h/s3cret"), "redis://h/***");
+        assert_eq!(redact_url("redis://h?s3cret"), "redis://h?***");
+        assert_eq!(redact_url("redis://h?x=s3cret"), "redis://h?***");
+        assert_eq!(redact_url("redis://:s3cret@h#frag"), "redis://***@h");
+        for url in [
+            "redis://u:s3cret@[::1]:6379",
+            "redis://user@h",
+            "redis://:p%2Fss@h",
+        ] {
+            let shown = redact_url(url);
+            assert!(
+                !shown.contains("s3cret") && !shown.contains("user") && !shown.contains("p%2Fss"),
+                "{shown}"
+            );
+        }
     }
 
     #[tokio::test]
