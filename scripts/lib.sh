@@ -8,11 +8,14 @@ as_root() {
 
 # Installs redis-server (and redis-cli, redis-benchmark) with apt-get when missing.
 ensure_redis() {
-  if command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null; then return; fi
-  echo "installing redis-server with apt-get..." >&2
+  if command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null \
+    && command -v redis-cli >/dev/null && command -v redis-sentinel >/dev/null; then return; fi
+  echo "installing redis-server, redis-tools and redis-sentinel with apt-get..." >&2
   as_root apt-get update -qq >/dev/null || true
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
-  # Debian starts a system Redis on 6379 with the package; we never use it.
+  # redis-sentinel: the Sentinel tests (crates/testkit); redis-cli: TLS commands and cluster creation.
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    redis-server redis-tools redis-sentinel >/dev/null
+  # Debian starts a system Redis (and Sentinel) with the packages; we never use them.
 }
 
 # Prints a loopback TCP port nobody listens on.

@@ -112,9 +112,22 @@ struct DispatcherArgs {
         default_value = "redis-sortedset"
     )]
     message_queue_impl: String,
-    /// Redis URL, e.g. redis://127.0.0.1:6379.
+    /// Redis URL: redis://, rediss:// (TLS), redis-cluster://host:port?node=host:port,
+    /// redis-sentinel://host:port?sentinelServiceName=NAME&node=host:port (rediss-… for TLS).
     #[arg(long = "redis.url", env = "REDIS_URL", hide_env_values = true)]
     redis_url: Option<String>,
+    /// TLS: CA bundle to trust instead of the system roots (rediss… URLs only).
+    #[arg(long = "redis.tls-ca-file")]
+    redis_tls_ca_file: Option<PathBuf>,
+    /// TLS: client certificate for mutual TLS (with --redis.tls-key-file).
+    #[arg(long = "redis.tls-cert-file", requires = "redis_tls_key_file")]
+    redis_tls_cert_file: Option<PathBuf>,
+    /// TLS: the client certificate's private key (with --redis.tls-cert-file).
+    #[arg(long = "redis.tls-key-file", requires = "redis_tls_cert_file")]
+    redis_tls_key_file: Option<PathBuf>,
+    /// TLS: the name the server certificate must carry, when it is not the URL's host.
+    #[arg(long = "redis.tls-server-name")]
+    redis_tls_server_name: Option<String>,
     /// A JSON file holding the array of queue entries.
     #[arg(long = "redis.ss.queues-config-file", conflicts_with = "queues_config")]
     queues_config_file: Option<PathBuf>,
@@ -217,6 +230,19 @@ struct DispatcherArgs {
     allow_non_loopback: bool,
 }
 
+impl DispatcherArgs {
+    /// The `--redis.tls-*` flags; `None` when none is given.
+    fn redis_tls(&self) -> Option<batch_redis::RedisTls> {
+        let tls = batch_redis::RedisTls {
+            ca_file: self.redis_tls_ca_file.clone(),
+            cert_file: self.redis_tls_cert_file.clone(),
+            key_file: self.redis_tls_key_file.clone(),
+            server_name: self.redis_tls_server_name.clone(),
+        };
+        (tls != batch_redis::RedisTls::default()).then_some(tls)
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -311,6 +337,7 @@ async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
     };
 
     let mut config = DispatcherConfig::new(redis_url, queues);
+    config.redis_tls = args.redis_tls();
     config.default_result_queue = args.result_queue_name;
     config.retry_queue = args.retry_queue_name;
     config.poll_interval = Duration::from_millis(args.poll_interval_ms);

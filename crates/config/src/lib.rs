@@ -13,7 +13,9 @@
 //! reaches models whose names are lowercase and hold no `.`.
 //!
 //! Secrets (the Redis URL, gateway API keys) live in mounted files named by the config; they are
-//! read at load time into [`Secret`]s, which print as `[redacted]`.
+//! read at load time into [`Secret`]s, which print as `[redacted]`. The Redis URL is checked by
+//! the connection library's own parser ([`batch_redis::parse_url`]), so the config accepts exactly
+//! the forms connecting accepts; `redis_tls` ([`RedisTlsConfig`]) goes only with a `rediss…` URL.
 //!
 //! ```
 //! use batch_config::{DispatchMode, ProcessorConfig};
@@ -61,7 +63,7 @@ pub use error::{ConfigError, ConfigErrors};
 pub use load::{ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
-    ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, Secret, TlsConfig,
+    ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig, Secret, TlsConfig,
     DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};

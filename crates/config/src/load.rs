@@ -26,6 +26,7 @@ const ROOT_KEYS: &[&str] = &[
     "model_gateways",
     "concurrency",
     "redis_url_file",
+    "redis_tls",
     "work_dir",
     "observability",
     "input",
@@ -60,6 +61,7 @@ const TLS_KEYS: &[&str] = &[
     "client_key_file",
     "insecure_skip_verify",
 ];
+const REDIS_TLS_KEYS: &[&str] = &["ca_file", "cert_file", "key_file", "server_name"];
 const CONCURRENCY_KEYS: &[&str] = &["global", "per_endpoint", "aimd"];
 const AIMD_KEYS: &[&str] = &["enabled", "min", "backoff_factor", "additive_increase"];
 const OBSERVABILITY_KEYS: &[&str] = &["addr"];
@@ -145,11 +147,15 @@ fn build(c: &mut Collector<'_>, root: &Value) -> ProcessorConfig {
     let redis_url_file = c
         .path(&root, "redis_url_file")
         .unwrap_or_else(|| PathBuf::from(DEFAULT_REDIS_URL_FILE));
+    let mut parsed_url = None;
     let redis_url =
         match dispatch_mode {
             DispatchMode::Async => read_secret(c, &root, "redis_url_file", &redis_url_file)
                 .and_then(|url| match check_redis_url(url.expose()) {
-                    Ok(()) => Some(url),
+                    Ok(parsed) => {
+                        parsed_url = Some(parsed);
+                        Some(url)
+                    }
                     Err(problem) => {
                         let problem = format!("{} {problem}", redis_url_file.display());
                         c.at(&root, "redis_url_file", problem);
@@ -158,6 +164,7 @@ fn build(c: &mut Collector<'_>, root: &Value) -> ProcessorConfig {
                 }),
             DispatchMode::Sync => None,
         };
+    let redis_tls = redis_tls(c, &root, parsed_url.as_ref());
     let work_dir = c
         .path(&root, "work_dir")
         .unwrap_or_else(|| std::env::temp_dir().join("batch-processor"));
@@ -180,6 +187,7 @@ fn build(c: &mut Collector<'_>, root: &Value) -> ProcessorConfig {
         concurrency,
         redis_url_file,
         redis_url,
+        redis_tls,
         work_dir,
         observability,
         input,
@@ -379,6 +387,61 @@ fn tls_file<'v>(
         c.at(&table, &key, format!("cannot read {}: {e}", path.display()));
     }
     Some((path, table, key))
+}
+
+/// `redis_tls`: readable files, cert and key together, only with a TLS URL, and (with one)
+/// usable by the connection library exactly as connecting would use them.
+fn redis_tls(
+    c: &mut Collector<'_>,
+    root: &Table<'_>,
+    url: Option<&batch_redis::RedisUrl>,
+) -> Option<RedisTlsConfig> {
+    let t = c.table(root, "redis_tls", REDIS_TLS_KEYS);
+    let mut usable = true;
+    let mut file = |c: &mut Collector<'_>, key: &str| {
+        let path = c.path(&t, key)?;
+        if let Err(e) = std::fs::File::open(&path) {
+            c.at(&t, key, format!("cannot read {}: {e}", path.display()));
+            usable = false;
+        }
+        Some(path)
+    };
+    let ca_file = file(c, "ca_file");
+    let cert_file = file(c, "cert_file");
+    let key_file = file(c, "key_file");
+    match (&cert_file, &key_file) {
+        (Some(_), None) => {
+            c.at(&t, "cert_file", "set key_file too (both or neither)");
+            usable = false;
+        }
+        (None, Some(_)) => {
+            c.at(&t, "key_file", "set cert_file too (both or neither)");
+            usable = false;
+        }
+        _ => {}
+    }
+    let server_name = c.text(&t, "server_name");
+    root.get("redis_tls")?;
+    let config = RedisTlsConfig {
+        ca_file,
+        cert_file,
+        key_file,
+        server_name,
+    };
+    match url {
+        Some(url) if !url.is_tls() => {
+            let problem = "redis_tls is set but the URL in redis_url_file is not rediss:// \
+                (nor rediss-cluster://, rediss-sentinel://); use a TLS URL or remove redis_tls";
+            c.at(root, "redis_tls", problem);
+        }
+        Some(_) if usable => {
+            if let Err(e) = config.to_options().check() {
+                c.at(root, "redis_tls", e);
+            }
+        }
+        _ => {}
+    }
+    Some(config)
 }
 
 fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {

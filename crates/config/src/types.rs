@@ -98,6 +98,8 @@ pub struct ProcessorConfig {
     pub redis_url_file: PathBuf,
     /// The Redis URL read from `redis_url_file` (trimmed) in async mode; `None` in sync mode.
     pub redis_url: Option<Secret>,
+    /// TLS towards Redis, for a `rediss…` URL; `None`: the system's roots, no client certificate.
+    pub redis_tls: Option<RedisTlsConfig>,
     /// Where jobs keep their plan and output files (absolute).
     pub work_dir: PathBuf,
     /// The health and metrics endpoint.
@@ -208,6 +210,47 @@ pub struct TlsConfig {
     /// Skip server certificate checks (default false; for tests only).
     #[serde(rename = "tls_insecure_skip_verify")]
     pub insecure_skip_verify: bool,
+}
+
+/// TLS towards Redis (`redis_tls`). Every file was readable at load time; paths are absolute.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RedisTlsConfig {
+    /// CA bundle to trust instead of the system roots.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate for mutual TLS; set together with `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's private key; set together with `cert_file`.
+    pub key_file: Option<PathBuf>,
+    /// The name the server certificate must carry, when it is not the URL's host.
+    pub server_name: Option<String>,
+}
+
+impl RedisTlsConfig {
+    /// The connection library's form of these settings.
+    pub fn to_options(&self) -> batch_redis::RedisTls {
+        batch_redis::RedisTls {
+            ca_file: self.ca_file.clone(),
+            cert_file: self.cert_file.clone(),
+            key_file: self.key_file.clone(),
+            server_name: self.server_name.clone(),
+        }
+    }
+}
+
+impl ProcessorConfig {
+    /// [`batch_redis::ConnectOptions`] with the configured TLS (for a `rediss…` URL without
+    /// `redis_tls`: the system's roots) and the library's defaults otherwise.
+    pub fn redis_connect_options(&self) -> batch_redis::ConnectOptions {
+        batch_redis::ConnectOptions {
+            tls: self.redis_tls_options(),
+            ..batch_redis::ConnectOptions::default()
+        }
+    }
+
+    /// The TLS options to connect with: `redis_tls` when set, else `None`.
+    pub fn redis_tls_options(&self) -> Option<batch_redis::RedisTls> {
+        self.redis_tls.as_ref().map(RedisTlsConfig::to_options)
+    }
 }
 
 /// Sync-mode concurrency limits.

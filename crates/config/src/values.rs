@@ -83,23 +83,11 @@ pub(crate) fn check_http_url(url: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Checks that a Redis URL has a scheme the Redis client understands, without echoing it.
-pub(crate) fn check_redis_url(url: &str) -> Result<(), String> {
-    const SCHEMES: [&str; 7] = [
-        "redis",
-        "rediss",
-        "redis-cluster",
-        "rediss-cluster",
-        "redis-sentinel",
-        "rediss-sentinel",
-        "unix",
-    ];
-    match url.split_once("://") {
-        Some((scheme, rest)) if SCHEMES.contains(&scheme) && !rest.is_empty() => Ok(()),
-        _ => {
-            Err("does not hold a Redis URL (expected redis://host:port or rediss://...)".to_owned())
-        }
-    }
+/// Checks a Redis URL with the connection library's own parser, so the config accepts exactly
+/// what connecting accepts. The URL is not echoed back: it may carry a password.
+pub(crate) fn check_redis_url(url: &str) -> Result<batch_redis::RedisUrl, String> {
+    batch_redis::parse_url(url)
+        .map_err(|e| format!("does not hold a Redis URL this processor accepts: {e}"))
 }
 
 /// The allowed key closest to a mistyped one, if it is close enough to be a typo.
@@ -185,9 +173,15 @@ mod tests {
     fn redis_urls() {
         assert!(check_redis_url("redis://127.0.0.1:6379").is_ok());
         assert!(check_redis_url("rediss://user:pw@host:6380/2").is_ok());
+        assert!(check_redis_url("redis-cluster://h:1?node=h:2").is_ok());
+        assert!(check_redis_url("redis-sentinel://h?sentinelServiceName=m").is_ok());
         assert!(check_redis_url("127.0.0.1:6379").is_err());
         assert!(check_redis_url("http://host").is_err());
         assert!(check_redis_url("redis://").is_err());
+        // Forms the old scheme list let through and the client then refused.
+        assert!(check_redis_url("unix:///tmp/redis.sock").is_err());
+        assert!(check_redis_url("redis-sentinel://h:26379").is_err());
+        assert!(check_redis_url("redis://h?node=h:2").is_err());
     }
 
     #[test]

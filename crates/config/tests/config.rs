@@ -837,3 +837,229 @@ fn load_refuses_duplicate_keys_and_non_mappings() {
         Ok(())
     });
 }
+
+/// An async config with `url` in its redis-url file and `extra` appended.
+fn async_with_redis(dir: &Path, url: &str, extra: &str) -> PathBuf {
+    write(dir, "redis-url", &format!("{url}\n"));
+    write(
+        dir,
+        "processor.yaml",
+        &format!(
+            "dispatch_mode: async\nredis_url_file: redis-url\nmodel_gateways:\n  m: {{inference_pool_name: p}}\n{extra}"
+        ),
+    )
+}
+
+#[test]
+fn every_redis_url_form_the_client_takes_is_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    for url in [
+        "redis://127.0.0.1:6379/0",
+        "redis://batch:pw@redis.internal:6379",
+        "redis://:pw@redis.internal",
+        "rediss://batch:pw@redis.internal:6380/1",
+        "redis-cluster://10.0.0.1:7000?node=10.0.0.2:7000&node=10.0.0.3:7000",
+        "rediss-cluster://:pw@10.0.0.1:7000",
+        "redis-sentinel://10.0.0.1:26379/0?sentinelServiceName=main&node=10.0.0.2:26379",
+        "rediss-sentinel://batch:pw@10.0.0.1?sentinelServiceName=main&sentinelPassword=x",
+    ] {
+        let file = async_with_redis(dir.path(), url, "");
+        let c = load_file(&file).unwrap_or_else(|e| panic!("{url}: {e}"));
+        assert_eq!(c.redis_url.as_ref().map(Secret::expose), Some(url));
+        assert_eq!(c.redis_tls, None);
+    }
+}
+
+#[test]
+fn redis_urls_the_client_refuses_are_config_errors_without_the_password() {
+    let dir = tempfile::tempdir().unwrap();
+    for (url, expected) in [
+        ("unix:///run/redis.sock", "unsupported scheme"),
+        (
+            "redis-sentinel://:s3cret@h:26379",
+            "needs ?sentinelServiceName",
+        ),
+        ("redis://:s3cret@h?node=h:2", "unknown query parameter"),
+        ("redis-cluster://:s3cret@h:7000/2", "only database 0"),
+        ("redis://s3cret@h", "no password"),
+    ] {
+        let file = async_with_redis(dir.path(), url, "");
+        let errors = errors_of(&file);
+        assert_one_error(&errors, "redis_url_file: ");
+        assert!(errors[0].contains(expected), "{url}: {errors:?}");
+        assert!(
+            errors[0].contains("does not hold a Redis URL"),
+            "{errors:?}"
+        );
+        assert!(!errors[0].contains("s3cret"), "{errors:?}");
+    }
+}
+
+#[test]
+fn redis_tls_resolves_relative_paths_and_is_shown() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    fs::create_dir_all(d.join("tls")).unwrap();
+    let pki = batch_testkit::TestPki::generate(&d.join("tls"));
+    let file = async_with_redis(
+        d,
+        "rediss://:pw@127.0.0.1:6380",
+        "redis_tls:\n  ca_file: tls/ca.pem\n  cert_file: tls/client.pem\n  key_file: tls/client.key\n  server_name: redis.internal\n",
+    );
+    let c = load_file(&file).unwrap();
+    let tls = c.redis_tls.clone().unwrap();
+    assert_eq!(tls.ca_file, Some(d.join("tls/ca.pem")));
+    assert_eq!(tls.ca_file.as_deref(), Some(pki.ca.as_path()));
+    assert_eq!(tls.cert_file, Some(d.join("tls/client.pem")));
+    assert_eq!(tls.key_file, Some(d.join("tls/client.key")));
+    assert_eq!(tls.server_name.as_deref(), Some("redis.internal"));
+    let options = c.redis_connect_options();
+    assert_eq!(options.tls, Some(tls.to_options()));
+
+    let yaml = c.to_redacted_yaml();
+    assert!(yaml.contains("redis_tls:"), "{yaml}");
+    assert!(
+        yaml.contains(&format!("ca_file: {}", d.join("tls/ca.pem").display())),
+        "{yaml}"
+    );
+    assert!(yaml.contains("server_name: redis.internal"), "{yaml}");
+    assert!(!yaml.contains(":pw@"), "{yaml}");
+
+    // A TLS URL without redis_tls is fine: the system's roots.
+    let file = async_with_redis(d, "rediss://127.0.0.1:6380", "");
+    let c = load_file(&file).unwrap();
+    assert_eq!(c.redis_tls, None);
+    assert_eq!(c.redis_connect_options().tls, None);
+}
+
+#[test]
+fn redis_tls_files_must_be_readable_and_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = async_with_redis(
+        dir.path(),
+        "rediss://127.0.0.1:6380",
+        "redis_tls:\n  ca_file: missing/ca.pem\n",
+    );
+    let errors = errors_of(&file);
+    assert_one_error(&errors, "redis_tls.ca_file: cannot read ");
+    assert!(
+        errors[0].contains(&dir.path().join("missing/ca.pem").display().to_string()),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn redis_tls_cert_and_key_go_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = batch_testkit::TestPki::generate(dir.path());
+    let file = async_with_redis(
+        dir.path(),
+        "rediss://127.0.0.1:6380",
+        &format!("redis_tls:\n  cert_file: {}\n", pki.client_cert.display()),
+    );
+    assert_one_error(&errors_of(&file), "redis_tls.cert_file: set key_file too");
+    let file = async_with_redis(
+        dir.path(),
+        "rediss://127.0.0.1:6380",
+        &format!("redis_tls:\n  key_file: {}\n", pki.client_key.display()),
+    );
+    assert_one_error(&errors_of(&file), "redis_tls.key_file: set cert_file too");
+}
+
+#[test]
+fn redis_tls_with_a_plaintext_url_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = batch_testkit::TestPki::generate(dir.path());
+    for url in [
+        "redis://127.0.0.1:6379",
+        "redis-cluster://127.0.0.1:7000",
+        "redis-sentinel://127.0.0.1?sentinelServiceName=m",
+    ] {
+        let file = async_with_redis(
+            dir.path(),
+            url,
+            &format!("redis_tls:\n  ca_file: {}\n", pki.ca.display()),
+        );
+        assert_one_error(
+            &errors_of(&file),
+            "redis_tls: redis_tls is set but the URL in redis_url_file is not rediss://",
+        );
+    }
+}
+
+#[test]
+fn redis_tls_files_are_checked_as_connecting_would() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = batch_testkit::TestPki::generate(dir.path());
+    write(dir.path(), "not-a-cert.pem", "just text\n");
+    let file = async_with_redis(
+        dir.path(),
+        "rediss://127.0.0.1:6380",
+        "redis_tls:\n  ca_file: not-a-cert.pem\n",
+    );
+    let errors = errors_of(&file);
+    assert_one_error(&errors, "redis_tls: ca_file ");
+    assert!(errors[0].contains("no PEM certificate"), "{errors:?}");
+
+    // A certificate where the key belongs.
+    let file = async_with_redis(
+        dir.path(),
+        "rediss://127.0.0.1:6380",
+        &format!(
+            "redis_tls:\n  cert_file: {}\n  key_file: {}\n",
+            pki.client_cert.display(),
+            pki.client_cert.display()
+        ),
+    );
+    assert_one_error(&errors_of(&file), "redis_tls: key_file ");
+
+    let file = async_with_redis(
+        dir.path(),
+        "rediss://127.0.0.1:6380",
+        "redis_tls:\n  server_name: 'not a name'\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "server_name \"not a name\" is not a valid",
+    );
+
+    let file = async_with_redis(
+        dir.path(),
+        "rediss://127.0.0.1:6380",
+        "redis_tls:\n  ca_fil: x\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "redis_tls.ca_fil: unknown key (did you mean ca_file?)",
+    );
+}
+
+#[test]
+fn the_async_example_documents_every_redis_url_form_and_redis_tls() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let example = fs::read_to_string(root.join("examples/config/async.yaml")).unwrap();
+    let readme = fs::read_to_string(root.join("README.md")).unwrap();
+    for form in [
+        "redis://",
+        "rediss://",
+        "redis-cluster://",
+        "rediss-cluster://",
+        "redis-sentinel://",
+        "rediss-sentinel://",
+        "sentinelServiceName=",
+        "node=host:port",
+    ] {
+        assert!(example.contains(form), "async.yaml lacks {form}");
+        assert!(readme.contains(form), "README.md lacks {form}");
+    }
+    for key in [
+        "redis_tls:",
+        "ca_file:",
+        "cert_file:",
+        "key_file:",
+        "server_name:",
+    ] {
+        assert!(example.contains(key), "async.yaml lacks {key}");
+        assert!(readme.contains(key), "README.md lacks {key}");
+    }
+}

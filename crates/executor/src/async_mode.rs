@@ -72,8 +72,12 @@ fn producer_error(e: ProducerError, stop: &Stop) -> Result<End, ExecError> {
 impl AsyncMode {
     pub(crate) async fn new(
         config: Arc<ProcessorConfig>,
-        connect: batch_redis::ConnectOptions,
+        mut connect: batch_redis::ConnectOptions,
     ) -> Result<Self, ExecError> {
+        // The config's redis_tls, unless the caller chose TLS settings itself.
+        if connect.tls.is_none() {
+            connect.tls = config.redis_tls_options();
+        }
         let redis_url = config
             .redis_url
             .as_ref()

@@ -190,7 +190,8 @@ impl Executor {
         Self::with_redis_options(config, batch_redis::ConnectOptions::default()).await
     }
 
-    /// Like [`Executor::new`] with explicit Redis connection retries.
+    /// Like [`Executor::new`] with explicit Redis connection options; their `tls`, when `None`,
+    /// comes from the config's `redis_tls`.
     pub async fn with_redis_options(
         config: ProcessorConfig,
         connect: batch_redis::ConnectOptions,

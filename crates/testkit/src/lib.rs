@@ -24,6 +24,14 @@ use std::time::{Duration, Instant};
 
 pub use tempfile::{tempdir, TempDir};
 
+mod cluster;
+mod sentinel;
+mod tls;
+
+pub use cluster::RedisCluster;
+pub use sentinel::RedisSentinels;
+pub use tls::{ClientAuth, TestPki, TlsRedis};
+
 const INSTALL_HINT: &str = "redis-server is not installed; install it with \
     `sudo apt-get install -y redis-server` (Debian/Ubuntu) or `brew install redis` (macOS), \
     or set REDIS_SERVER_BIN to its path";
@@ -40,12 +48,24 @@ pub fn free_port() -> u16 {
 #[derive(Debug, Clone, Default)]
 pub struct RedisBuilder {
     aof: bool,
+    args: Vec<String>,
 }
 
 impl RedisBuilder {
     /// Append-only persistence (fsync always), so data survives [`RedisServer::restart`].
     pub fn aof(mut self, on: bool) -> Self {
         self.aof = on;
+        self
+    }
+
+    /// More `redis-server` arguments (`--cluster-enabled yes`, `--replicaof 127.0.0.1 P`),
+    /// also used by [`RedisServer::restart`].
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
         self
     }
 
@@ -60,11 +80,13 @@ impl RedisBuilder {
             port: 0,
             dir,
             aof: self.aof,
+            args: self.args,
         };
         // The free port can be taken between probing and binding; try a few.
         for _ in 0..5 {
             server.port = free_port();
-            let child = spawn(&binary(), server.port, server.dir.path(), self.aof)
+            let child = server
+                .spawn(&binary())
                 .unwrap_or_else(|e| panic!("could not start redis-server: {e}"));
             server.child = Some(child);
             match server.wait_ready() {
@@ -83,11 +105,11 @@ impl RedisBuilder {
     }
 }
 
-fn binary() -> String {
+pub(crate) fn binary() -> String {
     std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into())
 }
 
-fn spawn(bin: &str, port: u16, dir: &Path, aof: bool) -> Result<Child, String> {
+fn spawn(bin: &str, port: u16, dir: &Path, aof: bool, extra: &[String]) -> Result<Child, String> {
     let mut cmd = Command::new(bin);
     cmd.args(["--bind", "127.0.0.1", "--port", &port.to_string()])
         .arg("--dir")
@@ -99,6 +121,13 @@ fn spawn(bin: &str, port: u16, dir: &Path, aof: bool) -> Result<Child, String> {
     } else {
         cmd.args(["--appendonly", "no"]);
     }
+    cmd.args(extra);
+    spawn_command(cmd, bin)
+}
+
+/// Spawns a prepared server command: no stdio, killed with its parent, an install hint when the
+/// binary is missing.
+pub(crate) fn spawn_command(mut cmd: Command, bin: &str) -> Result<Child, String> {
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
@@ -136,9 +165,14 @@ pub struct RedisServer {
     port: u16,
     dir: TempDir,
     aof: bool,
+    args: Vec<String>,
 }
 
 impl RedisServer {
+    fn spawn(&self, bin: &str) -> Result<Child, String> {
+        spawn(bin, self.port, self.dir.path(), self.aof, &self.args)
+    }
+
     /// Starts a server without persistence. Panics with an install hint if there is none.
     pub fn start() -> Self {
         RedisBuilder::default().start()
@@ -189,7 +223,7 @@ impl RedisServer {
         self.kill();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            match spawn(&binary(), self.port, self.dir.path(), self.aof) {
+            match self.spawn(&binary()) {
                 Ok(child) => {
                     self.child = Some(child);
                     match self.wait_ready() {
@@ -215,25 +249,7 @@ impl RedisServer {
 
     /// Like [`RedisServer::command`], with an array reply split into its elements.
     pub fn command_list(&self, args: &[&str]) -> Vec<String> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("connecting to redis");
-        stream
-            .set_read_timeout(Some(Duration::from_secs(30)))
-            .expect("setting a read timeout");
-        let mut req = format!("*{}\r\n", args.len()).into_bytes();
-        for a in args {
-            req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-            req.extend_from_slice(a.as_bytes());
-            req.extend_from_slice(b"\r\n");
-        }
-        stream.write_all(&req).expect("writing to redis");
-        let mut reader = BufReader::new(stream);
-        match read_line(&mut reader).split_at(1) {
-            ("*", n) => {
-                let n: i64 = n.parse().expect("array length");
-                (0..n.max(0)).map(|_| read_scalar(&mut reader)).collect()
-            }
-            (kind, rest) => vec![scalar(&mut reader, kind, rest)],
-        }
+        command_on(self.port, args)
     }
 
     fn wait_ready(&mut self) -> Result<(), String> {
@@ -250,6 +266,30 @@ impl RedisServer {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+}
+
+/// Runs one command on the plaintext port `port` of 127.0.0.1; replies as
+/// [`RedisServer::command_list`] gives them.
+pub fn command_on(port: u16, args: &[&str]) -> Vec<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connecting to redis");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("setting a read timeout");
+    let mut req = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        req.extend_from_slice(a.as_bytes());
+        req.extend_from_slice(b"\r\n");
+    }
+    stream.write_all(&req).expect("writing to redis");
+    let mut reader = BufReader::new(stream);
+    match read_line(&mut reader).split_at(1) {
+        ("*", n) => {
+            let n: i64 = n.parse().expect("array length");
+            (0..n.max(0)).map(|_| read_scalar(&mut reader)).collect()
+        }
+        (kind, rest) => vec![scalar(&mut reader, kind, rest)],
     }
 }
 
@@ -287,7 +327,7 @@ fn scalar(reader: &mut impl BufRead, kind: &str, rest: &str) -> String {
     }
 }
 
-fn ping(port: u16) -> bool {
+pub(crate) fn ping(port: u16) -> bool {
     let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
     };
@@ -371,6 +411,7 @@ mod tests {
             free_port(),
             Path::new("/tmp"),
             false,
+            &[],
         )
         .unwrap_err();
         assert!(err.contains("apt-get install -y redis-server"), "{err}");

@@ -218,8 +218,11 @@ impl Default for SimOptions {
 /// public fields.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DispatcherConfig {
-    /// `redis://host:port[/db]`.
+    /// A Redis URL in any form batch-redis takes (`redis://`, `rediss://`, `redis-cluster://`,
+    /// `redis-sentinel://`, …).
     pub redis_url: String,
+    /// TLS settings for a `rediss…` URL (`--redis.tls-*`); `None`: the system's roots.
+    pub redis_tls: Option<batch_redis::RedisTls>,
     /// The request queues to serve.
     pub queues: Vec<QueueEntry>,
     /// `--redis.ss.result-queue-name` (default `result-list`).
@@ -252,6 +255,7 @@ impl DispatcherConfig {
     pub fn new(redis_url: impl Into<String>, queues: Vec<QueueEntry>) -> Self {
         Self {
             redis_url: redis_url.into(),
+            redis_tls: None,
             queues,
             default_result_queue: DEFAULT_RESULT_QUEUE.to_owned(),
             retry_queue: DEFAULT_RETRY_QUEUE.to_owned(),

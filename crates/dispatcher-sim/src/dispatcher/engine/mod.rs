@@ -13,8 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fred::prelude::{
-    Builder, Client as RedisClient, ClientLike, Config as RedisConfig, KeysInterface,
-    ReconnectPolicy, SortedSetsInterface, Value,
+    Client as RedisClient, ClientLike, KeysInterface, ReconnectPolicy, SortedSetsInterface, Value,
 };
 use hyper::Uri;
 use rand::rngs::StdRng;
@@ -191,16 +190,24 @@ impl Queue {
     }
 }
 
-fn redis_client(url: &str) -> Result<RedisClient, SimError> {
-    // The URL may hold a password: never echo it.
-    let mut config = RedisConfig::from_url(url)
-        .map_err(|e| SimError::Redis(format!("the redis URL is invalid: {}", e.details())))?;
+/// Built through batch-redis, so the simulator takes the processor's URL forms and TLS settings.
+fn redis_client(url: &str, tls: Option<&batch_redis::RedisTls>) -> Result<RedisClient, SimError> {
+    let options = batch_redis::ConnectOptions {
+        connect_timeout: Duration::from_secs(2),
+        command_timeout: Duration::from_secs(5),
+        tls: tls.cloned(),
+        ..batch_redis::ConnectOptions::default()
+    };
+    // The errors show the URL without its password.
+    let mut builder = batch_redis::builder(url, &options).map_err(|e| match e {
+        batch_redis::ConnectError::BadUrl { url, reason } => {
+            SimError::Redis(format!("the redis URL {url} is invalid: {reason}"))
+        }
+        other => SimError::Redis(other.to_string()),
+    })?;
     // Keep retrying when Redis is down at start, like every later outage.
-    config.fail_fast = false;
-    let mut builder = Builder::from_config(config);
     builder
-        .with_connection_config(|c| c.connection_timeout = Duration::from_secs(2))
-        .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(5))
+        .with_config(|c| c.fail_fast = false)
         .set_policy(ReconnectPolicy::new_exponential(0, 100, 2_000, 2));
     builder
         .build()
@@ -217,7 +224,7 @@ impl Shared {
             .iter()
             .map(|e| Queue::resolve(e, embedded).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()?;
-        let redis = redis_client(&config.redis_url)?;
+        let redis = redis_client(&config.redis_url, config.redis_tls.as_ref())?;
         // Connects in the background; commands wait for the connection (up to their timeout).
         drop(redis.connect());
         let rng = match config.sim.seed {
