@@ -1,7 +1,7 @@
 //! The jobs a replica runs, as the result consumers see them.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, Weak};
 
 use batch_consumer::{HandlerError, ResultHandler, Routed, WriteReport};
 use batch_sink::Written;
@@ -10,17 +10,19 @@ use crate::job::Job;
 use crate::metrics::Tally;
 
 /// Active jobs by id; writes each routed result into its job's files.
+///
+/// Held weakly: a job its caller dropped (prepared, never run) is gone, and so is the lock on
+/// its directory.
 #[derive(Default)]
 pub(crate) struct Registry {
-    jobs: RwLock<HashMap<String, Arc<Job>>>,
+    jobs: RwLock<HashMap<String, Weak<Job>>>,
 }
 
 impl Registry {
     pub(crate) fn insert(&self, job: Arc<Job>) {
-        self.jobs
-            .write()
-            .expect("registry lock")
-            .insert(job.id.clone(), job);
+        let mut jobs = self.jobs.write().expect("registry lock");
+        jobs.retain(|_, j| j.strong_count() > 0);
+        jobs.insert(job.id.clone(), Arc::downgrade(&job));
     }
 
     pub(crate) fn remove(&self, id: &str) {
@@ -28,7 +30,7 @@ impl Registry {
     }
 
     fn get(&self, id: &str) -> Option<Arc<Job>> {
-        self.jobs.read().expect("registry lock").get(id).cloned()
+        self.jobs.read().expect("registry lock").get(id)?.upgrade()
     }
 }
 
