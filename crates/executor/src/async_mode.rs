@@ -42,6 +42,9 @@ pub(crate) struct AsyncMode {
     registry: Arc<Registry>,
     /// This process's own result list, by pool.
     own: tokio::sync::Mutex<HashMap<String, String>>,
+    /// Leases taken at start whose consumers start with the first job (so that the job is
+    /// known before its results are read).
+    idle: tokio::sync::Mutex<HashMap<String, Lease>>,
     /// Consumers of whole result lists, by list.
     consumers: tokio::sync::Mutex<HashMap<String, ConsumerHandle>>,
     /// Consumers of jobs' parked lists, by job.
@@ -104,6 +107,7 @@ impl AsyncMode {
             producer,
             registry: Arc::default(),
             own: Default::default(),
+            idle: Default::default(),
             consumers: Default::default(),
             parked: Default::default(),
             shutdown: CancellationToken::new(),
@@ -111,7 +115,7 @@ impl AsyncMode {
         if mode.config.async_dispatch.consumer_id_set {
             // A list given by name is this process's or nothing: refuse to start without it.
             for pool in mode.config.pools().keys() {
-                if let Err(e) = mode.own_list(pool).await {
+                if let Err(e) = mode.own_list(pool, &mode.shutdown.clone(), false).await {
                     mode.shutdown().await;
                     return Err(e);
                 }
@@ -136,11 +140,22 @@ impl AsyncMode {
         }
     }
 
-    /// This process's result list for `pool`, taking its lease (and starting its consumer) the
-    /// first time.
-    async fn own_list(&self, pool: &str) -> Result<String, ExecError> {
+    /// This process's result list for `pool`, taking its lease the first time; with `start`,
+    /// its consumer runs too.
+    async fn own_list(
+        &self,
+        pool: &str,
+        stop: &CancellationToken,
+        start: bool,
+    ) -> Result<String, ExecError> {
         let mut own = self.own.lock().await;
         if let Some(list) = own.get(pool) {
+            if start {
+                let idle = self.idle.lock().await.remove(list);
+                if let Some(lease) = idle {
+                    self.start_consumer(list, Some(lease), stop).await?;
+                }
+            }
             return Ok(list.clone());
         }
         let ttl = self.consumer_options().lease_ttl;
@@ -150,7 +165,10 @@ impl AsyncMode {
             let keys = ListKeys::new(&list);
             // A holder that stopped renewing (killed elsewhere) lapses within one TTL.
             let wait = ttl + Duration::from_secs(1);
-            match Lease::acquire_waiting(&self.client, &keys.lease, ttl, wait, &self.shutdown)
+            match Retry::new(format!("taking {}", keys.lease))
+                .run(stop, || {
+                    Lease::acquire_waiting(&self.client, &keys.lease, ttl, wait, stop)
+                })
                 .await
                 .map_err(|e| ExecError::Redis(e.to_string()))?
             {
@@ -169,7 +187,8 @@ impl AsyncMode {
                 let names = QueueNames::new(self.names.prefix(), id).map_err(name_error)?;
                 let list = names.result_queue_name(pool).map_err(name_error)?;
                 let keys = ListKeys::new(&list);
-                match Lease::try_acquire(&self.client, &keys.lease, ttl)
+                match Retry::new(format!("taking {}", keys.lease))
+                    .run(stop, || Lease::try_acquire(&self.client, &keys.lease, ttl))
                     .await
                     .map_err(|e| ExecError::Redis(e.to_string()))?
                 {
@@ -189,20 +208,38 @@ impl AsyncMode {
         if list != self.names.result_queue_name(pool).map_err(name_error)? {
             tracing::info!(pool, list = %list, "using a free result list: another process reads the first one");
         }
-        self.start_consumer(&list, Some(lease)).await?;
+        if start {
+            self.start_consumer(&list, Some(lease), stop).await?;
+        } else {
+            self.idle.lock().await.insert(list.clone(), lease);
+        }
         own.insert(pool.to_owned(), list.clone());
         Ok(list)
     }
 
     /// Starts a consumer of the whole list `list` unless one runs; without `lease` it waits for
     /// the list's lease first.
-    async fn start_consumer(&self, list: &str, lease: Option<Lease>) -> Result<(), ExecError> {
+    async fn start_consumer(
+        &self,
+        list: &str,
+        lease: Option<Lease>,
+        stop: &CancellationToken,
+    ) -> Result<(), ExecError> {
         let mut consumers = self.consumers.lock().await;
         if consumers.contains_key(list) {
             return Ok(());
         }
-        // Its own connection: the blocking pop holds it.
-        let client = batch_redis::connect(&self.redis_url, &self.connect).await?;
+        // Its own connection: the blocking pop holds it. Redis being out waits, like any
+        // other outage.
+        let client = loop {
+            match batch_redis::connect(&self.redis_url, &self.connect).await {
+                Ok(client) => break client,
+                Err(e @ batch_redis::ConnectError::Unreachable { .. }) if !stop.is_cancelled() => {
+                    tracing::debug!(error = %e, "still cannot reach Redis for a result consumer");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         let consumer = ResultConsumer::new(
             client,
             self.client.clone(),
@@ -242,14 +279,18 @@ impl AsyncMode {
 
     /// The job's queues by model, for the models this replica can serve; the result list of
     /// each is the one the job recorded (or this process's own, recorded now).
-    async fn queues(&self, job: &Arc<Job>) -> Result<Vec<ModelQueue>, ExecError> {
+    async fn queues(
+        &self,
+        job: &Arc<Job>,
+        stop: &CancellationToken,
+    ) -> Result<Vec<ModelQueue>, ExecError> {
         let mut out = Vec::new();
         let mut next_position: HashMap<String, u64> = HashMap::new();
         for model in job.plan.models() {
             let Some(pool) = self.pool_of(&model.model) else {
                 continue;
             };
-            let own = self.own_list(pool).await?;
+            let own = self.own_list(pool, stop, true).await?;
             let recorded = {
                 let (j, pool, own) = (job.clone(), pool.to_owned(), own.clone());
                 blocking(move || j.result_list(&pool, &own)).await?
@@ -278,7 +319,7 @@ impl AsyncMode {
     }
 
     async fn dispatch(&self, job: &Arc<Job>, stop: &Stop) -> Result<End, ExecError> {
-        let queues = match self.queues(job).await {
+        let queues = match self.queues(job, &stop.halt).await {
             Ok(q) => q,
             Err(e) if stop.halt.is_cancelled() => {
                 tracing::debug!(job = %job.id, error = %e, "stopped while setting up");
@@ -310,7 +351,7 @@ impl AsyncMode {
             if !own {
                 // Another process's list (the job started there): read it once it is free,
                 // and meanwhile what its reader parks for this job.
-                self.start_consumer(list, None).await?;
+                self.start_consumer(list, None, &stop.halt).await?;
             }
             if job.resumed || !own {
                 self.start_parked_consumer(list, job);
@@ -585,7 +626,7 @@ impl AsyncMode {
     /// Takes the job's unresolved requests out of the queues (also those the dispatcher
     /// re-wrote), and marks those it may have in hand, a chunk at a time.
     async fn withdraw_job(&self, job: &Arc<Job>, stop: &CancellationToken) -> Result<(), ExecError> {
-        let queues = self.queues(job).await?;
+        let queues = self.queues(job, stop).await?;
         let producer = self.producer.with_stop(stop.clone());
         let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
         for q in &queues {
@@ -718,6 +759,10 @@ impl Dispatch for AsyncMode {
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             self.shutdown.cancel();
+            let idle: Vec<Lease> = self.idle.lock().await.drain().map(|(_, l)| l).collect();
+            for lease in idle {
+                lease.release().await;
+            }
             let consumers: Vec<_> = self
                 .consumers
                 .lock()
