@@ -114,7 +114,10 @@ async fn ten_thousand_lines_on_a_cluster_complete_exactly_once() {
     let out = rig.path("out");
     let batch = tokio::time::timeout(
         Duration::from_secs(300),
-        executor.run(JobSpec::new(rig.path("in.jsonl"), &out), CancellationToken::new()),
+        executor.run(
+            JobSpec::new(rig.path("in.jsonl"), &out),
+            CancellationToken::new(),
+        ),
     )
     .await
     .expect("the job finished")
@@ -150,8 +153,14 @@ async fn a_cluster_job_resumes_after_kill_9_and_a_cancel_empties_its_queue() {
     .await;
     first.0.kill().unwrap();
     first.0.wait().unwrap();
-    let rerun = run_cmd(&config, &rig.path("in.jsonl"), &out).output().unwrap();
-    assert!(rerun.status.success(), "{}", String::from_utf8_lossy(&rerun.stderr));
+    let rerun = run_cmd(&config, &rig.path("in.jsonl"), &out)
+        .output()
+        .unwrap();
+    assert!(
+        rerun.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rerun.stderr)
+    );
     let results = Results::read(&out);
     results.assert_each_once(&lines);
     results.assert_answers_match(&lines);
@@ -182,7 +191,11 @@ async fn a_cluster_job_resumes_after_kill_9_and_a_cancel_empties_its_queue() {
     unsafe { libc::kill(child.0.id() as i32, libc::SIGINT) };
     let status = child.0.wait().unwrap();
     assert_eq!(status.code(), Some(5));
-    assert_eq!(client.zcard::<u64, _>(QUEUE).await.unwrap(), 0, "members left queued");
+    assert_eq!(
+        client.zcard::<u64, _>(QUEUE).await.unwrap(),
+        0,
+        "members left queued"
+    );
     let results = Results::read(&cancel_out);
     assert_eq!(results.error_codes().get("batch_cancelled"), Some(&10_000));
     closed.shutdown().await;
@@ -199,11 +212,15 @@ async fn a_job_survives_a_sentinel_failover() {
     let sim = rig.dispatcher(|c| c.batch_size = 20).await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let out = rig.path("out");
-    let run = executor.run(JobSpec::new(rig.path("in.jsonl"), &out), CancellationToken::new());
+    let run = executor.run(
+        JobSpec::new(rig.path("in.jsonl"), &out),
+        CancellationToken::new(),
+    );
     tokio::pin!(run);
     let some = async {
         eventually("some results", Duration::from_secs(120), || {
-            std::fs::read_to_string(out.join("output.jsonl")).is_ok_and(|t| t.lines().count() >= 300)
+            std::fs::read_to_string(out.join("output.jsonl"))
+                .is_ok_and(|t| t.lines().count() >= 300)
         })
         .await
     };
@@ -249,8 +266,14 @@ async fn tls_job(auth: ClientAuth) {
     let config = rig.config(&server.url(), &root, "");
     let sim = rig.dispatcher(|_| {}).await;
     let out = rig.path("out");
-    let run = run_cmd(&config, &rig.path("in.jsonl"), &out).output().unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let run = run_cmd(&config, &rig.path("in.jsonl"), &out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let results = Results::read(&out);
     results.assert_each_once(&lines);
     results.assert_answers_match(&lines);
@@ -270,16 +293,22 @@ async fn rediss_against_a_plaintext_server_is_refused() {
     write_input(&rig.path("in.jsonl"), 5, &["llama-3"]);
     let url = format!("rediss://:s3cret@127.0.0.1:{}", plain.port());
     let config = rig.config(&url, "", "");
-    let run = run_cmd(&config, &rig.path("in.jsonl"), &rig.path("out")).output().unwrap();
+    let run = run_cmd(&config, &rig.path("in.jsonl"), &rig.path("out"))
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("plaintext"), "says what is wrong: {stderr}");
-    assert!(!stderr.contains("s3cret"), "the password was printed: {stderr}");
+    assert!(
+        !stderr.contains("s3cret"),
+        "the password was printed: {stderr}"
+    );
 }
 
 /// The README's `ACL SETUSER batch ...` rule, `>PASSWORD` replaced.
 fn documented_rule(password: &str) -> Vec<String> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
     let line = readme
         .lines()
         .find(|l| l.starts_with("ACL SETUSER batch "))
@@ -296,24 +325,43 @@ async fn an_acl_user_with_the_documented_rule_runs_a_job_and_one_without_fails_c
     let args: Vec<&str> = rule.iter().map(String::as_str).collect();
     assert_eq!(env.redis.command(&args), "+OK");
     assert_eq!(
-        env.redis.command(&["ACL", "SETUSER", "weak", "on", ">pw-weak", "~*", "-@all", "+ping", "+hello", "+auth", "+client"]),
+        env.redis.command(&[
+            "ACL", "SETUSER", "weak", "on", ">pw-weak", "~*", "-@all", "+ping", "+hello", "+auth",
+            "+client"
+        ]),
         "+OK"
     );
     let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let url = format!("redis://batch:pw-batch@127.0.0.1:{}", env.redis.port());
     std::fs::write(&env.redis_url_file, &url).unwrap();
-    let sim = env.dispatcher(&["pool-a"], |c| c.version = DispatcherVersion::V0_9).await;
-    let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("out")).output().unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let sim = env
+        .dispatcher(&["pool-a"], |c| c.version = DispatcherVersion::V0_9)
+        .await;
+    let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     Results::read(&env.path("out")).assert_each_once(&lines);
 
     let weak = format!("redis://weak:pw-weak@127.0.0.1:{}", env.redis.port());
     std::fs::write(&env.redis_url_file, &weak).unwrap();
-    let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("weak-out")).output().unwrap();
+    let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("weak-out"))
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success(), "{stderr}");
-    assert!(stderr.contains("NOPERM"), "names the missing permission: {stderr}");
-    assert!(!stderr.contains("pw-weak"), "the password was printed: {stderr}");
+    assert!(
+        stderr.contains("NOPERM"),
+        "names the missing permission: {stderr}"
+    );
+    assert!(
+        !stderr.contains("pw-weak"),
+        "the password was printed: {stderr}"
+    );
     sim.shutdown().await;
 }

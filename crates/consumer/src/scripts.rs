@@ -98,7 +98,11 @@ impl Scripts {
         self.take
             .evalsha_with_reload(
                 client,
-                vec![keys.list.as_str(), keys.inflight.as_str(), keys.lease.as_str()],
+                vec![
+                    keys.list.as_str(),
+                    keys.inflight.as_str(),
+                    keys.lease.as_str(),
+                ],
                 vec![holder],
             )
             .await
@@ -133,7 +137,7 @@ impl Scripts {
         ];
         let mut park: Vec<&(usize, String)> = not_here.iter().collect();
         // Oldest first, so a parked list keeps the dispatcher's order (oldest on the right).
-        park.sort_by(|a, b| b.0.cmp(&a.0));
+        park.sort_by_key(|p| std::cmp::Reverse(p.0));
         for (pos, job) in park {
             let key = keys.parked_list(job);
             let index = match key_list.iter().position(|k| *k == key) {
