@@ -545,3 +545,51 @@ async fn an_idle_job_logs_no_warning() {
         "the job did not start: {stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_redis_down_a_cancel_and_a_deadline_still_end_the_job() {
+    for cancel_it in [true, false] {
+        let mut env = Env::start(GatewayConfig::default()).await;
+        let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
+        let config = env.async_config(&[("llama-3", "pool-a")], "");
+        let _sim = env.dispatcher(&["pool-a"], closed_gate).await;
+        let executor = Executor::new(load(&config)).await.unwrap();
+        let out = env.path("out");
+        let mut spec = JobSpec::new(env.path("in.jsonl"), &out);
+        spec.completion_window = Duration::from_secs(if cancel_it { 3600 } else { 4 });
+        let cancel = CancellationToken::new();
+        let run = executor.run(spec, cancel.clone());
+        tokio::pin!(run);
+        let queued = async {
+            eventually("the job enqueued", Duration::from_secs(30), || {
+                env.redis.command(&["ZCARD", QUEUE]) == ":200"
+            })
+            .await
+        };
+        tokio::select! { _ = queued => {}, _ = &mut run => panic!("ended early") }
+        env.redis.kill();
+        let asked = Instant::now();
+        if cancel_it {
+            cancel.cancel();
+        }
+        let batch = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("the job ended although Redis is down")
+            .unwrap();
+        let (status, code) = if cancel_it {
+            (BatchStatus::Cancelled, "batch_cancelled")
+        } else {
+            (BatchStatus::Expired, "batch_expired")
+        };
+        assert_eq!(batch.status, status);
+        assert!(
+            asked.elapsed() < Duration::from_secs(40),
+            "took {:?}",
+            asked.elapsed()
+        );
+        let results = Results::read(&out);
+        results.assert_each_once(&lines);
+        assert_eq!(results.error_codes().get(code), Some(&200));
+        executor.shutdown().await;
+    }
+}

@@ -233,7 +233,13 @@ impl ResultConsumer {
                 lease = self.take_lease(&shutdown).await;
                 continue;
             };
-            match self.read_while_held(&held, &shutdown).await {
+            // A command waiting on an unreachable Redis must not hold up a shutdown: what was
+            // taken but not acknowledged stays in flight for the next reader.
+            let read = tokio::select! {
+                r = self.read_while_held(&held, &shutdown) => r,
+                _ = shutdown.cancelled() => Ok(()),
+            };
+            match read {
                 Ok(()) => {
                     lease = Some(held);
                     break;

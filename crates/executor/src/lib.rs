@@ -56,6 +56,10 @@ use job::End;
 use stop::Stop;
 use sync_mode::SyncMode;
 
+/// How long a job that expired or was cancelled waits for Redis to withdraw its requests; past
+/// it, cancel markers and the dispatcher's own expiry cover what is left.
+const WITHDRAW_PATIENCE: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// The message of `batch_cancelled` lines.
 pub const CANCELLED_MESSAGE: &str = "The batch was cancelled before this request completed.";
 
@@ -397,13 +401,13 @@ impl Executor {
             _ => {}
         }
         if !matches!(end, End::Completed) {
-            // Withdrawing needs Redis; it stops for a pause, and gives up after a while (the
-            // dispatcher drops expired requests, and cancel markers cover the rest).
+            // Withdrawing needs Redis; it stops for a pause, and gives up after WITHDRAW_PATIENCE
+            // (the dispatcher drops expired requests, and cancel markers cover the rest).
             let give_up = self.pause.child_token();
             let timer = {
                 let give_up = give_up.clone();
                 tokio::spawn(async move {
-                    tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+                    tokio::time::sleep(WITHDRAW_PATIENCE).await;
                     give_up.cancel();
                 })
             };
