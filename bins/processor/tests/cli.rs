@@ -192,17 +192,18 @@ fn queues_transport_config_is_the_v0_10_object_without_the_redis_url() {
     let secret = dir.path().join("redis-url");
     std::fs::write(&secret, "redis://:s3cret-pw@127.0.0.1:7001\n").unwrap();
     let file = examples().join("async.yaml");
-    let (code, stdout, stderr) = run(processor(&[
-        "queues",
-        "--transport-config",
-        "--config",
-        path_arg(&file),
-    ])
-    .env("PROCESSOR_REDIS_URL_FILE", &secret));
+    let (code, stdout, stderr) =
+        run(
+            processor(&["queues", "--transport-config", "--config", path_arg(&file)])
+                .env("PROCESSOR_REDIS_URL_FILE", &secret),
+        );
     assert_eq!(code, 0, "{stderr}");
     let json: serde_json::Value = serde_json::from_str(&stdout).expect("stdout is only JSON");
     assert_eq!(json["retry_queue_name"], "retry-sortedset");
-    assert_eq!(json["result_queue_name"], "llm-d-async:results:pool-a:$batch");
+    assert_eq!(
+        json["result_queue_name"],
+        "llm-d-async:results:pool-a:$batch"
+    );
     assert_eq!(json["poll_interval_ms"], 1000);
     assert_eq!(json["batch_size"], 10);
     assert_eq!(json["enable_tracing"], false);

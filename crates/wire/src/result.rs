@@ -216,8 +216,8 @@ mod tests {
         let r = ResultMessage::parse(r#"{"id":"a","status_code":200,"payload":[1, 2]}"#).unwrap();
         assert_eq!(r.payload, "[1, 2]");
         // A string stays a string: its content, not its quoted JSON.
-        let r = ResultMessage::parse(r#"{"id":"a","status_code":200,"payload":"{\"n\":1}"}"#)
-            .unwrap();
+        let r =
+            ResultMessage::parse(r#"{"id":"a","status_code":200,"payload":"{\"n\":1}"}"#).unwrap();
         assert_eq!(r.payload, r#"{"n":1}"#);
         // Absent: empty.
         let r = ResultMessage::parse(r#"{"id":"a","error_code":"CANCELLED"}"#).unwrap();

@@ -99,9 +99,7 @@ fn human(queues: &DispatcherQueues) -> String {
         "\n# v0.10 dispatcher --transport-config-file (write it with `processor queues --transport-config`):\n",
     );
     out.push_str(&queues.transport_config().to_json());
-    out.push_str(
-        "\n# It has no `url`: the Redis URL may hold a password. Add it before use.\n",
-    );
+    out.push_str("\n# It has no `url`: the Redis URL may hold a password. Add it before use.\n");
     placeholder_note(queues, |line| {
         let _ = writeln!(out, "{line}");
     });
