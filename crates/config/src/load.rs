@@ -207,9 +207,7 @@ fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfi
         queue_prefix: name_part(c, &t, "queue_prefix", "prefix").unwrap_or(d.queue_prefix),
         consumer_id_set: consumer_id.is_some(),
         consumer_id: consumer_id.unwrap_or(d.consumer_id),
-        retry_queue_name: c
-            .string(&t, "retry_queue_name")
-            .unwrap_or(d.retry_queue_name),
+        retry_queue_name: c.string(&t, "retry_queue_name").unwrap_or(d.retry_queue_name),
         lost_request_timeout: c.positive_duration(
             &t,
             "lost_request_timeout",
