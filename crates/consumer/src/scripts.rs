@@ -133,7 +133,7 @@ impl Scripts {
         ];
         let mut park: Vec<&(usize, String)> = not_here.iter().collect();
         // Oldest first, so a parked list keeps the dispatcher's order (oldest on the right).
-        park.sort_by(|a, b| b.0.cmp(&a.0));
+        park.sort_by_key(|b| std::cmp::Reverse(b.0));
         for (pos, job) in park {
             let key = keys.parked_list(job);
             let index = match key_list.iter().position(|k| *k == key) {
