@@ -111,13 +111,22 @@ async fn processes_on_one_pool(n: usize) -> f64 {
     let mut one = Command::new(PROCESSOR);
     one.args(["run", "--config"]).arg(&config);
     for (i, (input, _, _)) in inputs.iter().enumerate() {
-        one.arg("--input").arg(input).arg("--output-dir").arg(env.path(&format!("one-{i}")));
+        one.arg("--input")
+            .arg(input)
+            .arg("--output-dir")
+            .arg(env.path(&format!("one-{i}")));
     }
     let started = Instant::now();
-    let status = one.stdout(Stdio::null()).stderr(Stdio::null()).status().unwrap();
+    let status = one
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
     assert!(status.success());
     let alone = started.elapsed().as_secs_f64();
-    eprintln!("{n} processes × 2,000 lines: {took:.1} s; the same {n} jobs in one process: {alone:.1} s");
+    eprintln!(
+        "{n} processes × 2,000 lines: {took:.1} s; the same {n} jobs in one process: {alone:.1} s"
+    );
     sim.shutdown().await;
     took
 }

@@ -132,6 +132,20 @@ impl Env {
             .await
             .expect("starting the dispatcher")
     }
+
+    /// Like [`Env::dispatcher`], behaving like the given release.
+    pub async fn dispatcher_version(
+        &self,
+        pools: &[&str],
+        version: dispatcher_sim::DispatcherVersion,
+        configure: impl FnOnce(&mut DispatcherConfig),
+    ) -> DispatcherHandle {
+        self.dispatcher(pools, |c| {
+            c.version = version;
+            configure(c);
+        })
+        .await
+    }
 }
 
 pub fn load(config: &Path) -> ProcessorConfig {

@@ -27,7 +27,7 @@ struct Args {
     /// The processor binary for the memory scenario [default: next to this binary].
     #[arg(long)]
     processor: Option<PathBuf>,
-    /// Run only these scenarios (enqueue, drain, e2e, aimd, memory); repeatable.
+    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory); repeatable.
     #[arg(long = "only", value_parser = parse_scenario)]
     only: Vec<Scenario>,
 }

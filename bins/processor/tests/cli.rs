@@ -153,6 +153,8 @@ fn queues_prints_each_pools_queue_names() {
         "llama-3, llama-3-instruct",
         "--redis.ss.result-queue-name",
         "\"gate_type\": \"prometheus-budget\"",
+        "--transport-config-file",
+        "\"retry_queue_name\": \"retry-sortedset\"",
     ] {
         assert!(stdout.contains(expected), "{expected:?} not in:\n{stdout}");
     }
@@ -182,6 +184,59 @@ fn queues_json_is_the_dispatcher_array() {
     assert_eq!(entries[1]["gate_params"]["pool"], "pool-b");
     // A queue-level result list would override the one each envelope names.
     assert!(entries.iter().all(|e| e.get("result_queue_name").is_none()));
+}
+
+#[test]
+fn queues_transport_config_is_the_v0_10_object_without_the_redis_url() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("redis-url");
+    std::fs::write(&secret, "redis://:s3cret-pw@127.0.0.1:7001\n").unwrap();
+    let file = examples().join("async.yaml");
+    let (code, stdout, stderr) =
+        run(
+            processor(&["queues", "--transport-config", "--config", path_arg(&file)])
+                .env("PROCESSOR_REDIS_URL_FILE", &secret),
+        );
+    assert_eq!(code, 0, "{stderr}");
+    let json: serde_json::Value = serde_json::from_str(&stdout).expect("stdout is only JSON");
+    assert_eq!(json["retry_queue_name"], "retry-sortedset");
+    assert_eq!(
+        json["result_queue_name"],
+        "llm-d-async:results:pool-a:$batch"
+    );
+    assert_eq!(json["poll_interval_ms"], 1000);
+    assert_eq!(json["batch_size"], 10);
+    assert_eq!(json["enable_tracing"], false);
+    let queues = json["queues"].as_array().unwrap();
+    assert_eq!(queues.len(), 2);
+    assert_eq!(queues[1]["queue_name"], "llm-d-async:requests:pool-b");
+    assert!(queues.iter().all(|e| e.get("result_queue_name").is_none()));
+    // No URL, said so on stderr; the password appears nowhere.
+    assert!(json.get("url").is_none(), "{stdout}");
+    assert!(stderr.contains("`url` is left out"), "{stderr}");
+    assert!(stderr.contains(&secret.display().to_string()), "{stderr}");
+    assert!(!stdout.contains("s3cret") && !stderr.contains("s3cret"));
+    assert!(!stdout.contains("7001") && !stderr.contains("7001"));
+
+    // The dispatcher (simulator) takes the file as it is.
+    let mut sim = dispatcher_sim::DispatcherConfig::new("redis://127.0.0.1:1", vec![]);
+    dispatcher_sim::TransportConfig::parse(&stdout)
+        .expect("the simulator reads it")
+        .apply(&mut sim);
+    assert_eq!(sim.queues.len(), 2);
+    assert_eq!(sim.queues[0].queue_name, "llm-d-async:requests:pool-a");
+    assert_eq!(sim.batch_size, 10);
+    assert_eq!(sim.redis_url, "redis://127.0.0.1:1", "the flag's URL stays");
+
+    // Both forms at once make no sense.
+    let (code, _, _) = run(&mut processor(&[
+        "queues",
+        "--json",
+        "--transport-config",
+        "--config",
+        path_arg(&file),
+    ]));
+    assert_eq!(code, 2);
 }
 
 #[test]

@@ -84,6 +84,45 @@ pub fn write_input(path: &Path, n: usize, size: usize) -> Result<u64, BenchError
     Ok(bytes)
 }
 
+/// The system prompt of each line of a prefix-cache input: `n` lines share `prompts` prompts,
+/// each prompt on `n / prompts` lines (±1), shuffled through the file by a fixed seed.
+pub fn shuffled_prompts(n: usize, prompts: usize) -> Vec<usize> {
+    let mut of_line: Vec<usize> = (0..n).map(|i| i % prompts.max(1)).collect();
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in (1..n).rev() {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        of_line.swap(i, ((state >> 33) % (i as u64 + 1)) as usize);
+    }
+    of_line
+}
+
+/// Writes `n` chat requests of about `size` bytes whose system prompts (about 300 bytes each)
+/// are `prompts` different ones shuffled through the file, as [`shuffled_prompts`] assigns them.
+pub fn write_prefix_input(
+    path: &Path,
+    n: usize,
+    prompts: usize,
+    size: usize,
+) -> Result<u64, BenchError> {
+    let io = |e| BenchError::io(path, e);
+    let file = std::fs::File::create(path).map_err(io)?;
+    let mut w = BufWriter::new(file);
+    let mut bytes = 0u64;
+    for (i, k) in shuffled_prompts(n, prompts).into_iter().enumerate() {
+        let mut line: serde_json::Value = serde_json::from_str(&request_line(i, size)).unwrap();
+        line["body"]["messages"][0]["content"] =
+            format!("You are assistant {k}. {}", filler(k as u64 ^ 0xfeed, 280)).into();
+        let line = line.to_string();
+        bytes += line.len() as u64 + 1;
+        w.write_all(line.as_bytes()).map_err(io)?;
+        w.write_all(b"\n").map_err(io)?;
+    }
+    w.flush().map_err(io)?;
+    Ok(bytes)
+}
+
 /// A chat completion of about `size` bytes, as a gateway answers.
 pub fn completion_body(index: usize, size: usize) -> String {
     let mut body = serde_json::json!({
@@ -129,6 +168,20 @@ mod tests {
             }
         }
         assert_ne!(request_line(1, 2048), request_line(2, 2048));
+    }
+
+    #[test]
+    fn prompts_are_shuffled_evenly() {
+        let of_line = shuffled_prompts(2_000, 200);
+        let mut count = vec![0; 200];
+        for &k in &of_line {
+            count[k] += 1;
+        }
+        assert!(count.iter().all(|&c| c == 10), "{count:?}");
+        // Shuffled: neighbours rarely share a prompt.
+        let same = of_line.windows(2).filter(|w| w[0] == w[1]).count();
+        assert!(same < 50, "{same}");
+        assert_ne!(of_line[..200], (0..200).collect::<Vec<_>>()[..]);
     }
 
     #[test]

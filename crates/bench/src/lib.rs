@@ -11,8 +11,11 @@
 //!    `redis-benchmark RPOP`;
 //! 3. **End to end async** through the simulator, with where the time went;
 //! 4. **Cancel**: time to take 50,000 pending members out of the set;
-//! 5. **Sync AIMD**: throughput against a gateway of capacity C and latency L, as a share of C/L;
-//! 6. **Memory**: peak RSS of the `processor` binary by job size, in both modes.
+//! 5. **Prefix cache**: a job with its system prompts shuffled through the input, scored in plan
+//!    order against all at one score (the original processor), through a gateway with an LRU of
+//!    prompt prefixes: hit rate and time when a miss costs latency;
+//! 6. **Sync AIMD**: throughput against a gateway of capacity C and latency L, as a share of C/L;
+//! 7. **Memory**: peak RSS of the `processor` binary by job size, in both modes.
 //!
 //! [`run`] returns a [`Report`]; [`Report::write`] writes `benchmarks.md` and the plots.
 //!
@@ -40,7 +43,10 @@ mod stats;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-pub use inputs::{completion_body, request_line, result_element, write_input, MODEL, POOL};
+pub use inputs::{
+    completion_body, request_line, result_element, shuffled_prompts, write_input,
+    write_prefix_input, MODEL, POOL,
+};
 pub use lab::Lab;
 pub use machine::{utc_date, Machine};
 pub use redis_benchmark::{parse_csv_rps, RedisBenchmark};
@@ -136,6 +142,14 @@ pub struct Settings {
     pub aimd_lines: usize,
     /// Job sizes of the memory scenario.
     pub memory_sizes: Vec<usize>,
+    /// Lines of the prefix-cache job.
+    pub prefix_lines: usize,
+    /// Distinct system prompts in the prefix-cache job.
+    pub prefix_prompts: usize,
+    /// Prompt prefixes the gateway caches per endpoint.
+    pub prefix_cache: usize,
+    /// Extra latency of a prefix-cache miss.
+    pub prefix_miss_latency: std::time::Duration,
     /// Bytes of one input line.
     pub request_bytes: usize,
     /// Bytes of one result body.
@@ -161,6 +175,10 @@ impl Settings {
             e2e_lines: 50_000,
             aimd_lines: 20_000,
             memory_sizes: vec![1_000, 10_000, 50_000],
+            prefix_lines: 20_000,
+            prefix_prompts: 200,
+            prefix_cache: 32,
+            prefix_miss_latency: std::time::Duration::from_millis(50),
             request_bytes: 2048,
             result_bytes: 1024,
             short_runs: 5,
@@ -178,6 +196,7 @@ impl Settings {
             e2e_lines: 2_000,
             aimd_lines: 1_000,
             memory_sizes: vec![100, 300, 1_000],
+            prefix_lines: 1_000,
             short_runs: 1,
             long_runs: 1,
             redis_benchmark_requests: 5_000,

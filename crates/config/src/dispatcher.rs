@@ -16,6 +16,44 @@ pub const DISPATCHER_REQUEST_PATH: &str = "/v1/chat/completions";
 /// The gate our queue entries use, with the dispatcher's own defaults as parameters.
 pub const DISPATCHER_GATE_TYPE: &str = "prometheus-budget";
 
+/// The v0.10 dispatcher's retry sorted set (its default, shared by every queue).
+pub const DISPATCHER_RETRY_QUEUE: &str = "retry-sortedset";
+
+/// The v0.10 dispatcher's default poll interval, milliseconds.
+pub const DISPATCHER_POLL_INTERVAL_MS: u64 = 1000;
+
+/// The v0.10 dispatcher's default messages per poll.
+pub const DISPATCHER_BATCH_SIZE: u64 = 10;
+
+/// The v0.10 dispatcher's `--transport-config-file` object for this processor's pools.
+///
+/// It has no `url`: the Redis URL may hold a password, and this is meant to be printed and
+/// written to files. The operator adds `url` (or gives the dispatcher its address otherwise).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DispatcherTransportConfig {
+    /// The sorted set retried requests wait in.
+    pub retry_queue_name: String,
+    /// The dispatcher's fallback result list (see [`DispatcherQueues::result_queue_name`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result_queue_name: Option<String>,
+    /// How often each queue is polled.
+    pub poll_interval_ms: u64,
+    /// Messages taken per poll.
+    pub batch_size: u64,
+    /// Whether the dispatcher traces requests.
+    pub enable_tracing: bool,
+    /// One entry per pool, as in the older queues-config array.
+    pub queues: Vec<DispatcherQueueEntry>,
+}
+
+impl DispatcherTransportConfig {
+    /// The object as pretty JSON, ready to be written to a file.
+    pub fn to_json(&self) -> String {
+        // Serialising plain strings, numbers and maps cannot fail.
+        serde_json::to_string_pretty(self).unwrap_or_else(|_| "{}".to_owned())
+    }
+}
+
 /// One entry of the dispatcher's `--redis.ss.queues-config-file` JSON array.
 ///
 /// It deliberately has no `result_queue_name`: a queue-level one would override the
@@ -66,6 +104,18 @@ impl DispatcherQueues {
     pub fn queues_config_json(&self) -> String {
         // Serialising plain strings and maps cannot fail.
         serde_json::to_string_pretty(&self.queues_config).unwrap_or_else(|_| "[]".to_owned())
+    }
+
+    /// The v0.10 transport config with the dispatcher's defaults and these queue entries.
+    pub fn transport_config(&self) -> DispatcherTransportConfig {
+        DispatcherTransportConfig {
+            retry_queue_name: DISPATCHER_RETRY_QUEUE.to_owned(),
+            result_queue_name: self.result_queue_name.clone(),
+            poll_interval_ms: DISPATCHER_POLL_INTERVAL_MS,
+            batch_size: DISPATCHER_BATCH_SIZE,
+            enable_tracing: false,
+            queues: self.queues_config.clone(),
+        }
     }
 }
 

@@ -56,8 +56,9 @@ mod types;
 mod values;
 
 pub use dispatcher::{
-    DispatcherQueueEntry, DispatcherQueues, PoolQueues, DISPATCHER_GATE_TYPE,
-    DISPATCHER_REQUEST_PATH, PLACEHOLDER_GATEWAY_URL,
+    DispatcherQueueEntry, DispatcherQueues, DispatcherTransportConfig, PoolQueues,
+    DISPATCHER_BATCH_SIZE, DISPATCHER_GATE_TYPE, DISPATCHER_POLL_INTERVAL_MS,
+    DISPATCHER_REQUEST_PATH, DISPATCHER_RETRY_QUEUE, PLACEHOLDER_GATEWAY_URL,
 };
 pub use error::{ConfigError, ConfigErrors};
 pub use load::{ENV_NESTING, ENV_PREFIX};

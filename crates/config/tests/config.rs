@@ -806,6 +806,21 @@ model_gateways:
          "gate_params": {"pool": "pool-b", "max_concurrency": "100", "baseline": "0.05"}}
     ]);
     assert_eq!(json, expected);
+
+    // v0.10: the same entries inside the transport object, with the dispatcher's defaults and
+    // no Redis URL (it may hold a password).
+    let transport: serde_json::Value =
+        serde_json::from_str(&q.transport_config().to_json()).unwrap();
+    assert_eq!(
+        transport,
+        serde_json::json!({
+            "retry_queue_name": "retry-sortedset",
+            "result_queue_name": "llm-d-async:results:pool-a:$batch",
+            "poll_interval_ms": 1000, "batch_size": 10, "enable_tracing": false,
+            "queues": expected,
+        })
+    );
+    assert!(!q.transport_config().to_json().contains("7000"));
 }
 
 #[test]

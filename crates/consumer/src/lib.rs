@@ -90,6 +90,9 @@ pub struct WriteReport {
     pub written: u64,
     /// Results whose line already existed.
     pub duplicates: u64,
+    /// Results whose `request_token` is not their line's: from another attempt, or another
+    /// job with a colliding id. Dropped.
+    pub mismatched: u64,
     /// Results of jobs the handler does not run: positions in the batch it was given.
     pub not_here: Vec<usize>,
 }

@@ -10,6 +10,7 @@ pub struct ConsumerStats {
     received: AtomicU64,
     written: AtomicU64,
     duplicates: AtomicU64,
+    mismatched: AtomicU64,
     unknown_job: AtomicU64,
     parked: AtomicU64,
     malformed: AtomicU64,
@@ -25,6 +26,7 @@ impl Default for ConsumerStats {
             received: AtomicU64::new(0),
             written: AtomicU64::new(0),
             duplicates: AtomicU64::new(0),
+            mismatched: AtomicU64::new(0),
             unknown_job: AtomicU64::new(0),
             parked: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
@@ -50,6 +52,10 @@ impl ConsumerStats {
         self.duplicates.fetch_add(r.duplicates, Relaxed);
         count("written", r.written);
         count("duplicate", r.duplicates);
+        if r.mismatched > 0 {
+            self.mismatched.fetch_add(r.mismatched, Relaxed);
+            count("token_mismatch", r.mismatched);
+        }
     }
 
     pub(crate) fn parked_and_dropped(&self, parked: u64, dropped: u64) {
@@ -91,6 +97,10 @@ impl ConsumerStats {
     /// Results whose line existed already.
     pub fn duplicates_total(&self) -> u64 {
         self.duplicates.load(Relaxed)
+    }
+    /// Results dropped because their `request_token` was not their line's.
+    pub fn mismatched_total(&self) -> u64 {
+        self.mismatched.load(Relaxed)
     }
     /// Results dropped because their job exists nowhere (not here, not registered).
     pub fn unknown_job_total(&self) -> u64 {

@@ -323,9 +323,22 @@ impl AsyncMode {
     }
 
     async fn dispatch(&self, job: &Arc<Job>, stop: &Stop) -> Result<End, ExecError> {
-        let queues = match self.queues(job, &stop.halt).await {
+        // A job resumed past its deadline still takes in what arrived while no process ran it
+        // (for a while), before its open lines are closed.
+        let setup = if job.resumed && matches!(stop.end(), Some(End::Expired)) {
+            let token = CancellationToken::new();
+            let timer = token.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                timer.cancel();
+            });
+            token
+        } else {
+            stop.halt.clone()
+        };
+        let queues = match self.queues(job, &setup).await {
             Ok(q) => q,
-            Err(e) if stop.halt.is_cancelled() => {
+            Err(e) if setup.is_cancelled() => {
                 tracing::debug!(job = %job.id, error = %e, "stopped while setting up");
                 return Ok(stop.end().unwrap_or(End::Paused));
             }
@@ -340,7 +353,7 @@ impl AsyncMode {
             // Registered, its results are kept by whichever process reads the list.
             let keys = ListKeys::new(list);
             let registered = Retry::new(format!("HSET {}", keys.jobs))
-                .run(&stop.halt, || {
+                .run(&setup, || {
                     self.client
                         .hset::<(), _, _>(&keys.jobs, (job.id.as_str(), job.expires_at()))
                 })
@@ -355,7 +368,7 @@ impl AsyncMode {
             if !own {
                 // Another process's list (the job started there): read it once it is free,
                 // and meanwhile what its reader parks for this job.
-                self.start_consumer(list, None, &stop.halt).await?;
+                self.start_consumer(list, None, &setup).await?;
             }
             if job.resumed || !own {
                 self.start_parked_consumer(list, job);
@@ -370,7 +383,7 @@ impl AsyncMode {
             for list in &lists {
                 if let Some(c) = consumers.get(list) {
                     tokio::select! {
-                        _ = stop.halt.cancelled() => return Ok(stop.end().unwrap_or(End::Paused)),
+                        _ = setup.cancelled() => return Ok(stop.end().unwrap_or(End::Paused)),
                         _ = tokio::time::timeout(wait, c.stats().drained()) => {}
                     }
                 }

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
 
 use batch_consumer::{HandlerError, ResultHandler, Routed, WriteReport};
+use batch_producer::request_token;
 use batch_sink::Written;
 
 use crate::job::Job;
@@ -45,6 +46,7 @@ impl ResultHandler for Registry {
                 report.not_here.extend(group.iter().map(|(i, _)| *i));
                 continue;
             };
+            let created = job.created_at();
             let mut tally = Tally::default();
             let mut sink = job.sink.lock().expect("sink lock");
             for &(_, r) in group {
@@ -52,6 +54,13 @@ impl ResultHandler for Registry {
                     // Not a line of this job: nobody else can use it either.
                     report.duplicates += 1;
                     continue;
+                }
+                if let Some(token) = &r.result.request_token {
+                    // v0.10 echoes the token: another one means another attempt or job.
+                    if *token != request_token(&job.id, created, r.index) {
+                        report.mismatched += 1;
+                        continue;
+                    }
                 }
                 let written = job
                     .record_unflushed(&mut sink, r.index, &r.result.outcome(), &mut tally)

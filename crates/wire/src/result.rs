@@ -2,7 +2,22 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::WireError;
+use crate::{error_codes, WireError};
+
+/// A string as it is; a JSON object or array as its JSON text (some dispatchers send the body
+/// decoded). Scalars other than strings are refused: they are no response body.
+fn string_or_json<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    use serde::de::Error;
+    let raw: Box<serde_json::value::RawValue> = Deserialize::deserialize(d)?;
+    let text = raw.get().trim();
+    match text.as_bytes().first() {
+        Some(b'"') => serde_json::from_str(text).map_err(D::Error::custom),
+        Some(b'{' | b'[') => Ok(text.to_owned()),
+        _ => Err(D::Error::custom(format!(
+            "payload: expected a string, object or array, found {text}"
+        ))),
+    }
+}
 
 /// Non-HTTP error codes the dispatcher writes into `error_code`.
 pub mod dispatcher_error_codes {
@@ -24,7 +39,7 @@ pub mod dispatcher_error_codes {
 
 /// One element of a dispatcher result list.
 ///
-/// Unknown fields (such as newer dispatchers' `request_token`) are ignored on input.
+/// Unknown fields are ignored on input.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResultMessage {
     /// The request's id, copied from the request message.
@@ -32,8 +47,9 @@ pub struct ResultMessage {
     /// HTTP status when a response was received; absent or 0 when none was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status_code: Option<u16>,
-    /// The gateway's raw response body as a string (for errors, `{"error":"<msg>"}`).
-    #[serde(default)]
+    /// The gateway's raw response body as a string (for errors, `{"error":"<msg>"}`). A payload
+    /// sent as a JSON object or array instead of a string is kept as its JSON text.
+    #[serde(default, deserialize_with = "string_or_json")]
     pub payload: String,
     /// Why there is no HTTP response, e.g. `CANCELLED`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -41,7 +57,8 @@ pub struct ResultMessage {
     /// A human-readable message for `error_code`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_message: Option<String>,
-    /// Sent by newer dispatchers.
+    /// The request's token, sent by newer dispatchers (v0.10): a result whose token is not the
+    /// one its line was sent with belongs to another attempt or another job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_token: Option<String>,
     /// Not sent by the real dispatcher; accepted when a dispatcher does echo it.
@@ -102,13 +119,21 @@ impl ResultMessage {
         }
     }
 
-    /// Whether an HTTP response was received, and if not, why.
+    /// Whether an HTTP response was received, and if not, why. `DEADLINE_EXCEEDED` (v0.10)
+    /// becomes the `batch_expired` error of the batch format; any other code, known or not,
+    /// is passed on as the error line's code.
     pub fn outcome(&self) -> Outcome<'_> {
         match self.status_code {
             Some(status) if status > 0 => Outcome::Http {
                 status,
                 body: &self.payload,
             },
+            _ if self.error_code.as_deref() == Some(dispatcher_error_codes::DEADLINE_EXCEEDED) => {
+                Outcome::Failed {
+                    code: error_codes::BATCH_EXPIRED,
+                    message: error_codes::BATCH_EXPIRED_MESSAGE,
+                }
+            }
             _ => Outcome::Failed {
                 code: self
                     .error_code
@@ -182,6 +207,68 @@ mod tests {
     }
 
     #[test]
+    fn accepts_a_payload_given_as_json() {
+        let r = ResultMessage::parse(
+            r#"{"id":"a","status_code":200,"payload":{"id":"chatcmpl-1","choices":[]}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.payload, r#"{"id":"chatcmpl-1","choices":[]}"#);
+        let r = ResultMessage::parse(r#"{"id":"a","status_code":200,"payload":[1, 2]}"#).unwrap();
+        assert_eq!(r.payload, "[1, 2]");
+        // A string stays a string: its content, not its quoted JSON.
+        let r =
+            ResultMessage::parse(r#"{"id":"a","status_code":200,"payload":"{\"n\":1}"}"#).unwrap();
+        assert_eq!(r.payload, r#"{"n":1}"#);
+        // Absent: empty.
+        let r = ResultMessage::parse(r#"{"id":"a","error_code":"CANCELLED"}"#).unwrap();
+        assert_eq!(r.payload, "");
+    }
+
+    #[test]
+    fn deadline_exceeded_is_batch_expired() {
+        let r = ResultMessage::parse(
+            r#"{"id":"a","payload":"{\"error\":\"deadline exceeded\"}","error_code":"DEADLINE_EXCEEDED","error_message":"deadline exceeded","request_token":"t"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.outcome(),
+            Outcome::Failed {
+                code: error_codes::BATCH_EXPIRED,
+                message: error_codes::BATCH_EXPIRED_MESSAGE,
+            }
+        );
+        // With an HTTP answer (the deadline stopped retries), the answer is what counts.
+        let r = ResultMessage {
+            status_code: Some(503),
+            ..r
+        };
+        assert!(matches!(r.outcome(), Outcome::Http { status: 503, .. }));
+    }
+
+    #[test]
+    fn other_codes_pass_through() {
+        for code in ["PAYLOAD_UNAVAILABLE", "GATE_DROPPED", "SOMETHING_NEW"] {
+            let r = ResultMessage::failed("a", code, "why");
+            assert_eq!(
+                r.outcome(),
+                Outcome::Failed {
+                    code,
+                    message: "why"
+                }
+            );
+        }
+        // No code at all: the dispatcher had no response.
+        let r = ResultMessage::parse(r#"{"id":"a"}"#).unwrap();
+        assert!(matches!(
+            r.outcome(),
+            Outcome::Failed {
+                code: "INFERENCE_ERROR",
+                ..
+            }
+        ));
+    }
+
+    #[test]
     fn serialises_like_the_dispatcher() {
         assert_eq!(
             ResultMessage::http("a", 200, "{}").to_json(),
@@ -201,7 +288,8 @@ mod tests {
             r#"["a",200,"{}"]"#,
             "{}",
             r#"{"id":3}"#,
-            r#"{"id":"a","payload":{}}"#,
+            r#"{"id":"a","payload":3}"#,
+            r#"{"id":"a","payload":true}"#,
         ] {
             assert!(ResultMessage::parse(raw).is_err(), "{raw}");
         }

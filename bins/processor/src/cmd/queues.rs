@@ -15,9 +15,13 @@ pub struct Args {
     /// The YAML config file; `PROCESSOR_…` environment variables override it.
     #[arg(long, value_name = "FILE")]
     pub config: PathBuf,
-    /// Print only the JSON array for the dispatcher's `--redis.ss.queues-config-file`.
-    #[arg(long)]
+    /// Print only the JSON array for the dispatcher's `--redis.ss.queues-config-file` (v0.9).
+    #[arg(long, conflicts_with = "transport_config")]
     pub json: bool,
+    /// Print only the JSON object for the v0.10 dispatcher's `--transport-config-file`; it has no
+    /// `url` (the Redis URL may hold a password): a note on stderr says so.
+    #[arg(long)]
+    pub transport_config: bool,
     /// Use this gateway URL as every queue's `igw_base_url` instead of the models' `url`.
     #[arg(long, value_name = "URL")]
     pub igw_base_url: Option<String>,
@@ -52,6 +56,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let text = if args.json {
         format!("{}\n", queues.queues_config_json())
+    } else if args.transport_config {
+        eprintln!(
+            "# `url` is left out so that no Redis password is printed: add \"url\": \"redis://...\" \
+             (the URL in {}) before giving the file to the dispatcher's --transport-config-file, \
+             or give it the address another way.",
+            config.redis_url_file.display()
+        );
+        placeholder_note(&queues, |line| eprintln!("{line}"));
+        format!("{}\n", queues.transport_config().to_json())
     } else {
         human(&queues)
     };
@@ -82,16 +95,27 @@ fn human(queues: &DispatcherQueues) -> String {
          # result list (internal.result_queue_name), and the queue entries above set none, so each\n\
          # pool's results reach the result queue listed for it, whatever this flag says.\n",
     );
+    out.push_str(
+        "\n# v0.10 dispatcher --transport-config-file (write it with `processor queues --transport-config`):\n",
+    );
+    out.push_str(&queues.transport_config().to_json());
+    out.push_str("\n# It has no `url`: the Redis URL may hold a password. Add it before use.\n");
+    placeholder_note(queues, |line| {
+        let _ = writeln!(out, "{line}");
+    });
+    out
+}
+
+/// Says which placeholder to replace, when some queue entry has one.
+fn placeholder_note(queues: &DispatcherQueues, mut say: impl FnMut(&str)) {
     if queues
         .queues_config
         .iter()
         .any(|entry| entry.igw_base_url == batch_config::PLACEHOLDER_GATEWAY_URL)
     {
-        let _ = writeln!(
-            out,
+        say(&format!(
             "# Replace {} with the pool's inference gateway URL (no model of that pool has a url).",
             batch_config::PLACEHOLDER_GATEWAY_URL
-        );
+        ));
     }
-    out
 }

@@ -43,6 +43,15 @@ pub(crate) async fn run(
     for run in 0..s.short_runs {
         lab.flush_redis().await?;
         let out = lab.fresh_dir(&format!("drain-{run}"))?;
+        // Prepared and left by an executor of its own (a prepared job stays registered, its
+        // directory locked, while its executor lives): the job now exists on disk, so the run
+        // below resumes it.
+        {
+            let first = Executor::new(load(&config_path)?).await?;
+            let prepared = ready(&first, &spec(&input, &out, Some(JOB_ID.into()))).await;
+            first.shutdown().await;
+            drop(prepared?);
+        }
         // A fresh executor each run: its result consumer starts with the job's dispatch.
         let executor = Executor::new(load(&config_path)?).await?;
         let measured = one_run(&executor, lab, &input, &out, &results_list, &elements).await;
@@ -134,13 +143,11 @@ async fn one_run(
     elements: &[String],
 ) -> Result<(f64, Duration), BenchError> {
     let n = elements.len();
-    let job_spec = spec(input, out, Some(JOB_ID.into()));
-    // Prepared and left: the job now exists on disk, so the run below resumes it.
-    drop(ready(executor, &job_spec).await?);
+    // Resumed, and registered before its results arrive.
+    let job = ready(executor, &spec(input, out, Some(JOB_ID.into()))).await?;
     for chunk in elements.chunks(1000) {
         let _: u64 = lab.client().lpush(results_list, chunk.to_vec()).await?;
     }
-    let job = ready(executor, &job_spec).await?;
     let rx = job.progress();
     let start = Instant::now();
     let (batch, seen) = drive(

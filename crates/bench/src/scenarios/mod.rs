@@ -5,6 +5,7 @@ mod drain;
 mod e2e;
 mod enqueue;
 mod memory;
+mod prefix;
 
 use std::future::Future;
 use std::str::FromStr;
@@ -31,14 +32,17 @@ pub enum Scenario {
     Aimd,
     /// Peak RSS of the `processor` binary.
     Memory,
+    /// Prefix-cache hits with plan-ordered against equal scores.
+    Prefix,
 }
 
 impl Scenario {
     /// Every scenario, in run order.
-    pub const ALL: [Scenario; 5] = [
+    pub const ALL: [Scenario; 6] = [
         Scenario::Enqueue,
         Scenario::Drain,
         Scenario::EndToEnd,
+        Scenario::Prefix,
         Scenario::Aimd,
         Scenario::Memory,
     ];
@@ -51,6 +55,7 @@ impl Scenario {
             Scenario::EndToEnd => "e2e",
             Scenario::Aimd => "aimd",
             Scenario::Memory => "memory",
+            Scenario::Prefix => "prefix",
         }
     }
 }
@@ -83,6 +88,7 @@ pub(crate) async fn run(
         Scenario::EndToEnd => e2e::run(lab, settings, report, progress).await,
         Scenario::Aimd => aimd::run(lab, settings, report, progress).await,
         Scenario::Memory => memory::run(lab, settings, report, progress).await,
+        Scenario::Prefix => prefix::run(lab, settings, report, progress).await,
     }
 }
 
