@@ -30,7 +30,7 @@ pub struct GradientConfig {
     /// (0, 1]; 1 jumps straight to it, which also shows the gateway unqueued again, so the
     /// floor stays fresh.
     pub smoothing: f64,
-    /// The latency floor is the least latency over this many windows; at least 1. Older
+    /// The latency floor is the least window mean over this many windows; at least 1. Older
     /// windows are forgotten, so a gateway that became slower is followed.
     pub floor_windows: usize,
     /// A window is `max(limit, min_window)` successes; at least 1.
@@ -54,7 +54,7 @@ impl Default for GradientConfig {
             tolerance: 1.3,
             smoothing: 1.0,
             floor_windows: 50,
-            min_window: 8,
+            min_window: 16,
             hold_windows: 3,
             probe_windows: 25,
         }
@@ -110,14 +110,10 @@ struct Window {
     latency_sum: f64,
     in_flight_sum: f64,
     max_in_flight: usize,
-    min_latency: f64,
 }
 
 impl Window {
     fn add(&mut self, latency: f64, in_flight: usize) {
-        if self.count == 0 || latency < self.min_latency {
-            self.min_latency = latency;
-        }
         self.count += 1;
         self.latency_sum += latency;
         self.in_flight_sum += in_flight as f64;
@@ -130,8 +126,10 @@ impl Window {
 /// It starts at `initial` and doubles per window until the first decrease (slow start).
 /// Then the rules, applied per window of `max(limit, min_window)` successful answers (about
 /// one round trip):
-/// - **Floor**: the least latency over the last `floor_windows` windows, the gateway's
-///   unqueued latency (TCP Vegas's base RTT).
+/// - **Floor**: the least window mean over the last `floor_windows` windows, the gateway's
+///   unqueued latency (TCP Vegas's base RTT). A mean, not the quickest answer: inference
+///   latency varies with each request's length, and against the quickest one a typical
+///   answer would look queued.
 /// - **Grow** while the window's mean latency stays within `floor × tolerance` and the limit is
 ///   in use (its busiest moment had at least half the limit in flight): by a step that starts
 ///   at `initial_step` and doubles each window, capped at a quarter of the limit. Below the
@@ -248,9 +246,9 @@ impl GradientLimiter {
         if self.floors.len() == self.config.floor_windows {
             self.floors.pop_front();
         }
-        self.floors.push_back(window.min_latency);
-        let floor = self.floor_secs().unwrap_or(window.min_latency);
         let mean = window.latency_sum / window.count as f64;
+        self.floors.push_back(mean);
+        let floor = self.floor_secs().unwrap_or(mean);
         let mean_in_flight = window.in_flight_sum / window.count as f64;
         self.calm_windows += 1;
         if mean > floor * (1.0 + self.config.tolerance) / 2.0 {
@@ -506,9 +504,7 @@ mod tests {
         .unwrap();
         window(&mut l, L);
         for _ in 0..3 {
-            for _ in 0..10 {
-                l.on_success(2 * L, 10);
-            }
+            window(&mut l, 2 * L);
         }
         assert!(close(l.floor(), 2 * L), "{:?}", l.floor());
     }

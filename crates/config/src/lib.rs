@@ -61,7 +61,7 @@ pub use error::{ConfigError, ConfigErrors};
 pub use load::{ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
-    ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, Secret, TlsConfig,
+    LimiterAlgorithm, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, Secret, TlsConfig,
     DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};

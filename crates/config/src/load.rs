@@ -61,7 +61,13 @@ const TLS_KEYS: &[&str] = &[
     "insecure_skip_verify",
 ];
 const CONCURRENCY_KEYS: &[&str] = &["global", "per_endpoint", "aimd"];
-const AIMD_KEYS: &[&str] = &["enabled", "min", "backoff_factor", "additive_increase"];
+const AIMD_KEYS: &[&str] = &[
+    "enabled",
+    "algorithm",
+    "min",
+    "backoff_factor",
+    "additive_increase",
+];
 const OBSERVABILITY_KEYS: &[&str] = &["addr"];
 const INPUT_KEYS: &[&str] = &["max_requests", "max_file_bytes"];
 
@@ -207,7 +213,9 @@ fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfi
         queue_prefix: name_part(c, &t, "queue_prefix", "prefix").unwrap_or(d.queue_prefix),
         consumer_id_set: consumer_id.is_some(),
         consumer_id: consumer_id.unwrap_or(d.consumer_id),
-        retry_queue_name: c.string(&t, "retry_queue_name").unwrap_or(d.retry_queue_name),
+        retry_queue_name: c
+            .string(&t, "retry_queue_name")
+            .unwrap_or(d.retry_queue_name),
         lost_request_timeout: c.positive_duration(
             &t,
             "lost_request_timeout",
@@ -387,6 +395,18 @@ fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {
 
     let a = c.table(&t, "aimd", AIMD_KEYS);
     let enabled = c.boolean(&a, "enabled", d.aimd.enabled);
+    let algorithm = match c.string(&a, "algorithm") {
+        None => d.aimd.algorithm,
+        Some(name) => name.parse().unwrap_or_else(|_| {
+            let names: Vec<_> = LimiterAlgorithm::ALL.iter().map(|a| a.name()).collect();
+            let problem = format!(
+                "unknown limiter algorithm {name:?} (expected {})",
+                names.join(" or ")
+            );
+            c.at(&a, "algorithm", problem);
+            d.aimd.algorithm
+        }),
+    };
     let min = c.count(&a, "min", d.aimd.min, 1);
     if enabled && min > per_endpoint {
         let problem = format!("{min} is above concurrency.per_endpoint ({per_endpoint})");
@@ -405,6 +425,7 @@ fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {
         per_endpoint,
         aimd: AimdConfig {
             enabled,
+            algorithm,
             min,
             backoff_factor,
             additive_increase,

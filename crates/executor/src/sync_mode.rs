@@ -32,6 +32,7 @@ impl SyncMode {
             aimd_min: c.aimd.min,
             backoff_factor: c.aimd.backoff_factor,
             additive_increase: c.aimd.additive_increase,
+            algorithm: c.aimd.algorithm,
         });
         for (model, gw) in &config.model_gateways {
             let Some(url) = &gw.url else { continue };
@@ -148,7 +149,12 @@ impl SyncMode {
 }
 
 /// Writes one answer, retrying a failed write (a full disk) until it succeeds or the job stops.
-async fn write_outcome(job: &Arc<Job>, index: u64, outcome: Owned, stop: &Stop) -> Result<(), ExecError> {
+async fn write_outcome(
+    job: &Arc<Job>,
+    index: u64,
+    outcome: Owned,
+    stop: &Stop,
+) -> Result<(), ExecError> {
     let outcome = Arc::new(outcome);
     let mut backoff = Duration::from_millis(100);
     loop {
