@@ -38,8 +38,8 @@ pub struct GradientConfig {
     /// Windows without an overload before the limit may pass the concurrency that was last
     /// refused.
     pub hold_windows: usize,
-    /// After this many windows in a row above `floor × (1 + tolerance) / 2` the limit drops
-    /// to what the gateway serves at the floor, to see the floor again before it is forgotten
+    /// Every this many windows the limit drops for one window to 0.9 × what the gateway
+    /// serves at the floor, to see the floor again before it is forgotten, then goes back
     /// (BBR's ProbeRTT). At least 1; below `floor_windows` to be useful.
     pub probe_windows: usize,
 }
@@ -53,10 +53,10 @@ impl Default for GradientConfig {
             initial_step: 1,
             tolerance: 1.3,
             smoothing: 1.0,
-            floor_windows: 50,
+            floor_windows: 100,
             min_window: 16,
             hold_windows: 3,
-            probe_windows: 25,
+            probe_windows: 40,
         }
     }
 }
@@ -134,13 +134,16 @@ impl Window {
 ///   in use (its busiest moment had at least half the limit in flight): by a step that starts
 ///   at `initial_step` and doubles each window, capped at a quarter of the limit. Below the
 ///   concurrency last refused the growth stops one short of it, and passing it waits
-///   `hold_windows` calm windows (TCP CUBIC's plateau). Nor does it pass `tolerance` times
-///   what the window's latency says the gateway serves at the floor.
+///   `hold_windows` calm windows (TCP CUBIC's plateau). Once the latency is halfway to the
+///   tolerance it does not pass `tolerance` times what the window says the gateway serves
+///   at the floor.
 /// - **Shrink on latency**: when the mean latency is above the tolerance the gateway is
 ///   queueing; the limit moves toward `mean in_flight × floor / mean latency` (what it serves
-///   at the floor latency; Gradient2's rule) by `smoothing`. The step restarts. The same
-///   happens after `probe_windows` windows in a row of mild queueing, so that the floor is
-///   seen again before it is forgotten (else it would creep up with the queue).
+///   at the floor latency; Gradient2's rule) by `smoothing`. The step restarts.
+/// - **Probe**: every `probe_windows` windows the limit drops for one window to 0.9 × that
+///   estimate, answers sent above it are left out, and then it goes back. So the floor is
+///   seen again before it is forgotten; else, against a gateway kept just within the
+///   tolerance, it would creep up with the queue.
 ///
 /// ```
 /// use std::time::Duration;
@@ -168,7 +171,9 @@ pub struct GradientLimiter {
     /// The in-flight count of the last refused request; `usize::MAX` before any.
     refused_at: usize,
     calm_windows: usize,
-    queued_windows: usize,
+    windows_since_probe: usize,
+    /// While probing, the limit to go back to.
+    probe: Option<usize>,
     slow_start: bool,
     window: Window,
     floors: VecDeque<f64>,
@@ -185,7 +190,8 @@ impl GradientLimiter {
             epoch: 0,
             refused_at: usize::MAX,
             calm_windows: 0,
-            queued_windows: 0,
+            windows_since_probe: 0,
+            probe: None,
             slow_start: true,
             window: Window::default(),
             floors: VecDeque::new(),
@@ -226,6 +232,7 @@ impl GradientLimiter {
         self.step = self.config.initial_step;
         self.calm_windows = 0;
         self.refused_at = in_flight.max(1);
+        self.probe = None;
         // Latencies gathered across the cut describe neither limit.
         self.window = Window::default();
         let from = self.limit;
@@ -238,6 +245,10 @@ impl GradientLimiter {
 
     /// A successful answer that took `latency`, sent with `in_flight` requests out.
     pub fn on_success(&mut self, latency: Duration, in_flight: usize) -> Option<Change> {
+        if self.probe.is_some() && in_flight > self.limit {
+            // Sent before the probe's cut: it queued behind the old limit.
+            return None;
+        }
         self.window.add(latency.as_secs_f64(), in_flight);
         if self.window.count < self.limit.max(self.config.min_window) {
             return None;
@@ -251,15 +262,16 @@ impl GradientLimiter {
         let floor = self.floor_secs().unwrap_or(mean);
         let mean_in_flight = window.in_flight_sum / window.count as f64;
         self.calm_windows += 1;
-        if mean > floor * (1.0 + self.config.tolerance) / 2.0 {
-            self.queued_windows += 1;
-        } else {
-            self.queued_windows = 0;
+        self.windows_since_probe += 1;
+        let queued = mean > floor * self.config.tolerance;
+        if let Some(before) = self.probe.take() {
+            if !queued {
+                // The floor was seen again: back to where the probe started.
+                return self.set(before);
+            }
         }
 
-        if mean > floor * self.config.tolerance || self.queued_windows >= self.config.probe_windows
-        {
-            self.queued_windows = 0;
+        if queued {
             self.slow_start = false;
             self.step = self.config.initial_step;
             let estimate = mean_in_flight * floor / mean;
@@ -267,6 +279,14 @@ impl GradientLimiter {
             let target = (self.limit as f64 * (1.0 - s) + estimate * s).round();
             let to = (target.max(0.0) as usize).max(self.config.min);
             return if to < self.limit { self.set(to) } else { None };
+        }
+        if self.windows_since_probe >= self.config.probe_windows && !self.slow_start {
+            self.windows_since_probe = 0;
+            let to = ((mean_in_flight * floor / mean * 0.9).floor() as usize).max(self.config.min);
+            if to < self.limit {
+                self.probe = Some(self.limit);
+                return self.set(to);
+            }
         }
         if window.max_in_flight * 2 < self.limit {
             // Not limited by the limit: growing it would test nothing.
@@ -276,6 +296,10 @@ impl GradientLimiter {
         if passing && self.calm_windows <= self.config.hold_windows {
             return None;
         }
+        if passing && self.limit < self.refused_at {
+            // The first step past the refused concurrency is the smallest.
+            self.step = self.config.initial_step;
+        }
         let mut to = if self.slow_start {
             self.limit.saturating_mul(2)
         } else {
@@ -284,8 +308,8 @@ impl GradientLimiter {
         if !passing {
             to = to.min(self.refused_at - 1);
         }
-        if !self.slow_start {
-            // Latency may already be rising within the tolerance: grow at most to what that
+        if !self.slow_start && mean > floor * (1.0 + self.config.tolerance) / 2.0 {
+            // Latency is already rising within the tolerance: grow at most to what that
             // queueing says the gateway serves, times the tolerance.
             let serves = mean_in_flight * floor / mean;
             let cap = (serves * self.config.tolerance).floor() as usize;
@@ -466,6 +490,28 @@ mod tests {
     }
 
     #[test]
+    fn a_probe_drops_for_one_window_ignores_older_answers_and_goes_back() {
+        let mut l = GradientLimiter::new(GradientConfig {
+            max: 100,
+            initial: 100,
+            probe_windows: 3,
+            ..GradientConfig::default()
+        })
+        .unwrap();
+        l.on_overload(101, 0); // out of slow start; 100 stays (one less than 101... at max)
+        for _ in 0..3 {
+            window(&mut l, L);
+        }
+        assert_eq!(l.limit(), 90, "0.9 × the 100 served at the floor");
+        // Answers sent with 100 in flight predate the probe and are left out.
+        for _ in 0..200 {
+            assert_eq!(l.on_success(3 * L, 100), None);
+        }
+        window(&mut l, L);
+        assert_eq!(l.limit(), 100, "the floor was seen again: back");
+    }
+
+    #[test]
     fn latency_within_the_tolerance_is_not_queueing() {
         let mut l = limiter(1, 100);
         l.on_overload(51, 0);
@@ -575,10 +621,13 @@ mod tests {
         let mut l = limiter(1, 128);
         let trace = hard_limit_loop(&mut l, 64, 400);
         let tail = &trace[100..];
+        // At 64 or probing one above, but for the one-window floor probes at 0.9 × 64.
         assert!(
-            tail.iter().all(|&(x, _)| (64..=65).contains(&x)),
+            tail.iter().all(|&(x, _)| (57..=65).contains(&x)),
             "{tail:?}"
         );
+        let probes = tail.iter().filter(|t| t.0 < 64).count();
+        assert!(probes * 20 <= tail.len(), "{probes} probes in {tail:?}");
         let refused: usize = tail.iter().map(|t| t.1).sum();
         assert!(refused * 100 < tail.len() * 64, "{refused} refusals");
     }
@@ -629,7 +678,13 @@ mod tests {
             ms in 1u64..100,
             rounds in 1usize..50,
         ) {
-            let mut l = limiter(1, max);
+            let mut l = GradientLimiter::new(GradientConfig {
+                max,
+                initial: max,
+                probe_windows: 1000,
+                ..GradientConfig::default()
+            })
+            .unwrap();
             l.on_overload(cut, 0);
             let mut last = l.limit();
             for _ in 0..rounds {
@@ -660,7 +715,10 @@ mod tests {
                 seen.push(l.limit());
             }
             let hi = (c as f64 * 1.3).ceil() as usize + (c / 4).max(1) + 1;
-            prop_assert!(seen.iter().all(|&x| x >= c && x <= hi), "c {}: {:?}", c, seen);
+            let probe_low = (c as f64 * 0.9) as usize - 1;
+            prop_assert!(seen.iter().all(|&x| x >= probe_low && x <= hi), "c {}: {:?}", c, seen);
+            let below = seen.iter().filter(|&&x| x < c).count();
+            prop_assert!(below * 10 <= seen.len(), "c {}: {:?}", c, seen);
         }
 
         #[test]
@@ -668,7 +726,10 @@ mod tests {
             let mut l = limiter(1, 4 * c);
             let trace = hard_limit_loop(&mut l, c, 400);
             let tail = &trace[200..];
-            prop_assert!(tail.iter().all(|&(x, _)| x >= c && x <= c + 1), "c {}: {:?}", c, tail);
+            let probe_low = (c as f64 * 0.9) as usize - 1;
+            prop_assert!(tail.iter().all(|&(x, _)| x >= probe_low && x <= c + 1), "c {}: {:?}", c, tail);
+            let below = tail.iter().filter(|t| t.0 < c).count();
+            prop_assert!(below * 10 <= tail.len(), "c {}: {:?}", c, tail);
             let refused: usize = tail.iter().map(|t| t.1).sum();
             prop_assert!(refused * 3 <= tail.len(), "c {}: {} refusals in {} rounds", c, refused, tail.len());
         }

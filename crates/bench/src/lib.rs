@@ -11,7 +11,9 @@
 //!    `redis-benchmark RPOP`;
 //! 3. **End to end async** through the simulator, with where the time went;
 //! 4. **Cancel**: time to take 50,000 pending members out of the set;
-//! 5. **Sync AIMD**: throughput against a gateway of capacity C and latency L, as a share of C/L;
+//! 5. **Sync AIMD**: each limiter (the reference AIMD, the gradient limiter) against a gateway
+//!    of capacity C and latency L in three behaviours (hard limit, a limit changing mid-run, a
+//!    queueing gateway): throughput as a share of what the gateway can serve, and 429s;
 //! 6. **Memory**: peak RSS of the `processor` binary by job size, in both modes.
 //!
 //! [`run`] returns a [`Report`]; [`Report::write`] writes `benchmarks.md` and the plots.
