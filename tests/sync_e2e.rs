@@ -101,8 +101,9 @@ async fn aimd_settles_near_the_gateways_capacity() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gradient_limiter_fills_a_hard_limit_with_few_429s() {
     const CAPACITY: usize = 32;
-    const LATENCY: Duration = Duration::from_millis(10);
-    const LINES: usize = 4000;
+    // Long enough that a debug build's own work per request is small beside it.
+    const LATENCY: Duration = Duration::from_millis(40);
+    const LINES: usize = 3000;
     let env = Env::start(GatewayConfig {
         latency_fixed: LATENCY,
         capacity: Some(CAPACITY),
