@@ -426,10 +426,14 @@ impl Endpoint {
             let (attempt_guard, in_flight) = AttemptGuard::enter(&self.attempts);
             let sent = Instant::now();
             let answer = self.attempt(prepared, &request.body, slo_left).await;
+            // Requests sent after this one may have reached the gateway before it: the count
+            // when the answer came is the better measure of what a refusal met.
+            let in_flight_at_answer = self.attempts.load(Ordering::SeqCst);
             drop(attempt_guard);
             if self.per_attempt {
                 if let Ok(answer) = &answer {
-                    self.observe(answer.status, sent.elapsed(), in_flight, epoch);
+                    let seen = (in_flight, in_flight.max(in_flight_at_answer));
+                    self.observe(answer.status, sent.elapsed(), seen, epoch);
                 }
             }
             let (cause, retry_after) = match answer {
@@ -543,14 +547,15 @@ impl Endpoint {
         })
     }
 
-    /// Feeds one attempt's answer to a per-attempt limiter: a 2xx is a latency sample, a 429
-    /// or 5xx an overload; other statuses say nothing about capacity (and their quick answers
-    /// must not lower the latency floor).
-    fn observe(&self, status: u16, latency: Duration, in_flight: usize, epoch: u64) {
-        let feedback = match status {
-            200..=299 => Feedback::Success,
-            429 => Feedback::Overload(signals::RATE_LIMITED),
-            500..=599 => Feedback::Overload(signals::SERVER_ERROR),
+    /// Feeds one attempt's answer to a per-attempt limiter: a 2xx is a latency sample (with
+    /// the attempts in flight when it was sent), a 429 or 5xx an overload (with the most in
+    /// flight from its send to its answer); other statuses say nothing about capacity (and
+    /// their quick answers must not lower the latency floor).
+    fn observe(&self, status: u16, latency: Duration, in_flight: (usize, usize), epoch: u64) {
+        let (feedback, in_flight) = match status {
+            200..=299 => (Feedback::Success, in_flight.0),
+            429 => (Feedback::Overload(signals::RATE_LIMITED), in_flight.1),
+            500..=599 => (Feedback::Overload(signals::SERVER_ERROR), in_flight.1),
             _ => return,
         };
         self.apply(feedback, latency, in_flight, epoch);
