@@ -46,7 +46,7 @@ async fn sampling_limits<T>(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn aimd_settles_near_the_gateways_capacity() {
+async fn reference_aimd_settles_near_the_gateways_capacity() {
     let env = Env::start(GatewayConfig {
         latency_fixed: Duration::from_millis(10),
         capacity: Some(32),
@@ -58,7 +58,7 @@ async fn aimd_settles_near_the_gateways_capacity() {
     let config = env.sync_config(
         &["llama-3"],
         FAST_RETRIES,
-        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    min: 4\n",
+        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    algorithm: aimd\n    min: 4\n",
     );
     let executor = Executor::new(load(&config)).await.unwrap();
     let (batch, samples) = sampling_limits(
@@ -275,7 +275,7 @@ async fn only_the_failing_endpoints_limit_drops() {
         .unwrap();
     write_input(&env.path("in.jsonl"), 200, &["failing", "healthy"]);
     let yaml = format!(
-        "dispatch_mode: sync\nwork_dir: {}\nmodel_gateways:\n  failing:\n    url: {}\n    max_retries: 0\n  healthy:\n    url: {}\n",
+        "dispatch_mode: sync\nwork_dir: {}\nmodel_gateways:\n  failing:\n    url: {}\n    max_retries: 0\n  healthy:\n    url: {}\nconcurrency:\n  aimd:\n    algorithm: aimd\n",
         env.path("work").display(),
         env.gateway.base_url(),
         healthy.base_url()

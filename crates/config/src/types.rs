@@ -237,8 +237,10 @@ impl Default for ConcurrencyConfig {
 pub struct AimdConfig {
     /// Adapt the limit (default true); when false the limit stays at `per_endpoint`.
     pub enabled: bool,
-    /// `aimd` (default: the reference processor's additive increase, multiplicative decrease)
-    /// or `gradient` (latency floor and in-flight count; see `batch_aimd::GradientLimiter`).
+    /// `gradient` (default: latency floor and in-flight count, see `batch_aimd::GradientLimiter`;
+    /// it measured better than the reference in all three gateway behaviours of
+    /// docs/benchmarks.md) or `aimd` (the reference processor's additive increase,
+    /// multiplicative decrease).
     #[serde(serialize_with = "algorithm_name")]
     pub algorithm: LimiterAlgorithm,
     /// Lowest limit (default 5, between 1 and `per_endpoint`).
@@ -253,7 +255,7 @@ impl Default for AimdConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            algorithm: LimiterAlgorithm::default(),
+            algorithm: LimiterAlgorithm::Gradient,
             min: 5,
             backoff_factor: 0.5,
             additive_increase: 1,

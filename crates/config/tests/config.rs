@@ -84,7 +84,7 @@ fn defaults_fill_a_minimal_sync_config() {
     assert_eq!(c.concurrency.aimd.min, 5);
     assert_eq!(c.concurrency.aimd.backoff_factor, 0.5);
     assert_eq!(c.concurrency.aimd.additive_increase, 1);
-    assert_eq!(c.concurrency.aimd.algorithm, LimiterAlgorithm::Aimd);
+    assert_eq!(c.concurrency.aimd.algorithm, LimiterAlgorithm::Gradient);
 
     assert_eq!(c.redis_url_file, Path::new("/etc/.secrets/redis-url"));
     assert_eq!(
@@ -135,7 +135,7 @@ model_gateways:
 concurrency:
   global: 7
   per_endpoint: 3
-  aimd: {enabled: false, algorithm: gradient, min: 2, backoff_factor: 0.75, additive_increase: 2}
+  aimd: {enabled: false, algorithm: aimd, min: 2, backoff_factor: 0.75, additive_increase: 2}
 redis_url_file: redis-url
 work_dir: /var/tmp/jobs
 observability: {addr: "127.0.0.1:9090"}
@@ -189,7 +189,7 @@ input: {max_requests: 10, max_file_bytes: 1MiB}
         ),
         (false, 2, 0.75, 2)
     );
-    assert_eq!(aimd.algorithm, LimiterAlgorithm::Gradient);
+    assert_eq!(aimd.algorithm, LimiterAlgorithm::Aimd);
     assert_eq!(c.redis_url_file, d.join("redis-url"));
     assert_eq!(
         c.redis_url.as_ref().map(Secret::expose),
