@@ -49,10 +49,7 @@ fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::
         if let Some(status) = child.try_wait().unwrap() {
             return status;
         }
-        assert!(
-            Instant::now() < until,
-            "the processor did not exit within {limit:?}"
-        );
+        assert!(Instant::now() < until, "the processor did not exit within {limit:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -141,18 +138,9 @@ async fn an_explicit_consumer_id_read_by_a_live_process_is_refused() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert_eq!(second.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("llm-d-async:results:pool-a:replica-1"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains(&format!("pid {}", first.0.id())),
-        "names the holder: {stderr}"
-    );
-    assert!(
-        stderr.contains("async_dispatch.consumer_id"),
-        "names the key: {stderr}"
-    );
+    assert!(stderr.contains("llm-d-async:results:pool-a:replica-1"), "{stderr}");
+    assert!(stderr.contains(&format!("pid {}", first.0.id())), "names the holder: {stderr}");
+    assert!(stderr.contains("async_dispatch.consumer_id"), "names the key: {stderr}");
     signal(&first.0, libc::SIGTERM);
     wait_exit(&mut first.0, Duration::from_secs(15));
 }
@@ -204,9 +192,11 @@ async fn a_gate_closed_for_three_lost_timeouts_sends_each_request_once() {
     })
     .await;
     let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 1s\n");
-    env.redis
-        .command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
+    let config = env.async_config(
+        &[("llama-3", "pool-a")],
+        "  lost_request_timeout: 1s\n",
+    );
+    env.redis.command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
     let sim = env
         .dispatcher(&["pool-a"], |c| {
             closed_gate(c);
@@ -219,30 +209,22 @@ async fn a_gate_closed_for_three_lost_timeouts_sends_each_request_once() {
         .await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let out = env.path("out");
-    let run = executor.run(
-        JobSpec::new(env.path("in.jsonl"), &out),
-        CancellationToken::new(),
-    );
+    let run = executor.run(JobSpec::new(env.path("in.jsonl"), &out), CancellationToken::new());
     tokio::pin!(run);
     // Let the dispatcher take members into its hands, then close the gate: the ones it holds
     // go back re-serialised (other bytes than the processor wrote).
     let taken = async {
-        eventually(
-            "members in the dispatcher's hands",
-            Duration::from_secs(30),
-            || sim.stats().taken >= 40,
-        )
+        eventually("members in the dispatcher's hands", Duration::from_secs(30), || {
+            sim.stats().taken >= 40
+        })
         .await
     };
     tokio::select! { _ = taken => {}, _ = &mut run => panic!("finished too early") }
-    env.redis
-        .command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "0"]);
+    env.redis.command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "0"]);
     let refused = async {
-        eventually(
-            "members put back re-serialised",
-            Duration::from_secs(30),
-            || sim.stats().gate_refused > 0,
-        )
+        eventually("members put back re-serialised", Duration::from_secs(30), || {
+            sim.stats().gate_refused > 0
+        })
         .await
     };
     tokio::select! { _ = refused => {}, _ = &mut run => panic!("finished too early") }
@@ -257,15 +239,9 @@ async fn a_gate_closed_for_three_lost_timeouts_sends_each_request_once() {
     let n = ids.len();
     ids.sort();
     ids.dedup();
-    eprintln!(
-        "queued while closed: {n} members, {} ids; gateway so far {}; dispatcher {:?}",
-        ids.len(),
-        env.gateway.stats().total,
-        sim.stats()
-    );
+    eprintln!("queued while closed: {n} members, {} ids; gateway so far {}; dispatcher {:?}", ids.len(), env.gateway.stats().total, sim.stats());
     assert_eq!(n, ids.len(), "a request is queued twice");
-    env.redis
-        .command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
+    env.redis.command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
     let batch = tokio::time::timeout(Duration::from_secs(120), run)
         .await
         .expect("finished once the gate opened")
@@ -304,32 +280,22 @@ async fn a_write_that_fails_half_way_leaves_the_job_resumable() {
         });
     }
     let mut child = Child(limited.spawn().unwrap());
-    eventually(
-        "the output file to reach the limit",
-        Duration::from_secs(60),
-        || std::fs::metadata(out.join("output.jsonl")).is_ok_and(|m| m.len() > 150_000),
-    )
+    eventually("the output file to reach the limit", Duration::from_secs(60), || {
+        std::fs::metadata(out.join("output.jsonl")).is_ok_and(|m| m.len() > 150_000)
+    })
     .await;
     // Writes keep failing; the processor waits for the disk, it does not fail the job.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(
-        child.0.try_wait().unwrap().is_none(),
-        "the processor gave up"
-    );
+    assert!(child.0.try_wait().unwrap().is_none(), "the processor gave up");
     signal(&child.0, libc::SIGTERM);
     let status = wait_exit(&mut child.0, Duration::from_secs(15));
     let stderr = stderr_of(&mut child.0);
     assert_eq!(status.code(), Some(6), "paused: {stderr}");
     assert!(stderr.contains("could not write results"), "{stderr}");
     let text = std::fs::read_to_string(out.join("output.jsonl")).unwrap();
-    assert!(
-        text.is_empty() || text.ends_with('\n'),
-        "a torn last line was left"
-    );
+    assert!(text.is_empty() || text.ends_with('\n'), "a torn last line was left");
 
-    let rerun = run_cmd(&config, &env.path("in.jsonl"), &out)
-        .output()
-        .unwrap();
+    let rerun = run_cmd(&config, &env.path("in.jsonl"), &out).output().unwrap();
     let stderr = String::from_utf8_lossy(&rerun.stderr);
     assert!(rerun.status.success(), "{stderr}");
     let results = Results::read(&out);
@@ -367,33 +333,17 @@ async fn sigterm_pauses_and_a_rerun_completes_with_nothing_cancelled() {
     let stopped_in = sent.elapsed();
     let stderr = stderr_of(&mut child.0);
     assert_eq!(status.code(), Some(6), "{stderr}");
-    assert!(
-        stopped_in < Duration::from_secs(10),
-        "took {stopped_in:?} to stop"
-    );
+    assert!(stopped_in < Duration::from_secs(10), "took {stopped_in:?} to stop");
     assert_eq!(batch_json(&out)["status"], "in_progress");
-    assert!(
-        Results::read(&out).error_codes().is_empty(),
-        "lines were closed on SIGTERM"
-    );
-    assert_ne!(
-        env.redis.command(&["ZCARD", QUEUE]),
-        ":0",
-        "requests were withdrawn"
-    );
+    assert!(Results::read(&out).error_codes().is_empty(), "lines were closed on SIGTERM");
+    assert_ne!(env.redis.command(&["ZCARD", QUEUE]), ":0", "requests were withdrawn");
 
-    let rerun = run_cmd(&config, &env.path("in.jsonl"), &out)
-        .output()
-        .unwrap();
+    let rerun = run_cmd(&config, &env.path("in.jsonl"), &out).output().unwrap();
     let stderr = String::from_utf8_lossy(&rerun.stderr);
     assert!(rerun.status.success(), "{stderr}");
     let results = Results::read(&out);
     results.assert_each_once(&lines);
-    assert!(
-        results.error_codes().is_empty(),
-        "{:?}",
-        results.error_codes()
-    );
+    assert!(results.error_codes().is_empty(), "{:?}", results.error_codes());
     assert_eq!(batch_json(&out)["status"], "completed");
     sim.shutdown().await;
 }
@@ -417,15 +367,8 @@ async fn processor_cancel_closes_a_stopped_job() {
     })
     .await;
     signal(&child.0, libc::SIGTERM);
-    assert_eq!(
-        wait_exit(&mut child.0, Duration::from_secs(15)).code(),
-        Some(6)
-    );
-    assert_eq!(
-        env.redis.command(&["ZCARD", QUEUE]),
-        ":100",
-        "a pause keeps them queued"
-    );
+    assert_eq!(wait_exit(&mut child.0, Duration::from_secs(15)).code(), Some(6));
+    assert_eq!(env.redis.command(&["ZCARD", QUEUE]), ":100", "a pause keeps them queued");
 
     let cancel = Command::new(PROCESSOR)
         .args(["cancel", "--config"])
@@ -461,27 +404,17 @@ async fn a_second_writer_and_a_changed_input_are_refused() {
         env.redis.command(&["ZCARD", QUEUE]) == ":50"
     })
     .await;
-    let second = run_cmd(&config, &env.path("in.jsonl"), &out)
-        .output()
-        .unwrap();
+    let second = run_cmd(&config, &env.path("in.jsonl"), &out).output().unwrap();
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert_eq!(second.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("in use by another run"), "{stderr}");
-    assert!(
-        stderr.contains(&format!("pid {}", first.0.id())),
-        "{stderr}"
-    );
+    assert!(stderr.contains(&format!("pid {}", first.0.id())), "{stderr}");
     signal(&first.0, libc::SIGTERM);
-    assert_eq!(
-        wait_exit(&mut first.0, Duration::from_secs(15)).code(),
-        Some(6)
-    );
+    assert_eq!(wait_exit(&mut first.0, Duration::from_secs(15)).code(), Some(6));
 
     // The input changes before the resume: the old results would land on other lines.
     write_input(&env.path("in.jsonl"), 60, &["llama-3"]);
-    let resumed = run_cmd(&config, &env.path("in.jsonl"), &out)
-        .output()
-        .unwrap();
+    let resumed = run_cmd(&config, &env.path("in.jsonl"), &out).output().unwrap();
     let stderr = String::from_utf8_lossy(&resumed.stderr);
     assert_eq!(resumed.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("changed since the job"), "{stderr}");
@@ -511,21 +444,16 @@ async fn a_second_writer_and_a_changed_input_are_refused() {
 async fn an_idle_job_logs_no_warning() {
     let env = Env::start(GatewayConfig::default()).await;
     write_input(&env.path("in.jsonl"), 20, &["llama-3"]);
-    let mut config =
-        std::fs::read_to_string(env.async_config(&[("llama-3", "pool-a")], "")).unwrap();
+    let mut config = std::fs::read_to_string(env.async_config(&[("llama-3", "pool-a")], "")).unwrap();
     config = config.replace("result_poll_timeout: 200ms", "result_poll_timeout: 1s");
     std::fs::write(env.path("idle.yaml"), config).unwrap();
     let _sim = env.dispatcher(&["pool-a"], closed_gate).await;
     let mut child = Child(
-        run_cmd(
-            &env.path("idle.yaml"),
-            &env.path("in.jsonl"),
-            &env.path("out"),
-        )
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap(),
+        run_cmd(&env.path("idle.yaml"), &env.path("in.jsonl"), &env.path("out"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
     );
     tokio::time::sleep(Duration::from_secs(10)).await;
     signal(&child.0, libc::SIGTERM);
@@ -535,13 +463,6 @@ async fn an_idle_job_logs_no_warning() {
         .lines()
         .filter(|l| (l.contains("WARN") || l.contains("ERROR")) && !l.contains("SIGTERM"))
         .collect();
-    assert!(
-        warnings.is_empty(),
-        "an idle job warned:\n{}",
-        warnings.join("\n")
-    );
-    assert!(
-        stderr.contains("requests enqueued"),
-        "the job did not start: {stderr}"
-    );
+    assert!(warnings.is_empty(), "an idle job warned:\n{}", warnings.join("\n"));
+    assert!(stderr.contains("requests enqueued"), "the job did not start: {stderr}");
 }

@@ -275,12 +275,7 @@ impl Lease {
             script.evalsha_with_reload(&self.client, self.key.as_str(), vec![self.me.clone()]),
         )
         .await
-        .unwrap_or_else(|_| {
-            Err(fred::error::Error::new(
-                fred::error::ErrorKind::Timeout,
-                "timed out",
-            ))
-        });
+        .unwrap_or_else(|_| Err(fred::error::Error::new(fred::error::ErrorKind::Timeout, "timed out")));
         if let Err(e) = released {
             tracing::debug!(key = %self.key, error = %e, "could not release a lease; it lapses by itself");
         }
@@ -327,10 +322,7 @@ async fn renew(
         }
         if renewed.elapsed() >= ttl {
             // Not renewed for a whole TTL: another process may hold it by now.
-            tracing::warn!(
-                key,
-                "could not renew the lease for a whole TTL; stopping until it is taken again"
-            );
+            tracing::warn!(key, "could not renew the lease for a whole TTL; stopping until it is taken again");
             lost.cancel();
             return;
         }

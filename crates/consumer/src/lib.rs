@@ -287,9 +287,7 @@ impl ResultConsumer {
                     tracing::warn!(results = %self.keys.list, holder = %who, "another process reads this result list; waiting for it to stop");
                 }
                 Ok(Acquired::Held(_)) => {}
-                Err(e) => {
-                    tracing::debug!(results = %self.keys.list, error = %e, "could not take the lease")
-                }
+                Err(e) => tracing::debug!(results = %self.keys.list, error = %e, "could not take the lease"),
             }
             let pause = (self.options.lease_ttl / 4).max(Duration::from_millis(50));
             tokio::select! {
@@ -301,11 +299,7 @@ impl ResultConsumer {
     }
 
     /// Reads until shut down (Ok), or until an error or the loss of the lease.
-    async fn read_while_held(
-        &self,
-        lease: &Lease,
-        shutdown: &CancellationToken,
-    ) -> Result<(), Halt> {
+    async fn read_while_held(&self, lease: &Lease, shutdown: &CancellationToken) -> Result<(), Halt> {
         // What a predecessor (or this consumer, before an error) left in flight comes first.
         let left: u64 = self.client.llen(&self.keys.inflight).await?;
         if left > 0 {
@@ -323,10 +317,7 @@ impl ResultConsumer {
     }
 
     async fn step(&self, lease: &Lease, shutdown: &CancellationToken) -> Result<(), Halt> {
-        let taken = self
-            .scripts
-            .take(&self.client, &self.keys, lease.value())
-            .await?;
+        let taken = self.scripts.take(&self.client, &self.keys, lease.value()).await?;
         if taken < 0 {
             return Err(Halt::LeaseLost);
         }
@@ -377,11 +368,7 @@ impl ResultConsumer {
 
     /// Writes everything in the in-flight list, oldest first, a batch at a time, acknowledging
     /// each batch once written. Nothing else adds to the list meanwhile, so positions are stable.
-    async fn drain_in_flight(
-        &self,
-        lease: &Lease,
-        shutdown: &CancellationToken,
-    ) -> Result<(), Halt> {
+    async fn drain_in_flight(&self, lease: &Lease, shutdown: &CancellationToken) -> Result<(), Halt> {
         let batch = self.options.batch.max(1) as i64;
         let mut items = self.read_in_flight(-batch, -1).await?;
         while !items.is_empty() {
@@ -395,14 +382,7 @@ impl ResultConsumer {
             };
             let parked = self
                 .scripts
-                .ack(
-                    &self.client,
-                    &self.keys,
-                    lease.value(),
-                    &items,
-                    &not_here,
-                    now_unix(),
-                )
+                .ack(&self.client, &self.keys, lease.value(), &items, &not_here, now_unix())
                 .await?;
             match parked {
                 scripts::Ack::Done { parked } => {
@@ -414,9 +394,7 @@ impl ResultConsumer {
                 }
                 scripts::Ack::LeaseLost => return Err(Halt::LeaseLost),
                 scripts::Ack::Mismatch => {
-                    return Err(Halt::Error(
-                        "the in-flight list changed under its reader".into(),
-                    ))
+                    return Err(Halt::Error("the in-flight list changed under its reader".into()))
                 }
             }
             items = next?;
@@ -425,21 +403,13 @@ impl ResultConsumer {
     }
 
     /// In-flight results between two positions, in list order (newest first).
-    async fn read_in_flight(
-        &self,
-        start: i64,
-        stop: i64,
-    ) -> Result<Vec<String>, fred::error::Error> {
+    async fn read_in_flight(&self, start: i64, stop: i64) -> Result<Vec<String>, fred::error::Error> {
         self.client.lrange(&self.keys.inflight, start, stop).await
     }
 
     /// Routes and writes `items` (list order), retrying the handler until it succeeds. Returns
     /// the (list position, job) of results of jobs not here, or `None` when shut down first.
-    async fn handle(
-        &self,
-        items: &[String],
-        shutdown: &CancellationToken,
-    ) -> Option<Vec<(usize, String)>> {
+    async fn handle(&self, items: &[String], shutdown: &CancellationToken) -> Option<Vec<(usize, String)>> {
         self.stats.received(items.len() as u64);
         // Oldest first: the rightmost item is the oldest.
         let mut positions = Vec::with_capacity(items.len());
@@ -469,9 +439,7 @@ impl ResultConsumer {
                         report
                             .not_here
                             .iter()
-                            .filter_map(|&i| {
-                                Some((*positions.get(i)?, routed.get(i)?.job_id.clone()))
-                            })
+                            .filter_map(|&i| Some((*positions.get(i)?, routed.get(i)?.job_id.clone())))
                             .collect(),
                     );
                 }

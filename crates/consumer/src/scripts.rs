@@ -98,11 +98,7 @@ impl Scripts {
         self.take
             .evalsha_with_reload(
                 client,
-                vec![
-                    keys.list.as_str(),
-                    keys.inflight.as_str(),
-                    keys.lease.as_str(),
-                ],
+                vec![keys.list.as_str(), keys.inflight.as_str(), keys.lease.as_str()],
                 vec![holder],
             )
             .await

@@ -332,6 +332,7 @@ async fn only_written_batches_leave_the_in_flight_list() {
     handle.join().await;
 }
 
+
 #[tokio::test]
 async fn a_second_reader_waits_until_the_first_lets_go() {
     let redis = RedisServer::start();
@@ -346,10 +347,7 @@ async fn a_second_reader_waits_until_the_first_lets_go() {
     push(&redis, "job", 0..50);
     until("50 results", || first.indexes().len() == 50).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        second.indexes().is_empty(),
-        "the second reader took results"
-    );
+    assert!(second.indexes().is_empty(), "the second reader took results");
     // The first stops and releases its lease: the second takes over at once.
     stop_a.cancel();
     a.join().await;
@@ -384,46 +382,26 @@ async fn results_of_jobs_registered_elsewhere_are_parked_not_dropped() {
     let kept: Vec<u64> = redis
         .command_list(&["LRANGE", &parked, "0", "-1"])
         .iter()
-        .map(|raw| {
-            batch_wire::parse_request_id(&ResultMessage::parse(raw).unwrap().id)
-                .unwrap()
-                .1
-        })
+        .map(|raw| batch_wire::parse_request_id(&ResultMessage::parse(raw).unwrap().id).unwrap().1)
         .collect();
-    assert_eq!(
-        kept,
-        [2, 1],
-        "kept in the dispatcher's order (oldest on the right)"
-    );
+    assert_eq!(kept, [2, 1], "kept in the dispatcher's order (oldest on the right)");
     assert_eq!(handle.stats().parked_total(), 2);
-    assert_eq!(
-        handle.stats().unknown_job_total(),
-        2,
-        "past deadline or unregistered"
-    );
+    assert_eq!(handle.stats().unknown_job_total(), 2, "past deadline or unregistered");
     let ttl: i64 = redis.command(&["TTL", &parked])[1..].parse().unwrap();
-    assert!(
-        ttl > 3600,
-        "the parked list expires after its job's deadline: {ttl}"
-    );
+    assert!(ttl > 3600, "the parked list expires after its job's deadline: {ttl}");
     shutdown.cancel();
     handle.join().await;
 
     // Whoever runs the job later reads its parked list like any other.
     let runner = Recorder::for_jobs(&["elsewhere"]);
-    let client = batch_redis::connect(&redis.url(), &Default::default())
-        .await
-        .unwrap();
+    let client = batch_redis::connect(&redis.url(), &Default::default()).await.unwrap();
     let stop = CancellationToken::new();
     let parked_reader = ResultConsumer::new(
         client.clone(),
         client,
         ListKeys::parked(RESULTS, "elsewhere"),
         runner.clone(),
-        ConsumerOptions {
-            blocking: false,
-            ..options(10)
-        },
+        ConsumerOptions { blocking: false, ..options(10) },
     )
     .spawn(None, stop.clone());
     until("the parked results", || runner.indexes() == [1, 2]).await;
@@ -437,17 +415,11 @@ async fn connections_killed_every_few_milliseconds_lose_and_double_nothing() {
     let redis = RedisServer::start();
     // Many results at once, as RPUSH of prepared messages in chunks.
     let messages: Vec<String> = (0..N)
-        .map(|i| {
-            ResultMessage::http(request_id("job", i), 200, format!(r#"{{"n":{i}}}"#)).to_json()
-        })
+        .map(|i| ResultMessage::http(request_id("job", i), 200, format!(r#"{{"n":{i}}}"#)).to_json())
         .collect();
-    let filler = batch_redis::connect(&redis.url(), &Default::default())
-        .await
-        .unwrap();
+    let filler = batch_redis::connect(&redis.url(), &Default::default()).await.unwrap();
     for chunk in messages.chunks(1000) {
-        let _: i64 = fred::interfaces::ListInterface::lpush(&filler, RESULTS, chunk.to_vec())
-            .await
-            .unwrap();
+        let _: i64 = fred::interfaces::ListInterface::lpush(&filler, RESULTS, chunk.to_vec()).await.unwrap();
     }
     let handler = Recorder::for_jobs(&["job"]);
     let (handle, shutdown) = start(&redis, handler.clone(), 500).await;
@@ -462,8 +434,7 @@ async fn connections_killed_every_few_milliseconds_lose_and_double_nothing() {
             let mut killed = 0u32;
             let mut buf = [0u8; 64];
             while killing.load(Ordering::SeqCst) {
-                s.write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n")
-                    .unwrap();
+                s.write_all(b"CLIENT KILL TYPE normal SKIPME yes\r\n").unwrap();
                 let n = s.read(&mut buf).unwrap();
                 if buf[..n].starts_with(b":") && &buf[..n] != b":0\r\n" {
                     killed += 1;
@@ -475,19 +446,12 @@ async fn connections_killed_every_few_milliseconds_lose_and_double_nothing() {
     };
     let deadline = Instant::now() + Duration::from_secs(300);
     while (handler.written.lock().unwrap().len() as u64) < N {
-        assert!(
-            Instant::now() < deadline,
-            "only {} of {N} results after 300 s",
-            handler.written.lock().unwrap().len()
-        );
+        assert!(Instant::now() < deadline, "only {} of {N} results after 300 s", handler.written.lock().unwrap().len());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     killing.store(false, Ordering::SeqCst);
     let killed = kills.join().unwrap();
-    assert!(
-        killed > 10,
-        "the connections were killed only {killed} times"
-    );
+    assert!(killed > 10, "the connections were killed only {killed} times");
     handle.stats().drained().await;
     let written = handler.written.lock().unwrap().clone();
     assert_eq!(written.len() as u64, N);

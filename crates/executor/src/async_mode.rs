@@ -161,11 +161,7 @@ impl AsyncMode {
         } else {
             let mut taken = None;
             for n in 1..=AUTO_LISTS {
-                let id = if n == 1 {
-                    base.clone()
-                } else {
-                    format!("{base}-{n}")
-                };
+                let id = if n == 1 { base.clone() } else { format!("{base}-{n}") };
                 let names = QueueNames::new(self.names.prefix(), id).map_err(name_error)?;
                 let list = names.result_queue_name(pool).map_err(name_error)?;
                 let keys = ListKeys::new(&list);
@@ -401,8 +397,7 @@ impl AsyncMode {
     ) -> Result<u64, ExecError> {
         let mut total = 0;
         for q in queues {
-            let (tx, mut rx) =
-                tokio::sync::mpsc::channel::<Result<Vec<(f64, String)>, ExecError>>(4);
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<(f64, String)>, ExecError>>(4);
             let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
             let (j, model, msgs, first) = (
                 job.clone(),
@@ -515,10 +510,7 @@ impl AsyncMode {
                         }
                     }
                     let line = j.read_line(&record)?;
-                    out.push((
-                        msgs.score_at(first + pos),
-                        msgs.member(record.line as u64, &line)?,
-                    ));
+                    out.push((msgs.score_at(first + pos), msgs.member(record.line as u64, &line)?));
                 }
                 if let Some(known) = &mut known_here {
                     known.retain(|line, _| !left.contains_key(line));
@@ -588,11 +580,7 @@ impl AsyncMode {
 
     /// Takes the job's unresolved requests out of the queues (also those the dispatcher
     /// re-wrote), and marks those it may have in hand, a chunk at a time.
-    async fn withdraw_job(
-        &self,
-        job: &Arc<Job>,
-        stop: &CancellationToken,
-    ) -> Result<(), ExecError> {
+    async fn withdraw_job(&self, job: &Arc<Job>, stop: &CancellationToken) -> Result<(), ExecError> {
         let queues = self.queues(job).await?;
         let producer = self.producer.with_stop(stop.clone());
         let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
@@ -625,12 +613,9 @@ impl AsyncMode {
                     .scan_members(set, &pattern)
                     .await?
                     .into_iter()
-                    .filter(|m| {
-                        Envelope::parse(m).is_ok_and(|e| {
-                            batch_wire::parse_request_id(&e.data.id)
-                                .is_some_and(|(j, _)| j == job.id)
-                        })
-                    })
+                    .filter(|m| Envelope::parse(m).is_ok_and(|e| {
+                        batch_wire::parse_request_id(&e.data.id).is_some_and(|(j, _)| j == job.id)
+                    }))
                     .map(|member| PendingMember {
                         member,
                         id: String::new(),

@@ -91,10 +91,7 @@ impl Manifest {
         let path = dir.join(MANIFEST_FILE);
         match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
-                ExecError::io(
-                    &path,
-                    std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-                )
+                ExecError::io(&path, std::io::Error::new(std::io::ErrorKind::InvalidData, e))
             }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(ExecError::io(&path, e)),
@@ -126,10 +123,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let held = DirLock::take(dir.path()).unwrap();
         let err = DirLock::take(dir.path()).unwrap_err().to_string();
-        assert!(
-            err.contains(&format!("pid {}", std::process::id())),
-            "{err}"
-        );
+        assert!(err.contains(&format!("pid {}", std::process::id())), "{err}");
         drop(held);
         DirLock::take(dir.path()).expect("free again once released");
     }

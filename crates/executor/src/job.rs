@@ -253,9 +253,7 @@ impl Job {
         if let Some(recorded) = manifest.result_lists.get(pool) {
             return Ok(recorded.clone());
         }
-        manifest
-            .result_lists
-            .insert(pool.to_owned(), list.to_owned());
+        manifest.result_lists.insert(pool.to_owned(), list.to_owned());
         manifest.write(&self.dir)?;
         Ok(list.to_owned())
     }

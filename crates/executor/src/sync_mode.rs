@@ -149,12 +149,7 @@ impl SyncMode {
 }
 
 /// Writes one answer, retrying a failed write (a full disk) until it succeeds or the job stops.
-async fn write_outcome(
-    job: &Arc<Job>,
-    index: u64,
-    outcome: Owned,
-    stop: &Stop,
-) -> Result<(), ExecError> {
+async fn write_outcome(job: &Arc<Job>, index: u64, outcome: Owned, stop: &Stop) -> Result<(), ExecError> {
     let outcome = Arc::new(outcome);
     let mut backoff = Duration::from_millis(100);
     loop {

@@ -156,12 +156,7 @@ impl Producer {
 
     /// ZADDs every member at `score`, in chunks, with up to `depth` chunks in flight. Returns
     /// how many members were new to the set.
-    pub async fn enqueue<I>(
-        &self,
-        queue: &str,
-        score: f64,
-        members: I,
-    ) -> Result<u64, ProducerError>
+    pub async fn enqueue<I>(&self, queue: &str, score: f64, members: I) -> Result<u64, ProducerError>
     where
         I: IntoIterator<Item = String>,
     {
@@ -238,18 +233,12 @@ impl Producer {
 
     /// Removes exactly these members of `key` (ZREM), whatever they are; returns how many were
     /// there.
-    pub async fn remove_exact(
-        &self,
-        key: &str,
-        members: &[PendingMember],
-    ) -> Result<u64, ProducerError> {
+    pub async fn remove_exact(&self, key: &str, members: &[PendingMember]) -> Result<u64, ProducerError> {
         let mut removed = 0;
         for chunk in members.chunks(self.options.chunk.max(1)) {
             let bytes: Vec<&str> = chunk.iter().map(|m| m.member.as_str()).collect();
             removed += self
-                .retry("ZREM", key, || {
-                    self.client.zrem::<u64, _, _>(key, bytes.clone())
-                })
+                .retry("ZREM", key, || self.client.zrem::<u64, _, _>(key, bytes.clone()))
                 .await?;
         }
         Ok(removed)
@@ -287,20 +276,12 @@ impl Producer {
 
     /// Every member of the sorted set `key` that matches the glob `pattern` (ZSCAN MATCH),
     /// e.g. `*"id":"batch_req_<job>_*` for one job's requests whatever their exact bytes.
-    pub async fn scan_members(
-        &self,
-        key: &str,
-        pattern: &str,
-    ) -> Result<Vec<String>, ProducerError> {
+    pub async fn scan_members(&self, key: &str, pattern: &str) -> Result<Vec<String>, ProducerError> {
         self.scan("ZSCAN", key, pattern, 2).await
     }
 
     /// Every field of the hash `key` that matches `pattern` (HSCAN MATCH).
-    pub async fn scan_fields(
-        &self,
-        key: &str,
-        pattern: &str,
-    ) -> Result<Vec<String>, ProducerError> {
+    pub async fn scan_fields(&self, key: &str, pattern: &str) -> Result<Vec<String>, ProducerError> {
         self.scan("HSCAN", key, pattern, 2).await
     }
 
@@ -324,14 +305,15 @@ impl Producer {
                 Value::from(1000),
             ];
             let reply: (String, Vec<Value>) = self
-                .retry(command, key, || {
-                    self.client.custom(cmd.clone(), args.clone())
-                })
+                .retry(command, key, || self.client.custom(cmd.clone(), args.clone()))
                 .await?;
-            found.extend(reply.1.iter().step_by(stride).filter_map(|v| {
-                v.as_bytes()
-                    .map(|b| String::from_utf8_lossy(b).into_owned())
-            }));
+            found.extend(
+                reply
+                    .1
+                    .iter()
+                    .step_by(stride)
+                    .filter_map(|v| v.as_bytes().map(|b| String::from_utf8_lossy(b).into_owned())),
+            );
             if reply.0 == "0" {
                 return Ok(found);
             }

@@ -172,10 +172,7 @@ mod tests {
     fn scores_keep_plan_order_within_the_deadline_second() {
         let j = job();
         let scores: Vec<f64> = (0..50_000).map(|p| j.score_at(p)).collect();
-        assert!(
-            scores.windows(2).all(|w| w[0] < w[1]),
-            "strictly increasing"
-        );
+        assert!(scores.windows(2).all(|w| w[0] < w[1]), "strictly increasing");
         assert!(scores.iter().all(|s| s.floor() as i64 == j.deadline));
         assert_eq!(j.score_at(MAX_POSITION + 5), j.score_at(MAX_POSITION));
         assert!(j.score_at(MAX_POSITION) < (j.deadline + 1) as f64);

@@ -245,16 +245,7 @@ mod tests {
 
     #[test]
     fn ambiguous_pool_names_are_errors() {
-        for bad in [
-            "",
-            "a:b",
-            "a b",
-            " pool",
-            "pool\n",
-            "tab\there",
-            "{a}",
-            "a}",
-        ] {
+        for bad in ["", "a:b", "a b", " pool", "pool\n", "tab\there", "{a}", "a}"] {
             assert!(request_queue_name(bad).is_err(), "{bad:?} accepted");
             assert!(result_queue_name(bad).is_err(), "{bad:?} accepted");
         }
@@ -284,9 +275,7 @@ mod tests {
         assert_eq!(parked.list, "{llm-d-async:results:p:$batch}:parked:batch_1");
         assert_eq!(parked.list, keys.parked_list("batch_1"));
         assert_eq!(parked.jobs, keys.jobs);
-        assert!(parked
-            .inflight
-            .starts_with("{llm-d-async:results:p:$batch}:"));
+        assert!(parked.inflight.starts_with("{llm-d-async:results:p:$batch}:"));
     }
 
     #[test]

@@ -142,20 +142,14 @@ mod tests {
             "OOM command not allowed when used memory > 'maxmemory'.",
             "MASTERDOWN Link with MASTER is down",
         ] {
-            assert!(
-                is_transient(&Error::new(ErrorKind::Unknown, reply)),
-                "{reply}"
-            );
+            assert!(is_transient(&Error::new(ErrorKind::Unknown, reply)), "{reply}");
         }
         for reply in [
             "WRONGTYPE Operation against a key holding the wrong kind of value",
             "NOPERM User batch has no permissions to run the 'zadd' command",
             "ERR unknown command",
         ] {
-            assert!(
-                !is_transient(&Error::new(ErrorKind::Unknown, reply)),
-                "{reply}"
-            );
+            assert!(!is_transient(&Error::new(ErrorKind::Unknown, reply)), "{reply}");
         }
         assert!(!is_transient(&Error::new(ErrorKind::Auth, "WRONGPASS")));
     }

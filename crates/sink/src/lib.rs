@@ -259,11 +259,7 @@ impl JobSink {
     pub fn flush(&mut self) -> Result<(), SinkError> {
         let failed = match self.output.flush() {
             Err(e) => Some((self.output.path.clone(), e)),
-            Ok(()) => self
-                .error
-                .flush()
-                .err()
-                .map(|e| (self.error.path.clone(), e)),
+            Ok(()) => self.error.flush().err().map(|e| (self.error.path.clone(), e)),
         };
         if let Some((path, e)) = failed {
             return Err(self.roll_back(path, e));
@@ -291,7 +287,10 @@ impl JobSink {
                 self.counts.failed -= 1;
             }
         }
-        SinkError::Io { path, error }
+        SinkError::Io {
+            path,
+            error,
+        }
     }
 
     /// Flushes and asks the disk to keep the files (for the job's end).

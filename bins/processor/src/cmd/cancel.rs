@@ -31,8 +31,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let executor = Executor::new(config).await?;
         let result = executor.cancel_stopped(&args.output_dir).await;
         executor.shutdown().await;
-        let batch = result
-            .with_context(|| format!("cancelling the job in {}", args.output_dir.display()))?;
+        let batch = result.with_context(|| format!("cancelling the job in {}", args.output_dir.display()))?;
         let c = batch.request_counts;
         eprintln!(
             "job {} {}: {} requests, {} completed, {} failed",
@@ -42,10 +41,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             c.completed,
             c.failed
         );
-        println!(
-            "{}",
-            serde_json::to_string(&batch).expect("a batch serialises")
-        );
+        println!("{}", serde_json::to_string(&batch).expect("a batch serialises"));
         Ok(ExitCode::SUCCESS)
     })
 }

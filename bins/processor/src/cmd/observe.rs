@@ -69,9 +69,7 @@ pub async fn handle_signals(cancel: CancellationToken, pause: CancellationToken)
             std::process::exit(130);
         }
         if terms == 1 && !pause.is_cancelled() {
-            tracing::warn!(
-                "SIGTERM: stopping; the jobs stay resumable (run the same command again)"
-            );
+            tracing::warn!("SIGTERM: stopping; the jobs stay resumable (run the same command again)");
             pause.cancel();
         } else if ints == 1 && !cancel.is_cancelled() {
             tracing::warn!("cancelling the jobs (press Ctrl-C again to exit at once)");
