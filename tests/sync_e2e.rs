@@ -46,7 +46,7 @@ async fn sampling_limits<T>(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn aimd_settles_near_the_gateways_capacity() {
+async fn reference_aimd_settles_near_the_gateways_capacity() {
     let env = Env::start(GatewayConfig {
         latency_fixed: Duration::from_millis(10),
         capacity: Some(32),
@@ -58,7 +58,7 @@ async fn aimd_settles_near_the_gateways_capacity() {
     let config = env.sync_config(
         &["llama-3"],
         FAST_RETRIES,
-        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    min: 4\n",
+        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    algorithm: aimd\n    min: 4\n",
     );
     let executor = Executor::new(load(&config)).await.unwrap();
     let (batch, samples) = sampling_limits(
@@ -96,6 +96,72 @@ async fn aimd_settles_near_the_gateways_capacity() {
     let stats = env.gateway.stats();
     assert!(stats.responses(429) > 0, "capacity was never hit");
     assert!(stats.max_in_flight_seen <= 32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_gradient_limiter_fills_a_hard_limit_with_few_429s() {
+    const CAPACITY: usize = 32;
+    // Long enough that a debug build's own work per request is small beside it.
+    const LATENCY: Duration = Duration::from_millis(40);
+    const LINES: usize = 3000;
+    let env = Env::start(GatewayConfig {
+        latency_fixed: LATENCY,
+        capacity: Some(CAPACITY),
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), LINES, &["llama-3"]);
+    let config = env.sync_config(
+        &["llama-3"],
+        FAST_RETRIES,
+        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    algorithm: gradient\n    min: 4\n",
+    );
+    let executor = Executor::new(load(&config)).await.unwrap();
+    assert_eq!(
+        executor.endpoint_limit("llama-3"),
+        Some(4),
+        "it starts at min"
+    );
+    let started = Instant::now();
+    let (batch, samples) = sampling_limits(
+        &executor,
+        "llama-3",
+        executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new()),
+    )
+    .await;
+    let elapsed = started.elapsed();
+    let batch = batch.unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    assert_eq!(batch.request_counts.completed, LINES as u64);
+    Results::read(&env.path("out")).assert_each_once(&lines);
+
+    let stats = env.gateway.stats();
+    let rate = LINES as f64 / elapsed.as_secs_f64();
+    let ceiling = CAPACITY as f64 / LATENCY.as_secs_f64();
+    let mut sorted = samples.clone();
+    sorted.sort_unstable();
+    let median = sorted[sorted.len() / 2];
+    eprintln!(
+        "gradient: {rate:.0} req/s of C/L {ceiling:.0}, 429s {}, median limit {median}, max {:?}",
+        stats.responses(429),
+        sorted.last()
+    );
+    // Judged generously for a loaded debug build: the bench measures it properly.
+    assert!(
+        (CAPACITY - 4..=CAPACITY + 8).contains(&median),
+        "the limit sits at the capacity: median {median}"
+    );
+    assert!(
+        stats.responses(429) < (LINES / 10) as u64,
+        "{} 429s for {LINES} lines",
+        stats.responses(429)
+    );
+    assert!(
+        rate >= 0.4 * ceiling,
+        "{rate:.0} req/s against C/L {ceiling:.0}"
+    );
+    assert!(stats.max_in_flight_seen <= CAPACITY);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -209,7 +275,7 @@ async fn only_the_failing_endpoints_limit_drops() {
         .unwrap();
     write_input(&env.path("in.jsonl"), 200, &["failing", "healthy"]);
     let yaml = format!(
-        "dispatch_mode: sync\nwork_dir: {}\nmodel_gateways:\n  failing:\n    url: {}\n    max_retries: 0\n  healthy:\n    url: {}\n",
+        "dispatch_mode: sync\nwork_dir: {}\nmodel_gateways:\n  failing:\n    url: {}\n    max_retries: 0\n  healthy:\n    url: {}\nconcurrency:\n  aimd:\n    algorithm: aimd\n",
         env.path("work").display(),
         env.gateway.base_url(),
         healthy.base_url()

@@ -56,6 +56,10 @@ struct GatewayModel {
     /// At most this many requests at once; more get 429 with Retry-After.
     #[arg(long = "capacity")]
     capacity: Option<usize>,
+    /// Queueing mode: admit up to this many (>= capacity); past the capacity latency grows
+    /// with the load, and only past this limit the answer is 429.
+    #[arg(long = "queue-limit")]
+    queue_limit: Option<usize>,
     /// Retry-After seconds on 429s.
     #[arg(long = "retry-after", default_value_t = 1)]
     retry_after: u64,
@@ -80,6 +84,7 @@ impl GatewayModel {
             latency_fixed: self.latency,
             latency_per_token: self.per_token,
             capacity: self.capacity,
+            queue_limit: self.queue_limit,
             failures: self.fail.clone(),
             retry_after_secs: self.retry_after,
             seed: self.seed,

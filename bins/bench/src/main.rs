@@ -12,7 +12,8 @@ use clap::Parser;
 ///
 /// Starts its own redis-server on a free loopback port (needs redis-server and
 /// redis-benchmark installed), runs every scenario several times and writes benchmarks.md,
-/// rates.svg, rss.svg and aimd-limit.svg into --out. Exit status 0 when every scenario ran
+/// rates.svg, rss.svg and the limit plots (aimd-limit.svg, aimd-limit-changing.svg,
+/// aimd-limit-queueing.svg) into --out. Exit status 0 when every scenario ran
 /// (targets missed are reported, not errors), 1 when one failed.
 #[derive(Debug, Parser)]
 #[command(name = "bench", version)]
@@ -84,7 +85,7 @@ fn main() -> anyhow::Result<ExitCode> {
     print!("{}", report.text_table());
     report.write(&out)?;
     println!(
-        "\nreport: {}  (plots: rates.svg, rss.svg, aimd-limit.svg), {:.0} s",
+        "\nreport: {}  (plots: rates.svg, rss.svg, aimd-limit*.svg), {:.0} s",
         out.join("benchmarks.md").display(),
         report.elapsed.as_secs_f64()
     );

@@ -59,8 +59,13 @@ fn quick_run_reports_every_scenario() {
         "| Prefix cache | plan-ordered scores: first ZADD → last result, miss +50 ms |",
         "| Prefix cache | equal scores: first ZADD → last result, miss +50 ms |",
         "| Prefix cache | executor, 1,000 lines: whole job |",
-        "| Sync AIMD | backoff_factor 0.5 (default): throughput",
-        "| Sync AIMD | backoff_factor 0.9: throughput",
+        "| Sync AIMD | hard limit, aimd, backoff_factor 0.5: throughput",
+        "| Sync AIMD | hard limit, aimd, backoff_factor 0.9: throughput",
+        "| Sync AIMD | hard limit, gradient: throughput",
+        "| Sync AIMD | changing limit, gradient: throughput",
+        "| Sync AIMD | changing limit, aimd, backoff_factor 0.5: 429 responses",
+        "| Sync AIMD | queueing, gradient: throughput",
+        "| Sync AIMD | queueing, gradient: mean limit",
         "| Memory | peak RSS, async mode, 1,000 lines |",
         "| Memory | peak RSS, sync mode, 1,000 lines |",
     ] {
@@ -80,7 +85,13 @@ fn quick_run_reports_every_scenario() {
         md.contains("| CPU |") && md.contains("| redis-server |"),
         "{md}"
     );
-    for plot in ["rates.svg", "rss.svg", "aimd-limit.svg"] {
+    for plot in [
+        "rates.svg",
+        "rss.svg",
+        "aimd-limit.svg",
+        "aimd-limit-changing.svg",
+        "aimd-limit-queueing.svg",
+    ] {
         let svg = std::fs::read_to_string(out.path().join(plot)).unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("</svg>"), "{plot}");
         assert!(

@@ -4,6 +4,10 @@
 //!   consecutive successes the limit grows by `additive_increase` (capped at `max`); on
 //!   backpressure it becomes `max(min, floor(limit × backoff_factor))` and the success count
 //!   restarts. It starts at `max`.
+//! - [`GradientLimiter`]: tracks the gateway's latency floor, grows while latency stays near
+//!   it, shrinks toward `in_flight × floor / latency` when it rises, and on a 429 cuts to the
+//!   concurrency that was refused instead of halving.
+//! - [`Limiter`]: what both implement; [`Algorithm`] picks one by its config name.
 //! - [`AdaptiveSemaphore`]: an async, FIFO semaphore whose limit can move while permits are held.
 //!   Lowering never interrupts holders (newcomers wait until `holders < limit`); raising wakes
 //!   waiters; a permit is released exactly once, when dropped.
@@ -35,9 +39,13 @@
 #![warn(missing_docs)]
 
 mod controller;
+mod gradient;
+mod limiter;
 mod semaphore;
 
 pub use controller::{AimdConfig, AimdController, Change};
+pub use gradient::{GradientConfig, GradientLimiter};
+pub use limiter::{Algorithm, Limiter, Sample};
 pub use semaphore::{AdaptivePermit, AdaptiveSemaphore, MAX_LIMIT};
 
 /// What can go wrong with the controller or the semaphore.
@@ -52,6 +60,9 @@ pub enum AimdError {
     /// The semaphore was closed.
     #[error("the semaphore is closed")]
     Closed,
+    /// [`Algorithm`] names no such algorithm.
+    #[error("unknown limiter algorithm {0:?} (aimd, gradient)")]
+    UnknownAlgorithm(String),
 }
 
 impl AimdError {

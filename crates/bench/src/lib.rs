@@ -14,7 +14,9 @@
 //! 5. **Prefix cache**: a job with its system prompts shuffled through the input, scored in plan
 //!    order against all at one score (the original processor), through a gateway with an LRU of
 //!    prompt prefixes: hit rate and time when a miss costs latency;
-//! 6. **Sync AIMD**: throughput against a gateway of capacity C and latency L, as a share of C/L;
+//! 6. **Sync AIMD**: each limiter (the reference AIMD, the gradient limiter) against a gateway
+//!    of capacity C and latency L in three behaviours (hard limit, a limit changing mid-run, a
+//!    queueing gateway): throughput as a share of what the gateway can serve, and 429s;
 //! 7. **Memory**: peak RSS of the `processor` binary by job size, in both modes.
 //!
 //! [`run`] returns a [`Report`]; [`Report::write`] writes `benchmarks.md` and the plots.

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::report::{Kind, Report, Unit};
+use crate::report::{AimdTrace, Kind, Report, Unit};
 use crate::BenchError;
 
 const OURS: RGBColor = RGBColor(31, 119, 180);
@@ -160,15 +160,15 @@ pub fn rss(report: &Report, path: &Path) -> Result<(), BenchError> {
     root.present().map_err(|e| err(e.to_string()))
 }
 
-/// One panel per AIMD trace: the limit and the gateway's in-flight count over time, with the
-/// gateway's capacity.
-pub fn aimd(report: &Report, path: &Path) -> Result<(), BenchError> {
+/// One panel per limiter trace: the limit and the gateway's in-flight count over time, with
+/// the gateway's capacity as it was at each sample.
+pub fn aimd(traces: &[&AimdTrace], path: &Path) -> Result<(), BenchError> {
     let err = plot_error(path);
-    let panels = report.aimd.len().max(1);
-    let root = SVGBackend::new(path, (900, 340 * panels as u32)).into_drawing_area();
+    let panels = traces.len().max(1);
+    let root = SVGBackend::new(path, (900, 300 * panels as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let areas = root.split_evenly((panels, 1));
-    for (trace, area) in report.aimd.iter().zip(&areas) {
+    for (trace, area) in traces.iter().zip(&areas) {
         let end = trace.samples.last().map_or(1.0, |s| s.t).max(0.01);
         let top = trace
             .samples
@@ -180,10 +180,7 @@ pub fn aimd(report: &Report, path: &Path) -> Result<(), BenchError> {
             * 1.1;
         let mut chart = ChartBuilder::on(area)
             .caption(
-                format!(
-                    "Sync AIMD, {}: limit and gateway in-flight (capacity {})",
-                    trace.label, trace.capacity
-                ),
+                format!("{}: limit and gateway in-flight", trace.label),
                 ("sans-serif", 16),
             )
             .margin(10)
@@ -211,12 +208,11 @@ pub fn aimd(report: &Report, path: &Path) -> Result<(), BenchError> {
                 OURS.stroke_width(2),
             ))
             .map_err(|e| err(e.to_string()))?
-            .label("AIMD limit")
+            .label("limit")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], OURS));
-        let c = trace.capacity as f64;
         chart
             .draw_series(LineSeries::new(
-                [(0.0, c), (end, c)],
+                trace.samples.iter().map(|s| (s.t, s.capacity as f64)),
                 TARGET.stroke_width(1),
             ))
             .map_err(|e| err(e.to_string()))?

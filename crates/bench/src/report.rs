@@ -216,14 +216,18 @@ pub struct AimdSample {
     pub limit: usize,
     /// Requests the gateway was serving.
     pub in_flight: usize,
+    /// The gateway's capacity then.
+    pub capacity: usize,
 }
 
 /// The AIMD limit and the gateway's load over one run.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AimdTrace {
-    /// What the run was (`backoff_factor 0.5`).
+    /// What the run was (`hard limit, aimd, backoff_factor 0.5`).
     pub label: String,
-    /// The gateway's capacity.
+    /// The SVG file its panel goes to (one per gateway behaviour).
+    pub plot: String,
+    /// The gateway's usual capacity.
     pub capacity: usize,
     /// Samples, every ~10 ms.
     pub samples: Vec<AimdSample>,
@@ -260,6 +264,19 @@ pub struct Report {
     /// How long the whole run took.
     pub elapsed: Duration,
 }
+
+/// The limit plots, by gateway behaviour: what each shows and its file.
+pub const AIMD_PLOTS: [(&str, &str); 3] = [
+    ("Against a hard limit", "aimd-limit.svg"),
+    (
+        "Against a hard limit changing 64 → 16 → 64",
+        "aimd-limit-changing.svg",
+    ),
+    (
+        "Against a queueing gateway (latency grows past C, 429 only past Q)",
+        "aimd-limit-queueing.svg",
+    ),
+];
 
 const HEADER: [&str; 8] = [
     "Scenario",
@@ -412,18 +429,28 @@ impl Report {
             md,
             "Peak RSS of the processor by job size:\n\n![rss](rss.svg)\n"
         );
-        let _ = writeln!(md, "Sync mode: the AIMD limit and the gateway's in-flight count:\n\n![aimd](aimd-limit.svg)");
+        let _ = writeln!(
+            md,
+            "Sync mode: the limit and the gateway's in-flight count, against a hard limit:\n\n![aimd](aimd-limit.svg)\n"
+        );
+        for (what, file) in AIMD_PLOTS.iter().skip(1) {
+            let _ = writeln!(md, "{what}:\n\n![aimd]({file})\n");
+        }
         md
     }
 
-    /// Writes `benchmarks.md`, `rates.svg`, `rss.svg` and `aimd-limit.svg` into `dir`.
+    /// Writes `benchmarks.md`, `rates.svg`, `rss.svg` and the limit plots (`aimd-limit.svg`,
+    /// `aimd-limit-changing.svg`, `aimd-limit-queueing.svg`) into `dir`.
     pub fn write(&self, dir: &Path) -> Result<(), BenchError> {
         std::fs::create_dir_all(dir).map_err(|e| BenchError::io(dir, e))?;
         let md = dir.join("benchmarks.md");
         std::fs::write(&md, self.markdown()).map_err(|e| BenchError::io(&md, e))?;
         crate::plots::rates(self, &dir.join("rates.svg"))?;
         crate::plots::rss(self, &dir.join("rss.svg"))?;
-        crate::plots::aimd(self, &dir.join("aimd-limit.svg"))?;
+        for (_, file) in AIMD_PLOTS {
+            let traces: Vec<&AimdTrace> = self.aimd.iter().filter(|t| t.plot == file).collect();
+            crate::plots::aimd(&traces, &dir.join(file))?;
+        }
         Ok(())
     }
 }

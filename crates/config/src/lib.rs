@@ -64,8 +64,8 @@ pub use error::{ConfigError, ConfigErrors};
 pub use load::{ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
-    ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig, Secret, TlsConfig,
-    DEFAULT_REDIS_URL_FILE, REDACTED,
+    LimiterAlgorithm, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig,
+    Secret, TlsConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 

@@ -63,7 +63,13 @@ const TLS_KEYS: &[&str] = &[
 ];
 const REDIS_TLS_KEYS: &[&str] = &["ca_file", "cert_file", "key_file", "server_name"];
 const CONCURRENCY_KEYS: &[&str] = &["global", "per_endpoint", "aimd"];
-const AIMD_KEYS: &[&str] = &["enabled", "min", "backoff_factor", "additive_increase"];
+const AIMD_KEYS: &[&str] = &[
+    "enabled",
+    "algorithm",
+    "min",
+    "backoff_factor",
+    "additive_increase",
+];
 const OBSERVABILITY_KEYS: &[&str] = &["addr"];
 const INPUT_KEYS: &[&str] = &["max_requests", "max_file_bytes"];
 
@@ -454,6 +460,18 @@ fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {
 
     let a = c.table(&t, "aimd", AIMD_KEYS);
     let enabled = c.boolean(&a, "enabled", d.aimd.enabled);
+    let algorithm = match c.string(&a, "algorithm") {
+        None => d.aimd.algorithm,
+        Some(name) => name.parse().unwrap_or_else(|_| {
+            let names: Vec<_> = LimiterAlgorithm::ALL.iter().map(|a| a.name()).collect();
+            let problem = format!(
+                "unknown limiter algorithm {name:?} (expected {})",
+                names.join(" or ")
+            );
+            c.at(&a, "algorithm", problem);
+            d.aimd.algorithm
+        }),
+    };
     let min = c.count(&a, "min", d.aimd.min, 1);
     if enabled && min > per_endpoint {
         let problem = format!("{min} is above concurrency.per_endpoint ({per_endpoint})");
@@ -472,6 +490,7 @@ fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {
         per_endpoint,
         aimd: AimdConfig {
             enabled,
+            algorithm,
             min,
             backoff_factor,
             additive_increase,

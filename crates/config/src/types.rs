@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use batch_aimd::Algorithm as LimiterAlgorithm;
 use serde::{Deserialize, Serialize, Serializer};
 
 /// Where the Redis URL secret is mounted when the config does not say otherwise.
@@ -274,11 +275,17 @@ impl Default for ConcurrencyConfig {
     }
 }
 
-/// Additive-increase / multiplicative-decrease of the per-endpoint limit.
+/// The per-endpoint adaptive limit: which limiter, and the reference AIMD's parameters.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AimdConfig {
     /// Adapt the limit (default true); when false the limit stays at `per_endpoint`.
     pub enabled: bool,
+    /// `gradient` (default: latency floor and in-flight count, see `batch_aimd::GradientLimiter`;
+    /// it measured better than the reference in all three gateway behaviours of
+    /// docs/benchmarks.md) or `aimd` (the reference processor's additive increase,
+    /// multiplicative decrease).
+    #[serde(serialize_with = "algorithm_name")]
+    pub algorithm: LimiterAlgorithm,
     /// Lowest limit (default 5, between 1 and `per_endpoint`).
     pub min: usize,
     /// Factor applied on overload (default 0.5, strictly between 0 and 1).
@@ -291,11 +298,16 @@ impl Default for AimdConfig {
     fn default() -> Self {
         Self {
             enabled: true,
+            algorithm: LimiterAlgorithm::Gradient,
             min: 5,
             backoff_factor: 0.5,
             additive_increase: 1,
         }
     }
+}
+
+fn algorithm_name<S: Serializer>(a: &LimiterAlgorithm, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(a.name())
 }
 
 /// The health and metrics endpoint.

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use batch_config::figment::providers::{Format, Yaml};
 use batch_config::figment::{Figment, Jail};
-use batch_config::{ConfigErrors, DispatchMode, ProcessorConfig, Secret};
+use batch_config::{ConfigErrors, DispatchMode, LimiterAlgorithm, ProcessorConfig, Secret};
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(name);
@@ -84,6 +84,7 @@ fn defaults_fill_a_minimal_sync_config() {
     assert_eq!(c.concurrency.aimd.min, 5);
     assert_eq!(c.concurrency.aimd.backoff_factor, 0.5);
     assert_eq!(c.concurrency.aimd.additive_increase, 1);
+    assert_eq!(c.concurrency.aimd.algorithm, LimiterAlgorithm::Gradient);
 
     assert_eq!(c.redis_url_file, Path::new("/etc/.secrets/redis-url"));
     assert_eq!(
@@ -134,7 +135,7 @@ model_gateways:
 concurrency:
   global: 7
   per_endpoint: 3
-  aimd: {enabled: false, min: 2, backoff_factor: 0.75, additive_increase: 2}
+  aimd: {enabled: false, algorithm: aimd, min: 2, backoff_factor: 0.75, additive_increase: 2}
 redis_url_file: redis-url
 work_dir: /var/tmp/jobs
 observability: {addr: "127.0.0.1:9090"}
@@ -188,6 +189,7 @@ input: {max_requests: 10, max_file_bytes: 1MiB}
         ),
         (false, 2, 0.75, 2)
     );
+    assert_eq!(aimd.algorithm, LimiterAlgorithm::Aimd);
     assert_eq!(c.redis_url_file, d.join("redis-url"));
     assert_eq!(
         c.redis_url.as_ref().map(Secret::expose),
@@ -355,6 +357,7 @@ model_gateways:
 concurrency:
   global: 0
   aimd:
+    algorithm: vegas
     backoff_factor: 1.5
 "#,
     );
@@ -365,12 +368,13 @@ concurrency:
         format!("{f}: model_gateways.llama-3.url: missing (every model needs a url in sync mode)"),
         format!("{f}: model_gateways.mistral.max_backoff: must be at least initial_backoff (1s)"),
         format!("{f}: concurrency.global: must be at least 1, got 0"),
+        format!("{f}: concurrency.aimd.algorithm: unknown limiter algorithm \"vegas\" (expected aimd or gradient)"),
         format!("{f}: concurrency.aimd.backoff_factor: must be strictly between 0 and 1, got 1.5"),
     ];
     assert_eq!(errors, expected);
     // Display is one line per error.
     let display = load_file(&file).unwrap_err().to_string();
-    assert_eq!(display.lines().count(), 5, "{display}");
+    assert_eq!(display.lines().count(), 6, "{display}");
 }
 
 #[test]

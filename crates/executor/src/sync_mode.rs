@@ -32,6 +32,7 @@ impl SyncMode {
             aimd_min: c.aimd.min,
             backoff_factor: c.aimd.backoff_factor,
             additive_increase: c.aimd.additive_increase,
+            algorithm: c.aimd.algorithm,
         });
         for (model, gw) in &config.model_gateways {
             let Some(url) = &gw.url else { continue };

@@ -24,8 +24,14 @@ pub struct GatewayConfig {
     pub latency_per_token: Duration,
     /// Output tokens assumed when a request names none.
     pub default_max_tokens: u64,
-    /// At most this many inference requests at once; more get 429 with `Retry-After`.
+    /// At most this many inference requests at once; more get 429 with `Retry-After` (unless
+    /// `queue_limit` is set).
     pub capacity: Option<usize>,
+    /// Queueing mode, with `capacity` C: up to this many requests at once are admitted, and
+    /// one admitted with n in flight (itself included) takes `latency × max(1, n / C)`, as a
+    /// model server sharing its batch does past its knee (so throughput stays at most C per
+    /// latency). Only past this limit the answer is 429. At least C.
+    pub queue_limit: Option<usize>,
     /// Failure injection rules, tried in order; the first that fires decides the reply.
     pub failures: Vec<FailureRule>,
     /// The `Retry-After` value (seconds) of every 429 the gateway sends.
@@ -48,6 +54,7 @@ impl Default for GatewayConfig {
             latency_per_token: Duration::ZERO,
             default_max_tokens: 16,
             capacity: None,
+            queue_limit: None,
             failures: Vec::new(),
             retry_after_secs: 1,
             seed: None,
@@ -58,8 +65,23 @@ impl Default for GatewayConfig {
 }
 
 impl GatewayConfig {
-    /// Refuses rates outside [0, 1].
+    /// Refuses rates outside [0, 1], and a queue limit without a capacity or below it.
     pub fn validate(&self) -> Result<(), SimError> {
+        if let Some(q) = self.queue_limit {
+            match self.capacity {
+                None => {
+                    return Err(SimError::Config(format!(
+                        "queue_limit ({q}) needs a capacity"
+                    )))
+                }
+                Some(c) if q < c => {
+                    return Err(SimError::Config(format!(
+                        "queue_limit ({q}) must be at least capacity ({c})"
+                    )))
+                }
+                Some(_) => {}
+            }
+        }
         for (i, rule) in self.failures.iter().enumerate() {
             if !(0.0..=1.0).contains(&rule.rate) {
                 return Err(SimError::Config(format!(
@@ -78,6 +100,22 @@ impl GatewayConfig {
             .checked_mul(u32::try_from(tokens).unwrap_or(u32::MAX))
             .unwrap_or(Duration::MAX);
         self.latency_fixed.saturating_add(per_token)
+    }
+
+    /// Admissions allowed at once: `queue_limit` in queueing mode, else `capacity`.
+    pub fn admission_limit(&self) -> Option<usize> {
+        self.queue_limit.or(self.capacity)
+    }
+
+    /// `latency` stretched for a request admitted with `in_flight` requests (itself
+    /// included): by `in_flight / capacity` past the capacity, in queueing mode only.
+    pub fn queued_latency(&self, latency: Duration, in_flight: usize) -> Duration {
+        match (self.queue_limit, self.capacity) {
+            (Some(_), Some(c)) if c > 0 && in_flight > c => {
+                latency.mul_f64(in_flight as f64 / c as f64)
+            }
+            _ => latency,
+        }
     }
 }
 
@@ -270,6 +308,44 @@ mod tests {
         };
         assert_eq!(c.latency(100), Duration::from_millis(120));
         assert_eq!(GatewayConfig::default().latency(u64::MAX), Duration::ZERO);
+    }
+
+    #[test]
+    fn queueing_stretches_latency_past_the_capacity_only() {
+        let c = GatewayConfig {
+            capacity: Some(4),
+            queue_limit: Some(8),
+            ..GatewayConfig::default()
+        };
+        let l = Duration::from_millis(20);
+        assert_eq!(c.queued_latency(l, 1), l);
+        assert_eq!(c.queued_latency(l, 4), l);
+        assert_eq!(c.queued_latency(l, 6), Duration::from_millis(30));
+        assert_eq!(c.queued_latency(l, 8), 2 * l);
+        assert_eq!(c.admission_limit(), Some(8));
+        let hard = GatewayConfig {
+            queue_limit: None,
+            ..c.clone()
+        };
+        assert_eq!(hard.queued_latency(l, 8), l, "a hard limit never queues");
+        assert_eq!(hard.admission_limit(), Some(4));
+        for bad in [
+            GatewayConfig {
+                capacity: None,
+                ..c.clone()
+            },
+            GatewayConfig {
+                queue_limit: Some(3),
+                ..c.clone()
+            },
+        ] {
+            assert!(bad
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("queue_limit"));
+        }
+        assert!(c.validate().is_ok());
     }
 
     #[test]

@@ -297,15 +297,16 @@ impl GatewayState {
         !hit
     }
 
-    /// Takes an in-flight slot unless the capacity is reached.
-    fn admit(self: &Arc<Self>, capacity: Option<usize>) -> Option<InFlight> {
+    /// Takes an in-flight slot unless `limit` is reached; returns it with the in-flight count
+    /// it made.
+    fn admit(self: &Arc<Self>, limit: Option<usize>) -> Option<(InFlight, usize)> {
         let before = self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if capacity.is_some_and(|c| before >= c) {
+        if limit.is_some_and(|c| before >= c) {
             self.in_flight.fetch_sub(1, Ordering::SeqCst);
             return None;
         }
         self.max_in_flight.fetch_max(before + 1, Ordering::SeqCst);
-        Some(InFlight(self.clone()))
+        Some((InFlight(self.clone()), before + 1))
     }
 
     /// The failure to inject into this request, if any.
@@ -616,7 +617,7 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
 
     let active = state.active();
     let config = &active.config;
-    let Some(_slot) = state.admit(config.capacity) else {
+    let Some((_slot, in_flight)) = state.admit(config.admission_limit()) else {
         return state.count(too_many_requests(
             config,
             "the gateway is at capacity",
@@ -638,6 +639,7 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
     if state.prefix_miss(config, endpoint, request) {
         latency = latency.saturating_add(config.prefix_miss_latency);
     }
+    let latency = config.queued_latency(latency, in_flight);
     tokio::time::sleep(latency).await;
     let text = reply::success(endpoint, model, request, &digest, tokens);
     state.count(http::json(StatusCode::OK, text))

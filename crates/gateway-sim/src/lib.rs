@@ -4,7 +4,8 @@
 //! `/v1/embeddings` with deterministic replies that name
 //! [`body_digest`](batch_wire::hash::body_digest) of the exact request body, so a test can prove
 //! which request a reply answers. It models latency (fixed plus per output token), a capacity
-//! limit (429 with `Retry-After` beyond it), a prefix cache (an LRU of prompt prefixes per
+//! limit (429 with `Retry-After` beyond it, or in queueing mode latency that grows with the load
+//! past it and 429 only past a queue limit), a prefix cache (an LRU of prompt prefixes per
 //! endpoint, a miss may cost extra latency) and injected failures, all changeable at run time
 //! through [`GatewayHandle::set_config`] or `POST /admin/config`.
 //!

@@ -482,3 +482,114 @@ async fn a_prefix_miss_is_charged_extra_latency() {
         "three hits took {hits:?}: they were charged the miss latency"
     );
 }
+
+/// Queueing mode: past the capacity C requests are still served, each slower by n / C, and
+/// only past the queue limit Q the answer is 429.
+#[tokio::test]
+async fn queueing_mode_slows_down_past_the_capacity_and_refuses_past_the_queue() {
+    let latency = Duration::from_millis(300);
+    let gw = start(GatewayConfig {
+        latency_fixed: latency,
+        capacity: Some(2),
+        queue_limit: Some(4),
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    // Two at a time: no queueing.
+    let started = Instant::now();
+    let pair: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, r#"{"model":"m"}"#, &[]).await.unwrap() })
+        })
+        .collect();
+    for call in pair {
+        assert_eq!(call.await.unwrap().0, 200);
+    }
+    let unqueued = started.elapsed();
+    assert!(unqueued < 2 * latency, "{unqueued:?}");
+
+    // Six at once: four admitted, the last of them with 4 in flight (2 × the latency), two
+    // refused.
+    let started = Instant::now();
+    let calls: Vec<_> = (0..6)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let (status, headers, _) = post(&url, r#"{"model":"m"}"#, &[]).await.unwrap();
+                (status, headers)
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for call in calls {
+        let (status, headers) = call.await.unwrap();
+        if status == 429 {
+            assert_eq!(headers["retry-after"], "0");
+        }
+        statuses.push(status);
+    }
+    let queued = started.elapsed();
+    statuses.sort_unstable();
+    assert_eq!(statuses, vec![200, 200, 200, 200, 429, 429]);
+    assert!(
+        queued >= 2 * latency,
+        "the 4th admitted took 2 × L: {queued:?}"
+    );
+    let stats = gw.stats();
+    assert_eq!(stats.max_in_flight_seen, 4);
+    assert_eq!(stats.in_flight, 0);
+}
+
+/// The capacity can change while requests are in flight: lowering it refuses newcomers until
+/// the in-flight count is below it, raising it admits more at once (a gateway losing and
+/// regaining replicas).
+#[tokio::test]
+async fn capacity_changes_at_run_time_take_effect_for_newcomers() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(400),
+        capacity: Some(3),
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    let burst = |n: usize| {
+        (0..n)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move { post(&url, r#"{"model":"m"}"#, &[]).await.unwrap().0 })
+            })
+            .collect::<Vec<_>>()
+    };
+    let held = burst(3);
+    common::eventually(Duration::from_secs(5), "3 in flight", || async {
+        gw.stats().in_flight == 3
+    })
+    .await;
+    gw.set_config(GatewayConfig {
+        capacity: Some(1),
+        ..gw.config()
+    })
+    .unwrap();
+    assert_eq!(
+        burst(1).pop().unwrap().await.unwrap(),
+        429,
+        "3 held, capacity 1"
+    );
+    for call in held {
+        assert_eq!(call.await.unwrap(), 200, "lowering interrupts nobody");
+    }
+    gw.set_config(GatewayConfig {
+        capacity: Some(5),
+        ..gw.config()
+    })
+    .unwrap();
+    let mut statuses = Vec::new();
+    for call in burst(5) {
+        statuses.push(call.await.unwrap());
+    }
+    assert_eq!(statuses, vec![200; 5]);
+}

@@ -2,16 +2,17 @@
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use batch_aimd::{AdaptiveSemaphore, AimdController, Change};
+use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, Algorithm, Change, Limiter, Sample};
 use batch_wire::{dispatcher_error_codes, error_codes};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Uri};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::client::{self, HttpClient};
 use crate::metrics::{self as names, signals, InflightGuard};
@@ -41,14 +42,20 @@ const TRANSPORT_HEADERS: [&str; 8] = [
 ///
 /// One per process, shared by every job (clone it: clones share everything). It holds ONE
 /// global semaphore (`concurrency.global`), and per endpoint an [`AdaptiveSemaphore`] whose
-/// limit an [`AimdController`] moves.
+/// limit a [`Limiter`] of the configured [`Algorithm`] moves.
 ///
 /// Decisions:
 /// - AIMD state is per endpoint *name* (the model gateway key), even when names share a
 ///   `base_url`: an llm-d gateway fronts one pool per model, and a saturated pool must not
 ///   throttle the others. Names with the same TLS settings share one keep-alive pool.
-/// - Both permits stay held during backoff sleeps, as in the reference: a request waiting to
-///   retry still counts against an endpoint that is pushing back.
+/// - With [`Algorithm::Aimd`], the reference: both permits stay held during backoff sleeps (a
+///   request waiting to retry still counts against an endpoint that is pushing back), and the
+///   controller hears the final answer of each dispatch.
+/// - With [`Algorithm::Gradient`]: the limiter hears every attempt (its latency when 2xx, an
+///   overload when 429/5xx, with the number of attempts in flight when it was sent), and a
+///   request gives both permits back while it backs off and queues for them again before
+///   retrying. A 429'd request holding its permit keeps one more attempt from the gateway
+///   than the limit says, and would retry past a cut the limiter just made.
 #[derive(Debug, Clone)]
 pub struct SyncDispatcher {
     inner: Arc<Inner>,
@@ -73,7 +80,34 @@ struct Endpoint {
     /// Authorization and objective, set after the pass-through headers so they win.
     own_headers: HeaderMap,
     semaphore: AdaptiveSemaphore,
-    aimd: Option<Mutex<AimdController>>,
+    limiter: Option<Mutex<Box<dyn Limiter>>>,
+    /// Hear every attempt and release the permits during backoff (the gradient limiter).
+    per_attempt: bool,
+    /// Attempts of this endpoint waiting for their HTTP answer.
+    attempts: AtomicUsize,
+}
+
+/// The permits a dispatch holds, taken again after a backoff that gave them up.
+struct Permits<'a> {
+    global: &'a Semaphore,
+    held: Option<(AdaptivePermit, SemaphorePermit<'a>)>,
+}
+
+/// Counts an attempt in [`Endpoint::attempts`] while alive, also when the dispatch is dropped.
+struct AttemptGuard<'a>(&'a AtomicUsize);
+
+impl<'a> AttemptGuard<'a> {
+    /// Enters and returns the attempts in flight, this one included.
+    fn enter(counter: &'a AtomicUsize) -> (Self, usize) {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        (Self(counter), n)
+    }
+}
+
+impl Drop for AttemptGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// What a finished dispatch tells the endpoint's AIMD controller.
@@ -160,13 +194,19 @@ impl SyncDispatcher {
         }
 
         let client = self.client_for(&options.tls)?;
-        let aimd = if limits.aimd_enabled {
-            let controller = AimdController::new(limits.aimd_config())
+        let limiter = if limits.aimd_enabled {
+            let limiter = limits
+                .algorithm
+                .build(limits.aimd_config())
                 .map_err(|e| DispatchError::InvalidLimits(e.to_string()))?;
-            Some(Mutex::new(controller))
+            Some(limiter)
         } else {
             None
         };
+        let initial = limiter.as_ref().map_or(limits.per_endpoint, |l| l.limit());
+        let per_attempt = limiter
+            .as_ref()
+            .is_some_and(|l| l.algorithm() == Algorithm::Gradient);
         let endpoint = Arc::new(Endpoint {
             name: name.to_owned(),
             base_url,
@@ -178,8 +218,10 @@ impl SyncDispatcher {
             },
             client,
             own_headers,
-            semaphore: AdaptiveSemaphore::new(limits.per_endpoint),
-            aimd,
+            semaphore: AdaptiveSemaphore::new(initial),
+            limiter: limiter.map(Mutex::new),
+            per_attempt,
+            attempts: AtomicUsize::new(0),
         });
 
         let mut endpoints = self
@@ -192,7 +234,7 @@ impl SyncDispatcher {
         }
         endpoints.insert(name.to_owned(), endpoint);
         metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => name.to_owned())
-            .set(limits.per_endpoint as f64);
+            .set(initial as f64);
         tracing::debug!(endpoint = name, base_url = %options.base_url, "sync endpoint added");
         Ok(())
     }
@@ -222,7 +264,8 @@ impl SyncDispatcher {
     /// Sends one request and returns its final outcome, after retries.
     ///
     /// Acquires the endpoint permit first, then the global one, and holds both until the final
-    /// answer. Cancel-safe: dropping the future releases both permits and aborts the HTTP
+    /// answer (with [`Algorithm::Gradient`]: gives both up during each backoff and takes them
+    /// again, in the same order, before the retry). Cancel-safe: dropping the future releases both permits and aborts the HTTP
     /// request (its connection is closed, not reused). Never panics on network errors.
     ///
     /// Outcomes without an HTTP answer carry these codes: `model_not_found` (unknown
@@ -248,17 +291,20 @@ impl SyncDispatcher {
             }
         };
 
-        let Ok(_endpoint_permit) = endpoint.semaphore.acquire().await else {
-            return SyncOutcome::failed(error_codes::BATCH_FAILED, "the endpoint is closed");
+        let mut permits = Permits {
+            global: &self.inner.global,
+            held: None,
         };
-        let Ok(_global_permit) = self.inner.global.acquire().await else {
-            return SyncOutcome::failed(error_codes::BATCH_FAILED, "the dispatcher is closed");
-        };
+        if let Err(outcome) = permits.take(&endpoint).await {
+            return outcome;
+        }
         let _inflight = InflightGuard::enter();
 
         let epoch = endpoint.epoch();
         let started = Instant::now();
-        let (outcome, feedback) = endpoint.send_with_retries(&prepared, &request).await;
+        let (outcome, feedback) = endpoint
+            .send_with_retries(&prepared, &request, &mut permits)
+            .await;
         metrics::histogram!(names::REQUEST_DURATION_SECONDS, "model" => model.clone())
             .record(started.elapsed().as_secs_f64());
         if !matches!(
@@ -270,7 +316,9 @@ impl SyncDispatcher {
         ) {
             metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => model).increment(1);
         }
-        endpoint.feed(feedback, epoch);
+        if !endpoint.per_attempt {
+            endpoint.feed(feedback, epoch);
+        }
         outcome
     }
 
@@ -291,6 +339,29 @@ impl SyncDispatcher {
         let client = client::build(tls)?;
         clients.insert(tls.clone(), client.clone());
         Ok(client)
+    }
+}
+
+impl Permits<'_> {
+    /// Takes the endpoint permit, then the global one, unless held already.
+    async fn take(&mut self, endpoint: &Endpoint) -> Result<(), SyncOutcome> {
+        if self.held.is_some() {
+            return Ok(());
+        }
+        let Ok(endpoint_permit) = endpoint.semaphore.acquire().await else {
+            return Err(SyncOutcome::failed(
+                error_codes::BATCH_FAILED,
+                "the endpoint is closed",
+            ));
+        };
+        let Ok(global_permit) = self.global.acquire().await else {
+            return Err(SyncOutcome::failed(
+                error_codes::BATCH_FAILED,
+                "the dispatcher is closed",
+            ));
+        };
+        self.held = Some((endpoint_permit, global_permit));
+        Ok(())
     }
 }
 
@@ -337,17 +408,35 @@ impl Endpoint {
         &self,
         prepared: &Prepared,
         request: &SyncRequest<'_>,
+        permits: &mut Permits<'_>,
     ) -> (SyncOutcome, Feedback) {
         let mut capacity_retry = false;
         let mut retry = 0u32;
         loop {
+            if let Err(outcome) = permits.take(self).await {
+                return (outcome, Feedback::Silent);
+            }
             let Some(slo_left) = time_left(request.slo_deadline) else {
                 return (
                     expired("the SLO deadline passed before the request was sent"),
                     Feedback::Silent,
                 );
             };
-            let (cause, retry_after) = match self.attempt(prepared, &request.body, slo_left).await {
+            let epoch = self.epoch();
+            let (attempt_guard, in_flight) = AttemptGuard::enter(&self.attempts);
+            let sent = Instant::now();
+            let answer = self.attempt(prepared, &request.body, slo_left).await;
+            // Requests sent after this one may have reached the gateway before it: the count
+            // when the answer came is the better measure of what a refusal met.
+            let in_flight_at_answer = self.attempts.load(Ordering::SeqCst);
+            drop(attempt_guard);
+            if self.per_attempt {
+                if let Ok(answer) = &answer {
+                    let seen = (in_flight, in_flight.max(in_flight_at_answer));
+                    self.observe(answer.status, sent.elapsed(), seen, epoch);
+                }
+            }
+            let (cause, retry_after) = match answer {
                 Ok(answer) => {
                     let status = answer.status;
                     if (status == 429 || status == 503) && ttl_expired(&answer.headers) {
@@ -399,6 +488,9 @@ impl Endpoint {
                 .backoff
                 .delay(retry, cause, retry_after, retry::jitter());
             tracing::debug!(endpoint = %self.name, id = request.id, ?cause, retry = retry + 1, delay_ms = delay.as_millis() as u64, "retrying");
+            if self.per_attempt {
+                permits.held = None;
+            }
             // No point sleeping past the SLO: the next turn reports the expiry.
             let slo_left = time_left(request.slo_deadline).unwrap_or(Duration::ZERO);
             tokio::time::sleep(delay.min(slo_left)).await;
@@ -447,32 +539,57 @@ impl Endpoint {
         }
     }
 
-    /// The controller's overload epoch now, noted by each request when admitted.
+    /// The limiter's overload epoch now, noted by each request when admitted (per attempt
+    /// with the gradient limiter).
     fn epoch(&self) -> u64 {
-        self.aimd.as_ref().map_or(0, |aimd| {
-            aimd.lock().unwrap_or_else(|p| p.into_inner()).epoch()
+        self.limiter.as_ref().map_or(0, |limiter| {
+            limiter.lock().unwrap_or_else(|p| p.into_inner()).epoch()
         })
+    }
+
+    /// Feeds one attempt's answer to a per-attempt limiter: a 2xx is a latency sample (with
+    /// the attempts in flight when it was sent), a 429 or 5xx an overload (with the most in
+    /// flight from its send to its answer); other statuses say nothing about capacity (and
+    /// their quick answers must not lower the latency floor).
+    fn observe(&self, status: u16, latency: Duration, in_flight: (usize, usize), epoch: u64) {
+        let (feedback, in_flight) = match status {
+            200..=299 => (Feedback::Success, in_flight.0),
+            429 => (Feedback::Overload(signals::RATE_LIMITED), in_flight.1),
+            500..=599 => (Feedback::Overload(signals::SERVER_ERROR), in_flight.1),
+            _ => return,
+        };
+        self.apply(feedback, latency, in_flight, epoch);
     }
 
     /// Feeds the controller and copies its limit into the semaphore under the controller's
     /// lock, so the semaphore goes through the controller's limits in order. An overload met
     /// by a request admitted before the last cut belongs to that cut's episode and is ignored.
     fn feed(&self, feedback: Feedback, epoch: u64) {
-        let Some(aimd) = &self.aimd else {
+        self.apply(feedback, Duration::ZERO, 0, epoch);
+    }
+
+    fn apply(&self, feedback: Feedback, latency: Duration, in_flight: usize, epoch: u64) {
+        let Some(limiter) = &self.limiter else {
             return;
         };
-        let mut controller: MutexGuard<'_, AimdController> =
-            aimd.lock().unwrap_or_else(|p| p.into_inner());
-        let change = match feedback {
+        let mut controller: MutexGuard<'_, Box<dyn Limiter>> =
+            limiter.lock().unwrap_or_else(|p| p.into_inner());
+        let overloaded = match feedback {
             Feedback::Silent => return,
-            Feedback::Success => controller.on_success(),
+            Feedback::Success => false,
             Feedback::Overload(_) if controller.epoch() != epoch => return,
             Feedback::Overload(signal) => {
                 metrics::counter!(names::AIMD_DECREASES_TOTAL, "endpoint" => self.name.clone(), "signal" => signal)
                     .increment(1);
-                controller.on_overload_since(epoch)
+                true
             }
         };
+        let change = controller.on_result(Sample {
+            latency,
+            overloaded,
+            in_flight,
+            epoch,
+        });
         if let Some(change) = change {
             if let Change::Increased { .. } = change {
                 metrics::counter!(names::AIMD_INCREASES_TOTAL, "endpoint" => self.name.clone())

@@ -10,8 +10,10 @@
 //!   waits 3 × the base; 502/503/504 cap at `max_backoff / 2`; `Retry-After` (seconds or HTTP
 //!   date) is honoured up to `max_backoff`. A 429/503 with
 //!   `x-llm-d-request-dropped-reason: rejected-ttl-expired` is final and becomes `batch_expired`.
-//! - AIMD: a final 429 or 5xx, or any other answer that needed a 429/5xx retry, lowers the
-//!   endpoint's limit; any other answer is a success; no answer is no signal.
+//! - AIMD ([`Algorithm::Aimd`], the reference): a final 429 or 5xx, or any other answer that
+//!   needed a 429/5xx retry, lowers the endpoint's limit; any other answer is a success; no
+//!   answer is no signal. [`Algorithm::Gradient`] hears every attempt instead (2xx latency,
+//!   429/5xx overload) and gives the permits back while a request backs off.
 //! - Headers: `Content-Type: application/json`, `X-Request-ID`, `x-slo-ttft-ms` (milliseconds
 //!   left to the SLO), `Authorization: Bearer` and `x-gateway-inference-objective` when
 //!   configured, and the job's pass-through headers (which cannot override these).
@@ -55,6 +57,7 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 
+pub use batch_aimd::Algorithm;
 pub use dispatcher::SyncDispatcher;
 pub use options::{EndpointOptions, LimitOptions, TlsOptions};
 

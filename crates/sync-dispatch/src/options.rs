@@ -4,6 +4,8 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use batch_aimd::Algorithm;
+
 use crate::DispatchError;
 
 /// TLS settings of an endpoint. Endpoints with equal settings share one connection pool.
@@ -107,13 +109,15 @@ pub struct LimitOptions {
     pub aimd_min: usize,
     /// AIMD multiplicative decrease, in (0, 1).
     pub backoff_factor: f64,
-    /// AIMD additive increase, at least 1.
+    /// AIMD additive increase, at least 1 (the gradient limiter's first step).
     pub additive_increase: usize,
+    /// Which limiter moves the per-endpoint limit (`concurrency.aimd.algorithm`).
+    pub algorithm: Algorithm,
 }
 
 impl Default for LimitOptions {
     /// The reference processor's defaults: global 100, per endpoint 10, AIMD on, min 5,
-    /// factor 0.5, increase 1.
+    /// factor 0.5, increase 1, the reference algorithm.
     fn default() -> Self {
         Self {
             global: 100,
@@ -122,6 +126,7 @@ impl Default for LimitOptions {
             aimd_min: 5,
             backoff_factor: 0.5,
             additive_increase: 1,
+            algorithm: Algorithm::Aimd,
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use batch_sync_dispatch::{LimitOptions, SyncDispatcher, SyncOutcome};
+use batch_sync_dispatch::{Algorithm, LimitOptions, SyncDispatcher, SyncOutcome};
 use common::{eventually, fast_options, request, Counters, Gateway, Reply};
 use futures::future::join_all;
 
@@ -18,6 +18,7 @@ fn limits(global: usize, per_endpoint: usize, aimd_min: usize) -> LimitOptions {
         aimd_min,
         backoff_factor: 0.5,
         additive_increase: 1,
+        algorithm: Algorithm::Aimd,
     }
 }
 
@@ -224,4 +225,104 @@ async fn dropping_a_dispatch_during_backoff_releases_its_permits() {
     assert_eq!(gateway.counters.requests(), 1);
     assert_eq!(d.in_use("m"), Some(0));
     assert_eq!(d.global_in_use(), 0);
+}
+
+fn gradient(global: usize, per_endpoint: usize, aimd_min: usize) -> LimitOptions {
+    LimitOptions {
+        algorithm: Algorithm::Gradient,
+        ..limits(global, per_endpoint, aimd_min)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
+    const CAPACITY: usize = 4;
+    let counters = Arc::new(Counters::default());
+    let seen = counters.clone();
+    let gateway = Gateway::start_shared(counters.clone(), move |_, _| {
+        if seen.inflight.load(Ordering::SeqCst) > CAPACITY {
+            Reply::status(429).header("retry-after", "0")
+        } else {
+            Reply::ok().after(Duration::from_millis(10))
+        }
+    })
+    .await;
+    let d = SyncDispatcher::new(gradient(100, 32, 1));
+    let mut options = fast_options(&gateway.url);
+    options.max_retries = 1000;
+    d.add_endpoint("m", options).unwrap();
+    assert_eq!(d.limit("m"), Some(1), "it slow-starts from aimd.min");
+
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = tokio::spawn({
+        let (d, done) = (d.clone(), done.clone());
+        async move {
+            let mut samples = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                samples.push(d.limit("m").unwrap());
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            samples
+        }
+    });
+    let calls = join_all((0..400).map(|_| d.dispatch("m", request("r")))).await;
+    done.store(true, Ordering::SeqCst);
+    let mut samples = watch.await.unwrap();
+    let ok = calls
+        .iter()
+        .filter(|o| matches!(o, SyncOutcome::Http { status: 200, .. }))
+        .count();
+    assert_eq!(ok, 400);
+    samples.sort_unstable();
+    let median = samples[samples.len() / 2];
+    assert!(
+        (CAPACITY - 1..=CAPACITY + 3).contains(&median),
+        "the limit sits near the capacity, not at 32 nor at 1: median {median} of {samples:?}"
+    );
+    let refused = counters.requests() - 400;
+    assert!(
+        refused < 100,
+        "{refused} 429s for 400 requests: each cut goes to the refused concurrency"
+    );
+    assert!(d.cuts("m").unwrap() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_gradient_limiter_a_request_gives_its_permit_back_while_it_backs_off() {
+    // The first request meets a 429 asking for a long wait; the second one, sent while the
+    // first backs off, gets the endpoint's only permit.
+    for (limits, gives_back) in [(gradient(100, 1, 1), true), (limits(100, 1, 1), false)] {
+        let gateway = Gateway::start(|n, _| {
+            if n == 0 {
+                Reply::status(429).header("retry-after", "30")
+            } else {
+                Reply::ok()
+            }
+        })
+        .await;
+        let d = SyncDispatcher::new(limits);
+        let mut options = fast_options(&gateway.url);
+        options.max_backoff = Duration::from_secs(3);
+        d.add_endpoint("m", options).unwrap();
+        let first = tokio::spawn({
+            let d = d.clone();
+            async move { d.dispatch("m", request("first")).await }
+        });
+        assert!(eventually(Duration::from_secs(10), || gateway.counters.requests() == 1).await);
+        if gives_back {
+            assert!(eventually(Duration::from_secs(10), || d.in_use("m") == Some(0)).await);
+            let second = d.dispatch("m", request("second")).await;
+            assert!(matches!(second, SyncOutcome::Http { status: 200, .. }));
+            assert!(!first.is_finished(), "the first is still backing off");
+        } else {
+            // The 429 is answered at once; the request then sleeps on its permit.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert_eq!(d.in_use("m"), Some(1), "the reference keeps the permit");
+            assert!(!first.is_finished());
+        }
+        let first = first.await.unwrap();
+        assert!(matches!(first, SyncOutcome::Http { status: 200, .. }));
+        assert_eq!(d.in_use("m"), Some(0));
+        assert_eq!(d.global_in_use(), 0);
+    }
 }

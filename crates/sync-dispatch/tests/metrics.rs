@@ -29,6 +29,7 @@ async fn aimd_inflight_latency_and_error_metrics() {
         aimd_min: 2,
         backoff_factor: 0.5,
         additive_increase: 1,
+        algorithm: batch_sync_dispatch::Algorithm::Aimd,
     };
     let d = SyncDispatcher::new(limits);
 

@@ -1,0 +1,737 @@
+//! A latency-gradient limiter in the manner of TCP Vegas and Netflix's Gradient2, with a
+//! 429 cut to the concurrency the gateway refused (not a fraction of the limit).
+//!
+//! Pure state like the reference controller: the caller measures latencies.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::limiter::{Algorithm, Limiter, Sample};
+use crate::{AimdError, Change};
+
+/// Parameters of a [`GradientLimiter`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradientConfig {
+    /// The floor of the limit; at least 1.
+    pub min: usize,
+    /// The ceiling.
+    pub max: usize,
+    /// The starting limit, in `[min, max]`. Until the first decrease the limit doubles each
+    /// unqueued window (slow start), so a low start finds the gateway's latency floor before
+    /// it fills the gateway.
+    pub initial: usize,
+    /// The first increase after a decrease; later increases double it, up to a quarter of
+    /// the limit. At least 1.
+    pub initial_step: usize,
+    /// A window whose mean latency is at most `floor × tolerance` counts as unqueued; above
+    /// 1, so that scheduling noise is not taken for queueing.
+    pub tolerance: f64,
+    /// Weight of the estimate `in_flight × floor / latency` when latency cuts the limit, in
+    /// (0, 1]; 1 jumps straight to it, which also shows the gateway unqueued again, so the
+    /// floor stays fresh.
+    pub smoothing: f64,
+    /// The latency floor is the least window mean over this many windows; at least 1. Older
+    /// windows are forgotten, so a gateway that became slower is followed.
+    pub floor_windows: usize,
+    /// A window is `max(limit, min_window)` successes; at least 1.
+    pub min_window: usize,
+    /// Windows without an overload before the limit may pass the concurrency that was last
+    /// refused.
+    pub hold_windows: usize,
+    /// Every this many windows the limit drops for one window to 0.9 × what the gateway
+    /// serves at the floor, to see the floor again before it is forgotten, then goes back
+    /// (BBR's ProbeRTT). At least 1; below `floor_windows` to be useful.
+    pub probe_windows: usize,
+}
+
+impl Default for GradientConfig {
+    fn default() -> Self {
+        Self {
+            min: 1,
+            max: 1000,
+            initial: 1,
+            initial_step: 1,
+            tolerance: 1.3,
+            smoothing: 1.0,
+            floor_windows: 100,
+            min_window: 16,
+            hold_windows: 3,
+            probe_windows: 40,
+        }
+    }
+}
+
+impl GradientConfig {
+    /// Checks the constraints the rules rely on.
+    pub fn validate(&self) -> Result<(), AimdError> {
+        if self.min == 0 {
+            return Err(AimdError::invalid("min must be at least 1"));
+        }
+        if self.min > self.max {
+            return Err(AimdError::invalid(format!(
+                "min ({}) must not exceed max ({})",
+                self.min, self.max
+            )));
+        }
+        if !(self.min..=self.max).contains(&self.initial) {
+            return Err(AimdError::invalid(format!(
+                "initial ({}) must be within min ({}) and max ({})",
+                self.initial, self.min, self.max
+            )));
+        }
+        if self.initial_step == 0 {
+            return Err(AimdError::invalid("initial_step must be at least 1"));
+        }
+        if !(self.tolerance > 1.0 && self.tolerance.is_finite()) {
+            return Err(AimdError::invalid(format!(
+                "tolerance must be above 1, got {}",
+                self.tolerance
+            )));
+        }
+        if !(self.smoothing > 0.0 && self.smoothing <= 1.0) {
+            return Err(AimdError::invalid(format!(
+                "smoothing must be in (0, 1], got {}",
+                self.smoothing
+            )));
+        }
+        if self.floor_windows == 0 || self.min_window == 0 || self.probe_windows == 0 {
+            return Err(AimdError::invalid(
+                "floor_windows, min_window and probe_windows must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Successes gathered toward the next decision.
+#[derive(Debug, Clone, Default)]
+struct Window {
+    count: usize,
+    latency_sum: f64,
+    in_flight_sum: f64,
+    max_in_flight: usize,
+}
+
+impl Window {
+    fn add(&mut self, latency: f64, in_flight: usize) {
+        self.count += 1;
+        self.latency_sum += latency;
+        self.in_flight_sum += in_flight as f64;
+        self.max_in_flight = self.max_in_flight.max(in_flight);
+    }
+}
+
+/// A concurrency limit that fills the gateway without queueing in it.
+///
+/// It starts at `initial` and doubles per window until the first decrease (slow start).
+/// Then the rules, applied per window of `max(limit, min_window)` successful answers (about
+/// one round trip):
+/// - **Floor**: the least window mean over the last `floor_windows` windows, the gateway's
+///   unqueued latency (TCP Vegas's base RTT). A mean, not the quickest answer: inference
+///   latency varies with each request's length, and against the quickest one a typical
+///   answer would look queued.
+/// - **Grow** while the window's mean latency stays within `floor × tolerance` and the limit is
+///   in use (its busiest moment had at least half the limit in flight): by a step that starts
+///   at `initial_step` and doubles each window, capped at a quarter of the limit. Below the
+///   concurrency last refused the growth stops one short of it, and passing it waits
+///   `hold_windows` calm windows (TCP CUBIC's plateau). Once the latency is halfway to the
+///   tolerance it does not pass `tolerance` times what the window says the gateway serves
+///   at the floor.
+/// - **Shrink on latency**: when the mean latency is above the tolerance the gateway is
+///   queueing; the limit moves toward `mean in_flight × floor / mean latency` (what it serves
+///   at the floor latency; Gradient2's rule) by `smoothing`. The step restarts.
+/// - **Probe**: every `probe_windows` windows the limit drops for one window to 0.9 × that
+///   estimate, answers sent above it are left out, and then it goes back. So the floor is
+///   seen again before it is forgotten; else, against a gateway kept just within the
+///   tolerance, it would creep up with the queue.
+///
+/// ```
+/// use std::time::Duration;
+/// use batch_aimd::{GradientConfig, GradientLimiter};
+///
+/// let mut l = GradientLimiter::new(GradientConfig { max: 128, initial: 100, ..GradientConfig::default() }).unwrap();
+/// // 65 were in flight when the gateway refused one: it holds 64.
+/// l.on_overload(65, l.epoch());
+/// assert_eq!(l.limit(), 64);
+/// // 64 answers at 20 ms close a window and set the latency floor.
+/// for _ in 0..64 {
+///     l.on_success(Duration::from_millis(20), 64);
+/// }
+/// assert_eq!(l.floor(), Some(Duration::from_millis(20)));
+/// ```
+/// - **Cut on overload** (429/5xx), once per episode like the reference: to one less than the
+///   requests in flight when the refused one was sent, the concurrency the gateway just
+///   refused (at least one less than the limit), never below `min`.
+#[derive(Debug, Clone)]
+pub struct GradientLimiter {
+    config: GradientConfig,
+    limit: usize,
+    step: usize,
+    epoch: u64,
+    /// The in-flight count of the last refused request; `usize::MAX` before any.
+    refused_at: usize,
+    calm_windows: usize,
+    windows_since_probe: usize,
+    /// While probing, the limit to go back to.
+    probe: Option<usize>,
+    slow_start: bool,
+    window: Window,
+    floors: VecDeque<f64>,
+}
+
+impl GradientLimiter {
+    /// A limiter starting at `config.initial`, after checking `config`.
+    pub fn new(config: GradientConfig) -> Result<Self, AimdError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            limit: config.initial,
+            step: config.initial_step,
+            epoch: 0,
+            refused_at: usize::MAX,
+            calm_windows: 0,
+            windows_since_probe: 0,
+            probe: None,
+            slow_start: true,
+            window: Window::default(),
+            floors: VecDeque::new(),
+        })
+    }
+
+    /// The limit in force.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// The parameters.
+    pub fn config(&self) -> &GradientConfig {
+        &self.config
+    }
+
+    /// The latency floor, once a window has closed.
+    pub fn floor(&self) -> Option<Duration> {
+        self.floor_secs().map(Duration::from_secs_f64)
+    }
+
+    /// Overload cuts so far (see [`Limiter::epoch`]).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn floor_secs(&self) -> Option<f64> {
+        self.floors.iter().copied().reduce(f64::min)
+    }
+
+    /// A 429/5xx met by a request sent at `epoch` with `in_flight` requests out.
+    pub fn on_overload(&mut self, in_flight: usize, epoch: u64) -> Option<Change> {
+        if epoch != self.epoch {
+            return None;
+        }
+        self.epoch += 1;
+        self.slow_start = false;
+        self.step = self.config.initial_step;
+        self.calm_windows = 0;
+        self.refused_at = in_flight.max(1);
+        self.probe = None;
+        // Latencies gathered across the cut describe neither limit.
+        self.window = Window::default();
+        let from = self.limit;
+        let to = from
+            .saturating_sub(1)
+            .min(in_flight.saturating_sub(1))
+            .max(self.config.min);
+        self.set(to)
+    }
+
+    /// A successful answer that took `latency`, sent with `in_flight` requests out.
+    pub fn on_success(&mut self, latency: Duration, in_flight: usize) -> Option<Change> {
+        if self.probe.is_some() && in_flight > self.limit {
+            // Sent before the probe's cut: it queued behind the old limit.
+            return None;
+        }
+        self.window.add(latency.as_secs_f64(), in_flight);
+        if self.window.count < self.limit.max(self.config.min_window) {
+            return None;
+        }
+        let window = std::mem::take(&mut self.window);
+        if self.floors.len() == self.config.floor_windows {
+            self.floors.pop_front();
+        }
+        let mean = window.latency_sum / window.count as f64;
+        self.floors.push_back(mean);
+        let floor = self.floor_secs().unwrap_or(mean);
+        let mean_in_flight = window.in_flight_sum / window.count as f64;
+        self.calm_windows += 1;
+        self.windows_since_probe += 1;
+        let queued = mean > floor * self.config.tolerance;
+        if let Some(before) = self.probe.take() {
+            if !queued {
+                // The floor was seen again: back to where the probe started.
+                return self.set(before);
+            }
+        }
+
+        if queued {
+            self.slow_start = false;
+            self.step = self.config.initial_step;
+            let estimate = mean_in_flight * floor / mean;
+            let s = self.config.smoothing;
+            let target = (self.limit as f64 * (1.0 - s) + estimate * s).round();
+            let to = (target.max(0.0) as usize).max(self.config.min);
+            return if to < self.limit { self.set(to) } else { None };
+        }
+        if self.windows_since_probe >= self.config.probe_windows && !self.slow_start {
+            self.windows_since_probe = 0;
+            let to = ((mean_in_flight * floor / mean * 0.9).floor() as usize).max(self.config.min);
+            if to < self.limit {
+                self.probe = Some(self.limit);
+                return self.set(to);
+            }
+        }
+        if window.max_in_flight * 2 < self.limit {
+            // Not limited by the limit: growing it would test nothing.
+            return None;
+        }
+        let passing = self.limit.saturating_add(1) >= self.refused_at;
+        if passing && self.calm_windows <= self.config.hold_windows {
+            return None;
+        }
+        if passing && self.limit < self.refused_at {
+            // The first step past the refused concurrency is the smallest.
+            self.step = self.config.initial_step;
+        }
+        let mut to = if self.slow_start {
+            self.limit.saturating_mul(2)
+        } else {
+            self.limit.saturating_add(self.step)
+        };
+        if !passing {
+            to = to.min(self.refused_at - 1);
+        }
+        if !self.slow_start && mean > floor * (1.0 + self.config.tolerance) / 2.0 {
+            // Latency is already rising within the tolerance: grow at most to what that
+            // queueing says the gateway serves, times the tolerance.
+            let serves = mean_in_flight * floor / mean;
+            let cap = (serves * self.config.tolerance).floor() as usize;
+            to = to.min(cap.max(self.limit));
+        }
+        to = to.min(self.config.max);
+        self.step = self
+            .step
+            .saturating_mul(2)
+            .min((to / 4).max(self.config.initial_step));
+        self.set(to)
+    }
+
+    fn set(&mut self, to: usize) -> Option<Change> {
+        let from = self.limit;
+        self.limit = to;
+        match to.cmp(&from) {
+            std::cmp::Ordering::Greater => Some(Change::Increased { from, to }),
+            std::cmp::Ordering::Less => Some(Change::Decreased { from, to }),
+            std::cmp::Ordering::Equal => None,
+        }
+    }
+}
+
+impl Limiter for GradientLimiter {
+    fn limit(&self) -> usize {
+        self.limit
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn on_result(&mut self, sample: Sample) -> Option<Change> {
+        if sample.overloaded {
+            self.on_overload(sample.in_flight, sample.epoch)
+        } else {
+            self.on_success(sample.latency, sample.in_flight)
+        }
+    }
+
+    fn algorithm(&self) -> Algorithm {
+        Algorithm::Gradient
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const L: Duration = Duration::from_millis(20);
+
+    /// A limiter starting at `max`.
+    fn limiter(min: usize, max: usize) -> GradientLimiter {
+        GradientLimiter::new(GradientConfig {
+            min,
+            max,
+            initial: max,
+            ..GradientConfig::default()
+        })
+        .unwrap()
+    }
+
+    /// One window at the current limit, every request taking `latency`.
+    fn window(l: &mut GradientLimiter, latency: Duration) {
+        let n = l.limit().max(l.config().min_window);
+        let in_flight = l.limit();
+        for _ in 0..n {
+            l.on_success(latency, in_flight);
+        }
+    }
+
+    fn close(a: Option<Duration>, b: Duration) -> bool {
+        a.is_some_and(|a| a.abs_diff(b) < Duration::from_micros(1))
+    }
+
+    #[test]
+    fn an_overload_cuts_to_the_refused_concurrency_once_per_episode() {
+        let mut l = limiter(2, 128);
+        let sent = l.epoch();
+        assert_eq!(
+            l.on_overload(65, sent),
+            Some(Change::Decreased { from: 128, to: 64 })
+        );
+        for k in 66..128 {
+            assert_eq!(l.on_overload(k, sent), None, "same episode");
+        }
+        assert_eq!(l.limit(), 64);
+        // A later episode at a higher count still cuts by one at least.
+        assert_eq!(
+            l.on_overload(100, l.epoch()),
+            Some(Change::Decreased { from: 64, to: 63 })
+        );
+        // And never below the floor.
+        assert_eq!(
+            l.on_overload(1, l.epoch()),
+            Some(Change::Decreased { from: 63, to: 2 })
+        );
+        assert_eq!(l.on_overload(1, l.epoch()), None);
+        assert_eq!(l.limit(), 2);
+    }
+
+    #[test]
+    fn slow_start_doubles_until_the_first_decrease() {
+        let mut l = GradientLimiter::new(GradientConfig {
+            min: 2,
+            max: 1000,
+            initial: 2,
+            ..GradientConfig::default()
+        })
+        .unwrap();
+        let mut trace = vec![l.limit()];
+        for _ in 0..5 {
+            window(&mut l, L);
+            trace.push(l.limit());
+        }
+        assert_eq!(trace, vec![2, 4, 8, 16, 32, 64]);
+        l.on_overload(60, l.epoch());
+        window(&mut l, L);
+        window(&mut l, L);
+        assert_eq!(l.limit(), 59, "held below the refused 60, no more doubling");
+    }
+
+    #[test]
+    fn growth_doubles_its_step_and_stops_short_of_the_refused_concurrency() {
+        let mut l = limiter(1, 1000);
+        l.on_overload(41, l.epoch()); // 40, refused at 41
+        window(&mut l, L); // the floor: 20 ms
+                           // 40 in flight take 80 ms: the gateway serves 10 at the floor latency.
+        for _ in 0..40 {
+            l.on_success(4 * L, 40);
+        }
+        let mut trace = vec![l.limit()];
+        for _ in 0..6 {
+            window(&mut l, L);
+            trace.push(l.limit());
+        }
+        // +1, +2, +4, +8 (capped at a quarter), held at 40 below 41, then past it.
+        assert_eq!(trace, vec![10, 11, 13, 16, 20, 25, 31]);
+    }
+
+    #[test]
+    fn passing_the_refused_concurrency_waits_for_calm_windows() {
+        let mut l = limiter(1, 1000);
+        l.on_overload(11, l.epoch()); // 10
+        let mut trace = vec![l.limit()];
+        for _ in 0..6 {
+            window(&mut l, L);
+            trace.push(l.limit());
+        }
+        assert_eq!(trace, vec![10, 10, 10, 10, 11, 13, 16]);
+    }
+
+    #[test]
+    fn queueing_latency_moves_the_limit_to_what_the_floor_latency_serves() {
+        let mut l = limiter(1, 100);
+        window(&mut l, L); // floor 20 ms at 100 in flight
+        assert!(close(l.floor(), L));
+        // 100 in flight now take 40 ms: the gateway serves 50 at the floor latency.
+        for _ in 0..100 {
+            l.on_success(2 * L, 100);
+        }
+        assert_eq!(l.limit(), 50);
+
+        let mut smooth = GradientLimiter::new(GradientConfig {
+            max: 100,
+            initial: 100,
+            smoothing: 0.5,
+            ..GradientConfig::default()
+        })
+        .unwrap();
+        window(&mut smooth, L);
+        for _ in 0..100 {
+            smooth.on_success(2 * L, 100);
+        }
+        assert_eq!(smooth.limit(), 75, "halfway from 100 to 50");
+    }
+
+    #[test]
+    fn a_probe_drops_for_one_window_ignores_older_answers_and_goes_back() {
+        let mut l = GradientLimiter::new(GradientConfig {
+            max: 100,
+            initial: 100,
+            probe_windows: 3,
+            ..GradientConfig::default()
+        })
+        .unwrap();
+        l.on_overload(101, 0); // out of slow start; 100 stays (one less than 101... at max)
+        for _ in 0..3 {
+            window(&mut l, L);
+        }
+        assert_eq!(l.limit(), 90, "0.9 × the 100 served at the floor");
+        // Answers sent with 100 in flight predate the probe and are left out.
+        for _ in 0..200 {
+            assert_eq!(l.on_success(3 * L, 100), None);
+        }
+        window(&mut l, L);
+        assert_eq!(l.limit(), 100, "the floor was seen again: back");
+    }
+
+    #[test]
+    fn latency_within_the_tolerance_is_not_queueing() {
+        let mut l = limiter(1, 100);
+        l.on_overload(51, 0);
+        window(&mut l, L);
+        let before = l.limit();
+        window(&mut l, L.mul_f64(1.25));
+        assert!(l.limit() >= before);
+    }
+
+    #[test]
+    fn an_unused_limit_does_not_grow() {
+        let mut l = limiter(1, 100);
+        l.on_overload(21, 0); // 20
+        for _ in 0..100 {
+            l.on_success(L, 5);
+        }
+        assert_eq!(l.limit(), 20);
+    }
+
+    #[test]
+    fn stale_overloads_are_ignored() {
+        let mut l = limiter(1, 100);
+        l.on_overload(51, 0);
+        assert_eq!(l.on_overload(10, 0), None);
+        assert_eq!(l.limit(), 50);
+    }
+
+    #[test]
+    fn the_floor_forgets_old_windows() {
+        let mut l = GradientLimiter::new(GradientConfig {
+            max: 10,
+            initial: 10,
+            floor_windows: 3,
+            ..GradientConfig::default()
+        })
+        .unwrap();
+        window(&mut l, L);
+        for _ in 0..3 {
+            window(&mut l, 2 * L);
+        }
+        assert!(close(l.floor(), 2 * L), "{:?}", l.floor());
+    }
+
+    #[test]
+    fn invalid_configs_are_refused() {
+        let ok = GradientConfig::default();
+        for bad in [
+            GradientConfig { min: 0, ..ok },
+            GradientConfig {
+                min: 2,
+                max: 1,
+                ..ok
+            },
+            GradientConfig { initial: 0, ..ok },
+            GradientConfig {
+                initial: 1001,
+                ..ok
+            },
+            GradientConfig {
+                initial_step: 0,
+                ..ok
+            },
+            GradientConfig {
+                tolerance: 1.0,
+                ..ok
+            },
+            GradientConfig {
+                tolerance: f64::NAN,
+                ..ok
+            },
+            GradientConfig {
+                smoothing: 0.0,
+                ..ok
+            },
+            GradientConfig {
+                floor_windows: 0,
+                ..ok
+            },
+        ] {
+            assert!(GradientLimiter::new(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// A closed loop against a hard limit `c`: each round the limit is full and requests
+    /// above `c` are refused at once. Returns each round's limit and refusals.
+    fn hard_limit_loop(l: &mut GradientLimiter, c: usize, rounds: usize) -> Vec<(usize, usize)> {
+        let mut trace = Vec::new();
+        for _ in 0..rounds {
+            let limit = l.limit();
+            let epoch = l.epoch();
+            let mut refused = 0;
+            for k in 1..=limit {
+                if k > c {
+                    refused += 1;
+                    l.on_overload(k, epoch);
+                } else {
+                    l.on_success(L, limit.min(c));
+                }
+            }
+            trace.push((l.limit(), refused));
+        }
+        trace
+    }
+
+    #[test]
+    fn against_a_hard_limit_it_settles_at_the_limit() {
+        let mut l = limiter(1, 128);
+        let trace = hard_limit_loop(&mut l, 64, 400);
+        let tail = &trace[100..];
+        // At 64 or probing one above, but for the one-window floor probes at 0.9 × 64.
+        assert!(
+            tail.iter().all(|&(x, _)| (57..=65).contains(&x)),
+            "{tail:?}"
+        );
+        let probes = tail.iter().filter(|t| t.0 < 64).count();
+        assert!(probes * 20 <= tail.len(), "{probes} probes in {tail:?}");
+        let refused: usize = tail.iter().map(|t| t.1).sum();
+        assert!(refused * 100 < tail.len() * 64, "{refused} refusals");
+    }
+
+    proptest! {
+        #[test]
+        fn the_limit_stays_within_min_and_max(
+            min in 1usize..10,
+            extra in 0usize..100,
+            events in prop::collection::vec((any::<bool>(), 1u64..100, 0usize..200, 0u64..3), 0..400),
+        ) {
+            let max = min + extra;
+            let mut l = GradientLimiter::new(GradientConfig {
+                min,
+                max,
+                initial: min,
+                ..GradientConfig::default()
+            })
+            .unwrap();
+            for (overloaded, ms, in_flight, back) in events {
+                let epoch = l.epoch().saturating_sub(back);
+                let fresh = epoch == l.epoch();
+                let before = l.limit();
+                let change = l.on_result(Sample {
+                    latency: Duration::from_millis(ms),
+                    overloaded,
+                    in_flight,
+                    epoch,
+                });
+                prop_assert!((min..=max).contains(&l.limit()));
+                if let Some(c) = change {
+                    prop_assert_eq!(c.new_limit(), l.limit());
+                }
+                if overloaded {
+                    prop_assert!(l.limit() <= before, "an overload never raises");
+                    if fresh && before > min {
+                        prop_assert!(l.limit() < before, "a fresh overload always cuts");
+                        prop_assert!(l.limit() <= in_flight.saturating_sub(1).max(min));
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn steady_floor_latency_never_lowers_the_limit(
+            max in 1usize..200,
+            cut in 1usize..200,
+            ms in 1u64..100,
+            rounds in 1usize..50,
+        ) {
+            let mut l = GradientLimiter::new(GradientConfig {
+                max,
+                initial: max,
+                probe_windows: 1000,
+                ..GradientConfig::default()
+            })
+            .unwrap();
+            l.on_overload(cut, 0);
+            let mut last = l.limit();
+            for _ in 0..rounds {
+                window(&mut l, Duration::from_millis(ms));
+                prop_assert!(l.limit() >= last);
+                last = l.limit();
+            }
+        }
+
+        #[test]
+        fn a_queueing_gateway_is_filled_but_not_queued_in(c in 4usize..200) {
+            // Latency L × max(1, in_flight / c), never a refusal; starting low, the limit
+            // ends between c and c × tolerance (plus one step of growth).
+            let mut l = GradientLimiter::new(GradientConfig {
+                max: 8 * c,
+                ..GradientConfig::default()
+            })
+            .unwrap();
+            let queued = |k: usize| L.mul_f64((k as f64 / c as f64).max(1.0));
+            for _ in 0..300 {
+                let k = l.limit();
+                window(&mut l, queued(k));
+            }
+            let mut seen = Vec::new();
+            for _ in 0..100 {
+                let k = l.limit();
+                window(&mut l, queued(k));
+                seen.push(l.limit());
+            }
+            let hi = (c as f64 * 1.3).ceil() as usize + (c / 4).max(1) + 1;
+            let probe_low = (c as f64 * 0.9) as usize - 1;
+            prop_assert!(seen.iter().all(|&x| x >= probe_low && x <= hi), "c {}: {:?}", c, seen);
+            let below = seen.iter().filter(|&&x| x < c).count();
+            prop_assert!(below * 10 <= seen.len(), "c {}: {:?}", c, seen);
+        }
+
+        #[test]
+        fn against_a_hard_limit_refusals_stay_rare(c in 4usize..200) {
+            let mut l = limiter(1, 4 * c);
+            let trace = hard_limit_loop(&mut l, c, 400);
+            let tail = &trace[200..];
+            let probe_low = (c as f64 * 0.9) as usize - 1;
+            prop_assert!(tail.iter().all(|&(x, _)| x >= probe_low && x <= c + 1), "c {}: {:?}", c, tail);
+            let below = tail.iter().filter(|t| t.0 < c).count();
+            prop_assert!(below * 10 <= tail.len(), "c {}: {:?}", c, tail);
+            let refused: usize = tail.iter().map(|t| t.1).sum();
+            prop_assert!(refused * 3 <= tail.len(), "c {}: {} refusals in {} rounds", c, refused, tail.len());
+        }
+    }
+}

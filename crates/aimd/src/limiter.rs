@@ -1,0 +1,166 @@
+//! The limiter interface both algorithms implement, and the choice between them.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::{AimdConfig, AimdController, AimdError, Change, GradientConfig, GradientLimiter};
+
+/// What one answer tells a limiter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    /// How long the answer took, send to last byte.
+    pub latency: Duration,
+    /// The gateway pushed back (429 or 5xx).
+    pub overloaded: bool,
+    /// Requests of this endpoint in flight when this one was sent, itself included.
+    pub in_flight: usize,
+    /// The limiter's [`Limiter::epoch`] when the request was sent.
+    pub epoch: u64,
+}
+
+/// A concurrency limit moved by the answers of the requests it admits.
+///
+/// The caller notes [`epoch`](Limiter::epoch) when it sends a request and hands it back in the
+/// [`Sample`]: an overload met by a request sent before the last cut belongs to that cut.
+pub trait Limiter: fmt::Debug + Send {
+    /// The limit in force.
+    fn limit(&self) -> usize;
+    /// How many overload cuts have been applied.
+    fn epoch(&self) -> u64;
+    /// Feeds one answer; returns the move of the limit it caused, if any.
+    fn on_result(&mut self, sample: Sample) -> Option<Change>;
+    /// Which algorithm this is.
+    fn algorithm(&self) -> Algorithm;
+}
+
+impl Limiter for AimdController {
+    fn limit(&self) -> usize {
+        AimdController::limit(self)
+    }
+
+    fn epoch(&self) -> u64 {
+        AimdController::epoch(self)
+    }
+
+    /// The reference rules: latency and the in-flight count are not used.
+    fn on_result(&mut self, sample: Sample) -> Option<Change> {
+        if sample.overloaded {
+            self.on_overload_since(sample.epoch)
+        } else {
+            self.on_success()
+        }
+    }
+
+    fn algorithm(&self) -> Algorithm {
+        Algorithm::Aimd
+    }
+}
+
+/// The limiter algorithms (`concurrency.aimd.algorithm`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// The reference processor's AIMD ([`AimdController`]), fed once per dispatch.
+    #[default]
+    Aimd,
+    /// [`GradientLimiter`]: latency floor and in-flight count, fed once per attempt.
+    Gradient,
+}
+
+impl Algorithm {
+    /// Every algorithm, in the order the docs list them.
+    pub const ALL: [Algorithm; 2] = [Algorithm::Aimd, Algorithm::Gradient];
+
+    /// The name used in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Aimd => "aimd",
+            Algorithm::Gradient => "gradient",
+        }
+    }
+
+    /// A limiter of this algorithm for `config`. The reference starts at `max`; the gradient
+    /// limiter starts at `min` and slow-starts, and ignores `backoff_factor`
+    /// (`additive_increase` is its first step).
+    pub fn build(self, config: AimdConfig) -> Result<Box<dyn Limiter>, AimdError> {
+        Ok(match self {
+            Algorithm::Aimd => Box::new(AimdController::new(config)?),
+            Algorithm::Gradient => Box::new(GradientLimiter::new(GradientConfig {
+                min: config.min,
+                max: config.max,
+                initial: config.min,
+                initial_step: config.additive_increase,
+                ..GradientConfig::default()
+            })?),
+        })
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = AimdError;
+
+    fn from_str(s: &str) -> Result<Self, AimdError> {
+        Algorithm::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| AimdError::UnknownAlgorithm(s.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_refused() {
+        for a in Algorithm::ALL {
+            assert_eq!(a.name().parse::<Algorithm>().unwrap(), a);
+        }
+        let err = "vegas".parse::<Algorithm>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown limiter algorithm \"vegas\" (aimd, gradient)"
+        );
+    }
+
+    #[test]
+    fn the_reference_behind_the_trait_keeps_its_rules() {
+        let mut l = Algorithm::Aimd.build(AimdConfig::default()).unwrap();
+        assert_eq!(l.algorithm(), Algorithm::Aimd);
+        let sample = |overloaded, epoch| Sample {
+            latency: Duration::from_millis(1),
+            overloaded,
+            in_flight: 10,
+            epoch,
+        };
+        assert_eq!(
+            l.on_result(sample(true, 0)),
+            Some(Change::Decreased { from: 10, to: 5 })
+        );
+        assert_eq!(l.on_result(sample(true, 0)), None, "same episode");
+        for _ in 0..4 {
+            assert_eq!(l.on_result(sample(false, 1)), None);
+        }
+        assert_eq!(
+            l.on_result(sample(false, 1)),
+            Some(Change::Increased { from: 5, to: 6 })
+        );
+    }
+
+    #[test]
+    fn the_gradient_limiter_starts_at_min() {
+        let l = Algorithm::Gradient.build(AimdConfig::default()).unwrap();
+        assert_eq!((l.algorithm(), l.limit()), (Algorithm::Gradient, 5));
+        let bad = AimdConfig {
+            min: 0,
+            ..AimdConfig::default()
+        };
+        assert!(Algorithm::Gradient.build(bad).is_err());
+    }
+}
