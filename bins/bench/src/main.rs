@@ -13,7 +13,9 @@ use clap::Parser;
 /// Starts its own redis-server on a free loopback port (needs redis-server and
 /// redis-benchmark installed), runs every scenario several times and writes benchmarks.md,
 /// rates.svg, rss.svg and the limit plots (aimd-limit.svg, aimd-limit-changing.svg,
-/// aimd-limit-queueing.svg) into --out. Exit status 0 when every scenario ran
+/// aimd-limit-queueing.svg) into --out. Enqueue and drain run a second time on a Redis Cluster
+/// of 3 primaries (needs redis-cli too), their rows labelled "(cluster, 3 primaries)" beside the
+/// single-server ones. Exit status 0 when every scenario ran
 /// (targets missed are reported, not errors), 1 when one failed.
 #[derive(Debug, Parser)]
 #[command(name = "bench", version)]
@@ -28,9 +30,13 @@ struct Args {
     /// The processor binary for the memory scenario [default: next to this binary].
     #[arg(long)]
     processor: Option<PathBuf>,
-    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory); repeatable.
+    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory); repeatable. Enqueue
+    /// and drain include their cluster rows.
     #[arg(long = "only", value_parser = parse_scenario)]
     only: Vec<Scenario>,
+    /// Skip the cluster runs of enqueue and drain.
+    #[arg(long)]
+    no_cluster: bool,
 }
 
 fn parse_scenario(s: &str) -> Result<Scenario, String> {
@@ -62,6 +68,9 @@ fn main() -> anyhow::Result<ExitCode> {
         Settings::full(processor)
     };
     settings.rss_helper = Some(me);
+    if args.no_cluster {
+        settings.cluster_primaries = 0;
+    }
     if !args.only.is_empty() {
         settings.scenarios = args.only;
     }

@@ -1,5 +1,5 @@
-//! The CI smoke test of the bench: `bench --quick` runs every scenario and writes a report
-//! with each scenario's rows and the three plots.
+//! The CI smoke test of the bench: `bench --quick` runs every scenario (enqueue and drain on a
+//! Redis Cluster too) and writes a report with each scenario's rows and the three plots.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -52,6 +52,14 @@ fn quick_run_reports_every_scenario() {
         "| Cancel | cancel with",
         "| Drain | consumer + sink:",
         "| Drain | redis-benchmark RPOP, -P 32 |",
+        "| Enqueue (cluster, 3 primaries) | executor: validate + plan + ZADD",
+        "| Enqueue (cluster, 3 primaries) | executor: enqueue (read, build and ZADD",
+        "| Enqueue (cluster, 3 primaries) | redis-benchmark ZADD, -P 32 |",
+        "| Enqueue (cluster, 3 primaries) | redis-benchmark --cluster ZADD, -P 32,",
+        "| Cancel (cluster, 3 primaries) | cancel with",
+        "| Drain (cluster, 3 primaries) | consumer + sink:",
+        "| Drain (cluster, 3 primaries) | redis-benchmark RPOP, -P 32 |",
+        "| Drain (cluster, 3 primaries) | redis-benchmark --cluster RPOP, -P 32,",
         "| End to end async | 2,000 lines through the simulator",
         "| End to end async | drain: first → last result written |",
         "| Prefix cache | plan-ordered scores (this processor): hit rate |",
@@ -72,6 +80,10 @@ fn quick_run_reports_every_scenario() {
         assert!(md.contains(row), "no row {row:?} in\n{md}");
     }
     assert!(!md.contains("**Failed**"), "{md}");
+    assert!(
+        !md.contains("| Enqueue (cluster, 3 primaries) | baseline"),
+        "no MULTI baseline on a cluster: {md}"
+    );
     // Every figure was measured: no empty medians.
     for line in md
         .lines()

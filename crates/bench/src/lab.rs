@@ -1,10 +1,11 @@
-//! The bench's own Redis, scratch directory and processor configs.
+//! The bench's own Redis (one server, or a Redis Cluster), scratch directory and processor
+//! configs.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use batch_config::ProcessorConfig;
-use batch_testkit::{RedisServer, TempDir};
+use batch_testkit::{RedisCluster, RedisServer, TempDir};
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, SortedSetsInterface};
 use fred::types::CustomCommand;
@@ -12,12 +13,36 @@ use fred::types::CustomCommand;
 use crate::inputs::{MODEL, POOL};
 use crate::BenchError;
 
-/// A Redis server on a free loopback port and a scratch directory, both removed when dropped.
+/// A Redis server (or a Redis Cluster) on free loopback ports and a scratch directory, all
+/// removed when dropped.
 pub struct Lab {
-    redis: RedisServer,
+    redis: Servers,
     dir: TempDir,
     redis_url_file: PathBuf,
     client: Client,
+    /// One plain client per primary of a cluster, for what goes to every node (FLUSHALL).
+    primaries: Vec<Client>,
+}
+
+/// What the lab's Redis is.
+enum Servers {
+    Single(RedisServer),
+    Cluster(RedisCluster),
+}
+
+/// Turns a test kit panic (a server that did not start) into an error.
+fn started<T>(
+    what: &str,
+    start: impl FnOnce() -> T + std::panic::UnwindSafe,
+) -> Result<T, BenchError> {
+    std::panic::catch_unwind(start).map_err(|panic| {
+        let why = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        BenchError::Check(format!("{what} did not start: {why}"))
+    })
 }
 
 /// Checks that `program --version` runs.
@@ -33,40 +58,102 @@ impl Lab {
     pub async fn start() -> Result<Self, BenchError> {
         require("redis-server")?;
         require("redis-benchmark")?;
-        // The test kit panics when the server cannot start; turn that into an error.
-        let redis = std::panic::catch_unwind(RedisServer::start).map_err(|panic| {
-            let why = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            BenchError::Check(format!("redis-server did not start: {why}"))
-        })?;
+        let redis = started("redis-server", RedisServer::start)?;
+        Self::around(Servers::Single(redis)).await
+    }
+
+    /// Starts a Redis Cluster of `primaries` primaries without replicas (after checking that
+    /// `redis-server`, `redis-cli` and `redis-benchmark` are installed).
+    pub async fn start_cluster(primaries: usize) -> Result<Self, BenchError> {
+        require("redis-server")?;
+        require("redis-cli")?;
+        require("redis-benchmark")?;
+        let cluster = started("the Redis Cluster", move || RedisCluster::start(primaries))?;
+        Self::around(Servers::Cluster(cluster)).await
+    }
+
+    async fn around(redis: Servers) -> Result<Self, BenchError> {
         let dir = batch_testkit::tempdir()
             .map_err(|e| BenchError::io(Path::new("a temporary directory"), e))?;
-        let redis_url_file = redis.write_url_file(dir.path());
-        let client = connect(&redis.url()).await?;
+        let redis_url_file = dir.path().join("redis-url");
+        let url = redis.url();
+        std::fs::write(&redis_url_file, format!("{url}\n"))
+            .map_err(|e| BenchError::io(&redis_url_file, e))?;
+        let client = connect(&url).await?;
+        let mut primaries = Vec::new();
+        if let Servers::Cluster(cluster) = &redis {
+            for node in cluster.nodes() {
+                primaries.push(connect(&node.url()).await?);
+            }
+        }
         Ok(Self {
             redis,
             dir,
             redis_url_file,
             client,
+            primaries,
         })
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>`, or `redis-cluster://127.0.0.1:<port>?node=…`.
     pub fn redis_url(&self) -> String {
         self.redis.url()
     }
 
-    /// The Redis port.
+    /// The Redis port (of a cluster's first node).
     pub fn redis_port(&self) -> u16 {
-        self.redis.port()
+        match &self.redis {
+            Servers::Single(server) => server.port(),
+            Servers::Cluster(cluster) => cluster.nodes()[0].port(),
+        }
+    }
+
+    /// The number of primaries when the lab runs a Redis Cluster.
+    pub fn cluster_primaries(&self) -> Option<usize> {
+        match &self.redis {
+            Servers::Single(_) => None,
+            Servers::Cluster(cluster) => Some(cluster.nodes().len()),
+        }
+    }
+
+    /// `name` for a report row: as it is on one server, with ` (cluster, N primaries)` on a
+    /// cluster.
+    pub fn scenario(&self, name: &str) -> String {
+        match self.cluster_primaries() {
+            None => name.to_owned(),
+            Some(n) => format!("{name} (cluster, {n} primaries)"),
+        }
+    }
+
+    /// The port of the server that holds `key`: on a cluster, the primary owning its slot (as
+    /// a node's MOVED redirection names it), so `redis-benchmark` without `--cluster` measures
+    /// that one key there.
+    pub fn port_of(&self, key: &str) -> Result<u16, BenchError> {
+        let port = self.redis_port();
+        if self.cluster_primaries().is_none() {
+            return Ok(port);
+        }
+        let reply = batch_testkit::command_on(port, &["TYPE", key]).join("\n");
+        match reply.strip_prefix("-MOVED ") {
+            None => Ok(port),
+            Some(moved) => moved
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.trim().parse().ok())
+                .ok_or_else(|| {
+                    BenchError::Check(format!(
+                        "node 127.0.0.1:{port} redirected {key} to {moved:?}"
+                    ))
+                }),
+        }
     }
 
     /// Closes the client; the server and the directory go when the lab is dropped.
     pub async fn stop(self) {
         let _ = self.client.quit().await;
+        for primary in &self.primaries {
+            let _ = primary.quit().await;
+        }
     }
 
     /// A client of the lab's Redis.
@@ -74,10 +161,17 @@ impl Lab {
         &self.client
     }
 
-    /// Empties Redis between runs.
+    /// Empties Redis between runs (on a cluster, FLUSHALL on every primary).
     pub async fn flush_redis(&self) -> Result<(), BenchError> {
-        let cmd = CustomCommand::new_static("FLUSHALL", None, false);
-        let _: String = self.client.custom(cmd, Vec::<String>::new()).await?;
+        let clients = if self.primaries.is_empty() {
+            std::slice::from_ref(&self.client)
+        } else {
+            &self.primaries[..]
+        };
+        for client in clients {
+            let cmd = CustomCommand::new_static("FLUSHALL", None, false);
+            let _: String = client.custom(cmd, Vec::<String>::new()).await?;
+        }
         Ok(())
     }
 
@@ -143,6 +237,15 @@ impl Lab {
         let path = self.path(name);
         std::fs::write(&path, yaml).map_err(|e| BenchError::io(&path, e))?;
         Ok(path)
+    }
+}
+
+impl Servers {
+    fn url(&self) -> String {
+        match self {
+            Servers::Single(server) => server.url(),
+            Servers::Cluster(cluster) => cluster.url(),
+        }
     }
 }
 

@@ -19,6 +19,9 @@
 //!    queueing gateway): throughput as a share of what the gateway can serve, and 429s;
 //! 7. **Memory**: peak RSS of the `processor` binary by job size, in both modes.
 //!
+//! Enqueue and drain run a second time on a Redis Cluster of 3 primaries
+//! ([`Settings::cluster_primaries`]), with the cluster's limits measured the same way.
+//!
 //! [`run`] returns a [`Report`]; [`Report::write`] writes `benchmarks.md` and the plots.
 //!
 //! ```no_run
@@ -162,6 +165,8 @@ pub struct Settings {
     pub long_runs: usize,
     /// Requests of each `redis-benchmark` run.
     pub redis_benchmark_requests: usize,
+    /// Primaries of the Redis Cluster that enqueue and drain run on a second time; none when 0.
+    pub cluster_primaries: usize,
 }
 
 impl Settings {
@@ -186,6 +191,7 @@ impl Settings {
             short_runs: 5,
             long_runs: 3,
             redis_benchmark_requests: 50_000,
+            cluster_primaries: 3,
         }
     }
 
@@ -221,6 +227,7 @@ pub async fn run(
         lab.redis_port(),
         lab.path("").display()
     ));
+    let mut cluster = scenarios::cluster::ClusterRuns::default();
     for &scenario in &settings.scenarios {
         progress(&format!("== {}", scenario.name()));
         let began = Instant::now();
@@ -236,7 +243,21 @@ pub async fn run(
             began.elapsed().as_secs_f64()
         ));
         let _ = lab.flush_redis().await;
+        if settings.cluster_primaries > 0 && scenarios::cluster::covers(scenario) {
+            let name = format!("{} (cluster)", scenario.name());
+            progress(&format!("== {name}"));
+            let began = Instant::now();
+            if let Err(e) = cluster.run(scenario, settings, &mut report, progress).await {
+                progress(&format!("{name} failed: {e}"));
+                report.failures.push((name.clone(), e.to_string()));
+            }
+            progress(&format!(
+                "   {name} took {:.1} s",
+                began.elapsed().as_secs_f64()
+            ));
+        }
     }
+    cluster.stop().await;
     lab.stop().await;
     report.elapsed = started.elapsed();
     Ok(report)

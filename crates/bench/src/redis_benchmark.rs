@@ -17,6 +17,9 @@ pub struct RedisBenchmark {
     pub clients: usize,
     /// Keyspace for `__rand_int__` (`-r`); none when 0.
     pub random_keyspace: u64,
+    /// Cluster mode (`--cluster`): clients spread over the primaries, and `{tag}` in a key
+    /// becomes a hash tag of a slot of the client's node.
+    pub cluster: bool,
 }
 
 impl RedisBenchmark {
@@ -28,6 +31,7 @@ impl RedisBenchmark {
             pipeline,
             clients: 50,
             random_keyspace: 100_000_000_000,
+            cluster: false,
         }
     }
 
@@ -40,6 +44,9 @@ impl RedisBenchmark {
             .args(["-P", &self.pipeline.to_string()]);
         if self.random_keyspace > 0 {
             cmd.args(["-r", &self.random_keyspace.to_string()]);
+        }
+        if self.cluster {
+            cmd.arg("--cluster");
         }
         cmd.arg("--csv")
             .args(command)

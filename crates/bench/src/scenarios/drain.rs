@@ -26,6 +26,7 @@ pub(crate) async fn run(
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(), BenchError> {
     let n = s.drain_results;
+    let drain = lab.scenario(DRAIN);
     // Tiny requests: only the results matter here.
     let input = lab.path("drain.jsonl");
     write_input(&input, n, 0)?;
@@ -69,15 +70,15 @@ pub(crate) async fn run(
     // The limit: RPOP of elements of the same size from a list filled by LPUSH.
     let element = elements.first().cloned().unwrap_or_default();
     drop(elements);
+    let port = lab.port_of("bench:list")?;
     let mut limits = Vec::new();
     for pipeline in [1, 32] {
         let mut runs = Vec::new();
         for _ in 0..s.long_runs {
             lab.flush_redis().await?;
-            let mut fill = RedisBenchmark::new(lab.redis_port(), s.redis_benchmark_requests, 32);
+            let mut fill = RedisBenchmark::new(port, s.redis_benchmark_requests, 32);
             fill.random_keyspace = 0;
-            let mut pop =
-                RedisBenchmark::new(lab.redis_port(), s.redis_benchmark_requests, pipeline);
+            let mut pop = RedisBenchmark::new(port, s.redis_benchmark_requests, pipeline);
             pop.random_keyspace = 0;
             let element = element.clone();
             runs.push(
@@ -99,7 +100,7 @@ pub(crate) async fn run(
 
     report.rows.push(
         Row::new(
-            DRAIN,
+            &drain,
             format!(
                 "consumer + sink: {} results of {element_bytes} B to files",
                 lines(n)
@@ -113,13 +114,16 @@ pub(crate) async fn run(
     for (pipeline, runs) in limits {
         report.rows.push(
             Row::new(
-                DRAIN,
+                &drain,
                 format!("redis-benchmark RPOP, -P {pipeline}"),
                 RATE,
                 runs,
             )
             .kind(Kind::Limit),
         );
+    }
+    if lab.cluster_primaries().is_some() {
+        return super::cluster::drain_limits(lab, s, report, &element).await;
     }
     report.note(DRAIN, format!(
         "{} results (a 200 carrying a ~{} B chat completion, {element_bytes} B per list element) wait in the job's result list before the job runs. The job was prepared once before, so this run resumes it: the executor's result consumer writes every waiting result before it would enqueue anything, and nothing is left to enqueue. The rate runs from the first batch seen written to the last (the whole run, consumer start and finalizing included, took {:.2} s, median).",

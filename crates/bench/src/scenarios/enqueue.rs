@@ -28,6 +28,9 @@ pub(crate) async fn run(
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(), BenchError> {
     let n = s.enqueue_lines;
+    // On a cluster the rows get their own scenario names, beside the single-server ones.
+    let (enqueue, cancel) = (lab.scenario(ENQUEUE), lab.scenario(CANCEL));
+    let cluster = lab.cluster_primaries().is_some();
     let input = lab.path("enqueue.jsonl");
     let bytes = write_input(&input, n, s.request_bytes)?;
     let config = load(&lab.async_config("enqueue.yaml", "enqueue", "")?)?;
@@ -115,8 +118,9 @@ pub(crate) async fn run(
         producer_rates.push(n as f64 / secs);
     }
 
+    // The baseline's MULTI spans keys of several slots, which a cluster refuses.
     let mut naive_rates = Vec::new();
-    for _ in 0..s.long_runs {
+    for _ in 0..if cluster { 0 } else { s.long_runs } {
         lab.flush_redis().await?;
         let t = Instant::now();
         naive_enqueue(lab, &messages, &queue, &members).await?;
@@ -131,12 +135,13 @@ pub(crate) async fn run(
     let prefix = "m:__rand_int__:";
     let pad = "x".repeat(member_bytes.saturating_sub(prefix.len() + 8));
     let member = format!("{prefix}{pad}");
+    let port = lab.port_of("bench:zadd")?;
     let mut limits = Vec::new();
     for pipeline in [1, 32] {
         let mut runs = Vec::new();
         for _ in 0..s.long_runs {
             lab.flush_redis().await?;
-            let bench = RedisBenchmark::new(lab.redis_port(), s.redis_benchmark_requests, pipeline);
+            let bench = RedisBenchmark::new(port, s.redis_benchmark_requests, pipeline);
             let member = member.clone();
             runs.push(blocking(move || bench.run(&["ZADD", "bench:zadd", "1", &member])).await?);
         }
@@ -154,7 +159,7 @@ pub(crate) async fn run(
     let rate = Summary::new(rates);
     report.rows.push(
         Row::new(
-            ENQUEUE,
+            &enqueue,
             format!(
                 "executor: validate + plan + ZADD, {} lines of {} B",
                 lines(n),
@@ -166,14 +171,14 @@ pub(crate) async fn run(
         .limit(&limit_name, best),
     );
     report.rows.push(Row::new(
-        ENQUEUE,
+        &enqueue,
         "of which validating and planning (Plan::build alone)",
         Unit::Seconds,
         plan.clone(),
     ));
     report.rows.push(
         Row::new(
-            ENQUEUE,
+            &enqueue,
             "executor: enqueue (read, build and ZADD every member, after validation)",
             RATE,
             Summary::new(after_prepare),
@@ -183,27 +188,29 @@ pub(crate) async fn run(
     );
     report.rows.push(
         Row::new(
-            ENQUEUE,
+            &enqueue,
             "Producer::enqueue of pre-built members",
             RATE,
             Summary::new(producer_rates),
         )
         .limit(&limit_name, best),
     );
-    report.rows.push(
-        Row::new(
-            ENQUEUE,
-            "baseline: one MULTI (DEL, SET, ZADD) per request",
-            RATE,
-            Summary::new(naive_rates),
-        )
-        .limit(&limit_name, best)
-        .kind(Kind::Baseline),
-    );
+    if !cluster {
+        report.rows.push(
+            Row::new(
+                &enqueue,
+                "baseline: one MULTI (DEL, SET, ZADD) per request",
+                RATE,
+                Summary::new(naive_rates),
+            )
+            .limit(&limit_name, best)
+            .kind(Kind::Baseline),
+        );
+    }
     for (pipeline, runs) in limits {
         report.rows.push(
             Row::new(
-                ENQUEUE,
+                &enqueue,
                 format!("redis-benchmark ZADD, -P {pipeline}"),
                 RATE,
                 runs,
@@ -212,7 +219,7 @@ pub(crate) async fn run(
         );
     }
     report.rows.push(Row::new(
-        CANCEL,
+        &cancel,
         format!(
             "cancel with {} members pending: until none is left",
             lines(n)
@@ -220,6 +227,9 @@ pub(crate) async fn run(
         Unit::Seconds,
         Summary::new(cancel_secs),
     ));
+    if cluster {
+        return super::cluster::enqueue_limits(lab, s, report, &member, member_bytes).await;
+    }
     report.note(ENQUEUE, format!(
         "The executor figure runs from `Executor::prepare` (validation and planning included) until the job's `dispatched` counter reaches its {} lines, through the real async path, with no dispatcher taking members (a closed gate). Planning alone took {:.0} ms of the {:.0} ms (median). The target applies to the enqueue itself, the row that leaves out `Executor::prepare` (validation, planning, opening the result files: ingestion, which must finish before anything is sent), measured in the same runs; the whole figure is shown above it.",
         lines(n), plan.median() * 1000.0, Summary::new(to_queue).median() * 1000.0

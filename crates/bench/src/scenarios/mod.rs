@@ -1,6 +1,7 @@
 //! The scenarios, and what they share.
 
 mod aimd;
+pub(crate) mod cluster;
 mod drain;
 mod e2e;
 mod enqueue;
@@ -22,9 +23,11 @@ use crate::{BenchError, Settings};
 /// A group of figures measured together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scenario {
-    /// Enqueue a job (and cancel it: the cancel figure comes from the same runs).
+    /// Enqueue a job (and cancel it: the cancel figure comes from the same runs); also on a
+    /// Redis Cluster unless [`Settings::cluster_primaries`] is 0.
     Enqueue,
-    /// Write results already waiting in the result list.
+    /// Write results already waiting in the result list; also on a Redis Cluster unless
+    /// [`Settings::cluster_primaries`] is 0.
     Drain,
     /// A job through the dispatcher simulator.
     EndToEnd,
