@@ -13,6 +13,10 @@ use dispatcher_sim::{FailureKind, FailureRule, Gateway, GatewayConfig};
 use support::*;
 use tokio_util::sync::CancellationToken;
 
+/// The two tests that read a limiter's limit off a gateway of known capacity run one at a time:
+/// side by side they share two cores, and the latency each limiter sees is the other's load.
+static TIMING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const FAST_RETRIES: &str =
     "    max_retries: 30\n    initial_backoff: 5ms\n    max_backoff: 50ms\n    request_timeout: 10s\n";
 
@@ -47,6 +51,7 @@ async fn sampling_limits<T>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reference_aimd_settles_near_the_gateways_capacity() {
+    let _alone = TIMING.lock().await;
     let env = Env::start(GatewayConfig {
         latency_fixed: Duration::from_millis(10),
         capacity: Some(32),
@@ -100,6 +105,7 @@ async fn reference_aimd_settles_near_the_gateways_capacity() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gradient_limiter_fills_a_hard_limit_with_few_429s() {
+    let _alone = TIMING.lock().await;
     const CAPACITY: usize = 32;
     // Long enough that a debug build's own work per request is small beside it.
     const LATENCY: Duration = Duration::from_millis(40);
