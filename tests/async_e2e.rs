@@ -16,12 +16,6 @@ fn spec(env: &Env, input: &str, out: &str) -> JobSpec {
     JobSpec::new(env.path(input), env.path(out))
 }
 
-fn closed_gate(config: &mut dispatcher_sim::DispatcherConfig) {
-    for q in &mut config.queues {
-        q.gate_type = Some("redis".into());
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_lines_over_two_pools_complete_and_answer_their_own_lines() {
     let env = Env::start(GatewayConfig::default()).await;

@@ -18,20 +18,6 @@ use tokio_util::sync::CancellationToken;
 
 const QUEUE: &str = "llm-d-async:requests:pool-a";
 
-fn run_cmd(config: &Path, input: &Path, out: &Path) -> Command {
-    let mut cmd = Command::new(PROCESSOR);
-    cmd.arg("run")
-        .arg("--config")
-        .arg(config)
-        .arg("--input")
-        .arg(input)
-        .arg("--output-dir")
-        .arg(out)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    cmd
-}
-
 fn signal(child: &std::process::Child, sig: i32) {
     // SAFETY: a signal to our own child process.
     unsafe { libc::kill(child.id() as i32, sig) };
@@ -63,12 +49,6 @@ fn stderr_of(child: &mut std::process::Child) -> String {
         let _ = e.read_to_string(&mut text);
     }
     text
-}
-
-fn closed_gate(config: &mut dispatcher_sim::DispatcherConfig) {
-    for q in &mut config.queues {
-        q.gate_type = Some("redis".into());
-    }
 }
 
 /// N processes with the default config (no consumer_id) on one pool, 2,000 lines each: every

@@ -4,8 +4,8 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+use std::process::Stdio;
 use std::time::Duration;
 
 use batch_executor::{Executor, JobSpec};
@@ -80,26 +80,6 @@ impl Rig {
             ..ConnectOptions::default()
         };
         batch_redis::connect(&self.url, &options).await.unwrap()
-    }
-}
-
-fn run_cmd(config: &Path, input: &Path, out: &Path) -> Command {
-    let mut cmd = Command::new(PROCESSOR);
-    cmd.arg("run")
-        .arg("--config")
-        .arg(config)
-        .arg("--input")
-        .arg(input)
-        .arg("--output-dir")
-        .arg(out)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    cmd
-}
-
-fn closed_gate(config: &mut DispatcherConfig) {
-    for q in &mut config.queues {
-        q.gate_type = Some("redis".into());
     }
 }
 

@@ -280,3 +280,26 @@ impl Drop for Child {
         let _ = self.0.wait();
     }
 }
+
+/// `processor run --config C --input I --output-dir O`, logging at INFO, no stdin.
+pub fn run_cmd(config: &Path, input: &Path, out: &Path) -> std::process::Command {
+    let mut cmd = std::process::Command::new(PROCESSOR);
+    cmd.arg("run")
+        .arg("--config")
+        .arg(config)
+        .arg("--input")
+        .arg(input)
+        .arg("--output-dir")
+        .arg(out)
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null());
+    cmd
+}
+
+/// Every queue of the simulated dispatcher behind a `redis` gate whose budget key is unset (0):
+/// nothing is taken until a test sets it.
+pub fn closed_gate(config: &mut DispatcherConfig) {
+    for q in &mut config.queues {
+        q.gate_type = Some("redis".into());
+    }
+}
