@@ -40,7 +40,7 @@ impl Holder {
             host: host_name(),
             pid: std::process::id(),
             space: process_space(),
-            instance: format!("{:016x}", rand_u64()),
+            instance: format!("{:016x}", rand::random::<u64>()),
         })
     }
 
@@ -107,18 +107,6 @@ fn process_space() -> String {
     }
     let ns: String = pidns.chars().filter(char::is_ascii_digit).collect();
     format!("{boot}/{ns}")
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
 }
 
 // KEYS[1] = lease; ARGV[1] = me, ARGV[2] = ttl ms, ARGV[3] = a holder known dead ('' if none).

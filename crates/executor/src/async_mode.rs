@@ -679,7 +679,7 @@ impl AsyncMode {
                 q.messages.request_queue.as_str(),
                 self.config.async_dispatch.retry_queue_name.as_str(),
             ] {
-                let leftovers: Vec<PendingMember> = producer
+                let leftovers: Vec<String> = producer
                     .scan_members(set, &pattern)
                     .await?
                     .into_iter()
@@ -688,11 +688,6 @@ impl AsyncMode {
                             batch_wire::parse_request_id(&e.data.id)
                                 .is_some_and(|(j, _)| j == job.id)
                         })
-                    })
-                    .map(|member| PendingMember {
-                        member,
-                        id: String::new(),
-                        token: String::new(),
                     })
                     .collect();
                 if !leftovers.is_empty() {

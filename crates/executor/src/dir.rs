@@ -7,6 +7,7 @@ use std::io::{Read, Seek, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use batch_consumer::Holder;
 use serde::{Deserialize, Serialize};
 
 use crate::ExecError;
@@ -46,7 +47,11 @@ impl DirLock {
                 holder: holder.trim().to_owned(),
             });
         }
-        let me = format!("pid {} on {}", std::process::id(), host_name());
+        let me = format!(
+            "pid {} on {}",
+            std::process::id(),
+            Holder::this_process().host
+        );
         let write = (|| {
             file.set_len(0)?;
             file.rewind()?;
@@ -55,12 +60,6 @@ impl DirLock {
         write.map_err(|e| ExecError::io(&path, e))?;
         Ok(Self { _file: file })
     }
-}
-
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "this host".into())
 }
 
 /// What a job directory remembers besides its Batch object.

@@ -238,17 +238,12 @@ impl Producer {
 
     /// Removes exactly these members of `key` (ZREM), whatever they are; returns how many were
     /// there.
-    pub async fn remove_exact(
-        &self,
-        key: &str,
-        members: &[PendingMember],
-    ) -> Result<u64, ProducerError> {
+    pub async fn remove_exact(&self, key: &str, members: &[String]) -> Result<u64, ProducerError> {
         let mut removed = 0;
         for chunk in members.chunks(self.options.chunk.max(1)) {
-            let bytes: Vec<&str> = chunk.iter().map(|m| m.member.as_str()).collect();
             removed += self
                 .retry("ZREM", key, || {
-                    self.client.zrem::<u64, _, _>(key, bytes.clone())
+                    self.client.zrem::<u64, _, _>(key, chunk.to_vec())
                 })
                 .await?;
         }
