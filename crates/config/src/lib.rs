@@ -65,7 +65,7 @@ pub use load::{ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
     LimiterAlgorithm, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig,
-    Secret, TlsConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
+    Secret, ServeConfig, ApiKey, TlsConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 
