@@ -192,22 +192,22 @@ fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_REDIS_URL_FILE));
     let mut parsed_url = None;
     let need_redis = dispatch_mode == DispatchMode::Async || needs == Needs::Service;
-    let redis_url =
-        match need_redis {
-            true => read_secret(c, &root, "redis_url_file", &redis_url_file)
-                .and_then(|url| match check_redis_url(url.expose()) {
-                    Ok(parsed) => {
-                        parsed_url = Some(parsed);
-                        Some(url)
-                    }
-                    Err(problem) => {
-                        let problem = format!("{} {problem}", redis_url_file.display());
-                        c.at(&root, "redis_url_file", problem);
-                        None
-                    }
-                }),
-            false => None,
-        };
+    let redis_url = match need_redis {
+        true => read_secret(c, &root, "redis_url_file", &redis_url_file).and_then(|url| {
+            match check_redis_url(url.expose()) {
+                Ok(parsed) => {
+                    parsed_url = Some(parsed);
+                    Some(url)
+                }
+                Err(problem) => {
+                    let problem = format!("{} {problem}", redis_url_file.display());
+                    c.at(&root, "redis_url_file", problem);
+                    None
+                }
+            }
+        }),
+        false => None,
+    };
     let redis_tls = redis_tls(c, &root, parsed_url.as_ref());
     let work_dir = c
         .path(&root, "work_dir")

@@ -340,10 +340,7 @@ impl Store {
     /// Replaces a batch's record (by its runner).
     pub async fn save_batch(&self, batch: &StoredBatch) -> Result<(), StoreError> {
         let b = &batch.batch.batch;
-        let keys = vec![
-            self.key(&["batch", &b.id]),
-            self.key(&["status_counts"]),
-        ];
+        let keys = vec![self.key(&["batch", &b.id]), self.key(&["status_counts"])];
         let json = serde_json::to_string(batch).expect("a batch record serializes");
         let _: i64 = self
             .scripts
@@ -410,7 +407,11 @@ impl Store {
         let n: i64 = self
             .scripts
             .cancel
-            .evalsha_with_reload(&self.client, keys, vec![id.to_owned(), now_unix().to_string()])
+            .evalsha_with_reload(
+                &self.client,
+                keys,
+                vec![id.to_owned(), now_unix().to_string()],
+            )
             .await?;
         Ok(match n {
             0 => CancelRequest::Already,
@@ -447,11 +448,9 @@ impl Store {
 
     /// The jobs `replica` was running (to resume after a restart).
     pub async fn running_on(&self, replica: &str) -> Result<Vec<String>, StoreError> {
-        let all: BTreeMap<String, String> = fred::interfaces::HashesInterface::hgetall(
-            &self.client,
-            self.key(&["running"]),
-        )
-        .await?;
+        let all: BTreeMap<String, String> =
+            fred::interfaces::HashesInterface::hgetall(&self.client, self.key(&["running"]))
+                .await?;
         Ok(all
             .into_iter()
             .filter(|(_, r)| r == replica)
@@ -477,11 +476,9 @@ impl Store {
 
     /// Batches by status, over every tenant.
     pub async fn status_counts(&self) -> Result<BTreeMap<String, i64>, StoreError> {
-        let counts: BTreeMap<String, i64> = fred::interfaces::HashesInterface::hgetall(
-            &self.client,
-            self.key(&["status_counts"]),
-        )
-        .await?;
+        let counts: BTreeMap<String, i64> =
+            fred::interfaces::HashesInterface::hgetall(&self.client, self.key(&["status_counts"]))
+                .await?;
         Ok(counts)
     }
 

@@ -49,7 +49,9 @@ async fn listings_page_by_id_per_tenant_and_purpose() {
         let purpose = if i % 5 == 0 { "batch_output" } else { "batch" };
         s.put_file(&file("a", id, purpose, None)).await.unwrap();
     }
-    s.put_file(&file("b", "file-999", "batch", None)).await.unwrap();
+    s.put_file(&file("b", "file-999", "batch", None))
+        .await
+        .unwrap();
 
     let mut seen = Vec::new();
     let mut after: Option<String> = None;
@@ -81,7 +83,10 @@ async fn listings_page_by_id_per_tenant_and_purpose() {
     assert!(s.delete_file(&gone).await.unwrap());
     assert!(!s.delete_file(&gone).await.unwrap());
     assert!(s.file("file-003").await.unwrap().is_none());
-    let all = s.list_files("a", None, None, 100, Order::Asc).await.unwrap();
+    let all = s
+        .list_files("a", None, None, 100, Order::Asc)
+        .await
+        .unwrap();
     assert_eq!(all.data.len(), 24);
 }
 
@@ -95,7 +100,9 @@ async fn expired_files_are_found_by_time() {
     s.put_file(&file("a", "file-2", "batch", Some(200)))
         .await
         .unwrap();
-    s.put_file(&file("a", "file-3", "batch", None)).await.unwrap();
+    s.put_file(&file("a", "file-3", "batch", None))
+        .await
+        .unwrap();
     assert_eq!(s.expired_files(150, 10).await.unwrap(), ["file-1"]);
     assert_eq!(
         s.expired_files(250, 10).await.unwrap(),
@@ -110,8 +117,12 @@ async fn expired_files_are_found_by_time() {
 async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     let redis = RedisServer::start();
     let s = store(&redis).await;
-    s.create_batch(&batch("a", "batch_late", 300)).await.unwrap();
-    s.create_batch(&batch("b", "batch_soon", 100)).await.unwrap();
+    s.create_batch(&batch("a", "batch_late", 300))
+        .await
+        .unwrap();
+    s.create_batch(&batch("b", "batch_soon", 100))
+        .await
+        .unwrap();
     s.create_batch(&batch("a", "batch_mid", 200)).await.unwrap();
     assert_eq!(s.queued().await.unwrap(), 3);
 
@@ -172,7 +183,11 @@ async fn saving_moves_status_counts_and_lists_newest_first() {
     assert_eq!(counts.get("in_progress"), Some(&1));
 
     let page = s.list_batches("a", None, 2).await.unwrap();
-    let ids: Vec<_> = page.data.iter().map(|b| b.batch.batch.id.as_str()).collect();
+    let ids: Vec<_> = page
+        .data
+        .iter()
+        .map(|b| b.batch.batch.id.as_str())
+        .collect();
     assert_eq!(ids, ["batch_4", "batch_3"]);
     assert!(page.has_more);
     let page = s.list_batches("a", Some("batch_1"), 2).await.unwrap();
