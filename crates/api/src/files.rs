@@ -84,6 +84,7 @@ pub(crate) async fn upload(
                 status: "processed".into(),
                 status_details: None,
             },
+            key: None,
         })
     }
     .await;

@@ -1106,7 +1106,10 @@ fn the_service_reads_redis_in_sync_mode_and_its_keys() {
         ),
     );
     let run = load_file(&file).unwrap();
-    assert_eq!(run.redis_url, None, "processor run in sync mode needs no Redis");
+    assert_eq!(
+        run.redis_url, None,
+        "processor run in sync mode needs no Redis"
+    );
     assert!(run.serve.api_keys.is_empty(), "only the service reads keys");
 
     let c = load_service_file(&file).unwrap();
@@ -1153,7 +1156,10 @@ fn bad_service_settings_name_field_and_line_never_the_key() {
         Err(e) => e.errors.iter().map(ToString::to_string).collect(),
     };
     let all = errors.join("\n");
-    assert!(all.contains("serve.api_keys_file") && all.contains("line 1"), "{all}");
+    assert!(
+        all.contains("serve.api_keys_file") && all.contains("line 1"),
+        "{all}"
+    );
     assert!(all.contains("line 2"), "{all}");
     assert!(all.contains("serve.storage"), "{all}");
     assert!(all.contains("serve.max_active_jobs"), "{all}");
@@ -1170,5 +1176,8 @@ fn bad_service_settings_name_field_and_line_never_the_key() {
     };
     let all = errors.join("\n");
     assert!(all.contains("/nonexistent/keys"), "{all}");
-    assert!(all.contains("redis_url_file"), "the service needs Redis: {all}");
+    assert!(
+        all.contains("redis_url_file"),
+        "the service needs Redis: {all}"
+    );
 }
