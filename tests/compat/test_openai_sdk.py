@@ -223,7 +223,9 @@ def check_poll_to_completed():
     x = x_counts(batch)
     assert (x["processing"], x["succeeded"], x["errored"], x["cancelled"], x["expired"]) == (
         0, 36, 4, 0, 0), x
-    assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at, batch
+    times = [batch.created_at, batch.in_progress_at, batch.finalizing_at, batch.completed_at]
+    assert all(isinstance(t, int) for t in times) and times == sorted(times), (
+        f"created_at, in_progress_at, finalizing_at, completed_at: {times}")
     assert batch.output_file_id and batch.error_file_id, batch
     assert batch.errors is None or not batch.errors.data, batch.errors
     state["batch"] = batch
@@ -363,7 +365,8 @@ def check_cancel_a_running_batch():
     assert cancelling.cancelling_at, cancelling
     batch = wait_terminal(A, batch.id)
     assert batch.status == "cancelled", f"status {batch.status}: {batch}"
-    assert batch.cancelled_at and batch.cancelled_at >= batch.cancelling_at, batch
+    assert batch.cancelling_at and batch.cancelled_at and batch.cancelled_at >= batch.cancelling_at, (
+        f"cancelling_at {batch.cancelling_at}, cancelled_at {batch.cancelled_at}")
     output = read_jsonl(A, batch.output_file_id)
     errors = read_jsonl(A, batch.error_file_id)
     check_each_once([f"slow-{i}" for i in range(n)], output, errors)
