@@ -15,6 +15,7 @@ Each check is named; the run prints one line per check, the traceback of each fa
 
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -322,14 +323,61 @@ def check_401_without_key():
     assert status == 401, f"an empty key: HTTP {status}, wanted 401"
     wrong = client("sk-not-a-key")
     expect_status(401, lambda: wrong.batches.list(), "batches.list with a wrong key")
-    expect_status(401, lambda: wrong.files.create(
-        file=("x.jsonl", b"{}\n"), purpose="batch"), "files.create with a wrong key")
     try:
         wrong.batches.retrieve(state["batch"].id)
     except openai.AuthenticationError:
         pass
     else:
         raise AssertionError("batches.retrieve with a wrong key did not raise AuthenticationError")
+    # An upload refused before its body is read: on a client of its own, since what happens to
+    # its connection afterwards is the next check's business.
+    expect_status(401, lambda: client("sk-not-a-key").files.create(
+        file=("x.jsonl", b"{}\n"), purpose="batch"), "files.create with a wrong key")
+
+
+def check_a_refused_upload_leaves_a_usable_connection():
+    """An answer sent before the request's body is read (a 401 on an upload) must either say
+    `Connection: close` or leave the connection usable: a pooled client (the SDK's httpx) sends
+    its next request on it. Here the body comes 300 ms after the headers, as from a slow client;
+    the SDK hits the same race now and then with a body sent at once."""
+    host, port = BASE_URL.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    prefix = "/" + BASE_URL.split("//", 1)[1].split("/", 1)[1]
+    body = (b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--XX\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n'
+            b'{}\n\r\n--XX--\r\n')
+    head = (f"POST {prefix}/files HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Authorization: Bearer sk-not-a-key\r\n"
+            "Content-Type: multipart/form-data; boundary=XX\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head)
+        time.sleep(0.3)
+        s.sendall(body)
+        first = read_response(s)
+        assert first.startswith(b"HTTP/1.1 401"), f"the refused upload got {first[:100]!r}"
+        if b"\r\nconnection: close\r\n" in first.lower():
+            return  # announced: a client opens a new connection
+        time.sleep(0.3)
+        try:
+            s.sendall(f"GET {prefix}/batches HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+            second = read_response(s)
+        except OSError as e:
+            second = repr(e).encode()
+        assert second.startswith(b"HTTP/1.1 401"), (
+            "the service closed the connection after answering 401 to an upload whose body it "
+            "had not read, without `Connection: close`; the next request on it got "
+            f"{second[:100]!r} (the SDK raises APIConnectionError: Server disconnected)")
+
+
+def read_response(s):
+    """The status line and headers of one HTTP response, or what came before the socket shut."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            return data + b"<connection closed>"
+        data += chunk
+    return data
 
 
 def check_404_for_another_tenants_objects():
@@ -461,6 +509,7 @@ CHECKS = [
     ("responses carry x-request-id", check_request_id_header),
     ("an invalid file fails with line numbers", check_invalid_file_fails_with_line_numbers),
     ("401 without a key", check_401_without_key),
+    ("a refused upload leaves a usable connection", check_a_refused_upload_leaves_a_usable_connection),
     ("404 for another tenant's batch and file", check_404_for_another_tenants_objects),
     ("cancel a running batch", check_cancel_a_running_batch),
     ("list 250 batches page by page to the end", check_list_250_batches_page_by_page),
