@@ -65,9 +65,7 @@ impl Service {
             let _ = BufReader::new(stdout).read_line(&mut line);
             let _ = tx.send(line);
         });
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_default();
+        let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_default();
         let Some(base_url) = line.trim().strip_prefix("listening on ") else {
             panic!(
                 "processor serve printed {line:?}, not `listening on http://...`; its log:\n{}",

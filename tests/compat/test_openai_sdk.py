@@ -7,10 +7,12 @@ service against a real Redis, the dispatcher simulator and its gateway, and sets
   OPENAI_BASE_URL   http://127.0.0.1:PORT/v1
   KEY_A, KEY_B      API keys of two tenants
   SLOW_MAX_TOKENS   max_tokens that make one gateway answer take seconds (for the cancel check)
+  MODEL             a model the service has a gateway for
   MISSING_MODEL     a model the service has no gateway for (its lines end as model_not_found)
 
 Each check is named; the run prints one line per check, the traceback of each failure, and
-"N passed, N failed" at the end; the exit code is 1 when any check failed.
+"N passed, N failed" at the end; the exit code is 1 when any check failed. Names of check
+functions as arguments run only those (`... test_openai_sdk.py check_upload check_create`).
 """
 
 import json
@@ -407,7 +409,15 @@ def check_cancel_a_running_batch():
              for i in range(n)]
     f = upload(A, "slow.jsonl", jsonl(lines))
     batch = A.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="10m")
-    wait_for(A, batch.id, lambda b: b.status == "in_progress", "in_progress")
+    # The first answers (after SLOW_MAX_TOKENS ms each) are counted, and served, while it runs.
+    running = wait_for(A, batch.id, lambda b: b.status == "in_progress" and b.request_counts.completed > 0,
+                       "in_progress with answers counted")
+    status, _, text = raw_get(f"/batches/{batch.id}/output", KEY_A)
+    assert status == 200, f"/batches/{batch.id}/output while running: HTTP {status}"
+    so_far = [json.loads(l) for l in text.decode().splitlines()]
+    assert so_far, f"no output lines while running, with {running.request_counts.completed} counted"
+    assert all(l["custom_id"].startswith("slow-") and l["response"]["status_code"] == 200
+               for l in so_far), so_far[:3]
     cancelling = A.batches.cancel(batch.id)
     assert cancelling.status in {"cancelling", "cancelled"}, f"cancel answered {cancelling.status}"
     assert cancelling.cancelling_at, cancelling
