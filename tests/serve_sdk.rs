@@ -180,7 +180,8 @@ async fn the_openai_python_sdk_drives_the_service() {
     let status = service.stop();
     assert!(
         output.status.success(),
-        "the OpenAI SDK suite failed ({}):\n{report}\n--- processor serve's log (last lines):\n{}",
+        "the OpenAI SDK suite failed ({}; processor serve then exited with {status}):\n{report}\n\
+         --- processor serve's log (last lines):\n{}",
         output.status,
         read_log(&log)
     );
