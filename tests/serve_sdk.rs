@@ -18,6 +18,8 @@ use support::*;
 /// token, its slow lines (the batch it cancels while running) for `SLOW_MAX_TOKENS`.
 const LATENCY_PER_TOKEN: Duration = Duration::from_millis(1);
 const SLOW_MAX_TOKENS: u64 = 4000;
+/// `input.max_requests`: above the suite's largest batch (200 lines), low enough to upload past.
+const MAX_REQUESTS: u64 = 1000;
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -143,7 +145,7 @@ async fn the_openai_python_sdk_drives_the_service() {
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let mut yaml = std::fs::read_to_string(&config).unwrap();
     yaml.push_str(&format!(
-        "serve:\n  api_keys_file: {}\n  storage: file://{}\n  max_active_jobs: 16\n  reaper_interval: 200ms\n",
+        "input:\n  max_requests: {MAX_REQUESTS}\nserve:\n  api_keys_file: {}\n  storage: file://{}\n  max_active_jobs: 16\n  reaper_interval: 200ms\n",
         keys.display(),
         env.path("storage").display()
     ));
@@ -157,6 +159,7 @@ async fn the_openai_python_sdk_drives_the_service() {
         .env("KEY_A", &key_a)
         .env("KEY_B", &key_b)
         .env("SLOW_MAX_TOKENS", SLOW_MAX_TOKENS.to_string())
+        .env("MAX_REQUESTS", MAX_REQUESTS.to_string())
         .env("MODEL", "llama-3")
         .env("MISSING_MODEL", "ghost")
         // The SDK must not pick up a developer's own settings.

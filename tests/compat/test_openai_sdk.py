@@ -9,6 +9,7 @@ service against a real Redis, the dispatcher simulator and its gateway, and sets
   SLOW_MAX_TOKENS   max_tokens that make one gateway answer take seconds (for the cancel check)
   MODEL             a model the service has a gateway for
   MISSING_MODEL     a model the service has no gateway for (its lines end as model_not_found)
+  MAX_REQUESTS      the service's input.max_requests
 
 Each check is named; the run prints one line per check, the traceback of each failure, and
 "N passed, N failed" at the end; the exit code is 1 when any check failed. Names of check
@@ -482,6 +483,35 @@ def check_list_250_batches_page_by_page():
     assert not set(created) & {b.id for b in A.batches.list()}, "A lists B's batches"
 
 
+def check_an_upload_over_the_limit_gets_413():
+    """The harness sets input.max_requests to MAX_REQUESTS: one line more is refused with 413,
+    which the SDK must see as such (not as a reset connection it would retry)."""
+    limit = int(os.environ["MAX_REQUESTS"])
+    lines = [request_line(f"big-{i}", MODEL, 1, "x")[0] for i in range(limit + 1)]
+    e = expect_status(413, lambda: upload(A, "too-many.jsonl", jsonl(lines)),
+                      f"uploading {limit + 1} lines over a limit of {limit}")
+    assert str(limit) in e.body["message"], f"the 413 does not name the limit: {e.body}"
+    # The same client goes on working, and nothing of the refused upload is listed.
+    assert "too-many.jsonl" not in [f.filename for f in A.files.list()], "the refused upload is listed"
+
+
+def check_files_list_pages():
+    everything = [f.id for f in A.files.list()]
+    assert len(everything) >= 4, f"only {len(everything)} files to page through"
+    assert len(everything) == len(set(everything)), "files listed twice"
+    page = A.files.list(limit=2)
+    paged = [f.id for f in page.data]
+    while page.has_next_page():
+        page = page.get_next_page()
+        assert len(page.data) <= 2, f"a page of {len(page.data)} with limit=2"
+        paged.extend(f.id for f in page.data)
+    assert paged == everything, f"limit=2 pages give {paged}, one listing {everything}"
+    ascending = [f.id for f in A.files.list(order="asc")]
+    assert ascending == everything[::-1], "order=asc is not the reverse of the default order"
+    outputs = [f for f in A.files.list(purpose="batch_output")]
+    assert outputs and all(f.purpose == "batch_output" for f in outputs), outputs
+
+
 def check_delete_a_file():
     f = state["input"]
     deleted = A.files.delete(f.id)
@@ -523,6 +553,8 @@ CHECKS = [
     ("404 for another tenant's batch and file", check_404_for_another_tenants_objects),
     ("cancel a running batch", check_cancel_a_running_batch),
     ("list 250 batches page by page to the end", check_list_250_batches_page_by_page),
+    ("an upload over the limit gets 413", check_an_upload_over_the_limit_gets_413),
+    ("files are listed page by page, in both orders, by purpose", check_files_list_pages),
     ("delete a file", check_delete_a_file),
     ("an expiring file is reaped", check_an_expiring_file_is_reaped),
 ]
