@@ -264,3 +264,24 @@ fn the_shared_files_configure_s3() {
     );
     assert_eq!(s3.keys(), ["env/files/x"]);
 }
+
+#[tokio::test]
+async fn an_unreachable_endpoint_is_named() {
+    // Nothing listens there: connecting fails at once, after object_store's retries.
+    let endpoint = format!("http://127.0.0.1:{}", batch_testkit::free_port());
+    let options = S3Options {
+        endpoint: Some(endpoint.clone()),
+        access_key_id: Some("id".into()),
+        secret_access_key: Some("secret-key-value".into()),
+        allow_http: Some(true),
+        ..Default::default()
+    };
+    let err = Storage::open("s3://b", &options).await.unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, StorageError::Unavailable { .. }), "{err:?}");
+    assert!(
+        text.starts_with(&format!("S3 bucket \"b\" at {endpoint}:")),
+        "{text}"
+    );
+    assert!(!text.contains("secret-key-value"), "{text}");
+}

@@ -177,7 +177,7 @@ impl S3Server {
         assert_eq!(status, 200, "creating bucket {name}: {body}");
     }
 
-    /// The keys in the bucket, in order.
+    /// The keys in the bucket, in order (the first 1000).
     pub fn keys(&self) -> Vec<String> {
         let (status, body) = self.request("GET", &format!("/{}?list-type=2", self.bucket), &[]);
         assert_eq!(status, 200, "listing bucket {}: {body}", self.bucket);
@@ -235,8 +235,9 @@ impl S3Server {
             .unwrap_or_else(|e| panic!("{method} {target} on moto_server: {e}"))
     }
 
-    /// One unsigned HTTP/1.1 request (moto does not check signatures), read to its end: status,
-    /// head, body.
+    /// One HTTP/1.1 request, read to its end: status, head, body. moto checks no signature, but
+    /// without an `Authorization` naming a key it takes the caller for anonymous and hides
+    /// private objects.
     fn try_request(
         &self,
         method: &str,
@@ -246,8 +247,12 @@ impl S3Server {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
         stream.set_read_timeout(Some(Duration::from_secs(30)))?;
         let head = format!(
-            "{method} {target} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            "{method} {target} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nAuthorization: AWS4-HMAC-SHA256 \
+             Credential={}/20260101/{}/s3/aws4_request, SignedHeaders=host, Signature=0\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n",
             self.port,
+            self.access_key_id(),
+            self.region(),
             body.len()
         );
         stream.write_all(head.as_bytes())?;
