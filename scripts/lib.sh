@@ -18,6 +18,32 @@ ensure_redis() {
   # Debian starts a system Redis (and Sentinel) with the packages; we never use them.
 }
 
+# The S3-compatible server of the S3 tests (crates/testkit S3Server): moto's moto_server, pinned
+# with the Flask it serves through. moto[s3], not moto[server], which brings every AWS service's
+# dependencies.
+MOTO_PACKAGES=("moto[s3]==5.2.5" "flask==3.1.3" "flask-cors==6.0.5")
+
+# Installs moto_server into the virtualenv $BATCH_VENV (default target/venv, made when missing)
+# and exports BATCH_VENV, where the tests look for it. Fast when it is already there.
+ensure_moto() {
+  export BATCH_VENV="${BATCH_VENV:-$PWD/target/venv}"
+  local stamp="$BATCH_VENV/.moto-${MOTO_PACKAGES[0]#*==}"
+  if [ -e "$stamp" ] && [ -x "$BATCH_VENV/bin/moto_server" ]; then return; fi
+  if ! "$BATCH_VENV/bin/python" -c '' 2>/dev/null; then
+    # Debian ships venv's pip bootstrap (ensurepip) in a package of its own.
+    if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+      echo "installing python3 and python3-venv with apt-get..." >&2
+      as_root apt-get update -qq >/dev/null || true
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
+    fi
+    rm -rf "$BATCH_VENV"
+    python3 -m venv "$BATCH_VENV"
+  fi
+  echo "installing ${MOTO_PACKAGES[*]} into $BATCH_VENV..." >&2
+  "$BATCH_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${MOTO_PACKAGES[@]}"
+  touch "$stamp"
+}
+
 # Prints a loopback TCP port nobody listens on.
 free_port() {
   local port

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace. The tests start their own redis-server on free loopback
 # ports, so only the binary is needed: it is installed with apt-get when missing. The OpenAI SDK
-# suite (tests/serve_sdk.rs) runs in a virtualenv with the openai package, made here once.
+# suite (tests/serve_sdk.rs) and the S3 tests (moto_server) run from a virtualenv made here once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 ensure_redis
 ensure_venv   # exports BATCH_VENV
+ensure_moto   # the same virtualenv
 cargo test --workspace "$@"

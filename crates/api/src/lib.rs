@@ -264,7 +264,9 @@ async fn request_id(request: Request, next: Next) -> Response {
         .map(str::to_owned)
         .unwrap_or_else(|| format!("req_{:032x}", rand::random::<u128>()));
     let (method, path) = (request.method().clone(), request.uri().path().to_owned());
-    let has_body = request.headers().contains_key(axum::http::header::CONTENT_LENGTH)
+    let has_body = request
+        .headers()
+        .contains_key(axum::http::header::CONTENT_LENGTH)
         || request
             .headers()
             .contains_key(axum::http::header::TRANSFER_ENCODING);

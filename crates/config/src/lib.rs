@@ -65,7 +65,7 @@ pub use load::{ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, ApiKey, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
     LimiterAlgorithm, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig,
-    Secret, ServeConfig, TlsConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
+    S3Config, Secret, ServeConfig, TlsConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 

@@ -83,6 +83,15 @@ const SERVE_KEYS: &[&str] = &[
     "replica_id",
     "lease_ttl",
     "checkpoint_interval",
+    "s3",
+];
+const S3_KEYS: &[&str] = &[
+    "endpoint",
+    "region",
+    "allow_http",
+    "profile",
+    "access_key_id_file",
+    "secret_access_key_file",
 ];
 
 impl ProcessorConfig {
@@ -263,17 +272,72 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
         },
     };
     let state_prefix = name_part(c, &t, "state_prefix", "prefix").unwrap_or(d.state_prefix);
+    let s3 = s3(c, &t, needs);
     ServeConfig {
         listen: c.socket_addr(&t, "listen").unwrap_or(d.listen),
         api_keys_file,
         api_keys,
         storage,
+        s3,
         max_active_jobs: c.count(&t, "max_active_jobs", d.max_active_jobs, 1),
         state_prefix,
         reaper_interval: c.positive_duration(&t, "reaper_interval", d.reaper_interval),
         replica_id: name_part(c, &t, "replica_id", "replica id").unwrap_or(d.replica_id),
         lease_ttl: c.positive_duration(&t, "lease_ttl", d.lease_ttl),
         checkpoint_interval: c.positive_duration(&t, "checkpoint_interval", d.checkpoint_interval),
+    }
+}
+
+/// `serve.s3`; the key files are read for the service only.
+fn s3(c: &mut Collector<'_>, serve: &Table<'_>, needs: Needs) -> S3Config {
+    let t = c.table(serve, "s3", S3_KEYS);
+    let allow_http = t
+        .get("allow_http")
+        .map(|_| c.boolean(&t, "allow_http", false));
+    let endpoint = c.text(&t, "endpoint").filter(|e| {
+        let authority = e.split("://").nth(1).unwrap_or_default();
+        let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
+        let problem = match check_http_url(e) {
+            Err(problem) => format!("{problem}, such as http://minio:9000"),
+            Ok(()) if authority.contains('@') || e.contains('?') => {
+                "expected no credentials or query in the endpoint: use the key files".to_owned()
+            }
+            Ok(()) if e.starts_with("http://") && allow_http != Some(true) => {
+                "a plain-http endpoint also needs allow_http: true".to_owned()
+            }
+            Ok(()) => return true,
+        };
+        c.at(&t, "endpoint", problem);
+        false
+    });
+    let access_key_id_file = c.path(&t, "access_key_id_file");
+    let secret_access_key_file = c.path(&t, "secret_access_key_file");
+    if access_key_id_file.is_some() != secret_access_key_file.is_some() {
+        let missing = match access_key_id_file {
+            Some(_) => "secret_access_key_file",
+            None => "access_key_id_file",
+        };
+        c.at(
+            &t,
+            missing,
+            "access_key_id_file and secret_access_key_file go together",
+        );
+    }
+    let read = |c: &mut Collector<'_>, key: &str, file: &Option<PathBuf>| match (file, needs) {
+        (Some(file), Needs::Service) => read_secret(c, &t, key, file),
+        _ => None,
+    };
+    let access_key_id = read(c, "access_key_id_file", &access_key_id_file);
+    let secret_access_key = read(c, "secret_access_key_file", &secret_access_key_file);
+    S3Config {
+        endpoint,
+        region: c.text(&t, "region"),
+        allow_http,
+        profile: c.text(&t, "profile"),
+        access_key_id_file,
+        secret_access_key_file,
+        access_key_id,
+        secret_access_key,
     }
 }
 

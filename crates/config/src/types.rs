@@ -346,6 +346,28 @@ pub struct ApiKey {
     pub tenant: String,
 }
 
+/// `serve.s3`: settings of S3 storage that take precedence over the `AWS_*` environment and the
+/// shared AWS files (`~/.aws/credentials`, `~/.aws/config`); each unset one is left to them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct S3Config {
+    /// Endpoint of an S3-compatible store (`http://minio:9000`); requests are then path-style.
+    pub endpoint: Option<String>,
+    /// Region (the AWS default `us-east-1` when nothing names one).
+    pub region: Option<String>,
+    /// Allows a plain-http endpoint (required for one).
+    pub allow_http: Option<bool>,
+    /// Profile of the shared AWS files.
+    pub profile: Option<String>,
+    /// Mounted secret holding the access key id.
+    pub access_key_id_file: Option<PathBuf>,
+    /// Mounted secret holding the secret access key.
+    pub secret_access_key_file: Option<PathBuf>,
+    /// The key id read from `access_key_id_file` (only by [`ProcessorConfig::load_service`]).
+    pub access_key_id: Option<Secret>,
+    /// The key read from `secret_access_key_file` (only by [`ProcessorConfig::load_service`]).
+    pub secret_access_key: Option<Secret>,
+}
+
 /// `processor serve`: the OpenAI-compatible Batch API service.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ServeConfig {
@@ -358,6 +380,8 @@ pub struct ServeConfig {
     pub api_keys: Vec<ApiKey>,
     /// Where files live: `file:///dir` (default `file://<work_dir>/storage`) or `s3://bucket/prefix`.
     pub storage: String,
+    /// How to reach S3 storage, over the `AWS_*` environment and the shared AWS files.
+    pub s3: S3Config,
     /// Jobs this replica runs at once (default 16).
     pub max_active_jobs: usize,
     /// Prefix of the service's own Redis keys (default `batch-processor`).
@@ -385,6 +409,7 @@ impl ServeConfig {
             api_keys_file: None,
             api_keys: Vec::new(),
             storage: format!("file://{}", work_dir.join("storage").display()),
+            s3: S3Config::default(),
             max_active_jobs: 16,
             state_prefix: "batch-processor".into(),
             reaper_interval: Duration::from_secs(60),

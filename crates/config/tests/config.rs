@@ -1083,6 +1083,18 @@ fn the_async_example_documents_every_redis_url_form_and_redis_tls() {
     }
 }
 
+/// A `processor serve` config around `serve`, with a Redis URL file (never connected to).
+fn service_config(dir: &Path, serve: &str) -> PathBuf {
+    write(dir, "redis-url", "redis://127.0.0.1:1\n");
+    write(
+        dir,
+        "processor.yaml",
+        &format!(
+            "redis_url_file: redis-url\nmodel_gateways:\n  m: {{url: 'http://127.0.0.1:8000'}}\nserve:\n{serve}"
+        ),
+    )
+}
+
 fn load_service_file(path: &Path) -> Result<ProcessorConfig, ConfigErrors> {
     ProcessorConfig::service_from_figment(Figment::from(Yaml::file_exact(path)))
 }
@@ -1180,4 +1192,86 @@ fn bad_service_settings_name_field_and_line_never_the_key() {
         all.contains("redis_url_file"),
         "the service needs Redis: {all}"
     );
+}
+
+#[test]
+fn serve_storage_in_s3_with_its_settings_validates() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "keys/id", "AKIDEXAMPLE\n");
+    write(dir.path(), "keys/secret", "s3-secret-value\n");
+    let file = service_config(
+        dir.path(),
+        "  storage: s3://batch-files/prod/a\n  s3:\n    endpoint: http://127.0.0.1:9000\n    allow_http: true\n    region: eu-west-1\n    profile: batch\n    access_key_id_file: keys/id\n    secret_access_key_file: keys/secret\n",
+    );
+    let c = load_service_file(&file).unwrap();
+    assert_eq!(c.serve.storage, "s3://batch-files/prod/a");
+    let s3 = &c.serve.s3;
+    assert_eq!(s3.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+    assert_eq!(s3.allow_http, Some(true));
+    assert_eq!(s3.region.as_deref(), Some("eu-west-1"));
+    assert_eq!(s3.profile.as_deref(), Some("batch"));
+    assert_eq!(
+        s3.secret_access_key_file.as_deref(),
+        Some(dir.path().join("keys/secret").as_path())
+    );
+    assert_eq!(s3.access_key_id.as_ref().unwrap().expose(), "AKIDEXAMPLE");
+    assert_eq!(
+        s3.secret_access_key.as_ref().unwrap().expose(),
+        "s3-secret-value"
+    );
+    let shown = format!("{:?}\n{}", c, c.to_redacted_yaml());
+    assert!(!shown.contains("s3-secret-value"), "{shown}");
+    assert!(shown.contains("endpoint: http://127.0.0.1:9000"), "{shown}");
+
+    // Without settings: all is left to the AWS environment and files.
+    let dir = tempfile::tempdir().unwrap();
+    let file = service_config(dir.path(), "  storage: s3://batch-files\n");
+    let c = load_service_file(&file).unwrap();
+    assert_eq!(c.serve.storage, "s3://batch-files");
+    assert_eq!(c.serve.s3, batch_config::S3Config::default());
+}
+
+#[test]
+fn bad_s3_settings_are_named() {
+    for (serve, expected) in [
+        ("  storage: s3:///prefix\n", "expected s3://bucket[/prefix]"),
+        (
+            "  s3:\n    endpoint: http://127.0.0.1:9000\n",
+            "also needs allow_http: true",
+        ),
+        (
+            "  s3:\n    endpoint: http://127.0.0.1:9000\n    allow_http: false\n",
+            "also needs allow_http: true",
+        ),
+        ("  s3:\n    endpoint: ftp://h\n", "expected an http:// or https://"),
+        (
+            "  s3:\n    endpoint: 'https://id:pw-secret@h'\n",
+            "no credentials or query",
+        ),
+        ("  s3:\n    allow_http: maybe\n", "expected true or false"),
+        (
+            "  s3:\n    access_key_id_file: id\n",
+            "access_key_id_file and secret_access_key_file go together",
+        ),
+        (
+            "  s3:\n    secret_access_key_file: /nonexistent/secret\n    access_key_id_file: /nonexistent/id\n",
+            "cannot read secret file /nonexistent/id",
+        ),
+        ("  s3:\n    bucket: b\n", "bucket"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let file = service_config(dir.path(), serve);
+        let errors = match load_service_file(&file) {
+            Ok(c) => panic!("accepted {serve:?}: {c:?}"),
+            Err(errors) => errors.errors.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        };
+        assert!(
+            errors.iter().any(|e| e.contains(expected)),
+            "{serve:?}: {errors:#?} lack {expected:?}"
+        );
+        assert!(
+            !errors.iter().any(|e| e.contains("pw-secret")),
+            "{errors:#?}"
+        );
+    }
 }

@@ -87,6 +87,19 @@ pub struct Service {
     tasks: Vec<JoinHandle<()>>,
 }
 
+/// `serve.s3` as the storage crate takes it.
+fn s3_options(s3: &batch_config::S3Config) -> batch_storage::S3Options {
+    batch_storage::S3Options {
+        endpoint: s3.endpoint.clone(),
+        region: s3.region.clone(),
+        access_key_id: s3.access_key_id.as_ref().map(|k| k.expose().to_owned()),
+        secret_access_key: s3.secret_access_key.as_ref().map(|k| k.expose().to_owned()),
+        session_token: None,
+        allow_http: s3.allow_http,
+        profile: s3.profile.clone(),
+    }
+}
+
 impl Service {
     /// Connects to Redis and storage, binds the listen address, resumes this replica's jobs and
     /// starts serving.
@@ -109,7 +122,8 @@ impl Service {
                 "the service needs Redis: set redis_url_file (and load the config with load_service)".into(),
             ));
         };
-        let storage = Storage::from_url(&serve.storage)?;
+        // A missing bucket or unreachable store stops the start, naming both.
+        let storage = Storage::open(&serve.storage, &s3_options(&serve.s3)).await?;
         let connect = batch_redis::ConnectOptions {
             tls: config.redis_tls_options(),
             command_timeout: Duration::from_secs(10),

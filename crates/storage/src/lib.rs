@@ -5,6 +5,13 @@
 //! Keys are `/`-separated names such as `files/file-0123`. A file is visible only once its
 //! upload completed: a failed or aborted upload leaves nothing behind under its key.
 //!
+//! Two kinds of URL: `file:///dir`, and `s3://bucket[/prefix]` for AWS S3 and S3-compatible
+//! stores (MinIO, Ceph RGW, ...). S3's endpoint, region and credentials come as the AWS SDKs read
+//! them (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+//! `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP=true` for a plain-http endpoint, web identity, the shared
+//! credentials and config files), overridden by [`S3Options`]. With an endpoint, requests are
+//! path-style. Uploads above 10 MiB go up as multipart uploads, part by part.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), batch_storage::StorageError> {
 //! use futures::TryStreamExt;
@@ -16,6 +23,9 @@
 //! let object = storage.get("files/file-1").await?;
 //! let bytes: Vec<bytes::Bytes> = object.stream.try_collect().await?;
 //! storage.delete("files/file-1").await?;
+//!
+//! // S3: checks at once that the bucket exists and answers.
+//! let s3 = batch_storage::Storage::open("s3://my-bucket/batch", &Default::default()).await?;
 //! # Ok(()) }
 //! ```
 
@@ -28,8 +38,13 @@ use futures::{Stream, StreamExt, TryStreamExt};
 use object_store::buffered::BufWriter;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as ObjectPath;
+use object_store::prefix::PrefixStore;
 use object_store::ObjectStore;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod s3;
+
+pub use s3::S3Options;
 
 /// Why a storage operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +74,15 @@ pub enum StorageError {
         /// The key.
         key: String,
         /// Why the source stopped.
+        message: String,
+    },
+    /// The store as a whole cannot be used (no such bucket, unreachable endpoint, refused
+    /// credentials).
+    #[error("{store}: {message}")]
+    Unavailable {
+        /// Which store: the bucket and endpoint, or the directory (never a secret).
+        store: String,
+        /// What failed.
         message: String,
     },
     /// A local file could not be read or written.
@@ -103,6 +127,8 @@ pub struct Object {
 pub struct Storage {
     store: Arc<dyn ObjectStore>,
     url: String,
+    /// Names the store in errors about it as a whole.
+    describe: String,
 }
 
 impl std::fmt::Debug for Storage {
@@ -115,8 +141,14 @@ impl std::fmt::Debug for Storage {
 const READ_CHUNK: usize = 256 * 1024;
 
 impl Storage {
-    /// Storage at `url`: `file:///absolute/dir` (created if missing).
+    /// Storage at `url`: `file:///absolute/dir` (created if missing) or `s3://bucket[/prefix]`
+    /// configured from the environment. Makes no request: see [`Storage::open`].
     pub fn from_url(url: &str) -> Result<Self, StorageError> {
+        Self::from_url_with(url, &S3Options::default())
+    }
+
+    /// Like [`Storage::from_url`], with S3 settings that take precedence over the environment.
+    pub fn from_url_with(url: &str, s3: &S3Options) -> Result<Self, StorageError> {
         let bad = |problem: &str| StorageError::Url {
             url: url.to_owned(),
             problem: problem.to_owned(),
@@ -132,25 +164,58 @@ impl Storage {
             return Ok(Self {
                 store: Arc::new(store),
                 url: url.to_owned(),
+                describe: format!("directory {dir}"),
             });
         }
-        if url.starts_with("s3://") {
-            return Err(bad("S3 storage is not built into this version"));
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(bad("expected s3://bucket[/prefix]"));
+            }
+            let built = s3::build(bucket, s3).map_err(|e| bad(&e))?;
+            let prefix = prefix.trim_matches('/');
+            let store: Arc<dyn ObjectStore> = if prefix.is_empty() {
+                Arc::new(built.store)
+            } else {
+                let prefix = ObjectPath::parse(prefix)
+                    .map_err(|e| bad(&format!("prefix {prefix:?}: {e}")))?;
+                Arc::new(PrefixStore::new(built.store, prefix))
+            };
+            return Ok(Self {
+                store,
+                url: url.to_owned(),
+                describe: built.describe,
+            });
         }
-        Err(bad("expected file:///directory"))
+        Err(bad("expected file:///directory or s3://bucket[/prefix]"))
+    }
+
+    /// [`Storage::from_url_with`], then [`Storage::check`]: fails at once when the bucket does
+    /// not exist or cannot be reached, naming the bucket and endpoint.
+    pub async fn open(url: &str, s3: &S3Options) -> Result<Self, StorageError> {
+        let storage = Self::from_url_with(url, s3)?;
+        storage.check().await?;
+        Ok(storage)
     }
 
     /// Storage over any `object_store` implementation (tests, embedders).
     pub fn from_store(store: Arc<dyn ObjectStore>, url: impl Into<String>) -> Self {
+        let url = url.into();
         Self {
             store,
-            url: url.into(),
+            describe: url.clone(),
+            url,
         }
     }
 
     /// The URL it was made from.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Names the store for people: `S3 bucket "b" at http://minio:9000`, `directory /srv/x`.
+    pub fn describe(&self) -> &str {
+        &self.describe
     }
 
     fn path(key: &str) -> Result<ObjectPath, StorageError> {
@@ -330,13 +395,17 @@ impl Storage {
         Ok(keys.len())
     }
 
-    /// Whether the store answers (for readiness): lists one key.
+    /// Whether the store answers (at start, for readiness): lists one key, which fails when the
+    /// bucket is missing, the endpoint unreachable or the credentials refused.
     pub async fn check(&self) -> Result<(), StorageError> {
         let prefix = ObjectPath::from("files");
         let mut listing = self.store.list(Some(&prefix));
         match listing.next().await {
             None | Some(Ok(_)) => Ok(()),
-            Some(Err(e)) => Err(StorageError::store("files/", e)),
+            Some(Err(e)) => Err(StorageError::Unavailable {
+                store: self.describe.clone(),
+                message: s3::explain(&e),
+            }),
         }
     }
 }

@@ -15,6 +15,10 @@
 //!
 //! With `RedisServer::builder().aof(true)` data survives [`RedisServer::restart`], so tests can
 //! simulate a Redis restart without losing what was written.
+//!
+//! [`S3Server`] does the same for S3: a real `moto_server` (PyPI's `moto`, installed into the
+//! project's virtualenv by `scripts/test.sh`) with a bucket, its endpoint and credentials given as
+//! the AWS environment variables.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -25,10 +29,12 @@ use std::time::{Duration, Instant};
 pub use tempfile::{tempdir, TempDir};
 
 mod cluster;
+mod s3;
 mod sentinel;
 mod tls;
 
 pub use cluster::RedisCluster;
+pub use s3::{moto_binary, S3Server, S3_BUCKET};
 pub use sentinel::RedisSentinels;
 pub use tls::{ClientAuth, TestPki, TlsRedis};
 
@@ -144,7 +150,7 @@ pub(crate) fn spawn_command(mut cmd: Command, bin: &str) -> Result<Child, String
 /// Asks the kernel to kill the server if the thread that started it dies without dropping it
 /// (a test process aborted or killed), so no server outlives its test.
 #[cfg(target_os = "linux")]
-fn kill_with_parent(cmd: &mut Command) {
+pub(crate) fn kill_with_parent(cmd: &mut Command) {
     use std::os::unix::process::CommandExt;
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
     unsafe {
@@ -156,7 +162,7 @@ fn kill_with_parent(cmd: &mut Command) {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn kill_with_parent(_cmd: &mut Command) {}
+pub(crate) fn kill_with_parent(_cmd: &mut Command) {}
 
 /// A running `redis-server`, killed when dropped.
 #[derive(Debug)]
