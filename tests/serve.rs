@@ -732,6 +732,23 @@ async fn batches_list_newest_first_page_by_page_per_tenant() {
     sim.shutdown().await;
 }
 
+/// Panics unless `after` lists every file and batch of `before`, unchanged, and no other batch;
+/// files added since are a batch's results.
+#[track_caller]
+fn assert_kept(before: &(Vec<Value>, Vec<Value>), after: &(Vec<Value>, Vec<Value>)) {
+    assert_eq!(after.1, before.1, "the batches listed changed");
+    for file in &before.0 {
+        assert!(
+            after.0.contains(file),
+            "{file} is no longer listed as before: {:?}",
+            after.0
+        );
+    }
+    for file in after.0.iter().filter(|f| !before.0.contains(f)) {
+        assert_eq!(file[3], "batch_output", "a file appeared: {file}");
+    }
+}
+
 /// The files and batches a tenant sees, for comparing across a restart.
 async fn inventory(api: &Api) -> (Vec<Value>, Vec<Value>) {
     let files = api.list_all("/v1/files", "order=asc", 100).await;
@@ -756,6 +773,9 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     let other = id_of(&a.create_batch_ok(&other_file).await);
     let id = id_of(&a.create_batch_ok(&file).await);
     gate(&env, true);
+    // The small batch goes first (its deadline is earlier) and finishes before the kill.
+    let other = a.wait_final(&other, FINISH).await;
+    assert_eq!(other["status"], "completed", "{other}");
     a.wait_batch(&id, FINISH, "30 lines done", |b| {
         count(b, "completed") >= 30
     })
@@ -765,20 +785,15 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
 
     service.restart();
     let a = service.client(Some(KEY_A));
-    assert_eq!(inventory(&a).await, before, "a restart changed the lists");
+    assert_kept(&before, &inventory(&a).await);
     let batch = a.wait_final(&id, FINISH).await;
     assert_eq!(batch["status"], "completed", "{batch}");
     assert_eq!(count(&batch, "completed"), 300, "{batch}");
     let results = a.results(&batch).await;
     results.assert_each_once(&lines);
     results.assert_answers_match(&lines);
-    let other = a.wait_final(&other, FINISH).await;
-    assert_eq!(other["status"], "completed", "{other}");
     a.results(&other).await.assert_each_once(&other_lines);
-    // The output files are added, nothing else changed.
-    let (files, batches) = inventory(&a).await;
-    assert_eq!(batches, before.1);
-    assert!(files.starts_with(&before.0) || before.0.iter().all(|f| files.contains(f)));
+    assert_kept(&before, &inventory(&a).await);
     sim.shutdown().await;
 }
 
@@ -807,7 +822,7 @@ async fn sigterm_mid_job_pauses_it_and_a_restart_completes_it() {
 
     service.restart();
     let a = service.client(Some(KEY_A));
-    assert_eq!(inventory(&a).await, before, "a restart changed the lists");
+    assert_kept(&before, &inventory(&a).await);
     // Paused, not cancelled: with the gate still closed it waits in in_progress.
     let paused = a.batch(&id).await;
     assert_eq!(paused["status"], "in_progress", "{paused}");
