@@ -345,9 +345,6 @@ async fn bad_requests_get_openai_errors_with_their_statuses() {
     )
     .await
     .expect_error(400);
-    a.post_json("/v1/files", &json!({"purpose": "batch"}))
-        .await
-        .expect_error(400);
 
     // 400: malformed batches.
     let good = json!({"input_file_id": ok, "endpoint": "/v1/chat/completions", "completion_window": "24h"});
@@ -390,6 +387,8 @@ async fn bad_requests_get_openai_errors_with_their_statuses() {
     assert!(a.list_all("/v1/batches", "", 100).await.is_empty());
     assert!(b.list_all("/v1/batches", "", 100).await.is_empty());
     a.get("/v1/batches?limit=0").await.expect_error(400);
+    a.get("/v1/batches?limit=101").await.expect_error(400);
+    a.get("/v1/files?limit=10001").await.expect_error(400);
 
     // 404: unknown batches.
     a.get("/v1/batches/batch_doesnotexist")
@@ -414,6 +413,42 @@ async fn bad_requests_get_openai_errors_with_their_statuses() {
         text.lines()
             .any(|l| l.starts_with("batch_service_api_requests_total") && l.contains("\"413\"")),
         "no 413 counted:\n{text}"
+    );
+}
+
+/// Requests the web framework itself refuses (not a form, not a number) get the same error
+/// shape as the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn malformed_forms_and_queries_get_openai_errors_too() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let mut wrong = Vec::new();
+    for (what, resp) in [
+        (
+            "POST /v1/files with a JSON body",
+            a.post_json("/v1/files", &json!({"purpose": "batch"})).await,
+        ),
+        (
+            "GET /v1/files?limit=many",
+            a.get("/v1/files?limit=many").await,
+        ),
+        (
+            "GET /v1/batches?limit=many",
+            a.get("/v1/batches?limit=many").await,
+        ),
+    ] {
+        let shaped = serde_json::from_slice::<Value>(&resp.body)
+            .is_ok_and(|b| b["error"]["message"].is_string() && b["error"]["type"].is_string());
+        if resp.status != 400 || !shaped {
+            wrong.push(format!("{what}: {} {}", resp.status, resp.text()));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "not a 400 with an error object:\n{}",
+        wrong.join("\n")
     );
 }
 
@@ -769,7 +804,8 @@ async fn inventory(api: &Api) -> (Vec<Value>, Vec<Value>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     let env = Env::start(slow_gateway()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    // One job at a time: the last batch is still queued when the service is killed.
+    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 1\n", "");
     let sim = gated_dispatcher(&env).await;
     let mut service = Service::start(&config);
     let a = service.client(Some(KEY_A));
@@ -779,6 +815,9 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     let other_file = a.upload_ok("other.jsonl", other_text.as_bytes()).await;
     let other = id_of(&a.create_batch_ok(&other_file).await);
     let id = id_of(&a.create_batch_ok(&file).await);
+    let (queued_text, queued_lines) = input_jsonl("queued", 5, "llama-3");
+    let queued_file = a.upload_ok("queued.jsonl", queued_text.as_bytes()).await;
+    let queued = id_of(&a.create_batch_ok(&queued_file).await);
     gate(&env, true);
     // The small batch goes first (its deadline is earlier) and finishes before the kill.
     let other = a.wait_final(&other, FINISH).await;
@@ -788,6 +827,11 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     })
     .await;
     let before = inventory(&a).await;
+    let mid = a.batch(&id).await;
+    assert_eq!(mid["status"], "in_progress", "{mid}");
+    assert!(count(&mid, "completed") < 300, "{mid}");
+    let waiting = a.batch(&queued).await;
+    assert_eq!(count(&waiting, "completed"), 0, "{waiting}");
     service.kill9();
 
     service.restart();
@@ -800,6 +844,9 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     results.assert_each_once(&lines);
     results.assert_answers_match(&lines);
     a.results(&other).await.assert_each_once(&other_lines);
+    let queued = a.wait_final(&queued, FINISH).await;
+    assert_eq!(queued["status"], "completed", "{queued}");
+    a.results(&queued).await.assert_each_once(&queued_lines);
     assert_kept(&before, &inventory(&a).await);
     sim.shutdown().await;
 }
@@ -826,6 +873,11 @@ async fn sigterm_mid_job_pauses_it_and_a_restart_completes_it() {
     let stderr = service.stderr_text();
     assert_eq!(status.code(), Some(0), "{stderr}");
     assert!(took < Duration::from_secs(10), "took {took:?} to stop");
+    assert_ne!(
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]),
+        ":0",
+        "the pending requests were withdrawn"
+    );
 
     service.restart();
     let a = service.client(Some(KEY_A));
