@@ -640,6 +640,44 @@ async fn cancel_is_idempotent_and_keeps_the_partial_results() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_cancelled_while_queued_never_runs() {
+    let env = Env::start(GatewayConfig::default()).await;
+    // One job at a time, and the first waits at the closed gate: the second stays queued.
+    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 1\n", "");
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("first", 20, "llama-3");
+    let (queued_text, _) = input_jsonl("queued", 20, "llama-3");
+    let file = a.upload_ok("first.jsonl", text.as_bytes()).await;
+    let queued_file = a.upload_ok("queued.jsonl", queued_text.as_bytes()).await;
+    let first = id_of(&a.create_batch_ok(&file).await);
+    a.wait_batch(&first, FINISH, "in_progress", |b| {
+        b["status"] == "in_progress"
+    })
+    .await;
+    let queued = id_of(&a.create_batch_ok(&queued_file).await);
+    a.post_empty(&format!("/v1/batches/{queued}/cancel"))
+        .await
+        .expect(200);
+    let cancelled = a.wait_final(&queued, FINISH).await;
+    assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
+    assert!(cancelled["cancelled_at"].as_u64().is_some(), "{cancelled}");
+    assert_eq!(count(&cancelled, "completed"), 0, "{cancelled}");
+    assert!(cancelled["output_file_id"].is_null(), "{cancelled}");
+    // The first one was not disturbed, and completes.
+    assert_eq!(a.batch(&first).await["status"], "in_progress");
+    gate(&env, true);
+    let done = a.wait_final(&first, FINISH).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    a.results(&done).await.assert_each_once(&lines);
+    // Nothing of the cancelled batch reached the gateway.
+    assert_eq!(env.gateway.stats().total, 20);
+    assert_eq!(a.batch(&queued).await["status"], "cancelled");
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_invalid_input_fails_the_batch_naming_every_bad_line() {
     let env = Env::start(GatewayConfig::default()).await;
     let config = async_service(&env, TWO_TENANTS, "", "");
@@ -853,6 +891,17 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_mid_job_pauses_it_and_a_restart_completes_it() {
+    signal_mid_job_pauses_it(libc::SIGTERM).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigint_mid_job_pauses_it_too() {
+    signal_mid_job_pauses_it(libc::SIGINT).await;
+}
+
+/// `signal` mid-job: the service exits 0 within 10 s, the job is paused (its requests stay
+/// queued, nothing is closed), and a restart completes it with every line once.
+async fn signal_mid_job_pauses_it(signal: i32) {
     let env = Env::start(slow_gateway()).await;
     let config = async_service(&env, TWO_TENANTS, "", "");
     let sim = gated_dispatcher(&env).await;
@@ -869,7 +918,7 @@ async fn sigterm_mid_job_pauses_it_and_a_restart_completes_it() {
     let before = inventory(&a).await;
     // Requests in flight now are answered while the service stops; no new ones start.
     gate(&env, false);
-    let (status, took) = service.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    let (status, took) = service.signal_and_wait(signal, Duration::from_secs(30));
     let stderr = service.stderr_text();
     assert_eq!(status.code(), Some(0), "{stderr}");
     assert!(took < Duration::from_secs(10), "took {took:?} to stop");
@@ -997,6 +1046,38 @@ async fn expired_files_are_deleted_and_their_batches_stay_listed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_file_that_expires_while_the_service_is_down_is_deleted_after_a_restart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let storage = env.path("storage");
+    let (text, _) = input_jsonl("down", 3, "llama-3");
+    let id = id_of(
+        &a.upload("down.jsonl", text.as_bytes(), Some(2))
+            .await
+            .expect(200),
+    );
+    assert!(!stored_copies(&storage, text.as_bytes()).is_empty());
+    service.kill9();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !stored_copies(&storage, text.as_bytes()).is_empty(),
+        "deleted with no service running?"
+    );
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    eventually(
+        "the expired object leaves storage",
+        Duration::from_secs(30),
+        || stored_copies(&storage, text.as_bytes()).is_empty(),
+    )
+    .await;
+    a.get(&format!("/v1/files/{id}")).await.expect_error(404);
+    assert!(a.list_all("/v1/files", "", 100).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_hundred_batches_at_once_from_five_tenants_all_complete() {
     const TENANTS: usize = 5;
     const PER_TENANT: usize = 40;
@@ -1057,6 +1138,16 @@ async fn two_hundred_batches_at_once_from_five_tenants_all_complete() {
             let batch = client.batch(id).await;
             assert_eq!(count(&batch, "completed"), 5, "{batch}");
             client.results(&batch).await.assert_each_once(lines);
+        }
+        // Its files: its 40 inputs and their 40 outputs, nobody else's.
+        let inputs = client.list_all("/v1/files", "purpose=batch", 100).await;
+        let outputs = client
+            .list_all("/v1/files", "purpose=batch_output", 100)
+            .await;
+        assert_eq!((inputs.len(), outputs.len()), (PER_TENANT, PER_TENANT));
+        for f in &inputs {
+            let name = f["filename"].as_str().unwrap();
+            assert!(name.starts_with(&format!("t{t}-")), "tenant {t} lists {f}");
         }
     }
     sim.shutdown().await;
