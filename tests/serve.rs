@@ -890,6 +890,86 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_kills_across_six_batches_lose_and_double_nothing() {
+    let env = Env::start(slow_gateway()).await;
+    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 2\n", "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let mut batches = Vec::new();
+    for i in 0..6 {
+        let (text, lines) = input_jsonl(&format!("k{i}"), 50, "llama-3");
+        let file = a.upload_ok(&format!("k{i}.jsonl"), text.as_bytes()).await;
+        batches.push((id_of(&a.create_batch_ok(&file).await), lines));
+    }
+    let done_total = |api: Api, ids: Vec<String>| async move {
+        let mut n = 0;
+        for id in &ids {
+            n += count(&api.batch(id).await, "completed");
+        }
+        n
+    };
+    let ids: Vec<String> = batches.iter().map(|(id, _)| id.clone()).collect();
+    gate(&env, true);
+    for target in [60, 140, 220] {
+        let deadline = Instant::now() + FINISH;
+        let a = service.client(Some(KEY_A));
+        while done_total(a.clone(), ids.clone()).await < target {
+            assert!(Instant::now() < deadline, "fewer than {target} lines done");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let before = inventory(&a).await;
+        service.kill9();
+        service.restart();
+        assert_kept(&before, &inventory(&service.client(Some(KEY_A))).await);
+    }
+    let a = service.client(Some(KEY_A));
+    for (id, lines) in &batches {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        assert_eq!(count(&batch, "completed"), 50, "{batch}");
+        a.results(&batch).await.assert_each_once(lines);
+    }
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
+    let env = Env::start(slow_gateway()).await;
+    let config = env.sync_config(
+        &["llama-3"],
+        "",
+        &format!(
+            "redis_url_file: {}\nconcurrency:\n  global: 4\n  per_endpoint: 4\n  aimd:\n    enabled: false\n",
+            env.redis_url_file.display()
+        ),
+    );
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, TWO_TENANTS, "", "");
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("sync-kill", 200, "llama-3");
+    let file = a.upload_ok("sync-kill.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    let mid = a
+        .wait_batch(&id, FINISH, "30 lines done", |b| {
+            count(b, "completed") >= 30
+        })
+        .await;
+    assert!(count(&mid, "completed") < 200, "{mid}");
+    service.kill9();
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    assert_eq!(count(&batch, "completed"), 200, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_mid_job_pauses_it_and_a_restart_completes_it() {
     signal_mid_job_pauses_it(libc::SIGTERM).await;
 }
