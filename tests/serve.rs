@@ -678,6 +678,72 @@ async fn a_batch_cancelled_while_queued_never_runs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("late", 100, "llama-3");
+    let file = a.upload_ok("late.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch(&file, "6s").await.expect(200));
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    gate(&env, false);
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "expired", "{batch}");
+    assert!(batch["expired_at"].as_u64().is_some(), "{batch}");
+    let done = count(&batch, "completed");
+    assert!((10..100).contains(&done), "{batch}");
+    assert_eq!(x_count(&batch, "succeeded"), done, "{batch}");
+    assert_eq!(x_count(&batch, "expired"), 100 - done, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    assert_eq!(
+        results.error_codes(),
+        BTreeMap::from([("batch_expired".to_owned(), 100 - done as usize)])
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancel_interrupted_by_kill_9_ends_cancelled_after_a_restart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("cut", 100, "llama-3");
+    let file = a.upload_ok("cut.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    gate(&env, false);
+    a.post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect(200);
+    service.kill9();
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "cancelled", "{batch}");
+    let done = count(&batch, "completed");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    assert_eq!(
+        results.error_codes(),
+        BTreeMap::from([("batch_cancelled".to_owned(), 100 - done as usize)])
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_invalid_input_fails_the_batch_naming_every_bad_line() {
     let env = Env::start(GatewayConfig::default()).await;
     let config = async_service(&env, TWO_TENANTS, "", "");
@@ -967,6 +1033,95 @@ async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
     let results = a.results(&batch).await;
     results.assert_each_once(&lines);
     results.assert_answers_match(&lines);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_window_that_passes_while_the_service_is_stopped_expires_the_batch_on_restart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("stale", 100, "llama-3");
+    let file = a.upload_ok("stale.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch(&file, "8s").await.expect(200));
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    gate(&env, false);
+    let (status, _) = service.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "{}", service.stderr_text());
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "expired", "{batch}");
+    let done = count(&batch, "completed");
+    assert!(done >= 10, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    assert_eq!(
+        results.error_codes(),
+        BTreeMap::from([("batch_expired".to_owned(), 100 - done as usize)])
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn while_redis_is_down_ready_says_503_and_the_job_waits_it_out() {
+    let mut env = Env::start(GatewayConfig::default()).await;
+    // Persistence, so that the state survives the outage.
+    env.redis = batch_testkit::RedisServer::builder().aof(true).start();
+    env.redis_url_file = env.redis.write_url_file(env.dir.path());
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let anon = service.client(None);
+    let (text, lines) = input_jsonl("outage", 100, "llama-3");
+    let file = a.upload_ok("outage.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+
+    env.redis.kill();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = anon.get("/ready").await;
+        if ready.status == 503 {
+            break;
+        }
+        assert_eq!(ready.status, 200, "{}", ready.text());
+        assert!(
+            Instant::now() < deadline,
+            "/ready stayed 200 with Redis down"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(anon.get("/health").await.status, 200);
+    // The API answers (an error), it does not hang.
+    let listed = a.get("/v1/batches").await;
+    assert!(listed.status >= 500, "{} {}", listed.status, listed.text());
+    listed.expect_error(listed.status);
+
+    env.redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while anon.get("/ready").await.status != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "/ready not 200 after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    a.results(&batch).await.assert_each_once(&lines);
+    sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
