@@ -1374,6 +1374,10 @@ async fn two_hundred_batches_at_once_from_five_tenants_all_complete() {
             assert_eq!(count(&batch, "completed"), 5, "{batch}");
             client.results(&batch).await.assert_each_once(lines);
         }
+        // The default page is 20 batches.
+        let page = client.get("/v1/batches").await.expect(200);
+        assert_eq!(page["data"].as_array().unwrap().len(), 20, "{page}");
+        assert_eq!(page["has_more"], true);
         // Its files: its 40 inputs and their 40 outputs, nobody else's.
         let inputs = client.list_all("/v1/files", "purpose=batch", 100).await;
         let outputs = client
@@ -1411,7 +1415,19 @@ async fn in_sync_mode_without_keys_a_batch_completes_for_the_default_tenant() {
     results.assert_each_once(&lines);
     results.assert_answers_match(&lines);
     assert!(env.gateway.stats().total >= 50);
+    // A last line without its newline is a line.
+    let (text, lines) = input_jsonl("unterminated", 3, "llama-3");
+    let file = api
+        .upload_ok("unterminated.jsonl", text.trim_end().as_bytes())
+        .await;
+    let id2 = id_of(&api.create_batch_ok(&file).await);
+    let batch = api.wait_final(&id2, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    api.results(&batch).await.assert_each_once(&lines);
     // A key is ignored, not refused: every request is the default tenant's.
     let keyed = service.client(Some("sk-anything"));
-    assert_eq!(ids(&keyed.list_all("/v1/batches", "", 10).await), vec![id]);
+    assert_eq!(
+        ids(&keyed.list_all("/v1/batches", "", 10).await),
+        vec![id2, id]
+    );
 }
