@@ -1,7 +1,8 @@
-//! `processor serve` end to end: its OpenAI-style HTTP API (files, batches, errors, tenants),
-//! a `kill -9` and a SIGTERM in the middle of a job, file expiry, and 200 batches at once from
-//! five tenants. Real redis-server, the simulated dispatcher and gateway in-process, and the
-//! `processor` binary; one test in sync mode.
+//! `processor serve` end to end: its OpenAI-style HTTP API (files, batches, pagination, errors,
+//! tenants, live counts, cancel, expiry of batches and files), `kill -9`, SIGTERM and SIGINT in
+//! the middle of jobs (every line exactly once after a restart, every file and batch listed as
+//! before), a Redis outage, and 200 batches at once from five tenants. Real redis-server, the
+//! simulated dispatcher and gateway in-process, the `processor` binary; two tests in sync mode.
 
 mod support;
 
@@ -14,7 +15,7 @@ use serde_json::{json, Value};
 use support::serve::*;
 use support::*;
 
-/// Two tenants, as `(key, tenant)`.
+/// Two tenants' keys, and the `(key, tenant)` pairs of the keys file.
 const KEY_A: &str = "sk-test-alpha-0001";
 const KEY_B: &str = "sk-test-beta-0002";
 const TWO_TENANTS: &[(&str, &str)] = &[(KEY_A, "alpha"), (KEY_B, "beta")];
