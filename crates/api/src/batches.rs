@@ -274,7 +274,10 @@ async fn lines_so_far(
         let Some(file_id) = file_id else {
             return Ok((jsonl, Body::empty()).into_response());
         };
-        let object = api.storage.get(&batch_jobs::storage_key(file_id)).await?;
+        let Some(record) = api.store.file(file_id).await? else {
+            return Ok((jsonl, Body::empty()).into_response());
+        };
+        let object = api.storage.get(&record.storage_key()).await?;
         let stream = object.stream.map_err(std::io::Error::other);
         return Ok((jsonl, Body::from_stream(stream)).into_response());
     }

@@ -42,7 +42,15 @@ pub(crate) async fn upload(
                         return Err(ApiError::invalid("Only one file per upload.", Some("file")));
                     }
                     let filename = field.file_name().unwrap_or("upload.jsonl").to_owned();
-                    let bytes = store_file(&api, &key, field).await?;
+                    let bytes = match store_file(&api, &key, field).await {
+                        Ok(bytes) => bytes,
+                        Err(e) => {
+                            if e.status == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                                drain(&mut form).await;
+                            }
+                            return Err(e);
+                        }
+                    };
                     uploaded = Some((filename, bytes));
                 }
                 "purpose" => purpose = Some(small_text(field).await?),
@@ -84,6 +92,7 @@ pub(crate) async fn upload(
                 status: "processed".into(),
                 status_details: None,
             },
+            key: None,
         })
     }
     .await;
@@ -99,6 +108,21 @@ pub(crate) async fn upload(
     api.store.put_file(&stored).await?;
     tracing::info!(file = %stored.file.id, tenant = %stored.tenant, bytes = stored.file.bytes, "file uploaded");
     Ok(Json(stored.file))
+}
+
+/// Reads and drops the rest of a refused upload (up to a bound), so that the client, which is
+/// still sending, reads the 413 instead of a reset connection (which SDKs retry).
+async fn drain(form: &mut Multipart) {
+    const MAX_DRAIN: u64 = 1 << 30;
+    let mut drained = 0u64;
+    while let Ok(Some(mut field)) = form.next_field().await {
+        while let Ok(Some(chunk)) = field.chunk().await {
+            drained += chunk.len() as u64;
+            if drained > MAX_DRAIN {
+                return;
+            }
+        }
+    }
 }
 
 fn bad_form(e: axum::extract::multipart::MultipartError) -> ApiError {

@@ -80,6 +80,9 @@ const SERVE_KEYS: &[&str] = &[
     "max_active_jobs",
     "state_prefix",
     "reaper_interval",
+    "replica_id",
+    "lease_ttl",
+    "checkpoint_interval",
 ];
 
 impl ProcessorConfig {
@@ -268,6 +271,9 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
         max_active_jobs: c.count(&t, "max_active_jobs", d.max_active_jobs, 1),
         state_prefix,
         reaper_interval: c.positive_duration(&t, "reaper_interval", d.reaper_interval),
+        replica_id: name_part(c, &t, "replica_id", "replica id").unwrap_or(d.replica_id),
+        lease_ttl: c.positive_duration(&t, "lease_ttl", d.lease_ttl),
+        checkpoint_interval: c.positive_duration(&t, "checkpoint_interval", d.checkpoint_interval),
     }
 }
 

@@ -365,6 +365,16 @@ pub struct ServeConfig {
     /// How often expired files are deleted (default 60s).
     #[serde(serialize_with = "ser_duration")]
     pub reaper_interval: Duration,
+    /// This replica's stable name (default: the host name; a StatefulSet pod keeps its name).
+    /// A restarted replica resumes the jobs recorded under it.
+    pub replica_id: String,
+    /// How long a job's lease outlives its replica's last heartbeat (default 30s): another
+    /// replica takes the job over after it.
+    #[serde(serialize_with = "ser_duration")]
+    pub lease_ttl: Duration,
+    /// How often a running job's partial results are copied to storage (default 30s).
+    #[serde(serialize_with = "ser_duration")]
+    pub checkpoint_interval: Duration,
 }
 
 impl ServeConfig {
@@ -378,6 +388,28 @@ impl ServeConfig {
             max_active_jobs: 16,
             state_prefix: "batch-processor".into(),
             reaper_interval: Duration::from_secs(60),
+            replica_id: host_name(),
+            lease_ttl: Duration::from_secs(30),
+            checkpoint_interval: Duration::from_secs(30),
         }
     }
+}
+
+/// The host's name, or `replica` when it cannot be read; `:` and braces become `-` so that it
+/// fits in a Redis key part.
+fn host_name() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "replica".to_owned());
+    name.chars()
+        .map(|c| {
+            if matches!(c, ':' | '{' | '}') || c.is_whitespace() {
+                '-'
+            } else {
+                c
+            }
+        })
+        .collect()
 }

@@ -77,6 +77,36 @@ fn new_job_id() -> String {
     format!("batch_{:032x}", rand::random::<u128>())
 }
 
+/// A cut of a running job's files (see [`Job::checkpoint`]); [`restore_checkpoint`] writes
+/// the small files back into a directory where the result files' prefixes were put.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    /// Bytes of `output.jsonl` that hold whole lines.
+    pub output_len: u64,
+    /// Bytes of `error.jsonl` that hold whole lines.
+    pub error_len: u64,
+    /// `batch.json`.
+    pub batch: Vec<u8>,
+    /// `job-state.json` (the input's digest, the result lists the job's requests name).
+    pub manifest: Vec<u8>,
+}
+
+/// Writes a checkpoint's `batch.json` and `job-state.json` into `dir`, which then resumes like
+/// the directory the checkpoint was taken from (its result files are the caller's to put back).
+pub fn restore_checkpoint(dir: &Path, batch: &[u8], manifest: &[u8]) -> Result<(), ExecError> {
+    std::fs::create_dir_all(dir).map_err(|e| ExecError::io(dir, e))?;
+    for (name, bytes) in [
+        (batch_sink::BATCH_FILE, batch),
+        (crate::dir::MANIFEST_FILE, manifest),
+    ] {
+        let path = dir.join(name);
+        let tmp = dir.join(format!(".{name}.restore"));
+        std::fs::write(&tmp, bytes).map_err(|e| ExecError::io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| ExecError::io(&path, e))?;
+    }
+    Ok(())
+}
+
 /// How a job's dispatch ended.
 #[derive(Debug)]
 pub(crate) enum End {
@@ -452,6 +482,32 @@ impl Job {
             param: None,
             line: None,
         });
+    }
+
+    /// A consistent cut of the job's files, to copy elsewhere while it runs: the result files
+    /// up to lengths that hold whole lines only, and the job's own small files as they are.
+    pub fn checkpoint(&self) -> Result<Checkpoint, ExecError> {
+        let (output_len, error_len) = {
+            let mut sink = self.sink.lock().expect("sink lock");
+            sink.flush()?;
+            sink.committed_lengths()
+        };
+        let batch = serde_json::to_vec(&*self.batch.lock().expect("batch lock"))
+            .expect("a batch serializes");
+        let manifest_path = self.dir.join(crate::dir::MANIFEST_FILE);
+        let manifest =
+            std::fs::read(&manifest_path).map_err(|e| ExecError::io(&manifest_path, e))?;
+        Ok(Checkpoint {
+            output_len,
+            error_len,
+            batch,
+            manifest,
+        })
+    }
+
+    /// The job's directory (its result files, `batch.json`, `job-state.json`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Flushes and syncs the result files.

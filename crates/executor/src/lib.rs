@@ -49,7 +49,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 pub use dir::{LOCK_FILE, MANIFEST_FILE};
-pub use job::{Job, JobProgress, JobSpec, Prepared};
+pub use job::{restore_checkpoint, Checkpoint, Job, JobProgress, JobSpec, Prepared};
 
 use async_mode::AsyncMode;
 use job::End;
@@ -303,19 +303,37 @@ impl Executor {
         job: Arc<Job>,
         cancel: CancellationToken,
     ) -> Result<Batch, ExecError> {
+        self.execute_until(job, cancel, self.pause.child_token())
+            .await
+    }
+
+    /// Like [`Executor::execute`], also paused by `pause` alone (a service that lost a job's
+    /// lease stops it without stopping the others). Make it with [`Executor::job_pause`] so that
+    /// [`Executor::pause`] stops it too.
+    pub async fn execute_until(
+        &self,
+        job: Arc<Job>,
+        cancel: CancellationToken,
+        pause: CancellationToken,
+    ) -> Result<Batch, ExecError> {
         self.resolve_unknown_models(&job).await?;
         let end = if job.status() == BatchStatus::Cancelling || cancel.is_cancelled() {
             End::Cancelled
-        } else if self.pause.is_cancelled() {
+        } else if pause.is_cancelled() {
             End::Paused
         } else {
             self.dispatch.register(&job);
-            let stop = Stop::new(job.expires_at(), cancel, self.pause.clone());
+            let stop = Stop::new(job.expires_at(), cancel, pause.clone());
             self.dispatch.run(&job, &stop).await
         };
-        let result = self.finish(&job, end).await;
+        let result = self.finish(&job, end, &pause).await;
         self.dispatch.unregister(&job);
         result
+    }
+
+    /// A pause token for one job: fired by [`Executor::pause`] as well.
+    pub fn job_pause(&self) -> CancellationToken {
+        self.pause.child_token()
     }
 
     async fn resolve_unknown_models(&self, job: &Arc<Job>) -> Result<(), ExecError> {
@@ -357,7 +375,12 @@ impl Executor {
         .await
     }
 
-    async fn finish(&self, job: &Arc<Job>, end: End) -> Result<Batch, ExecError> {
+    async fn finish(
+        &self,
+        job: &Arc<Job>,
+        end: End,
+        pause: &CancellationToken,
+    ) -> Result<Batch, ExecError> {
         if let End::Paused = end {
             let j = job.clone();
             blocking(move || j.sync_files()).await?;
@@ -403,7 +426,7 @@ impl Executor {
         if !matches!(end, End::Completed) {
             // Withdrawing needs Redis; it stops for a pause, and gives up after WITHDRAW_PATIENCE
             // (the dispatcher drops expired requests, and cancel markers cover the rest).
-            let give_up = self.pause.child_token();
+            let give_up = pause.child_token();
             let timer = {
                 let give_up = give_up.clone();
                 tokio::spawn(async move {
@@ -415,7 +438,7 @@ impl Executor {
                 tracing::error!(job = %job.id, error = %e, "could not withdraw pending requests; their results will be ignored");
             }
             timer.abort();
-            if self.pause.is_cancelled() && matches!(end, End::Cancelled) {
+            if pause.is_cancelled() && matches!(end, End::Cancelled) {
                 // Stopped half way through a cancel: the next run finishes it.
                 return Ok(job.batch.lock().expect("batch lock").clone());
             }

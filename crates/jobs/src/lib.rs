@@ -19,7 +19,7 @@
 mod records;
 
 use std::collections::BTreeMap;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use batch_wire::BatchStatus;
 use fred::clients::Client;
@@ -96,6 +96,25 @@ pub enum CancelRequest {
     Already,
 }
 
+/// A replica's hold on a running job. The epoch grows with every new holder, so a replica that
+/// lost the job (paused, cut off) cannot write for it any more: fenced writes compare it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The batch id.
+    pub job: String,
+    /// The holder.
+    pub replica: String,
+    /// The fencing epoch.
+    pub epoch: u64,
+}
+
+impl Lease {
+    /// The lease key's value.
+    pub fn value(&self) -> String {
+        format!("{}#{}", self.replica, self.epoch)
+    }
+}
+
 /// The service's state in Redis.
 #[derive(Clone)]
 pub struct Store {
@@ -110,6 +129,10 @@ struct Scripts {
     create_batch: Script,
     save_batch: Script,
     claim: Script,
+    adopt: Script,
+    renew: Script,
+    release: Script,
+    checkpoint: Script,
     cancel: Script,
 }
 
@@ -140,9 +163,11 @@ redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
 return 1
 "#;
 
-/// KEYS: record, status counts. ARGV: json, new status. Moves the status count along with the
-/// record, reading the old status from the stored record itself.
+/// KEYS: record, status counts, lease. ARGV: json, new status, the lease it needs ("" for none).
+/// Moves the status count along with the record, reading the old status from the stored record
+/// itself. Refused (0) when the writer no longer holds the job's lease.
 const SAVE_BATCH_LUA: &str = r#"
+if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then return 0 end
 local old = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], ARGV[1])
 if old then
@@ -157,13 +182,63 @@ end
 return 1
 "#;
 
-/// KEYS: a queue, running. ARGV: replica. The most urgent job of the queue, now the replica's.
+/// KEYS: a queue, running. ARGV: replica, key prefix, lease ms. The most urgent job of the
+/// queue, now the replica's under a new lease: `{id, epoch}`.
 const CLAIM_LUA: &str = r#"
 local first = redis.call('ZRANGE', KEYS[1], 0, 0)
 if #first == 0 then return false end
-redis.call('ZREM', KEYS[1], first[1])
-redis.call('HSET', KEYS[2], first[1], ARGV[1])
-return first[1]
+local id = first[1]
+redis.call('ZREM', KEYS[1], id)
+local epoch = redis.call('INCR', ARGV[2] .. ':epoch:' .. id)
+redis.call('SET', ARGV[2] .. ':lease:' .. id, ARGV[1] .. '#' .. epoch, 'PX', ARGV[3])
+redis.call('HSET', KEYS[2], id, ARGV[1])
+return {id, epoch}
+"#;
+
+/// KEYS: running, lease, epoch. ARGV: id, replica, lease ms. Takes a running job whose lease
+/// lapsed (its replica is gone), or one this replica held in an earlier life; returns the new
+/// epoch, which fences every earlier holder.
+const ADOPT_LUA: &str = r#"
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return false end
+local lease = redis.call('GET', KEYS[2])
+if lease and string.match(lease, '^(.*)#') ~= ARGV[2] then return false end
+local epoch = redis.call('INCR', KEYS[3])
+redis.call('SET', KEYS[2], ARGV[2] .. '#' .. epoch, 'PX', ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return epoch
+"#;
+
+/// ARGV: lease ms, then lease key and expected value pairs. Renews each lease still held;
+/// returns the positions (0-based) of those lost.
+const RENEW_LUA: &str = r#"
+local lost = {}
+local n = 0
+for i = 2, #ARGV, 2 do
+  if redis.call('GET', ARGV[i]) == ARGV[i + 1] then
+    redis.call('PEXPIRE', ARGV[i], ARGV[1])
+  else
+    table.insert(lost, n)
+  end
+  n = n + 1
+end
+return lost
+"#;
+
+/// KEYS: lease, running (or none). ARGV: expected lease, id. Lets go of a lease still held; with
+/// `running`, the job is also no longer anybody's (it ended).
+const RELEASE_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) else
+  if KEYS[2] then return 0 end
+end
+if KEYS[2] then redis.call('HDEL', KEYS[2], ARGV[2]) end
+return 1
+"#;
+
+/// KEYS: checkpoint, lease. ARGV: json, expected lease. Records a checkpoint while the lease holds.
+const CHECKPOINT_LUA: &str = r#"
+if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
 "#;
 
 /// KEYS: cancel marker, queue, cancel queue. ARGV: id, now.
@@ -188,6 +263,10 @@ impl Store {
                 create_batch: Script::from_lua(CREATE_BATCH_LUA),
                 save_batch: Script::from_lua(SAVE_BATCH_LUA),
                 claim: Script::from_lua(CLAIM_LUA),
+                adopt: Script::from_lua(ADOPT_LUA),
+                renew: Script::from_lua(RENEW_LUA),
+                release: Script::from_lua(RELEASE_LUA),
+                checkpoint: Script::from_lua(CHECKPOINT_LUA),
                 cancel: Script::from_lua(CANCEL_LUA),
             }),
         }
@@ -337,17 +416,31 @@ impl Store {
         Ok(())
     }
 
-    /// Replaces a batch's record (by its runner).
-    pub async fn save_batch(&self, batch: &StoredBatch) -> Result<(), StoreError> {
+    /// Replaces a batch's record, as the holder of `lease` (`None`: unfenced, for tools).
+    /// Returns false, writing nothing, when the lease is no longer held.
+    pub async fn save_batch(
+        &self,
+        batch: &StoredBatch,
+        lease: Option<&Lease>,
+    ) -> Result<bool, StoreError> {
         let b = &batch.batch.batch;
-        let keys = vec![self.key(&["batch", &b.id]), self.key(&["status_counts"])];
+        let keys = vec![
+            self.key(&["batch", &b.id]),
+            self.key(&["status_counts"]),
+            self.key(&["lease", &b.id]),
+        ];
         let json = serde_json::to_string(batch).expect("a batch record serializes");
-        let _: i64 = self
+        let expected = lease.map(Lease::value).unwrap_or_default();
+        let n: i64 = self
             .scripts
             .save_batch
-            .evalsha_with_reload(&self.client, keys, vec![json, b.status.as_str().to_owned()])
+            .evalsha_with_reload(
+                &self.client,
+                keys,
+                vec![json, b.status.as_str().to_owned(), expected],
+            )
             .await?;
-        Ok(())
+        Ok(n == 1)
     }
 
     /// The batch `id` as the API shows it: a pending cancel request shows as `cancelling`.
@@ -426,43 +519,168 @@ impl Store {
         Ok(n == 1)
     }
 
-    /// Takes the most urgent queued job (earliest deadline) for `replica`, or `None`.
-    pub async fn claim_queued(&self, replica: &str) -> Result<Option<String>, StoreError> {
-        self.claim("queue", replica).await
+    /// Takes the most urgent queued job (earliest deadline) for `replica` under a new lease.
+    pub async fn claim_queued(
+        &self,
+        replica: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, StoreError> {
+        self.claim("queue", replica, ttl).await
     }
 
-    /// Takes a job whose cancel was asked while it waited in the queue, or `None`.
-    pub async fn claim_cancelled(&self, replica: &str) -> Result<Option<String>, StoreError> {
-        self.claim("cancelq", replica).await
+    /// Takes a job whose cancel was asked while it waited in the queue.
+    pub async fn claim_cancelled(
+        &self,
+        replica: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, StoreError> {
+        self.claim("cancelq", replica, ttl).await
     }
 
-    async fn claim(&self, queue: &str, replica: &str) -> Result<Option<String>, StoreError> {
+    async fn claim(
+        &self,
+        queue: &str,
+        replica: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, StoreError> {
         let keys = vec![self.key(&[queue]), self.key(&["running"])];
-        let id: Option<String> = self
+        let args = vec![replica.to_owned(), self.prefix.clone(), millis(ttl)];
+        let got: Option<(String, u64)> = self
             .scripts
             .claim
-            .evalsha_with_reload(&self.client, keys, vec![replica.to_owned()])
+            .evalsha_with_reload(&self.client, keys, args)
             .await?;
-        Ok(id)
+        Ok(got.map(|(id, epoch)| Lease {
+            job: id,
+            replica: replica.to_owned(),
+            epoch,
+        }))
     }
 
-    /// The jobs `replica` was running (to resume after a restart).
-    pub async fn running_on(&self, replica: &str) -> Result<Vec<String>, StoreError> {
-        let all: BTreeMap<String, String> =
-            fred::interfaces::HashesInterface::hgetall(&self.client, self.key(&["running"]))
-                .await?;
-        Ok(all
+    /// Takes over job `id` if its lease lapsed, or if `replica` held it before (a restart).
+    pub async fn adopt(
+        &self,
+        id: &str,
+        replica: &str,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, StoreError> {
+        let keys = vec![
+            self.key(&["running"]),
+            self.key(&["lease", id]),
+            self.key(&["epoch", id]),
+        ];
+        let args = vec![id.to_owned(), replica.to_owned(), millis(ttl)];
+        let epoch: Option<u64> = self
+            .scripts
+            .adopt
+            .evalsha_with_reload(&self.client, keys, args)
+            .await?;
+        Ok(epoch.map(|epoch| Lease {
+            job: id.to_owned(),
+            replica: replica.to_owned(),
+            epoch,
+        }))
+    }
+
+    /// Renews `leases`; returns those that were lost (another replica took the job).
+    pub async fn renew(&self, leases: &[Lease], ttl: Duration) -> Result<Vec<Lease>, StoreError> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut args = vec![millis(ttl)];
+        for lease in leases {
+            args.push(self.key(&["lease", &lease.job]));
+            args.push(lease.value());
+        }
+        let keys: Vec<String> = Vec::new();
+        let lost: Vec<usize> = self
+            .scripts
+            .renew
+            .evalsha_with_reload(&self.client, keys, args)
+            .await?;
+        Ok(lost
             .into_iter()
-            .filter(|(_, r)| r == replica)
-            .map(|(id, _)| id)
+            .filter_map(|i| leases.get(i).cloned())
             .collect())
     }
 
-    /// Marks job `id` as run by nobody (it ended).
-    pub async fn release(&self, id: &str) -> Result<(), StoreError> {
+    /// Lets go of a lease (a shutdown: another replica may take the job at once).
+    pub async fn release_lease(&self, lease: &Lease) -> Result<(), StoreError> {
+        let keys = vec![self.key(&["lease", &lease.job])];
+        let _: i64 = self
+            .scripts
+            .release
+            .evalsha_with_reload(&self.client, keys, vec![lease.value(), lease.job.clone()])
+            .await?;
+        Ok(())
+    }
+
+    /// Marks a job that ended as nobody's: its lease and running entry go. False when the lease
+    /// was lost meanwhile (the new holder finishes it).
+    pub async fn release(&self, lease: &Lease) -> Result<bool, StoreError> {
+        let keys = vec![self.key(&["lease", &lease.job]), self.key(&["running"])];
+        let n: i64 = self
+            .scripts
+            .release
+            .evalsha_with_reload(&self.client, keys, vec![lease.value(), lease.job.clone()])
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Forgets a running entry whatever its lease (its batch has no record).
+    pub async fn forget_running(&self, id: &str) -> Result<(), StoreError> {
         let _: i64 =
             fred::interfaces::HashesInterface::hdel(&self.client, self.key(&["running"]), id)
                 .await?;
+        Ok(())
+    }
+
+    /// Every running job and the replica it was given to.
+    pub async fn running(&self) -> Result<BTreeMap<String, String>, StoreError> {
+        let all: BTreeMap<String, String> =
+            fred::interfaces::HashesInterface::hgetall(&self.client, self.key(&["running"]))
+                .await?;
+        Ok(all)
+    }
+
+    /// Of `ids`, those whose lease lapsed.
+    pub async fn unleased(&self, ids: &[String]) -> Result<Vec<String>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = ids.iter().map(|id| self.key(&["lease", id])).collect();
+        let values: Vec<Option<String>> = self.client.mget(keys).await?;
+        Ok(ids
+            .iter()
+            .zip(values)
+            .filter(|(_, v)| v.is_none())
+            .map(|(id, _)| id.clone())
+            .collect())
+    }
+
+    /// Records job `lease.job`'s latest checkpoint (opaque JSON) while the lease holds.
+    pub async fn save_checkpoint(&self, lease: &Lease, json: &str) -> Result<bool, StoreError> {
+        let keys = vec![
+            self.key(&["checkpoint", &lease.job]),
+            self.key(&["lease", &lease.job]),
+        ];
+        let n: i64 = self
+            .scripts
+            .checkpoint
+            .evalsha_with_reload(&self.client, keys, vec![json.to_owned(), lease.value()])
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Job `id`'s latest checkpoint.
+    pub async fn checkpoint(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let json: Option<String> = self.client.get(self.key(&["checkpoint", id])).await?;
+        Ok(json)
+    }
+
+    /// Forgets job `id`'s checkpoint (it ended).
+    pub async fn forget_checkpoint(&self, id: &str) -> Result<(), StoreError> {
+        let _: i64 = self.client.del(self.key(&["checkpoint", id])).await?;
         Ok(())
     }
 
@@ -520,6 +738,10 @@ impl Store {
             .filter_map(|(k, v)| v.map(|v| parse(k, &v)))
             .collect()
     }
+}
+
+fn millis(d: Duration) -> String {
+    d.as_millis().max(1).to_string()
 }
 
 fn split_more(mut ids: Vec<String>, limit: usize) -> (Vec<String>, bool) {

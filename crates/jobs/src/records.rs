@@ -33,12 +33,18 @@ pub struct StoredFile {
     pub tenant: String,
     /// The object the API shows.
     pub file: FileObject,
+    /// Where its bytes are, when not at [`storage_key`] of its id (result files: per lease
+    /// epoch, so that a fenced replica's late upload never replaces the holder's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 impl StoredFile {
     /// The storage key of its bytes.
     pub fn storage_key(&self) -> String {
-        storage_key(&self.file.id)
+        self.key
+            .clone()
+            .unwrap_or_else(|| storage_key(&self.file.id))
     }
 }
 

@@ -23,6 +23,7 @@ fn file(tenant: &str, id: &str, purpose: &str, expires_at: Option<i64>) -> Store
             status: "processed".into(),
             status_details: None,
         },
+        key: None,
     }
 }
 
@@ -113,6 +114,12 @@ async fn expired_files_are_found_by_time() {
     assert_eq!(s.expired_files(250, 10).await.unwrap(), ["file-2"]);
 }
 
+const TTL: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn job_of(lease: Option<Lease>) -> Option<String> {
+    lease.map(|l| l.job)
+}
+
 #[tokio::test]
 async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     let redis = RedisServer::start();
@@ -126,10 +133,8 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     s.create_batch(&batch("a", "batch_mid", 200)).await.unwrap();
     assert_eq!(s.queued().await.unwrap(), 3);
 
-    assert_eq!(
-        s.claim_queued("r1").await.unwrap().as_deref(),
-        Some("batch_soon")
-    );
+    let soon = s.claim_queued("r1", TTL).await.unwrap().unwrap();
+    assert_eq!((soon.job.as_str(), soon.epoch), ("batch_soon", 1));
     assert_eq!(
         s.request_cancel("batch_late").await.unwrap(),
         CancelRequest::WasQueued
@@ -148,21 +153,68 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     assert_eq!(shown.batch.status(), BatchStatus::Cancelling);
 
     assert_eq!(
-        s.claim_cancelled("r1").await.unwrap().as_deref(),
+        job_of(s.claim_cancelled("r1", TTL).await.unwrap()).as_deref(),
         Some("batch_late")
     );
-    assert_eq!(s.claim_cancelled("r1").await.unwrap(), None);
+    assert_eq!(s.claim_cancelled("r1", TTL).await.unwrap(), None);
     assert_eq!(
-        s.claim_queued("r2").await.unwrap().as_deref(),
+        job_of(s.claim_queued("r2", TTL).await.unwrap()).as_deref(),
         Some("batch_mid")
     );
-    assert_eq!(s.claim_queued("r2").await.unwrap(), None);
+    assert_eq!(s.claim_queued("r2", TTL).await.unwrap(), None);
+    let running = s.running().await.unwrap();
+    assert_eq!(running.get("batch_soon").map(String::as_str), Some("r1"));
+    assert_eq!(running.get("batch_mid").map(String::as_str), Some("r2"));
+    assert!(s.release(&soon).await.unwrap());
+    assert!(!s.running().await.unwrap().contains_key("batch_soon"));
+}
+
+#[tokio::test]
+async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    s.create_batch(&batch("a", "batch_1", 100)).await.unwrap();
+    let short = std::time::Duration::from_millis(300);
+    let first = s.claim_queued("r1", short).await.unwrap().unwrap();
+    let record = s.batch("batch_1").await.unwrap().unwrap();
+    assert!(s.save_batch(&record, Some(&first)).await.unwrap());
+
+    // Held: nobody else may take it, and renewing keeps it.
+    assert_eq!(s.adopt("batch_1", "r2", TTL).await.unwrap(), None);
+    assert!(s
+        .renew(std::slice::from_ref(&first), short)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(s.unleased(&["batch_1".into()]).await.unwrap().is_empty());
+
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(s.unleased(&["batch_1".into()]).await.unwrap(), ["batch_1"]);
+    let second = s.adopt("batch_1", "r2", TTL).await.unwrap().unwrap();
+    assert_eq!(second.epoch, first.epoch + 1);
+
+    // The first holder wakes up: it has lost the job and cannot write for it.
+    let lost = s.renew(std::slice::from_ref(&first), TTL).await.unwrap();
+    assert_eq!(lost.len(), 1);
+    assert_eq!(lost[0], first);
+    assert!(!s.save_batch(&record, Some(&first)).await.unwrap());
+    assert!(!s.save_checkpoint(&first, "{}").await.unwrap());
+    assert!(!s.release(&first).await.unwrap());
+    assert!(s.save_checkpoint(&second, r#"{"n":1}"#).await.unwrap());
     assert_eq!(
-        s.running_on("r1").await.unwrap(),
-        ["batch_late", "batch_soon"]
+        s.checkpoint("batch_1").await.unwrap().as_deref(),
+        Some(r#"{"n":1}"#)
     );
-    s.release("batch_soon").await.unwrap();
-    assert_eq!(s.running_on("r1").await.unwrap(), ["batch_late"]);
+    assert!(s.save_batch(&record, Some(&second)).await.unwrap());
+
+    // A shutdown hands it over at once; a restarted r2 may take its own job back.
+    s.release_lease(&second).await.unwrap();
+    let third = s.adopt("batch_1", "r3", TTL).await.unwrap().unwrap();
+    assert_eq!(third.epoch, 3);
+    let again = s.adopt("batch_1", "r3", TTL).await.unwrap().unwrap();
+    assert_eq!(again.epoch, 4, "the same replica after a restart");
+    assert!(s.release(&again).await.unwrap());
+    assert_eq!(s.adopt("batch_1", "r1", TTL).await.unwrap(), None, "ended");
 }
 
 #[tokio::test]
@@ -176,8 +228,8 @@ async fn saving_moves_status_counts_and_lists_newest_first() {
     }
     let mut b = s.batch("batch_2").await.unwrap().unwrap();
     b.batch.batch.set_status(BatchStatus::InProgress, 5);
-    s.save_batch(&b).await.unwrap();
-    s.save_batch(&b).await.unwrap();
+    s.save_batch(&b, None).await.unwrap();
+    s.save_batch(&b, None).await.unwrap();
     let counts = s.status_counts().await.unwrap();
     assert_eq!(counts.get("validating"), Some(&4));
     assert_eq!(counts.get("in_progress"), Some(&1));

@@ -4,7 +4,7 @@
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use batch_jobs::{now_unix, FileObject, FineCounts, StoredBatch, StoredFile, Usage};
+use batch_jobs::{now_unix, FileObject, FineCounts, Lease, StoredBatch, StoredFile, Usage};
 use batch_wire::{error_codes, Batch, BatchStatus};
 use serde::Deserialize;
 
@@ -141,6 +141,7 @@ pub(crate) async fn finish(
     record: &mut StoredBatch,
     batch: &Batch,
     dir: &Path,
+    lease: &Lease,
 ) -> Result<(), RunError> {
     let out = dir.join("out");
     let id = record.batch.batch.id.clone();
@@ -151,15 +152,15 @@ pub(crate) async fn finish(
             .map_err(|e| RunError::Other(format!("scanning results panicked: {e}")))?
             .map_err(|e| RunError::Other(format!("{}: {e}", out.display())))?
     };
-    if scanned.output_lines + scanned.error_lines > 0 {
+    {
+        // Also proves the lease still holds before anything is uploaded.
         let b = &mut record.batch.batch;
         b.request_counts = batch.request_counts;
-        if batch.status == BatchStatus::Completed {
+        if batch.status == BatchStatus::Completed && scanned.output_lines + scanned.error_lines > 0
+        {
             b.set_status(BatchStatus::Finalizing, now_unix());
         }
-        runner
-            .retry("saving a batch", || runner.store.save_batch(record))
-            .await?;
+        runner.save(record, lease).await?;
     }
     let expires_at = record
         .output_expires_after
@@ -174,7 +175,8 @@ pub(crate) async fn finish(
         }
         let file_id = result_file_id(&id, kind);
         let local: PathBuf = out.join(file);
-        let key = batch_jobs::storage_key(&file_id);
+        // Per epoch: a fenced replica's late upload lands beside the holder's, never on it.
+        let key = format!("results/{id}/{}/{file}", lease.epoch);
         let bytes = runner.storage.put_file(&key, &local).await?;
         let stored = StoredFile {
             tenant: record.tenant.clone(),
@@ -189,6 +191,7 @@ pub(crate) async fn finish(
                 status: "processed".into(),
                 status_details: None,
             },
+            key: Some(key.clone()),
         };
         runner
             .retry("recording a result file", || runner.store.put_file(&stored))
@@ -211,9 +214,7 @@ pub(crate) async fn finish(
         cancelled: scanned.cancelled,
         expired: scanned.expired,
     };
-    runner
-        .retry("saving a batch", || runner.store.save_batch(record))
-        .await?;
+    runner.save(record, lease).await?;
     // The durable copy of the record, beside the files (Redis holds the live one).
     let json = serde_json::to_vec(record).expect("a batch record serializes");
     if let Err(e) = runner

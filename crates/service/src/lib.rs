@@ -36,7 +36,7 @@ use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use runner::Runner;
+use runner::{Runner, RunnerConfig};
 
 /// How long a shutdown waits for running jobs to pause.
 const PAUSE_PATIENCE: Duration = Duration::from_secs(7);
@@ -71,8 +71,7 @@ pub enum ServiceError {
 pub struct ServiceOptions {
     /// Listen here instead of `serve.listen`.
     pub listen: Option<SocketAddr>,
-    /// This replica's name in the job records (default: the host name). A restarted replica
-    /// resumes the jobs recorded under its name.
+    /// This replica's name in the job records, instead of `serve.replica_id`.
     pub replica_id: Option<String>,
     /// The metrics recorder to render on `/metrics` (default: installs the process's one).
     pub metrics: Option<batch_observability::MetricsHandle>,
@@ -126,14 +125,20 @@ impl Service {
         };
         let work_dir: PathBuf = config.work_dir.clone();
         let executor = Arc::new(Executor::new(config).await?);
-        let replica = options.replica_id.unwrap_or_else(host_name);
+        let replica = options
+            .replica_id
+            .unwrap_or_else(|| serve.replica_id.clone());
         let runner = Runner::new(
             store.clone(),
             storage.clone(),
             executor.clone(),
-            replica.clone(),
-            work_dir,
-            serve.max_active_jobs,
+            RunnerConfig {
+                replica: replica.clone(),
+                work_dir,
+                max_active_jobs: serve.max_active_jobs,
+                lease_ttl: serve.lease_ttl,
+                checkpoint_interval: serve.checkpoint_interval,
+            },
         );
         let listener = tokio::net::TcpListener::bind(listen)
             .await
@@ -258,13 +263,4 @@ impl Hooks for ServiceHooks {
                 .unwrap_or_default()
         })
     }
-}
-
-/// The host's name, which names this replica by default.
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "replica".to_owned())
 }

@@ -1,5 +1,7 @@
-//! Runs the service's jobs: takes queued batches by deadline, up to `max_active_jobs` at once,
-//! through the executor; publishes their progress; uploads their result files at the end.
+//! Runs the service's jobs: takes queued batches by deadline while it has a free slot (up to
+//! `max_active_jobs`), each under a lease renewed by a heartbeat; takes over the jobs of
+//! replicas whose leases lapsed; checkpoints running jobs to storage; uploads their result files
+//! at the end. Every write for a job is fenced by its lease epoch.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -7,10 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use batch_executor::{Executor, JobSpec, Prepared};
-use batch_jobs::{now_unix, Store, StoreError, StoredBatch};
+use batch_jobs::{now_unix, Lease, Store, StoreError, StoredBatch};
 use batch_storage::{Storage, StorageError};
 use batch_wire::{Batch, BatchError, BatchErrors, BatchStatus};
-use tokio::sync::{Notify, Semaphore};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -20,10 +23,25 @@ use crate::finalize;
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(500);
 /// How often an idle runner looks at the queue (a batch created here wakes it at once).
 const POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// The file in a job's local directory naming the lease epoch it was last run under.
+const EPOCH_FILE: &str = "epoch";
+
+/// How the runner is set up.
+#[derive(Debug, Clone)]
+pub(crate) struct RunnerConfig {
+    pub replica: String,
+    pub work_dir: PathBuf,
+    pub max_active_jobs: usize,
+    pub lease_ttl: Duration,
+    pub checkpoint_interval: Duration,
+}
 
 /// A job this replica runs now.
 struct Active {
     dir: PathBuf,
+    lease: Lease,
+    /// Fired when the lease is lost: the job stops writing at once.
+    fenced: CancellationToken,
 }
 
 /// The part of the service that runs jobs.
@@ -31,8 +49,7 @@ pub(crate) struct Runner {
     pub(crate) store: Store,
     pub(crate) storage: Storage,
     pub(crate) executor: Arc<Executor>,
-    pub(crate) replica: String,
-    pub(crate) work_dir: PathBuf,
+    pub(crate) config: RunnerConfig,
     slots: Arc<Semaphore>,
     pub(crate) wake: Notify,
     /// Fired on shutdown: stop taking jobs (the executor's pause stops the running ones).
@@ -52,6 +69,22 @@ pub(crate) enum RunError {
     Other(String),
     #[error("stopped")]
     Stopped,
+    /// Another replica holds the job now.
+    #[error("the job's lease was lost to another replica")]
+    Fenced,
+}
+
+/// Where a job's latest checkpoint is, as recorded (fenced) in Redis.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct CheckpointRecord {
+    epoch: u64,
+    at: i64,
+    output_key: String,
+    error_key: String,
+    output_len: u64,
+    error_len: u64,
+    batch: String,
+    manifest: String,
 }
 
 impl Runner {
@@ -59,17 +92,14 @@ impl Runner {
         store: Store,
         storage: Storage,
         executor: Arc<Executor>,
-        replica: String,
-        work_dir: PathBuf,
-        max_active_jobs: usize,
+        config: RunnerConfig,
     ) -> Arc<Self> {
         Arc::new(Self {
             store,
             storage,
             executor,
-            replica,
-            work_dir,
-            slots: Arc::new(Semaphore::new(max_active_jobs)),
+            slots: Arc::new(Semaphore::new(config.max_active_jobs)),
+            config,
             wake: Notify::new(),
             stop: CancellationToken::new(),
             active: Mutex::new(HashMap::new()),
@@ -78,7 +108,7 @@ impl Runner {
     }
 
     fn job_dir(&self, id: &str) -> PathBuf {
-        self.work_dir.join("serve").join(id)
+        self.config.work_dir.join("serve").join(id)
     }
 
     /// Where the running job `id` writes `file` (`output.jsonl`, `error.jsonl`), when it runs here.
@@ -92,37 +122,46 @@ impl Runner {
         self.active.lock().expect("active lock").len()
     }
 
-    /// Resumes this replica's jobs, then takes queued ones as slots free, until stopped.
+    /// Resumes this replica's jobs, then takes queued ones and orphaned ones as slots free,
+    /// until stopped.
     pub(crate) async fn run(self: Arc<Self>) {
-        let resumed = self
-            .retry("listing this replica's jobs", || {
-                self.store.running_on(&self.replica)
-            })
+        let me = &self.config.replica;
+        let mine: Vec<String> = self
+            .retry("listing this replica's jobs", || self.store.running())
             .await
-            .unwrap_or_default();
-        if !resumed.is_empty() {
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(_, r)| r == me)
+            .map(|(id, _)| id)
+            .collect();
+        if !mine.is_empty() {
             tracing::info!(
-                jobs = resumed.len(),
+                jobs = mine.len(),
                 "resuming the jobs this replica was running"
             );
         }
-        for id in resumed {
+        for id in mine {
             let Some(permit) = self.slot().await else {
                 return;
             };
-            self.spawn_job(id, Some(permit));
+            match self.store.adopt(&id, me, self.config.lease_ttl).await {
+                Ok(Some(lease)) => self.spawn_job(lease, Some(permit), true),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(job = %id, error = %e, "could not resume a job"),
+            }
         }
-        let cancels = {
-            let me = self.clone();
-            tokio::spawn(async move { me.take_cancelled().await })
-        };
+        let side = [
+            tokio::spawn(self.clone().take_cancelled()),
+            tokio::spawn(self.clone().heartbeat()),
+            tokio::spawn(self.clone().take_over()),
+        ];
         loop {
             let Some(permit) = self.slot().await else {
                 break;
             };
-            match self.store.claim_queued(&self.replica).await {
-                Ok(Some(id)) => {
-                    self.spawn_job(id, Some(permit));
+            match self.store.claim_queued(me, self.config.lease_ttl).await {
+                Ok(Some(lease)) => {
+                    self.spawn_job(lease, Some(permit), false);
                     continue;
                 }
                 Ok(None) => {}
@@ -135,15 +174,21 @@ impl Runner {
                 _ = tokio::time::sleep(POLL_INTERVAL) => {}
             }
         }
-        let _ = cancels.await;
+        for task in side {
+            let _ = task.await;
+        }
     }
 
     /// Jobs cancelled while queued need no slot: they only close their lines.
     async fn take_cancelled(self: Arc<Self>) {
         loop {
-            match self.store.claim_cancelled(&self.replica).await {
-                Ok(Some(id)) => {
-                    self.spawn_job(id, None);
+            match self
+                .store
+                .claim_cancelled(&self.config.replica, self.config.lease_ttl)
+                .await
+            {
+                Ok(Some(lease)) => {
+                    self.spawn_job(lease, None, false);
                     continue;
                 }
                 Ok(None) => {}
@@ -157,25 +202,119 @@ impl Runner {
         }
     }
 
-    async fn slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    /// Renews the leases of the jobs running here, a third of the lease time apart; a job whose
+    /// lease was lost (this process was frozen or cut off past it) stops at once.
+    async fn heartbeat(self: Arc<Self>) {
+        let every = self.config.lease_ttl / 3;
+        loop {
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            let leases: Vec<Lease> = {
+                let active = self.active.lock().expect("active lock");
+                active.values().map(|a| a.lease.clone()).collect()
+            };
+            match self.store.renew(&leases, self.config.lease_ttl).await {
+                Ok(lost) => {
+                    for lease in lost {
+                        tracing::warn!(job = %lease.job, epoch = lease.epoch, "lost the job's lease to another replica; stopping it here");
+                        self.fence(&lease.job);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "could not renew job leases"),
+            }
+        }
+    }
+
+    fn fence(&self, id: &str) {
+        if let Some(a) = self.active.lock().expect("active lock").get(id) {
+            a.fenced.cancel();
+        }
+    }
+
+    /// Takes over jobs whose replica stopped renewing their leases, while a slot is free.
+    async fn take_over(self: Arc<Self>) {
+        let every = (self.config.lease_ttl / 4).clamp(Duration::from_millis(200), POLL_INTERVAL);
+        loop {
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            if self.slots.available_permits() == 0 {
+                continue;
+            }
+            let orphans = match self.orphans().await {
+                Ok(ids) => ids,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not look for jobs to take over");
+                    continue;
+                }
+            };
+            for id in orphans {
+                let Ok(permit) = self.slots.clone().try_acquire_owned() else {
+                    break;
+                };
+                match self
+                    .store
+                    .adopt(&id, &self.config.replica, self.config.lease_ttl)
+                    .await
+                {
+                    Ok(Some(lease)) => {
+                        tracing::info!(job = %id, epoch = lease.epoch, "taking over a job whose replica stopped");
+                        self.spawn_job(lease, Some(permit), true);
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(job = %id, error = %e, "could not take over a job"),
+                }
+            }
+        }
+    }
+
+    async fn orphans(&self) -> Result<Vec<String>, StoreError> {
+        let running = self.store.running().await?;
+        let here: Vec<String> = {
+            let active = self.active.lock().expect("active lock");
+            active.keys().cloned().collect()
+        };
+        let candidates: Vec<String> = running
+            .into_keys()
+            .filter(|id| !here.contains(id))
+            .collect();
+        self.store.unleased(&candidates).await
+    }
+
+    async fn slot(&self) -> Option<OwnedSemaphorePermit> {
         tokio::select! {
             _ = self.stop.cancelled() => None,
             permit = self.slots.clone().acquire_owned() => permit.ok(),
         }
     }
 
-    fn spawn_job(self: &Arc<Self>, id: String, permit: Option<tokio::sync::OwnedSemaphorePermit>) {
+    fn spawn_job(
+        self: &Arc<Self>,
+        lease: Lease,
+        permit: Option<OwnedSemaphorePermit>,
+        adopted: bool,
+    ) {
         let me = self.clone();
+        let fenced = self.executor.job_pause();
+        let id = lease.job.clone();
+        me.active.lock().expect("active lock").insert(
+            id.clone(),
+            Active {
+                dir: me.job_dir(&id),
+                lease: lease.clone(),
+                fenced: fenced.clone(),
+            },
+        );
         self.tasks.spawn(async move {
             let _permit = permit;
-            me.active.lock().expect("active lock").insert(
-                id.clone(),
-                Active {
-                    dir: me.job_dir(&id),
-                },
-            );
-            match me.run_job(&id).await {
+            match me.run_job(&lease, adopted, &fenced).await {
                 Ok(()) | Err(RunError::Stopped) => {}
+                Err(RunError::Fenced) => {
+                    tracing::info!(job = %id, "stopped here: another replica runs it now")
+                }
                 Err(e) => tracing::error!(job = %id, error = %e, "job bookkeeping failed; it resumes at the next start"),
             }
             me.active.lock().expect("active lock").remove(&id);
@@ -211,18 +350,45 @@ impl Runner {
         }
     }
 
-    async fn run_job(self: &Arc<Self>, id: &str) -> Result<(), RunError> {
+    /// Saves `record` as the holder of `lease`; [`RunError::Fenced`] when it no longer is.
+    pub(crate) async fn save(&self, record: &StoredBatch, lease: &Lease) -> Result<(), RunError> {
+        if self
+            .retry("saving a batch", || {
+                self.store.save_batch(record, Some(lease))
+            })
+            .await?
+        {
+            Ok(())
+        } else {
+            Err(RunError::Fenced)
+        }
+    }
+
+    async fn run_job(
+        self: &Arc<Self>,
+        lease: &Lease,
+        adopted: bool,
+        fenced: &CancellationToken,
+    ) -> Result<(), RunError> {
+        let id = lease.job.as_str();
         let Some(mut record) = self
             .retry("reading a batch", || self.store.batch(id))
             .await?
         else {
             tracing::warn!(job = %id, "a claimed batch has no record; dropping it");
-            return self.release(id).await;
+            return self
+                .retry("forgetting a job", || self.store.forget_running(id))
+                .await;
         };
-        if record.batch.status().is_terminal() {
-            return self.release(id).await;
-        }
         let dir = self.job_dir(id);
+        if record.batch.status().is_terminal() {
+            return self.end(lease, &dir).await;
+        }
+        if adopted {
+            self.restore(lease, &dir).await?;
+        }
+        write_epoch(&dir, lease.epoch)
+            .map_err(|e| RunError::Other(format!("{}: {e}", dir.display())))?;
         let input = dir.join("input.jsonl");
         if !input.exists() {
             let key = batch_jobs::storage_key(&record.batch.batch.input_file_id);
@@ -234,7 +400,7 @@ impl Runner {
                         record.batch.batch.input_file_id
                     );
                     return self
-                        .fail_unstarted(&mut record, "invalid_file", &message)
+                        .fail_unstarted(&mut record, lease, "invalid_file", &message)
                         .await;
                 }
                 Err(e) => return Err(e.into()),
@@ -260,55 +426,91 @@ impl Runner {
             Err(e) => {
                 let message = format!("The batch could not be started: {e}");
                 return self
-                    .fail_unstarted(&mut record, "batch_failed", &message)
+                    .fail_unstarted(&mut record, lease, "batch_failed", &message)
                     .await;
             }
         };
         let batch = match prepared {
             Prepared::Finished(batch) => *batch,
             Prepared::Ready(job) => {
-                let (done, watcher) = self.watch_progress(&job, record.clone(), cancel.clone());
-                let result = self.executor.execute(job, cancel.clone()).await;
+                let done = CancellationToken::new();
+                let watcher = tokio::spawn(self.clone().watch(
+                    job.clone(),
+                    record.clone(),
+                    lease.clone(),
+                    cancel.clone(),
+                    fenced.clone(),
+                    done.clone(),
+                ));
+                let result = self
+                    .executor
+                    .execute_until(job.clone(), cancel.clone(), fenced.clone())
+                    .await;
                 // Its last save must land before the final one.
                 done.cancel();
                 let _ = watcher.await;
                 match result {
+                    Ok(batch) if !batch.status.is_terminal() => {
+                        return self.paused(&job, &mut record, &batch, lease).await;
+                    }
                     Ok(batch) => batch,
                     Err(e) => {
                         let message = format!("The batch failed: {e}");
                         return self
-                            .fail_unstarted(&mut record, "batch_failed", &message)
+                            .fail_unstarted(&mut record, lease, "batch_failed", &message)
                             .await;
                     }
                 }
             }
         };
-        if !batch.status.is_terminal() {
-            // Paused by a shutdown: the next start resumes it.
-            merge(&mut record, &batch);
-            self.retry("saving a batch", || self.store.save_batch(&record))
-                .await?;
-            return Ok(());
+        finalize::finish(self, &mut record, &batch, &dir, lease).await?;
+        self.end(lease, &dir).await
+    }
+
+    /// A job stopped before its end: by a shutdown (its state goes to storage and its lease is
+    /// let go, so another replica may go on at once) or by a lost lease (nothing more is written).
+    async fn paused(
+        &self,
+        job: &Arc<batch_executor::Job>,
+        record: &mut StoredBatch,
+        batch: &Batch,
+        lease: &Lease,
+    ) -> Result<(), RunError> {
+        merge(record, batch);
+        self.save(record, lease).await?;
+        if let Err(e) = self.checkpoint(job, lease).await {
+            tracing::warn!(job = %lease.job, error = %e, "no checkpoint at shutdown; the next holder redoes more");
         }
-        finalize::finish(self, &mut record, &batch, &dir).await?;
-        self.release(id).await?;
-        self.forget_local(id, &dir).await;
+        self.retry("letting go of a lease", || self.store.release_lease(lease))
+            .await?;
         Ok(())
     }
 
-    async fn release(&self, id: &str) -> Result<(), RunError> {
-        self.retry("releasing a job", || self.store.release(id))
-            .await
-    }
-
-    async fn forget_local(&self, id: &str, dir: &Path) {
-        for d in [dir.to_path_buf(), self.work_dir.join(id)] {
+    /// The job ended (or was found ended): it is nobody's any more; its local and checkpoint
+    /// files go.
+    async fn end(&self, lease: &Lease, dir: &Path) -> Result<(), RunError> {
+        let id = lease.job.as_str();
+        if !self
+            .retry("releasing a job", || self.store.release(lease))
+            .await?
+        {
+            return Err(RunError::Fenced);
+        }
+        self.retry("forgetting a checkpoint", || {
+            self.store.forget_checkpoint(id)
+        })
+        .await?;
+        if let Err(e) = self.storage.delete_prefix(&checkpoint_prefix(id)).await {
+            tracing::warn!(job = %id, error = %e, "could not delete a finished job's checkpoints");
+        }
+        for d in [dir.to_path_buf(), self.config.work_dir.join(id)] {
             if let Err(e) = tokio::fs::remove_dir_all(&d).await {
                 if e.kind() != std::io::ErrorKind::NotFound {
                     tracing::warn!(job = %id, dir = %d.display(), error = %e, "could not remove a finished job's files");
                 }
             }
         }
+        Ok(())
     }
 
     /// Ends a batch that never reached the executor (its input is gone, its files cannot be
@@ -316,6 +518,7 @@ impl Runner {
     async fn fail_unstarted(
         &self,
         record: &mut StoredBatch,
+        lease: &Lease,
         code: &str,
         message: &str,
     ) -> Result<(), RunError> {
@@ -328,57 +531,177 @@ impl Runner {
             line: None,
         }]));
         b.set_status(BatchStatus::Failed, now_unix());
-        self.retry("saving a batch", || self.store.save_batch(record))
+        self.save(record, lease).await?;
+        let dir = self.job_dir(&lease.job);
+        self.end(lease, &dir).await
+    }
+
+    /// Copies a running job's result files (whole lines only) and small files to storage and
+    /// records where, fenced by the lease.
+    async fn checkpoint(
+        &self,
+        job: &Arc<batch_executor::Job>,
+        lease: &Lease,
+    ) -> Result<(), RunError> {
+        let cut = {
+            let job = job.clone();
+            tokio::task::spawn_blocking(move || job.checkpoint())
+                .await
+                .map_err(|e| RunError::Other(format!("checkpoint panicked: {e}")))?
+                .map_err(|e| RunError::Other(e.to_string()))?
+        };
+        let base = format!("{}/{}", checkpoint_prefix(&lease.job), lease.epoch);
+        let out = job.dir();
+        let output_key = format!("{base}/{}", batch_sink::OUTPUT_FILE);
+        let error_key = format!("{base}/{}", batch_sink::ERROR_FILE);
+        let output_len = self
+            .storage
+            .put_file_prefix(
+                &output_key,
+                &out.join(batch_sink::OUTPUT_FILE),
+                cut.output_len,
+            )
             .await?;
-        let id = record.batch.batch.id.clone();
-        self.release(&id).await?;
-        self.forget_local(&id, &self.job_dir(&id)).await;
+        let error_len = self
+            .storage
+            .put_file_prefix(&error_key, &out.join(batch_sink::ERROR_FILE), cut.error_len)
+            .await?;
+        let record = CheckpointRecord {
+            epoch: lease.epoch,
+            at: now_unix(),
+            output_key,
+            error_key,
+            output_len,
+            error_len,
+            batch: String::from_utf8_lossy(&cut.batch).into_owned(),
+            manifest: String::from_utf8_lossy(&cut.manifest).into_owned(),
+        };
+        let json = serde_json::to_string(&record).expect("a checkpoint serializes");
+        if !self
+            .retry("recording a checkpoint", || {
+                self.store.save_checkpoint(lease, &json)
+            })
+            .await?
+        {
+            return Err(RunError::Fenced);
+        }
+        metrics::counter!("batch_service_checkpoints_total").increment(1);
+        tracing::debug!(job = %lease.job, output_len, error_len, "checkpoint");
         Ok(())
     }
 
-    /// Publishes a running job's counts in its record, and turns a cancel request into the
-    /// job's cancel; stops when the returned token fires.
-    fn watch_progress(
-        self: &Arc<Self>,
-        job: &Arc<batch_executor::Job>,
+    /// Before an adopted job resumes: keeps the local directory when it is as new as the last
+    /// checkpoint (this replica ran the job last), else rebuilds it from the checkpoint (another
+    /// replica did, or this one lost its disk), else starts afresh.
+    async fn restore(&self, lease: &Lease, dir: &Path) -> Result<(), RunError> {
+        let json = self
+            .retry("reading a checkpoint", || self.store.checkpoint(&lease.job))
+            .await?;
+        let checkpoint: Option<CheckpointRecord> = json.and_then(|j| serde_json::from_str(&j).ok());
+        let local = read_epoch(dir);
+        let out = dir.join("out");
+        match (&checkpoint, local) {
+            (Some(c), Some(e)) if e >= c.epoch && out.exists() => return Ok(()),
+            (None, Some(_)) if out.exists() => return Ok(()),
+            _ => {}
+        }
+        if dir.exists() {
+            tokio::fs::remove_dir_all(dir)
+                .await
+                .map_err(|e| RunError::Other(format!("{}: {e}", dir.display())))?;
+        }
+        let Some(c) = checkpoint else {
+            tracing::info!(job = %lease.job, "no checkpoint: the job starts again from its input");
+            return Ok(());
+        };
+        self.storage
+            .download(&c.output_key, &out.join(batch_sink::OUTPUT_FILE))
+            .await?;
+        self.storage
+            .download(&c.error_key, &out.join(batch_sink::ERROR_FILE))
+            .await?;
+        batch_executor::restore_checkpoint(&out, c.batch.as_bytes(), c.manifest.as_bytes())
+            .map_err(|e| RunError::Other(e.to_string()))?;
+        tracing::info!(job = %lease.job, from_epoch = c.epoch, output_bytes = c.output_len, error_bytes = c.error_len, "resuming from a checkpoint");
+        Ok(())
+    }
+
+    /// While a job runs: publishes its counts, turns a cancel request into its cancel, and
+    /// checkpoints it every `checkpoint_interval`.
+    async fn watch(
+        self: Arc<Self>,
+        job: Arc<batch_executor::Job>,
         mut record: StoredBatch,
+        lease: Lease,
         cancel: CancellationToken,
-    ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
-        let done = CancellationToken::new();
+        fenced: CancellationToken,
+        done: CancellationToken,
+    ) {
         let mut progress = job.progress();
-        let (me, id, until) = (self.clone(), job.id().to_owned(), done.clone());
-        let task = tokio::spawn(async move {
-            let mut last = None;
-            loop {
-                let now = progress.borrow_and_update().clone();
-                if last.as_ref() != Some(&now) {
-                    let b = &mut record.batch.batch;
-                    b.request_counts = now.counts;
-                    // A terminal status shows once the result files are up, not before.
-                    if !now.status.is_terminal() && b.status != now.status {
-                        b.set_status(now.status, now_unix());
-                    }
-                    record.batch.running_counts();
-                    if let Err(e) = me.store.save_batch(&record).await {
-                        tracing::debug!(job = %id, error = %e, "could not publish progress");
-                    } else {
-                        last = Some(now);
-                    }
+        let id = job.id().to_owned();
+        let mut last = None;
+        let mut last_checkpoint = tokio::time::Instant::now();
+        loop {
+            let now = progress.borrow_and_update().clone();
+            if last.as_ref() != Some(&now) {
+                let b = &mut record.batch.batch;
+                b.request_counts = now.counts;
+                // A terminal status shows once the result files are up, not before.
+                if !now.status.is_terminal() && b.status != now.status {
+                    b.set_status(now.status, now_unix());
                 }
-                if !cancel.is_cancelled()
-                    && matches!(me.store.cancel_requested(&id).await, Ok(true))
-                {
-                    tracing::info!(job = %id, "cancel requested");
-                    cancel.cancel();
-                }
-                tokio::select! {
-                    _ = until.cancelled() => return,
-                    _ = tokio::time::sleep(PROGRESS_INTERVAL) => {}
+                record.batch.running_counts();
+                match self.store.save_batch(&record, Some(&lease)).await {
+                    Ok(true) => last = Some(now),
+                    Ok(false) => {
+                        tracing::warn!(job = %id, "lost the job's lease to another replica; stopping it here");
+                        fenced.cancel();
+                        return;
+                    }
+                    Err(e) => tracing::debug!(job = %id, error = %e, "could not publish progress"),
                 }
             }
-        });
-        (done, task)
+            if !cancel.is_cancelled() && matches!(self.store.cancel_requested(&id).await, Ok(true))
+            {
+                tracing::info!(job = %id, "cancel requested");
+                cancel.cancel();
+            }
+            if last_checkpoint.elapsed() >= self.config.checkpoint_interval {
+                match self.checkpoint(&job, &lease).await {
+                    Ok(()) => {}
+                    Err(RunError::Fenced) => {
+                        fenced.cancel();
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(job = %id, error = %e, "checkpoint failed; trying again later")
+                    }
+                }
+                last_checkpoint = tokio::time::Instant::now();
+            }
+            tokio::select! {
+                _ = done.cancelled() => return,
+                _ = tokio::time::sleep(PROGRESS_INTERVAL) => {}
+            }
+        }
     }
+}
+
+fn checkpoint_prefix(id: &str) -> String {
+    format!("checkpoints/{id}")
+}
+
+fn write_epoch(dir: &Path, epoch: u64) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join(EPOCH_FILE), epoch.to_string())
+}
+
+fn read_epoch(dir: &Path) -> Option<u64> {
+    std::fs::read_to_string(dir.join(EPOCH_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Copies what the executor knows of a job into its record (which keeps the service's own

@@ -294,6 +294,12 @@ impl JobSink {
         SinkError::Io { path, error }
     }
 
+    /// Lengths of `output.jsonl` and `error.jsonl` at the last successful flush: prefixes that
+    /// hold only whole lines, and that later writes only extend.
+    pub fn committed_lengths(&self) -> (u64, u64) {
+        (self.output.committed, self.error.committed)
+    }
+
     /// Flushes and asks the disk to keep the files (for the job's end).
     pub fn sync(&mut self) -> Result<(), SinkError> {
         self.flush()?;

@@ -216,17 +216,30 @@ impl Storage {
 
     /// Uploads the local file `local` under `key`, streamed; returns its size.
     pub async fn put_file(&self, key: &str, local: &Path) -> Result<u64, StorageError> {
+        self.put_file_prefix(key, local, u64::MAX).await
+    }
+
+    /// Uploads the first `len` bytes of `local` (all of it if shorter) under `key`, streamed.
+    pub async fn put_file_prefix(
+        &self,
+        key: &str,
+        local: &Path,
+        len: u64,
+    ) -> Result<u64, StorageError> {
         let file = tokio::fs::File::open(local)
             .await
             .map_err(|e| StorageError::local(local, e))?;
-        let chunks = futures::stream::try_unfold(file, |mut file| async move {
-            let mut buf = vec![0u8; READ_CHUNK];
-            let n = file.read(&mut buf).await?;
-            if n == 0 {
+        let chunks = futures::stream::try_unfold((file, len), |(mut file, left)| async move {
+            if left == 0 {
                 return Ok::<_, std::io::Error>(None);
             }
+            let mut buf = vec![0u8; READ_CHUNK.min(left.try_into().unwrap_or(usize::MAX))];
+            let n = file.read(&mut buf).await?;
+            if n == 0 {
+                return Ok(None);
+            }
             buf.truncate(n);
-            Ok(Some((Bytes::from(buf), file)))
+            Ok(Some((Bytes::from(buf), (file, left - n as u64))))
         });
         self.put_stream(key, chunks).await
     }
@@ -296,6 +309,25 @@ impl Storage {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(StorageError::store(key, e)),
         }
+    }
+
+    /// Deletes every object whose key starts with `prefix/`.
+    pub async fn delete_prefix(&self, prefix: &str) -> Result<usize, StorageError> {
+        let path = Self::path(prefix)?;
+        let keys: Vec<ObjectPath> = self
+            .store
+            .list(Some(&path))
+            .map_ok(|meta| meta.location)
+            .try_collect()
+            .await
+            .map_err(|e| StorageError::store(prefix, e))?;
+        for key in &keys {
+            match self.store.delete(key).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(StorageError::store(key.as_ref(), e)),
+            }
+        }
+        Ok(keys.len())
     }
 
     /// Whether the store answers (for readiness): lists one key.
@@ -396,6 +428,20 @@ mod tests {
         );
         assert_eq!(std::fs::read(&back).unwrap(), content);
         assert!(!back.with_extension("partial").exists());
+
+        assert_eq!(
+            s.put_file_prefix("cp/1/c", &local, 1_000_001)
+                .await
+                .unwrap(),
+            1_000_001
+        );
+        assert_eq!(read_all(&s, "cp/1/c").await, &content[..1_000_001]);
+        s.put_bytes("cp/2/d", Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        assert_eq!(s.delete_prefix("cp").await.unwrap(), 2);
+        assert_eq!(s.size("cp/1/c").await.unwrap(), None);
+        assert_eq!(s.size("files/c").await.unwrap(), Some(content.len() as u64));
     }
 
     #[test]
