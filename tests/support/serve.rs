@@ -68,7 +68,7 @@ pub struct Service {
 
 impl Service {
     /// Runs `processor serve --config CONFIG --listen 127.0.0.1:0` and waits (60 s at most) for
-    /// its `listening on` line. Its stderr goes to `<config dir>/serve-<n>.stderr`.
+    /// its `listening on` line. Its stderr goes to `<config dir>/<config stem>-serve-<n>.stderr`.
     pub fn start(config: &Path) -> Service {
         let mut service = Service {
             child: None,
@@ -83,9 +83,10 @@ impl Service {
 
     fn spawn(&mut self) {
         self.starts += 1;
+        let stem = self.config.file_stem().unwrap_or_default().to_string_lossy();
         self.stderr = self
             .config
-            .with_file_name(format!("serve-{}.stderr", self.starts));
+            .with_file_name(format!("{stem}-serve-{}.stderr", self.starts));
         let stderr = std::fs::File::create(&self.stderr).expect("creating the stderr file");
         let mut cmd = Command::new(PROCESSOR);
         cmd.arg("serve")
