@@ -1128,6 +1128,96 @@ async fn while_redis_is_down_ready_says_503_and_the_job_waits_it_out() {
     sim.shutdown().await;
 }
 
+/// The config of replica `n` of one service: shared Redis, storage and keys; its own work
+/// directory (its own disk) and name; a 2 s job lease, checkpoints every 300 ms, two jobs at
+/// once. Lines whose results went down with a replica's disk are sent again after 3 s.
+fn replica_config(env: &Env, n: usize) -> PathBuf {
+    let shared = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 3s\n");
+    let own_work_dir = std::fs::read_to_string(&shared).unwrap().replace(
+        &format!("work_dir: {}\n", env.path("work").display()),
+        &format!("work_dir: {}\n", env.path(&format!("work-{n}")).display()),
+    );
+    let config = env.path(&format!("replica-{n}.yaml"));
+    std::fs::write(&config, own_work_dir).unwrap();
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(
+        &config,
+        &storage,
+        TWO_TENANTS,
+        &format!(
+            "  replica_id: replica-{n}\n  lease_ttl: 2s\n  checkpoint_interval: 300ms\n  max_active_jobs: 2\n"
+        ),
+        "",
+    );
+    config
+}
+
+/// Four batches of 60 lines on two replicas, two each at once; `stop` ends replica 1 mid-way.
+/// Replica 2 finishes every batch, each line exactly once, and lists everything as before.
+async fn a_replica_stopped_mid_job_is_taken_over(stop: impl FnOnce(&mut Service)) {
+    let env = Env::start(slow_gateway()).await;
+    let sim = gated_dispatcher(&env).await;
+    let mut one = Service::start(&replica_config(&env, 1));
+    let two = Service::start(&replica_config(&env, 2));
+    let a1 = one.client(Some(KEY_A));
+    let a2 = two.client(Some(KEY_A));
+    let mut batches = Vec::new();
+    for i in 0..4 {
+        let (text, lines) = input_jsonl(&format!("r{i}"), 60, "llama-3");
+        // Uploaded through one replica, created through the other: the state is shared.
+        let file = a1.upload_ok(&format!("r{i}.jsonl"), text.as_bytes()).await;
+        batches.push((id_of(&a2.create_batch_ok(&file).await), lines));
+    }
+    gate(&env, true);
+    let deadline = Instant::now() + FINISH;
+    loop {
+        let mut started = 0;
+        for (id, _) in &batches {
+            let b = a1.batch(id).await;
+            if b["status"] == "in_progress" && count(&b, "completed") >= 5 {
+                started += 1;
+            }
+        }
+        if started == 4 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the four batches did not all start"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Four running, two at most on each: replica 1 holds two of them.
+    let before = inventory(&a2).await;
+    stop(&mut one);
+    for (id, lines) in &batches {
+        let batch = a2.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        assert_eq!(count(&batch, "completed"), 60, "{batch}");
+        let results = a2.results(&batch).await;
+        results.assert_each_once(lines);
+        results.assert_answers_match(lines);
+    }
+    assert_kept(&before, &inventory(&a2).await);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_jobs_of_a_replica_killed_with_9_are_taken_over_by_another() {
+    a_replica_stopped_mid_job_is_taken_over(|one| one.kill9()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_hands_a_replicas_jobs_over_to_another() {
+    a_replica_stopped_mid_job_is_taken_over(|one| {
+        let (status, took) = one.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+        assert_eq!(status.code(), Some(0), "{}", one.stderr_text());
+        assert!(took < Duration::from_secs(10), "took {took:?} to stop");
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_mid_job_pauses_it_and_a_restart_completes_it() {
     signal_mid_job_pauses_it(libc::SIGTERM).await;

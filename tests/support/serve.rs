@@ -83,7 +83,11 @@ impl Service {
 
     fn spawn(&mut self) {
         self.starts += 1;
-        let stem = self.config.file_stem().unwrap_or_default().to_string_lossy();
+        let stem = self
+            .config
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy();
         self.stderr = self
             .config
             .with_file_name(format!("{stem}-serve-{}.stderr", self.starts));
