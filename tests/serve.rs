@@ -1169,26 +1169,27 @@ async fn a_replica_stopped_mid_job_is_taken_over(stop: impl FnOnce(&mut Service)
         let file = a1.upload_ok(&format!("r{i}.jsonl"), text.as_bytes()).await;
         batches.push((id_of(&a2.create_batch_ok(&file).await), lines));
     }
-    gate(&env, true);
+    // All four start while the gate is closed, so none can end before the stop: two at most
+    // on each replica, so replica 1 holds two.
     let deadline = Instant::now() + FINISH;
-    loop {
-        let mut started = 0;
-        for (id, _) in &batches {
-            let b = a1.batch(id).await;
-            if b["status"] == "in_progress" && count(&b, "completed") >= 5 {
-                started += 1;
-            }
+    for (id, _) in &batches {
+        while a1.batch(id).await["status"] != "in_progress" {
+            assert!(Instant::now() < deadline, "{id} did not start");
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        if started == 4 {
+    }
+    gate(&env, true);
+    loop {
+        let mut done = 0;
+        for (id, _) in &batches {
+            done += count(&a1.batch(id).await, "completed");
+        }
+        if done >= 30 {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the four batches did not all start"
-        );
+        assert!(Instant::now() < deadline, "fewer than 30 lines done");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Four running, two at most on each: replica 1 holds two of them.
     let before = inventory(&a2).await;
     stop(&mut one);
     for (id, lines) in &batches {
