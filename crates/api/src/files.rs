@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Multipart, Path, Query, State};
+use axum::extract::{Multipart, Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
 
-use crate::{limit, list_body, Api, ApiError, Tenant};
+use crate::{limit, list_body, Api, ApiError, Form, ListParams, Tenant};
 
 /// Batch input files expire after 30 days unless the upload says otherwise.
 const DEFAULT_INPUT_EXPIRY_SECS: i64 = 30 * 24 * 3600;
@@ -25,7 +25,7 @@ const MAX_FIELD_BYTES: usize = 64 * 1024;
 pub(crate) async fn upload(
     State(api): State<Api>,
     tenant: Tenant,
-    mut form: Multipart,
+    Form(mut form): Form,
 ) -> Result<Json<FileObject>, ApiError> {
     let id = new_id("file-");
     let key = batch_jobs::storage_key(&id);
@@ -303,7 +303,7 @@ pub(crate) struct ListQuery {
 pub(crate) async fn list(
     State(api): State<Api>,
     tenant: Tenant,
-    Query(q): Query<ListQuery>,
+    ListParams(q): ListParams<ListQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let limit = limit(q.limit, 10_000, 10_000)?;
     let order = match q.order.as_deref() {
