@@ -264,8 +264,20 @@ async fn request_id(request: Request, next: Next) -> Response {
         .map(str::to_owned)
         .unwrap_or_else(|| format!("req_{:032x}", rand::random::<u128>()));
     let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+    let has_body = request.headers().contains_key(axum::http::header::CONTENT_LENGTH)
+        || request
+            .headers()
+            .contains_key(axum::http::header::TRANSFER_ENCODING);
     let started = Instant::now();
     let mut response = next.run(request).await;
+    if has_body && !response.status().is_success() {
+        // A refusal (a wrong key, a bad form) may leave the body unread, and then the server
+        // drops the connection: say so, or the client reuses it and its next request fails.
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            HeaderValue::from_static("close"),
+        );
+    }
     tracing::debug!(request_id = %id, %method, path, status = response.status().as_u16(), elapsed = ?started.elapsed(), "request");
     if let Ok(value) = HeaderValue::from_str(&id) {
         response.headers_mut().insert(REQUEST_ID, value);
