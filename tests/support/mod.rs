@@ -2,6 +2,8 @@
 //! result files that every test repeats.
 #![allow(dead_code)]
 
+pub mod serve;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -1,0 +1,1528 @@
+//! `processor serve` end to end: its OpenAI-style HTTP API (files, batches, pagination, errors,
+//! tenants, live counts, cancel, expiry of batches and files), `kill -9`, SIGTERM and SIGINT in
+//! the middle of jobs (every line exactly once after a restart, every file and batch listed as
+//! before), a Redis outage, and 200 batches at once from five tenants. Real redis-server, the
+//! simulated dispatcher and gateway in-process, the `processor` binary; two tests in sync mode.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use dispatcher_sim::{DispatcherHandle, GatewayConfig, DEFAULT_BUDGET_KEY};
+use serde_json::{json, Value};
+use support::serve::*;
+use support::*;
+
+/// Two tenants' keys, and the `(key, tenant)` pairs of the keys file.
+const KEY_A: &str = "sk-test-alpha-0001";
+const KEY_B: &str = "sk-test-beta-0002";
+const TWO_TENANTS: &[(&str, &str)] = &[(KEY_A, "alpha"), (KEY_B, "beta")];
+
+/// How long a small batch may take to finish on a loaded 2-core machine.
+const FINISH: Duration = Duration::from_secs(120);
+
+/// An async-mode service config for `env` (model `llama-3` on pool `pool-a`, model `ghost`
+/// nowhere), storage in `<env>/storage`.
+fn async_service(env: &Env, keys: &[(&str, &str)], serve_extra: &str, top_extra: &str) -> PathBuf {
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, keys, serve_extra, top_extra);
+    config
+}
+
+/// A dispatcher on `pool-a` behind a `redis` gate, closed until [`gate`] opens it, taking one
+/// request per 20 ms poll: a job of a few hundred lines stays mid-way for seconds.
+async fn gated_dispatcher(env: &Env) -> DispatcherHandle {
+    env.dispatcher(&["pool-a"], |c| {
+        closed_gate(c);
+        c.batch_size = 1;
+    })
+    .await
+}
+
+/// Opens (`true`) or closes the gate of [`gated_dispatcher`].
+fn gate(env: &Env, open: bool) {
+    env.redis
+        .command(&["SET", DEFAULT_BUDGET_KEY, if open { "1" } else { "0" }]);
+}
+
+/// A gateway answering each request after 200 ms, so that some are always in flight.
+fn slow_gateway() -> GatewayConfig {
+    GatewayConfig {
+        latency_fixed: Duration::from_millis(200),
+        ..GatewayConfig::default()
+    }
+}
+
+fn count(batch: &Value, field: &str) -> u64 {
+    batch["request_counts"][field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("request_counts.{field}: {batch}"))
+}
+
+fn x_count(batch: &Value, field: &str) -> u64 {
+    batch["x_request_counts"][field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("x_request_counts.{field}: {batch}"))
+}
+
+fn id_of(v: &Value) -> String {
+    v["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no id: {v}"))
+        .to_owned()
+}
+
+/// Panics unless the answer has an `x-request-id`.
+#[track_caller]
+fn has_request_id(resp: &Resp) {
+    let id = resp
+        .headers
+        .get("x-request-id")
+        .unwrap_or_else(|| panic!("no x-request-id on {} {}", resp.status, resp.text()));
+    assert!(!id.is_empty());
+}
+
+/// What a restart must keep of a file: everything but the deprecated `status`.
+fn file_identity(f: &Value) -> Value {
+    json!([
+        f["id"],
+        f["bytes"],
+        f["filename"],
+        f["purpose"],
+        f["created_at"],
+        f["expires_at"]
+    ])
+}
+
+/// What a restart must keep of a batch.
+fn batch_identity(b: &Value) -> Value {
+    json!([
+        b["id"],
+        b["input_file_id"],
+        b["endpoint"],
+        b["created_at"],
+        b["metadata"]
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn file_routes_paginate_and_keep_tenants_apart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+
+    let mut uploaded = Vec::new();
+    for i in 0..6 {
+        let (text, _) = input_jsonl(&format!("f{i}"), 2 + i, "llama-3");
+        let name = format!("in-{i}.jsonl");
+        let expires = (i == 5).then_some(3600);
+        let resp = a.upload(&name, text.as_bytes(), expires).await;
+        has_request_id(&resp);
+        let file = resp.expect(200);
+        assert!(id_of(&file).starts_with("file-"), "{file}");
+        assert_eq!(file["object"], "file");
+        assert_eq!(file["bytes"], text.len());
+        assert_eq!(file["filename"], name);
+        assert_eq!(file["purpose"], "batch");
+        let created = file["created_at"].as_u64().expect("created_at");
+        if i == 5 {
+            assert_eq!(file["expires_at"], created + 3600, "{file}");
+        }
+        let again = a
+            .get(&format!("/v1/files/{}", id_of(&file)))
+            .await
+            .expect(200);
+        assert_eq!(file_identity(&again), file_identity(&file));
+        let content = a.get(&format!("/v1/files/{}/content", id_of(&file))).await;
+        assert_eq!(content.status, 200, "{}", content.text());
+        assert_eq!(
+            content.text(),
+            text,
+            "the content is the upload, byte for byte"
+        );
+        uploaded.push(id_of(&file));
+    }
+    let (b_text, _) = input_jsonl("b", 3, "llama-3");
+    let b_file = b.upload_ok("b.jsonl", b_text.as_bytes()).await;
+    let mut newest_first = uploaded.clone();
+    newest_first.reverse();
+
+    // Whole lists, one item per page and all at once, both orders; the default is desc.
+    assert_eq!(
+        ids(&a.list_all("/v1/files", "order=asc", 1).await),
+        uploaded
+    );
+    assert_eq!(
+        ids(&a.list_all("/v1/files", "order=asc", 4).await),
+        uploaded
+    );
+    assert_eq!(
+        ids(&a.list_all("/v1/files", "order=desc", 2).await),
+        newest_first
+    );
+    assert_eq!(ids(&a.list_all("/v1/files", "", 100).await), newest_first);
+    assert_eq!(
+        ids(&b.list_all("/v1/files", "", 100).await),
+        vec![b_file.clone()]
+    );
+
+    // One page: the cursor fields.
+    let page = a.get("/v1/files?order=asc&limit=2").await.expect(200);
+    assert_eq!(page["object"], "list");
+    assert_eq!(ids(page["data"].as_array().unwrap()), uploaded[..2]);
+    assert_eq!(page["has_more"], true);
+    assert_eq!(page["first_id"], uploaded[0]);
+    assert_eq!(page["last_id"], uploaded[1]);
+    let page = a
+        .get(&format!(
+            "/v1/files?order=asc&limit=2&after={}",
+            uploaded[1]
+        ))
+        .await
+        .expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), uploaded[2..4]);
+    assert_eq!(page["has_more"], true);
+    // A page that holds exactly the rest says there is no more.
+    let page = a
+        .get(&format!(
+            "/v1/files?order=asc&limit=2&after={}",
+            uploaded[3]
+        ))
+        .await
+        .expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), uploaded[4..]);
+    assert_eq!(page["has_more"], false, "{page}");
+    let page = a.get("/v1/files?limit=6").await.expect(200);
+    assert_eq!(page["data"].as_array().unwrap().len(), 6);
+    assert_eq!(page["has_more"], false, "{page}");
+    // After the last one: an empty last page.
+    let page = a
+        .get(&format!("/v1/files?order=asc&after={}", uploaded[5]))
+        .await
+        .expect(200);
+    assert_eq!(page["data"], json!([]), "{page}");
+    assert_eq!(page["has_more"], false, "{page}");
+    // Purpose filter: no batch has run, so no output files.
+    assert_eq!(a.list_all("/v1/files", "purpose=batch", 100).await.len(), 6);
+    assert!(a
+        .list_all("/v1/files", "purpose=batch_output", 100)
+        .await
+        .is_empty());
+    // Bad list parameters.
+    a.get("/v1/files?limit=0").await.expect_error(400);
+    a.get("/v1/files?order=sideways").await.expect_error(400);
+
+    // Another tenant's file does not exist for this one.
+    let theirs = &uploaded[2];
+    for resp in [
+        b.get(&format!("/v1/files/{theirs}")).await,
+        b.get(&format!("/v1/files/{theirs}/content")).await,
+        b.delete(&format!("/v1/files/{theirs}")).await,
+        a.get(&format!("/v1/files/{b_file}")).await,
+        a.get("/v1/files/file-doesnotexist").await,
+    ] {
+        has_request_id(&resp);
+        resp.expect_error(404);
+    }
+    a.get(&format!("/v1/files/{theirs}")).await.expect(200);
+
+    // Delete.
+    let gone = &uploaded[0];
+    let deleted = a.delete(&format!("/v1/files/{gone}")).await.expect(200);
+    assert_eq!(
+        deleted,
+        json!({"id": gone, "object": "file", "deleted": true})
+    );
+    a.get(&format!("/v1/files/{gone}")).await.expect_error(404);
+    a.get(&format!("/v1/files/{gone}/content"))
+        .await
+        .expect_error(404);
+    a.delete(&format!("/v1/files/{gone}"))
+        .await
+        .expect_error(404);
+    assert_eq!(
+        ids(&a.list_all("/v1/files", "order=asc", 2).await),
+        uploaded[1..]
+    );
+
+    // x-request-id is echoed when sent.
+    let resp = a
+        .send(
+            hyper::Method::GET,
+            "/v1/files",
+            &[("x-request-id", "servetests-echo-42")],
+            Default::default(),
+        )
+        .await;
+    assert_eq!(resp.headers["x-request-id"], "servetests-echo-42");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_requests_get_openai_errors_with_their_statuses() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(
+        &env,
+        TWO_TENANTS,
+        "",
+        "input:\n  max_file_bytes: 4000\n  max_requests: 10\n",
+    );
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+    let (small, _) = input_jsonl("ok", 10, "llama-3");
+    assert!(small.len() < 4000);
+
+    // 401: no key, a wrong key, another scheme.
+    for client in [
+        service.client(None),
+        service.client(Some("sk-wrong")),
+        Api::new(&service.base, Some("")),
+    ] {
+        let resp = client.get("/v1/files").await;
+        has_request_id(&resp);
+        resp.expect_error(401);
+        client.get("/v1/batches").await.expect_error(401);
+        client
+            .upload("x.jsonl", small.as_bytes(), None)
+            .await
+            .expect_error(401);
+    }
+    let basic = service
+        .client(None)
+        .send(
+            hyper::Method::GET,
+            "/v1/files",
+            &[("authorization", &format!("Basic {KEY_A}"))],
+            Default::default(),
+        )
+        .await;
+    basic.expect_error(401);
+    // Health needs no key.
+    let health = service.client(None).get("/health").await;
+    assert_eq!(health.status, 200);
+    has_request_id(&health);
+    assert_eq!(service.client(None).get("/ready").await.status, 200);
+
+    // 413: too many bytes, too many lines; at the limits it is fine.
+    let big_line = json!({
+        "custom_id": "big", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "llama-3", "messages": [{"role": "user", "content": "x".repeat(5000)}]}
+    })
+    .to_string()
+        + "\n";
+    a.upload("big.jsonl", big_line.as_bytes(), None)
+        .await
+        .expect_error(413);
+    let (eleven, _) = input_jsonl("many", 11, "llama-3");
+    assert!(eleven.len() < 4000);
+    a.upload("many.jsonl", eleven.as_bytes(), None)
+        .await
+        .expect_error(413);
+    let ok = a.upload_ok("ok.jsonl", small.as_bytes()).await;
+    assert!(
+        a.list_all("/v1/files", "", 100).await.len() == 1,
+        "a refused upload was kept"
+    );
+
+    // 400: malformed uploads.
+    a.post_multipart("/v1/files", &[("purpose", None, b"batch")])
+        .await
+        .expect_error(400);
+    a.post_multipart("/v1/files", &[("file", Some("x.jsonl"), small.as_bytes())])
+        .await
+        .expect_error(400);
+    a.post_multipart(
+        "/v1/files",
+        &[
+            ("purpose", None, b"no-such-purpose"),
+            ("file", Some("x.jsonl"), small.as_bytes()),
+        ],
+    )
+    .await
+    .expect_error(400);
+
+    // 400: malformed batches.
+    let good = json!({"input_file_id": ok, "endpoint": "/v1/chat/completions", "completion_window": "24h"});
+    let with = |key: &str, value: Value| {
+        let mut body = good.clone();
+        body[key] = value;
+        body
+    };
+    let without = |key: &str| {
+        let mut body = good.clone();
+        body.as_object_mut().unwrap().remove(key);
+        body
+    };
+    for body in [
+        without("input_file_id"),
+        without("endpoint"),
+        without("completion_window"),
+        with("endpoint", json!("/v1/no-such-endpoint")),
+        with("completion_window", json!("whenever")),
+        with("metadata", json!(5)),
+    ] {
+        let resp = a.post_json("/v1/batches", &body).await;
+        assert_eq!(resp.status, 400, "{body} got {}", resp.text());
+        resp.expect_error(400);
+    }
+    a.send(
+        hyper::Method::POST,
+        "/v1/batches",
+        &[("content-type", "application/json")],
+        bytes::Bytes::from_static(b"{not json"),
+    )
+    .await
+    .expect_error(400);
+    // An unknown input file and another tenant's file are refused alike.
+    let unknown = a.create_batch("file-doesnotexist", "24h").await;
+    let status = unknown.status;
+    assert!(status == 400 || status == 404, "{}", unknown.text());
+    unknown.expect_error(status);
+    b.create_batch(&ok, "24h").await.expect_error(status);
+    assert!(a.list_all("/v1/batches", "", 100).await.is_empty());
+    assert!(b.list_all("/v1/batches", "", 100).await.is_empty());
+    a.get("/v1/batches?limit=0").await.expect_error(400);
+    a.get("/v1/batches?limit=101").await.expect_error(400);
+    a.get("/v1/files?limit=10001").await.expect_error(400);
+
+    // 404: unknown batches.
+    a.get("/v1/batches/batch_doesnotexist")
+        .await
+        .expect_error(404);
+    a.post_empty("/v1/batches/batch_doesnotexist/cancel")
+        .await
+        .expect_error(404);
+    a.get("/v1/batches/batch_doesnotexist/output")
+        .await
+        .expect_error(404);
+    a.get("/v1/batches/batch_doesnotexist/errors")
+        .await
+        .expect_error(404);
+
+    // The metrics count the answers by route and status.
+    let metrics = service.client(None).get("/metrics").await;
+    assert_eq!(metrics.status, 200);
+    let text = metrics.text();
+    assert!(text.contains("batch_service_api_requests_total{"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("batch_service_api_requests_total") && l.contains("\"413\"")),
+        "no 413 counted:\n{text}"
+    );
+}
+
+/// Requests the web framework itself refuses (not a form, not a number) get the same error
+/// shape as the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn malformed_forms_and_queries_get_openai_errors_too() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let mut wrong = Vec::new();
+    for (what, resp) in [
+        (
+            "POST /v1/files with a JSON body",
+            a.post_json("/v1/files", &json!({"purpose": "batch"})).await,
+        ),
+        (
+            "GET /v1/files?limit=many",
+            a.get("/v1/files?limit=many").await,
+        ),
+        (
+            "GET /v1/batches?limit=many",
+            a.get("/v1/batches?limit=many").await,
+        ),
+    ] {
+        let shaped = serde_json::from_slice::<Value>(&resp.body)
+            .is_ok_and(|b| b["error"]["message"].is_string() && b["error"]["type"].is_string());
+        if resp.status != 400 || !shaped {
+            wrong.push(format!("{what}: {} {}", resp.status, resp.text()));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "not a 400 with an error object:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_shows_live_counts_and_partial_output_then_completes() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+    let (text, lines) = input_jsonl("live", 200, "llama-3");
+    let file = a.upload_ok("live.jsonl", text.as_bytes()).await;
+    let created = a
+        .post_json(
+            "/v1/batches",
+            &json!({
+                "input_file_id": file, "endpoint": "/v1/chat/completions",
+                "completion_window": "24h", "metadata": {"run": "live-1"}
+            }),
+        )
+        .await
+        .expect(200);
+    let id = id_of(&created);
+    assert!(id.starts_with("batch_"), "{created}");
+    assert_eq!(created["object"], "batch");
+    assert_eq!(created["input_file_id"], file);
+    assert_eq!(created["endpoint"], "/v1/chat/completions");
+    assert_eq!(created["completion_window"], "24h");
+    assert_eq!(created["metadata"], json!({"run": "live-1"}));
+    assert!(created["created_at"].as_u64().is_some());
+    assert!(
+        matches!(
+            created["status"].as_str(),
+            Some("validating" | "in_progress")
+        ),
+        "{created}"
+    );
+
+    // The gate is closed: the job waits in in_progress with nothing done.
+    let waiting = a
+        .wait_batch(&id, FINISH, "in_progress", |b| b["status"] == "in_progress")
+        .await;
+    assert_eq!(count(&waiting, "total"), 200, "{waiting}");
+    assert_eq!(count(&waiting, "completed"), 0, "{waiting}");
+    assert!(waiting["in_progress_at"].as_u64().is_some(), "{waiting}");
+
+    // Opened a while, then closed again: the counts and the partial output agree.
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "20 lines done", |b| {
+        count(b, "completed") >= 20
+    })
+    .await;
+    gate(&env, false);
+    let mut last = a.batch(&id).await;
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = a.batch(&id).await;
+        if now["request_counts"] == last["request_counts"] {
+            break;
+        }
+        last = now;
+    }
+    assert_eq!(last["status"], "in_progress", "{last}");
+    let done = count(&last, "completed");
+    assert!((20..200).contains(&done), "{last}");
+    assert_eq!(count(&last, "failed"), 0, "{last}");
+    assert_eq!(x_count(&last, "succeeded"), done, "{last}");
+    assert_eq!(x_count(&last, "processing"), 200 - done, "{last}");
+    let partial = a.get(&format!("/v1/batches/{id}/output")).await;
+    assert_eq!(partial.status, 200, "{}", partial.text());
+    assert_eq!(partial.jsonl().len() as u64, done);
+    let errors = a.get(&format!("/v1/batches/{id}/errors")).await;
+    assert_eq!(errors.status, 200, "{}", errors.text());
+    assert!(errors.jsonl().is_empty(), "{}", errors.text());
+    // The other tenant sees none of it.
+    b.get(&format!("/v1/batches/{id}")).await.expect_error(404);
+    b.get(&format!("/v1/batches/{id}/output"))
+        .await
+        .expect_error(404);
+    b.get(&format!("/v1/batches/{id}/errors"))
+        .await
+        .expect_error(404);
+    b.post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect_error(404);
+
+    gate(&env, true);
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    assert_eq!(count(&batch, "total"), 200);
+    assert_eq!(count(&batch, "completed"), 200);
+    assert_eq!(count(&batch, "failed"), 0);
+    assert_eq!(x_count(&batch, "succeeded"), 200);
+    assert_eq!(x_count(&batch, "processing"), 0);
+    for field in ["in_progress_at", "finalizing_at", "completed_at"] {
+        assert!(batch[field].as_u64().is_some(), "{field}: {batch}");
+    }
+    assert!(batch["error_file_id"].is_null(), "no error lines: {batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    let output = a
+        .get(&format!(
+            "/v1/files/{}",
+            batch["output_file_id"].as_str().unwrap()
+        ))
+        .await
+        .expect(200);
+    assert_eq!(output["purpose"], "batch_output", "{output}");
+    assert_eq!(
+        ids(&a.list_all("/v1/files", "purpose=batch_output", 10).await),
+        vec![id_of(&output)]
+    );
+    b.get(&format!("/v1/files/{}", id_of(&output)))
+        .await
+        .expect_error(404);
+    let all_output = a.get(&format!("/v1/batches/{id}/output")).await;
+    assert_eq!(all_output.jsonl(), results.output);
+    // The metrics count the jobs by status.
+    let metrics = service.client(None).get("/metrics").await.text();
+    assert!(
+        metrics.lines().any(|l| l.starts_with("batch_service_jobs{")
+            && l.contains("\"completed\"")
+            && l.ends_with(" 1")),
+        "no completed job counted:\n{metrics}"
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancel_is_idempotent_and_keeps_the_partial_results() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("cancel", 200, "llama-3");
+    let file = a.upload_ok("cancel.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    gate(&env, false);
+
+    let first = a
+        .post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect(200);
+    assert!(
+        matches!(first["status"].as_str(), Some("cancelling" | "cancelled")),
+        "{first}"
+    );
+    let second = a
+        .post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect(200);
+    assert!(
+        matches!(second["status"].as_str(), Some("cancelling" | "cancelled")),
+        "{second}"
+    );
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "cancelled", "{batch}");
+    assert!(batch["cancelling_at"].as_u64().is_some(), "{batch}");
+    assert!(batch["cancelled_at"].as_u64().is_some(), "{batch}");
+    let done = count(&batch, "completed");
+    assert!((10..200).contains(&done), "{batch}");
+    assert_eq!(count(&batch, "total"), 200);
+    assert_eq!(x_count(&batch, "succeeded"), done, "{batch}");
+    assert_eq!(x_count(&batch, "cancelled"), 200 - done, "{batch}");
+    assert_eq!(x_count(&batch, "processing"), 0, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    assert_eq!(results.output.len() as u64, done);
+    assert_eq!(
+        results.error_codes(),
+        BTreeMap::from([("batch_cancelled".to_owned(), 200 - done as usize)])
+    );
+    // Cancelling a cancelled batch changes nothing.
+    let third = a
+        .post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect(200);
+    assert_eq!(third["status"], "cancelled", "{third}");
+    assert_eq!(third["request_counts"], batch["request_counts"]);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_cancelled_while_queued_never_runs() {
+    let env = Env::start(GatewayConfig::default()).await;
+    // One job at a time, and the first waits at the closed gate: the second stays queued.
+    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 1\n", "");
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("first", 20, "llama-3");
+    let (queued_text, _) = input_jsonl("queued", 20, "llama-3");
+    let file = a.upload_ok("first.jsonl", text.as_bytes()).await;
+    let queued_file = a.upload_ok("queued.jsonl", queued_text.as_bytes()).await;
+    let first = id_of(&a.create_batch_ok(&file).await);
+    a.wait_batch(&first, FINISH, "in_progress", |b| {
+        b["status"] == "in_progress"
+    })
+    .await;
+    let queued = id_of(&a.create_batch_ok(&queued_file).await);
+    a.post_empty(&format!("/v1/batches/{queued}/cancel"))
+        .await
+        .expect(200);
+    let cancelled = a.wait_final(&queued, FINISH).await;
+    assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
+    assert!(cancelled["cancelled_at"].as_u64().is_some(), "{cancelled}");
+    assert_eq!(count(&cancelled, "completed"), 0, "{cancelled}");
+    assert!(cancelled["output_file_id"].is_null(), "{cancelled}");
+    // The first one was not disturbed, and completes.
+    assert_eq!(a.batch(&first).await["status"], "in_progress");
+    gate(&env, true);
+    let done = a.wait_final(&first, FINISH).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    a.results(&done).await.assert_each_once(&lines);
+    // Nothing of the cancelled batch reached the gateway.
+    assert_eq!(env.gateway.stats().total, 20);
+    assert_eq!(a.batch(&queued).await["status"], "cancelled");
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("late", 100, "llama-3");
+    let file = a.upload_ok("late.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch(&file, "6s").await.expect(200));
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    gate(&env, false);
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "expired", "{batch}");
+    assert!(batch["expired_at"].as_u64().is_some(), "{batch}");
+    let done = count(&batch, "completed");
+    assert!((10..100).contains(&done), "{batch}");
+    assert_eq!(x_count(&batch, "succeeded"), done, "{batch}");
+    assert_eq!(x_count(&batch, "expired"), 100 - done, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    assert_eq!(
+        results.error_codes(),
+        BTreeMap::from([("batch_expired".to_owned(), 100 - done as usize)])
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancel_interrupted_by_kill_9_ends_cancelled_after_a_restart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("cut", 100, "llama-3");
+    let file = a.upload_ok("cut.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    gate(&env, false);
+    a.post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect(200);
+    service.kill9();
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "cancelled", "{batch}");
+    let done = count(&batch, "completed");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    assert_eq!(
+        results.error_codes(),
+        BTreeMap::from([("batch_cancelled".to_owned(), 100 - done as usize)])
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_invalid_input_fails_the_batch_naming_every_bad_line() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let line = |custom_id: Option<&str>, method: &str| {
+        let mut l = json!({
+            "method": method, "url": "/v1/chat/completions",
+            "body": {"model": "llama-3", "messages": [{"role": "user", "content": "hi"}]}
+        });
+        if let Some(c) = custom_id {
+            l["custom_id"] = json!(c);
+        }
+        l.to_string()
+    };
+    let text = [
+        line(Some("a"), "POST"),
+        line(None, "POST"), // 2: no custom_id
+        line(Some("b"), "POST"),
+        line(Some("b"), "POST"),       // 4: a duplicate custom_id
+        line(Some("c"), "GET"),        // 5: not POST
+        "this is not json".to_owned(), // 6
+        line(Some("d"), "POST"),
+    ]
+    .join("\n")
+        + "\n";
+    let file = a.upload_ok("invalid.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "failed", "{batch}");
+    assert!(batch["failed_at"].as_u64().is_some(), "{batch}");
+    let errors = batch["errors"]["data"].as_array().expect("errors.data");
+    let bad: BTreeSet<u64> = errors
+        .iter()
+        .map(|e| {
+            assert!(e["code"].is_string() && e["message"].is_string(), "{e}");
+            e["line"].as_u64().unwrap_or_else(|| panic!("no line: {e}"))
+        })
+        .collect();
+    assert_eq!(bad, BTreeSet::from([2, 4, 5, 6]), "{batch}");
+    assert!(batch["output_file_id"].is_null(), "{batch}");
+    // Nothing was sent.
+    assert_eq!(env.gateway.stats().total, 0);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_list_newest_first_page_by_page_per_tenant() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+    // One line of the first batch names a model no gateway serves.
+    let (mut first_text, mut first_lines) = input_jsonl("first", 4, "llama-3");
+    let (ghost_text, ghost_lines) = input_jsonl("ghost", 1, "ghost");
+    first_text.push_str(&ghost_text);
+    first_lines.extend(ghost_lines);
+    let (text, _) = input_jsonl("list", 3, "llama-3");
+    let first_file = a.upload_ok("first.jsonl", first_text.as_bytes()).await;
+    let file = a.upload_ok("list.jsonl", text.as_bytes()).await;
+    let mut created = vec![id_of(&a.create_batch_ok(&first_file).await)];
+    for _ in 1..5 {
+        created.push(id_of(&a.create_batch_ok(&file).await));
+    }
+    let mut newest_first = created.clone();
+    newest_first.reverse();
+
+    let page = a.get("/v1/batches?limit=2").await.expect(200);
+    assert_eq!(page["object"], "list");
+    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[..2]);
+    assert_eq!(page["has_more"], true);
+    assert_eq!(page["first_id"], newest_first[0]);
+    assert_eq!(page["last_id"], newest_first[1]);
+    let page = a
+        .get(&format!("/v1/batches?limit=2&after={}", newest_first[1]))
+        .await
+        .expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[2..4]);
+    assert_eq!(page["has_more"], true);
+    let page = a
+        .get(&format!("/v1/batches?limit=2&after={}", newest_first[3]))
+        .await
+        .expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[4..]);
+    assert_eq!(page["has_more"], false, "{page}");
+    let page = a.get("/v1/batches?limit=5").await.expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first);
+    assert_eq!(page["has_more"], false, "{page}");
+    let page = a
+        .get(&format!("/v1/batches?after={}", newest_first[4]))
+        .await
+        .expect(200);
+    assert_eq!(page["data"], json!([]), "{page}");
+    assert_eq!(page["has_more"], false, "{page}");
+    assert_eq!(ids(&a.list_all("/v1/batches", "", 1).await), newest_first);
+    assert_eq!(ids(&a.list_all("/v1/batches", "", 20).await), newest_first);
+    assert!(b.list_all("/v1/batches", "", 20).await.is_empty());
+
+    for id in &created {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        b.get(&format!("/v1/batches/{id}")).await.expect_error(404);
+    }
+    // The first batch's unserved line is its error file's only line.
+    let first = a.batch(&created[0]).await;
+    assert_eq!(count(&first, "completed"), 4, "{first}");
+    assert_eq!(count(&first, "failed"), 1, "{first}");
+    assert_eq!(x_count(&first, "errored"), 1, "{first}");
+    let results = a.results(&first).await;
+    results.assert_each_once(&first_lines);
+    assert_eq!(
+        results.error_codes(),
+        BTreeMap::from([("model_not_found".to_owned(), 1)])
+    );
+    assert_eq!(results.error[0]["custom_id"], "ghost-0");
+    let errors = a.get(&format!("/v1/batches/{}/errors", created[0])).await;
+    assert_eq!(errors.jsonl(), results.error);
+    // Every completed batch has its output file, listed among the tenant's files.
+    let outputs = ids(&a.list_all("/v1/files", "purpose=batch_output", 3).await);
+    assert_eq!(
+        outputs.len(),
+        6,
+        "5 output files and 1 error file: {outputs:?}"
+    );
+    assert!(b
+        .list_all("/v1/files", "purpose=batch_output", 3)
+        .await
+        .is_empty());
+    sim.shutdown().await;
+}
+
+/// Panics unless `after` lists every file and batch of `before`, unchanged, and no other batch;
+/// files added since are a batch's results.
+#[track_caller]
+fn assert_kept(before: &(Vec<Value>, Vec<Value>), after: &(Vec<Value>, Vec<Value>)) {
+    assert_eq!(after.1, before.1, "the batches listed changed");
+    for file in &before.0 {
+        assert!(
+            after.0.contains(file),
+            "{file} is no longer listed as before: {:?}",
+            after.0
+        );
+    }
+    for file in after.0.iter().filter(|f| !before.0.contains(f)) {
+        assert_eq!(file[3], "batch_output", "a file appeared: {file}");
+    }
+}
+
+/// The files and batches a tenant sees, for comparing across a restart.
+async fn inventory(api: &Api) -> (Vec<Value>, Vec<Value>) {
+    let files = api.list_all("/v1/files", "order=asc", 100).await;
+    let batches = api.list_all("/v1/batches", "", 100).await;
+    (
+        files.iter().map(file_identity).collect(),
+        batches.iter().map(batch_identity).collect(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
+    let env = Env::start(slow_gateway()).await;
+    // One job at a time: the last batch is still queued when the service is killed.
+    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 1\n", "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("kill", 300, "llama-3");
+    let (other_text, other_lines) = input_jsonl("other", 5, "llama-3");
+    let file = a.upload_ok("kill.jsonl", text.as_bytes()).await;
+    let other_file = a.upload_ok("other.jsonl", other_text.as_bytes()).await;
+    let other = id_of(&a.create_batch_ok(&other_file).await);
+    let id = id_of(&a.create_batch_ok(&file).await);
+    let (queued_text, queued_lines) = input_jsonl("queued", 5, "llama-3");
+    let queued_file = a.upload_ok("queued.jsonl", queued_text.as_bytes()).await;
+    let queued = id_of(&a.create_batch_ok(&queued_file).await);
+    gate(&env, true);
+    // The small batch goes first (its deadline is earlier) and finishes before the kill.
+    let other = a.wait_final(&other, FINISH).await;
+    assert_eq!(other["status"], "completed", "{other}");
+    a.wait_batch(&id, FINISH, "30 lines done", |b| {
+        count(b, "completed") >= 30
+    })
+    .await;
+    let before = inventory(&a).await;
+    let mid = a.batch(&id).await;
+    assert_eq!(mid["status"], "in_progress", "{mid}");
+    assert!(count(&mid, "completed") < 300, "{mid}");
+    let waiting = a.batch(&queued).await;
+    assert_eq!(count(&waiting, "completed"), 0, "{waiting}");
+    service.kill9();
+
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    assert_kept(&before, &inventory(&a).await);
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    assert_eq!(count(&batch, "completed"), 300, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    a.results(&other).await.assert_each_once(&other_lines);
+    let queued = a.wait_final(&queued, FINISH).await;
+    assert_eq!(queued["status"], "completed", "{queued}");
+    a.results(&queued).await.assert_each_once(&queued_lines);
+    assert_kept(&before, &inventory(&a).await);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_kills_across_six_batches_lose_and_double_nothing() {
+    let env = Env::start(slow_gateway()).await;
+    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 2\n", "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let mut batches = Vec::new();
+    for i in 0..6 {
+        let (text, lines) = input_jsonl(&format!("k{i}"), 50, "llama-3");
+        let file = a.upload_ok(&format!("k{i}.jsonl"), text.as_bytes()).await;
+        batches.push((id_of(&a.create_batch_ok(&file).await), lines));
+    }
+    let done_total = |api: Api, ids: Vec<String>| async move {
+        let mut n = 0;
+        for id in &ids {
+            n += count(&api.batch(id).await, "completed");
+        }
+        n
+    };
+    let ids: Vec<String> = batches.iter().map(|(id, _)| id.clone()).collect();
+    gate(&env, true);
+    for target in [60, 140, 220] {
+        let deadline = Instant::now() + FINISH;
+        let a = service.client(Some(KEY_A));
+        while done_total(a.clone(), ids.clone()).await < target {
+            assert!(Instant::now() < deadline, "fewer than {target} lines done");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let before = inventory(&a).await;
+        service.kill9();
+        service.restart();
+        assert_kept(&before, &inventory(&service.client(Some(KEY_A))).await);
+    }
+    let a = service.client(Some(KEY_A));
+    for (id, lines) in &batches {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        assert_eq!(count(&batch, "completed"), 50, "{batch}");
+        a.results(&batch).await.assert_each_once(lines);
+    }
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
+    let env = Env::start(slow_gateway()).await;
+    let config = env.sync_config(
+        &["llama-3"],
+        "",
+        &format!(
+            "redis_url_file: {}\nconcurrency:\n  global: 4\n  per_endpoint: 4\n  aimd:\n    enabled: false\n",
+            env.redis_url_file.display()
+        ),
+    );
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, TWO_TENANTS, "", "");
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("sync-kill", 200, "llama-3");
+    let file = a.upload_ok("sync-kill.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    let mid = a
+        .wait_batch(&id, FINISH, "30 lines done", |b| {
+            count(b, "completed") >= 30
+        })
+        .await;
+    assert!(count(&mid, "completed") < 200, "{mid}");
+    service.kill9();
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    assert_eq!(count(&batch, "completed"), 200, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_window_that_passes_while_the_service_is_stopped_expires_the_batch_on_restart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("stale", 100, "llama-3");
+    let file = a.upload_ok("stale.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch(&file, "8s").await.expect(200));
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    gate(&env, false);
+    let (status, _) = service.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "{}", service.stderr_text());
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "expired", "{batch}");
+    let done = count(&batch, "completed");
+    assert!(done >= 10, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    assert_eq!(
+        results.error_codes(),
+        BTreeMap::from([("batch_expired".to_owned(), 100 - done as usize)])
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn while_redis_is_down_ready_says_503_and_the_job_waits_it_out() {
+    let mut env = Env::start(GatewayConfig::default()).await;
+    // Persistence, so that the state survives the outage.
+    env.redis = batch_testkit::RedisServer::builder().aof(true).start();
+    env.redis_url_file = env.redis.write_url_file(env.dir.path());
+    // The dispatcher loses the results it cannot push while Redis is down, as the real one does;
+    // the executor sends those lines again once they are nowhere for this long.
+    let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 3s\n");
+    add_serve_section(&config, &env.path("storage"), TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let anon = service.client(None);
+    let (text, lines) = input_jsonl("outage", 100, "llama-3");
+    let file = a.upload_ok("outage.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+
+    env.redis.kill();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = anon.get("/ready").await;
+        if ready.status == 503 {
+            break;
+        }
+        assert_eq!(ready.status, 200, "{}", ready.text());
+        assert!(
+            Instant::now() < deadline,
+            "/ready stayed 200 with Redis down"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(anon.get("/health").await.status, 200);
+    // The API answers (an error), it does not hang.
+    let listed = a.get("/v1/batches").await;
+    assert!(listed.status >= 500, "{} {}", listed.status, listed.text());
+    listed.expect_error(listed.status);
+
+    env.redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while anon.get("/ready").await.status != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "/ready not 200 after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    a.results(&batch).await.assert_each_once(&lines);
+    sim.shutdown().await;
+}
+
+/// The config of replica `n` of one service: shared Redis, storage and keys; its own work
+/// directory (its own disk) and name; a 2 s job lease, checkpoints every 300 ms, two jobs at
+/// once. Lines whose results went down with a replica's disk are sent again after 3 s.
+fn replica_config(env: &Env, n: usize) -> PathBuf {
+    let shared = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 3s\n");
+    let own_work_dir = std::fs::read_to_string(&shared).unwrap().replace(
+        &format!("work_dir: {}\n", env.path("work").display()),
+        &format!("work_dir: {}\n", env.path(&format!("work-{n}")).display()),
+    );
+    let config = env.path(&format!("replica-{n}.yaml"));
+    std::fs::write(&config, own_work_dir).unwrap();
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(
+        &config,
+        &storage,
+        TWO_TENANTS,
+        &format!(
+            "  replica_id: replica-{n}\n  lease_ttl: 2s\n  checkpoint_interval: 300ms\n  max_active_jobs: 2\n"
+        ),
+        "",
+    );
+    config
+}
+
+/// Four batches of 60 lines on two replicas, two each at once; `stop` ends replica 1 mid-way.
+/// Replica 2 finishes every batch, each line exactly once, and lists everything as before.
+async fn a_replica_stopped_mid_job_is_taken_over(stop: impl FnOnce(&mut Service)) {
+    let env = Env::start(slow_gateway()).await;
+    let sim = gated_dispatcher(&env).await;
+    let mut one = Service::start(&replica_config(&env, 1));
+    let two = Service::start(&replica_config(&env, 2));
+    let a1 = one.client(Some(KEY_A));
+    let a2 = two.client(Some(KEY_A));
+    let mut batches = Vec::new();
+    for i in 0..4 {
+        let (text, lines) = input_jsonl(&format!("r{i}"), 60, "llama-3");
+        // Uploaded through one replica, created through the other: the state is shared.
+        let file = a1.upload_ok(&format!("r{i}.jsonl"), text.as_bytes()).await;
+        batches.push((id_of(&a2.create_batch_ok(&file).await), lines));
+    }
+    // All four start while the gate is closed, so none can end before the stop: two at most
+    // on each replica, so replica 1 holds two.
+    let deadline = Instant::now() + FINISH;
+    for (id, _) in &batches {
+        while a1.batch(id).await["status"] != "in_progress" {
+            assert!(Instant::now() < deadline, "{id} did not start");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    gate(&env, true);
+    loop {
+        let mut done = 0;
+        for (id, _) in &batches {
+            done += count(&a1.batch(id).await, "completed");
+        }
+        if done >= 30 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "fewer than 30 lines done");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = inventory(&a2).await;
+    stop(&mut one);
+    for (id, lines) in &batches {
+        let batch = a2.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        assert_eq!(count(&batch, "completed"), 60, "{batch}");
+        let results = a2.results(&batch).await;
+        results.assert_each_once(lines);
+        results.assert_answers_match(lines);
+    }
+    assert_kept(&before, &inventory(&a2).await);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_jobs_of_a_replica_killed_with_9_are_taken_over_by_another() {
+    a_replica_stopped_mid_job_is_taken_over(|one| one.kill9()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_hands_a_replicas_jobs_over_to_another() {
+    a_replica_stopped_mid_job_is_taken_over(|one| {
+        let (status, took) = one.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+        assert_eq!(status.code(), Some(0), "{}", one.stderr_text());
+        assert!(took < Duration::from_secs(10), "took {took:?} to stop");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_mid_job_pauses_it_and_a_restart_completes_it() {
+    signal_mid_job_pauses_it(libc::SIGTERM).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigint_mid_job_pauses_it_too() {
+    signal_mid_job_pauses_it(libc::SIGINT).await;
+}
+
+/// `signal` mid-job: the service exits 0 within 10 s, the job is paused (its requests stay
+/// queued, nothing is closed), and a restart completes it with every line once.
+async fn signal_mid_job_pauses_it(signal: i32) {
+    let env = Env::start(slow_gateway()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("term", 300, "llama-3");
+    let file = a.upload_ok("term.jsonl", text.as_bytes()).await;
+    let id = id_of(&a.create_batch_ok(&file).await);
+    gate(&env, true);
+    a.wait_batch(&id, FINISH, "30 lines done", |b| {
+        count(b, "completed") >= 30
+    })
+    .await;
+    let before = inventory(&a).await;
+    // Requests in flight now are answered while the service stops; no new ones start.
+    gate(&env, false);
+    let (status, took) = service.signal_and_wait(signal, Duration::from_secs(30));
+    let stderr = service.stderr_text();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(took < Duration::from_secs(10), "took {took:?} to stop");
+    assert_ne!(
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]),
+        ":0",
+        "the pending requests were withdrawn"
+    );
+
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    assert_kept(&before, &inventory(&a).await);
+    // Paused, not cancelled: with the gate still closed it waits in in_progress.
+    let paused = a.batch(&id).await;
+    assert_eq!(paused["status"], "in_progress", "{paused}");
+    assert!(paused["cancelling_at"].is_null(), "{paused}");
+    assert_eq!(x_count(&paused, "cancelled"), 0, "{paused}");
+    let errors = a.get(&format!("/v1/batches/{id}/errors")).await;
+    assert!(
+        errors.jsonl().is_empty(),
+        "lines were closed: {}",
+        errors.text()
+    );
+    gate(&env, true);
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    assert_eq!(count(&batch, "completed"), 300, "{batch}");
+    let results = a.results(&batch).await;
+    results.assert_each_once(&lines);
+    assert!(results.error.is_empty());
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expired_files_are_deleted_and_their_batches_stay_listed() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let storage = env.path("storage");
+    let (short_text, short_lines) = input_jsonl("short-lived", 3, "llama-3");
+    let (kept_text, kept_lines) = input_jsonl("kept", 3, "llama-3");
+    let short = a
+        .upload("short.jsonl", short_text.as_bytes(), Some(1))
+        .await
+        .expect(200);
+    let short_id = id_of(&short);
+    assert_eq!(
+        short["expires_at"],
+        short["created_at"].as_u64().unwrap() + 1,
+        "{short}"
+    );
+    let batch = id_of(&a.create_batch_ok(&short_id).await);
+    let kept = a.upload_ok("kept.jsonl", kept_text.as_bytes()).await;
+    // The output of this one expires a second after the batch was created.
+    let outlived = a
+        .post_json(
+            "/v1/batches",
+            &json!({
+                "input_file_id": kept, "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+                "output_expires_after": {"anchor": "created_at", "seconds": 1}
+            }),
+        )
+        .await
+        .expect(200);
+    let outlived = id_of(&outlived);
+    assert!(
+        !stored_copies(&storage, kept_text.as_bytes()).is_empty(),
+        "the storage directory holds no copy of the upload"
+    );
+
+    let done = a.wait_final(&batch, FINISH).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    a.results(&done).await.assert_each_once(&short_lines);
+    let done_outlived = a.wait_final(&outlived, FINISH).await;
+    assert_eq!(done_outlived["status"], "completed", "{done_outlived}");
+    let output_id = done_outlived["output_file_id"].as_str().unwrap().to_owned();
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let input_gone = a.get(&format!("/v1/files/{short_id}")).await.status == 404;
+        let output_gone = a.get(&format!("/v1/files/{output_id}")).await.status == 404;
+        if input_gone && output_gone {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not expired within 60 s: input {input_gone}, output {output_gone}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    a.get(&format!("/v1/files/{short_id}/content"))
+        .await
+        .expect_error(404);
+    a.get(&format!("/v1/files/{output_id}/content"))
+        .await
+        .expect_error(404);
+    eventually(
+        "the expired object leaves storage",
+        Duration::from_secs(30),
+        || stored_copies(&storage, short_text.as_bytes()).is_empty(),
+    )
+    .await;
+    let listed = ids(&a.list_all("/v1/files", "", 100).await);
+    assert!(
+        !listed.contains(&short_id) && !listed.contains(&output_id),
+        "{listed:?}"
+    );
+    assert!(listed.contains(&kept), "{listed:?}");
+    // The file without an expiry stays, whole.
+    let content = a.get(&format!("/v1/files/{kept}/content")).await;
+    assert_eq!(content.text(), kept_text);
+    assert!(!stored_copies(&storage, kept_text.as_bytes()).is_empty());
+    // The batches stay.
+    assert_eq!(
+        ids(&a.list_all("/v1/batches", "", 100).await),
+        vec![outlived.clone(), batch.clone()]
+    );
+    assert_eq!(a.batch(&batch).await["status"], "completed");
+    assert_eq!(a.batch(&outlived).await["status"], "completed");
+    let _ = kept_lines;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_file_that_expires_while_the_service_is_down_is_deleted_after_a_restart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let storage = env.path("storage");
+    let (text, _) = input_jsonl("down", 3, "llama-3");
+    let id = id_of(
+        &a.upload("down.jsonl", text.as_bytes(), Some(2))
+            .await
+            .expect(200),
+    );
+    assert!(!stored_copies(&storage, text.as_bytes()).is_empty());
+    service.kill9();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !stored_copies(&storage, text.as_bytes()).is_empty(),
+        "deleted with no service running?"
+    );
+    service.restart();
+    let a = service.client(Some(KEY_A));
+    eventually(
+        "the expired object leaves storage",
+        Duration::from_secs(30),
+        || stored_copies(&storage, text.as_bytes()).is_empty(),
+    )
+    .await;
+    a.get(&format!("/v1/files/{id}")).await.expect_error(404);
+    assert!(a.list_all("/v1/files", "", 100).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_hundred_batches_at_once_from_five_tenants_all_complete() {
+    const TENANTS: usize = 5;
+    const PER_TENANT: usize = 40;
+    let env = Env::start(GatewayConfig::default()).await;
+    let keys: Vec<(String, String)> = (0..TENANTS)
+        .map(|t| (format!("sk-tenant-{t}-key"), format!("tenant-{t}")))
+        .collect();
+    let key_refs: Vec<(&str, &str)> = keys.iter().map(|(k, t)| (k.as_str(), t.as_str())).collect();
+    let config = async_service(&env, &key_refs, "", "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let clients: Vec<Api> = keys.iter().map(|(k, _)| service.client(Some(k))).collect();
+
+    let mut tasks = Vec::new();
+    for (t, client) in clients.iter().enumerate() {
+        for j in 0..PER_TENANT {
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let prefix = format!("t{t}-b{j}");
+                let (text, lines) = input_jsonl(&prefix, 5, "llama-3");
+                let file = client
+                    .upload_ok(&format!("{prefix}.jsonl"), text.as_bytes())
+                    .await;
+                let batch = id_of(&client.create_batch_ok(&file).await);
+                (t, batch, lines)
+            }));
+        }
+    }
+    let mut created: Vec<BTreeMap<String, Vec<String>>> = vec![BTreeMap::new(); TENANTS];
+    for task in tasks {
+        let (t, batch, lines) = task.await.unwrap();
+        created[t].insert(batch, lines);
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(300);
+    for (t, client) in clients.iter().enumerate() {
+        loop {
+            let listed = client.list_all("/v1/batches", "", 100).await;
+            let listed_ids: BTreeSet<String> = ids(&listed).into_iter().collect();
+            let own: BTreeSet<String> = created[t].keys().cloned().collect();
+            assert_eq!(
+                listed_ids, own,
+                "tenant {t} lists other batches than its own"
+            );
+            let unfinished = listed.iter().filter(|b| b["status"] != "completed").count();
+            if unfinished == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tenant {t}: {unfinished} batches not completed within 300 s"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    for (t, client) in clients.iter().enumerate() {
+        for (id, lines) in &created[t] {
+            let batch = client.batch(id).await;
+            assert_eq!(count(&batch, "completed"), 5, "{batch}");
+            client.results(&batch).await.assert_each_once(lines);
+        }
+        // The default page is 20 batches.
+        let page = client.get("/v1/batches").await.expect(200);
+        assert_eq!(page["data"].as_array().unwrap().len(), 20, "{page}");
+        assert_eq!(page["has_more"], true);
+        // Its files: its 40 inputs and their 40 outputs, nobody else's.
+        let inputs = client.list_all("/v1/files", "purpose=batch", 100).await;
+        let outputs = client
+            .list_all("/v1/files", "purpose=batch_output", 100)
+            .await;
+        assert_eq!((inputs.len(), outputs.len()), (PER_TENANT, PER_TENANT));
+        for f in &inputs {
+            let name = f["filename"].as_str().unwrap();
+            assert!(name.starts_with(&format!("t{t}-")), "tenant {t} lists {f}");
+        }
+    }
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_sync_mode_without_keys_a_batch_completes_for_the_default_tenant() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = env.sync_config(
+        &["llama-3"],
+        "",
+        &format!("redis_url_file: {}\n", env.redis_url_file.display()),
+    );
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, &[], "", "");
+    let service = Service::start(&config);
+    let api = service.client(None);
+    let (text, lines) = input_jsonl("sync", 50, "llama-3");
+    let file = api.upload_ok("sync.jsonl", text.as_bytes()).await;
+    let id = id_of(&api.create_batch_ok(&file).await);
+    let batch = api.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    assert_eq!(count(&batch, "completed"), 50);
+    let results = api.results(&batch).await;
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    assert!(env.gateway.stats().total >= 50);
+    // A last line without its newline is a line.
+    let (text, lines) = input_jsonl("unterminated", 3, "llama-3");
+    let file = api
+        .upload_ok("unterminated.jsonl", text.trim_end().as_bytes())
+        .await;
+    let id2 = id_of(&api.create_batch_ok(&file).await);
+    let batch = api.wait_final(&id2, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    api.results(&batch).await.assert_each_once(&lines);
+    // A key is ignored, not refused: every request is the default tenant's.
+    let keyed = service.client(Some("sk-anything"));
+    assert_eq!(
+        ids(&keyed.list_all("/v1/batches", "", 10).await),
+        vec![id2, id]
+    );
+}
