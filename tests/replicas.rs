@@ -69,9 +69,9 @@ impl Replica {
     }
 
     fn spawn(&mut self) {
-        let log = self
-            .config
-            .with_file_name(format!("{}-{}.stderr", self.name, self.logs.len() + 1));
+        let log =
+            self.config
+                .with_file_name(format!("{}-{}.stderr", self.name, self.logs.len() + 1));
         let stderr = std::fs::File::create(&log).expect("creating a stderr file");
         self.logs.push(log);
         let mut cmd = Command::new(PROCESSOR);
@@ -385,6 +385,9 @@ struct Cluster {
     replicas: Vec<Replica>,
     /// The bases the monitor may poll (replicas that answer now).
     live: Arc<Mutex<Vec<String>>>,
+    /// The replicas' configs and stderr: kept when a test fails, removed by
+    /// [`Cluster::shutdown`].
+    logs: PathBuf,
 }
 
 /// A submitted batch: its id, input lines, and the replica it was created through.
@@ -419,6 +422,15 @@ impl Cluster {
             .await;
         let storage = env.path("storage");
         std::fs::create_dir_all(&storage).unwrap();
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("test")
+            .rsplit("::")
+            .next()
+            .unwrap_or("test")
+            .to_owned();
+        let logs = std::env::temp_dir().join(format!("replicas-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&logs).unwrap();
         let mut replicas = Vec::new();
         for i in 0..n {
             let name = format!("r{i}");
@@ -437,7 +449,7 @@ impl Cluster {
                 storage = storage.display(),
                 ttl = LEASE_TTL.as_secs(),
             );
-            let config = env.path(&format!("{name}.yaml"));
+            let config = logs.join(format!("{name}.yaml"));
             std::fs::write(&config, yaml).unwrap();
             replicas.push(Replica::start(&name, config, work_dir));
         }
@@ -449,6 +461,7 @@ impl Cluster {
             sim: Some(sim),
             replicas,
             live,
+            logs,
         }
     }
 
@@ -467,7 +480,10 @@ impl Cluster {
     }
 
     fn relist(&self, i: usize) {
-        self.live.lock().unwrap().push(self.replicas[i].base.clone());
+        self.live
+            .lock()
+            .unwrap()
+            .push(self.replicas[i].base.clone());
     }
 
     /// Uploads and creates `count` batches of `lines` lines, through replica `k % n` for the
@@ -564,7 +580,8 @@ impl Cluster {
     }
 
     fn all_stderr(&self) -> String {
-        self.replicas
+        let tails = self
+            .replicas
             .iter()
             .map(|r| {
                 let text = r.stderr();
@@ -574,13 +591,15 @@ impl Cluster {
                 format!("==== {} (last lines) ====\n{}", r.name, tail.join("\n"))
             })
             .collect::<Vec<_>>()
-            .join("\n")
+            .join("\n");
+        format!("{tails}\n(all logs in {})", self.logs.display())
     }
 
     async fn shutdown(mut self) {
         for r in &mut self.replicas {
             r.kill9();
         }
+        let _ = std::fs::remove_dir_all(&self.logs);
         if let Some(sim) = self.sim.take() {
             sim.shutdown().await;
         }
@@ -622,7 +641,12 @@ impl Monitor {
                     for k in 0..bases.len() {
                         let api = Api::new(&bases[(turn + k) % bases.len()]);
                         if let Ok(resp) = api
-                            .try_send(Method::GET, &format!("/v1/batches/{id}"), None, Bytes::new())
+                            .try_send(
+                                Method::GET,
+                                &format!("/v1/batches/{id}"),
+                                None,
+                                Bytes::new(),
+                            )
                             .await
                         {
                             if resp.status == 200 {
@@ -731,7 +755,10 @@ fn assert_monotone_from(id: &str, samples: &[Sample], from: Instant) {
 async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool) -> Duration {
     let start = Instant::now();
     while !check() {
-        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     start.elapsed()
@@ -744,7 +771,9 @@ const IDLE_LIMIT: Duration = Duration::from_secs(10);
 
 /// The index of the replica named `name`.
 fn index_of(name: &str) -> usize {
-    name.trim_start_matches('r').parse().expect("a replica name r<i>")
+    name.trim_start_matches('r')
+        .parse()
+        .expect("a replica name r<i>")
 }
 
 /// The replica part of a lease value `replica#epoch`.
@@ -756,9 +785,11 @@ fn holder_name(lease: &str) -> &str {
 /// index. (The dispatcher takes the earliest deadline first, so batches created one after the
 /// other are answered mostly one after the other.)
 async fn wait_running(cluster: &Cluster, batches: &[Submitted]) -> usize {
-    eventually("every batch to run under a lease", Duration::from_secs(60), || {
-        batches.iter().all(|b| cluster.lease(&b.id).is_some())
-    })
+    eventually(
+        "every batch to run under a lease",
+        Duration::from_secs(60),
+        || batches.iter().all(|b| cluster.lease(&b.id).is_some()),
+    )
     .await;
     let api = cluster.api(0);
     let start = Instant::now();
@@ -794,7 +825,10 @@ async fn three_replicas_complete_twelve_batches_each_line_once() {
     let batches = cluster.submit(12, LINES_12).await;
     let monitor = Monitor::start(&cluster, batches.iter().map(|b| b.id.clone()).collect());
     let finals = cluster.wait_all_final(&batches, 1).await;
-    eprintln!("12 × {LINES_12} lines on 3 replicas: {:?}", started.elapsed());
+    eprintln!(
+        "12 × {LINES_12} lines on 3 replicas: {:?}",
+        started.elapsed()
+    );
     // Read back through another replica than the one the batch was created through.
     for (b, batch) in batches.iter().zip(&finals) {
         cluster.check_completed(b, batch, (b.via + 1) % 3).await;
@@ -824,11 +858,18 @@ async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
     let current = wait_running(&cluster, &batches).await;
     let (victim, lost) = holder_of(&cluster, &batches[current].id);
     // Each of its jobs has a checkpoint to be restored from.
-    eventually("checkpoints of the victim's jobs", Duration::from_secs(30), || {
-        lost.iter().all(|id| {
-            cluster.redis().command(&["EXISTS", &format!("{PREFIX}:checkpoint:{id}")]) == ":1"
-        })
-    })
+    eventually(
+        "checkpoints of the victim's jobs",
+        Duration::from_secs(30),
+        || {
+            lost.iter().all(|id| {
+                cluster
+                    .redis()
+                    .command(&["EXISTS", &format!("{PREFIX}:checkpoint:{id}")])
+                    == ":1"
+            })
+        },
+    )
     .await;
     let name = cluster.replicas[victim].name.clone();
     cluster.unlist(victim);
@@ -840,11 +881,8 @@ async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
         "the killed replica's jobs to be taken over",
         LEASE_TTL + Duration::from_secs(20),
         || {
-            lost.iter().all(|id| {
-                cluster
-                    .lease(id)
-                    .is_some_and(|l| holder_name(&l) != name)
-            })
+            lost.iter()
+                .all(|id| cluster.lease(id).is_some_and(|l| holder_name(&l) != name))
         },
     )
     .await;
@@ -861,7 +899,10 @@ async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
     let seen = monitor.finish().await;
     assert_never_stopped(&seen);
     // The adopters rebuilt the lost jobs from their checkpoints in storage.
-    let logs: String = alive.iter().map(|&i| cluster.replicas[i].stderr()).collect();
+    let logs: String = alive
+        .iter()
+        .map(|&i| cluster.replicas[i].stderr())
+        .collect();
     for id in &lost {
         assert!(
             logs.lines()
@@ -961,16 +1002,18 @@ async fn a_frozen_replica_is_fenced_and_writes_nothing_more() {
         "the frozen replica's jobs to be taken over",
         LEASE_TTL + Duration::from_secs(20),
         || {
-            lost.iter().all(|id| {
-                cluster.lease(id).is_some_and(|l| holder_name(&l) != name)
-            })
+            lost.iter()
+                .all(|id| cluster.lease(id).is_some_and(|l| holder_name(&l) != name))
         },
     )
     .await;
     // The new holder of the batch that was being answered publishes its own counts before the
     // frozen replica wakes up.
     let start = Instant::now();
-    let at = lost.iter().position(|id| *id == batches[current].id).expect("the current batch");
+    let at = lost
+        .iter()
+        .position(|id| *id == batches[current].id)
+        .expect("the current batch");
     {
         let (id, before) = (&lost[at], &frozen_counts[at]);
         loop {
@@ -1035,7 +1078,10 @@ async fn a_frozen_replica_is_fenced_and_writes_nothing_more() {
             .command(&["GET", &format!("{PREFIX}:epoch:{id}")])
             .parse()
             .expect("an epoch");
-        assert!(now > *epoch, "{id}: epoch {now}, the frozen replica had {epoch}");
+        assert!(
+            now > *epoch,
+            "{id}: epoch {now}, the frozen replica had {epoch}"
+        );
         // Its result files were uploaded under the new holder's epoch only.
         let results = cluster.env.path("storage").join("results").join(id);
         let dirs: Vec<String> = std::fs::read_dir(&results)
