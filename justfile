@@ -1,6 +1,6 @@
 # Recipes for the common tasks; each calls a script that also works without `just`.
 
-# Run the demo: a real Redis, the dispatcher simulator and `processor run` on examples/batch.
+# Run the demo: a real Redis, the dispatcher simulator and `processor serve`, driven with curl.
 demo:
     bash scripts/demo.sh
 

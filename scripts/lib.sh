@@ -48,3 +48,37 @@ wait_http() {
   done
   echo "nothing listens on 127.0.0.1:$1" >&2; return 1
 }
+
+# The openai package the SDK compatibility suite (tests/compat) runs with: pinned, bumped on purpose.
+OPENAI_SDK_VERSION=3.51.0
+
+# Makes a virtualenv with the openai package at $BATCH_VENV (default target/venv) and exports
+# BATCH_VENV for the tests (tests/serve_sdk.rs). Fast when it is already there.
+ensure_venv() {
+  export BATCH_VENV="${BATCH_VENV:-$PWD/target/venv}"
+  local stamp="$BATCH_VENV/.openai-$OPENAI_SDK_VERSION"
+  if [ -e "$stamp" ] && "$BATCH_VENV/bin/python" -c '' 2>/dev/null; then return; fi
+  # Debian ships venv's pip bootstrap (ensurepip) in a package of its own.
+  if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    echo "installing python3 and python3-venv with apt-get..." >&2
+    as_root apt-get update -qq >/dev/null || true
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
+  fi
+  echo "making the test virtualenv $BATCH_VENV (openai==$OPENAI_SDK_VERSION)..." >&2
+  rm -rf "$BATCH_VENV"
+  python3 -m venv "$BATCH_VENV"
+  "$BATCH_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "openai==$OPENAI_SDK_VERSION"
+  touch "$stamp"
+}
+
+# Installs each of the given commands with apt-get when missing (each from the Debian package of
+# its own name: curl, jq).
+ensure_tools() {
+  local missing=()
+  for tool in "$@"; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  if [ "${#missing[@]}" = 0 ]; then return; fi
+  echo "installing ${missing[*]} with apt-get..." >&2
+  as_root apt-get update -qq >/dev/null || true
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}

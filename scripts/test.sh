@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace. The tests start their own redis-server on free loopback
-# ports, so only the binary is needed: it is installed with apt-get when missing.
+# ports, so only the binary is needed: it is installed with apt-get when missing. The OpenAI SDK
+# suite (tests/serve_sdk.rs) runs in a virtualenv with the openai package, made here once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 ensure_redis
+ensure_venv   # exports BATCH_VENV
 cargo test --workspace "$@"

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::files::owned_file;
-use crate::{limit, list_body, Api, ApiError, Tenant};
+use crate::{limit, list_body, Api, ApiError, ListParams, Tenant};
 
 /// OpenAI's metadata limits.
 const MAX_METADATA_PAIRS: usize = 16;
@@ -205,7 +205,7 @@ pub(crate) struct ListQuery {
 pub(crate) async fn list(
     State(api): State<Api>,
     tenant: Tenant,
-    Query(q): Query<ListQuery>,
+    ListParams(q): ListParams<ListQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let limit = limit(q.limit, 20, 100)?;
     let page = api

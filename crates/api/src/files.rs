@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Multipart, Path, Query, State};
+use axum::extract::{Multipart, Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
 
-use crate::{limit, list_body, Api, ApiError, Tenant};
+use crate::{limit, list_body, Api, ApiError, Form, ListParams, Tenant};
 
 /// Batch input files expire after 30 days unless the upload says otherwise.
 const DEFAULT_INPUT_EXPIRY_SECS: i64 = 30 * 24 * 3600;
@@ -25,7 +25,7 @@ const MAX_FIELD_BYTES: usize = 64 * 1024;
 pub(crate) async fn upload(
     State(api): State<Api>,
     tenant: Tenant,
-    mut form: Multipart,
+    Form(mut form): Form,
 ) -> Result<Json<FileObject>, ApiError> {
     let id = new_id("file-");
     let key = batch_jobs::storage_key(&id);
@@ -42,7 +42,15 @@ pub(crate) async fn upload(
                         return Err(ApiError::invalid("Only one file per upload.", Some("file")));
                     }
                     let filename = field.file_name().unwrap_or("upload.jsonl").to_owned();
-                    let bytes = store_file(&api, &key, field).await?;
+                    let bytes = match store_file(&api, &key, field).await {
+                        Ok(bytes) => bytes,
+                        Err(e) => {
+                            if e.status == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                                drain(&mut form).await;
+                            }
+                            return Err(e);
+                        }
+                    };
                     uploaded = Some((filename, bytes));
                 }
                 "purpose" => purpose = Some(small_text(field).await?),
@@ -100,6 +108,21 @@ pub(crate) async fn upload(
     api.store.put_file(&stored).await?;
     tracing::info!(file = %stored.file.id, tenant = %stored.tenant, bytes = stored.file.bytes, "file uploaded");
     Ok(Json(stored.file))
+}
+
+/// Reads and drops the rest of a refused upload (up to a bound), so that the client, which is
+/// still sending, reads the 413 instead of a reset connection (which SDKs retry).
+async fn drain(form: &mut Multipart) {
+    const MAX_DRAIN: u64 = 1 << 30;
+    let mut drained = 0u64;
+    while let Ok(Some(mut field)) = form.next_field().await {
+        while let Ok(Some(chunk)) = field.chunk().await {
+            drained += chunk.len() as u64;
+            if drained > MAX_DRAIN {
+                return;
+            }
+        }
+    }
 }
 
 fn bad_form(e: axum::extract::multipart::MultipartError) -> ApiError {
@@ -280,7 +303,7 @@ pub(crate) struct ListQuery {
 pub(crate) async fn list(
     State(api): State<Api>,
     tenant: Tenant,
-    Query(q): Query<ListQuery>,
+    ListParams(q): ListParams<ListQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let limit = limit(q.limit, 10_000, 10_000)?;
     let order = match q.order.as_deref() {

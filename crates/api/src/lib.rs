@@ -135,6 +135,47 @@ impl FromRequestParts<Api> for Tenant {
     }
 }
 
+/// `Query`, with its rejections in OpenAI's error shape.
+pub(crate) struct ListParams<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for ListParams<T>
+where
+    T: serde::de::DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(q)) => Ok(Self(q)),
+            Err(e) => Err(ApiError::invalid(
+                format!("Invalid query parameters: {}", e.body_text()),
+                None,
+            )),
+        }
+    }
+}
+
+/// `Multipart`, with its rejections (not a form, no boundary) in OpenAI's error shape.
+pub(crate) struct Form(pub axum::extract::Multipart);
+
+impl<S: Send + Sync> axum::extract::FromRequest<S> for Form {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Multipart::from_request(request, state).await {
+            Ok(form) => Ok(Self(form)),
+            Err(e) => Err(ApiError::invalid(
+                format!(
+                    "Expected a multipart/form-data body with the fields 'file' and 'purpose': {}",
+                    e.body_text()
+                ),
+                None,
+            )),
+        }
+    }
+}
+
 /// The whole API.
 pub fn router(api: Api) -> Router {
     Router::new()
@@ -151,6 +192,7 @@ pub fn router(api: Api) -> Router {
         .route("/metrics", get(metrics_text))
         .route_layer(axum::middleware::from_fn(count))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::disable())
         .layer(axum::middleware::from_fn(request_id))
         .with_state(api)
@@ -198,6 +240,20 @@ async fn not_found(request: Request) -> ApiError {
     ))
 }
 
+async fn method_not_allowed(request: Request) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!(
+            "{} is not allowed on {}.",
+            request.method(),
+            request.uri().path()
+        ),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    }
+}
+
 /// Gives every response a request id (the caller's, or a new one) and logs the request.
 async fn request_id(request: Request, next: Next) -> Response {
     let id = request
@@ -208,8 +264,20 @@ async fn request_id(request: Request, next: Next) -> Response {
         .map(str::to_owned)
         .unwrap_or_else(|| format!("req_{:032x}", rand::random::<u128>()));
     let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+    let has_body = request.headers().contains_key(axum::http::header::CONTENT_LENGTH)
+        || request
+            .headers()
+            .contains_key(axum::http::header::TRANSFER_ENCODING);
     let started = Instant::now();
     let mut response = next.run(request).await;
+    if has_body && !response.status().is_success() {
+        // A refusal (a wrong key, a bad form) may leave the body unread, and then the server
+        // drops the connection: say so, or the client reuses it and its next request fails.
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            HeaderValue::from_static("close"),
+        );
+    }
     tracing::debug!(request_id = %id, %method, path, status = response.status().as_u16(), elapsed = ?started.elapsed(), "request");
     if let Ok(value) = HeaderValue::from_str(&id) {
         response.headers_mut().insert(REQUEST_ID, value);
