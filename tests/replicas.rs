@@ -1,0 +1,1158 @@
+//! Several `processor serve` replicas on one Redis, one simulated dispatcher and one storage
+//! directory (issue #12): batches spread over replicas, a replica killed with its disk, a rolling
+//! restart, a replica frozen past its leases (fencing), a cancel sent through another replica.
+//!
+//! Each replica is the real binary with its own `work_dir` and `replica_id`, short leases
+//! (`lease_ttl` 3 s) and checkpoints (1 s), and a short `lost_request_timeout` (4 s) so that
+//! requests lost with a dead replica's disk are sent again soon.
+//!
+//! The small `Replica`/`Api` harness here overlaps tests/support/serve.rs of branch
+//! `servetests`; they are meant to be folded together.
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use batch_testkit::RedisServer;
+use bytes::Bytes;
+use dispatcher_sim::{DispatcherHandle, GatewayConfig};
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+use support::{Env, Results, PROCESSOR};
+use tokio_util::sync::CancellationToken;
+
+/// The service's Redis key prefix (the default `state_prefix`, in braces: one hash slot).
+const PREFIX: &str = "{batch-processor}";
+/// Every replica's `serve.lease_ttl`.
+const LEASE_TTL: Duration = Duration::from_secs(3);
+/// How long one HTTP exchange may take on a loaded 2-core machine.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a whole set of batches may take to finish.
+const FINISH_LIMIT: Duration = Duration::from_secs(300);
+
+// ---- one replica: the real binary ----
+
+/// One `processor serve` process (and its later starts), killed when dropped.
+struct Replica {
+    name: String,
+    config: PathBuf,
+    work_dir: PathBuf,
+    child: Option<std::process::Child>,
+    /// Stderr of each start, in order.
+    logs: Vec<PathBuf>,
+    /// `http://127.0.0.1:PORT` of the latest start.
+    base: String,
+}
+
+impl Replica {
+    /// Starts replica `name` with `config`. Call it from the test's own thread: the child gets
+    /// SIGKILL when the thread that spawned it ends (PR_SET_PDEATHSIG).
+    fn start(name: &str, config: PathBuf, work_dir: PathBuf) -> Replica {
+        let mut r = Replica {
+            name: name.to_owned(),
+            config,
+            work_dir,
+            child: None,
+            logs: Vec::new(),
+            base: String::new(),
+        };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let log =
+            self.config
+                .with_file_name(format!("{}-{}.stderr", self.name, self.logs.len() + 1));
+        let stderr = std::fs::File::create(&log).expect("creating a stderr file");
+        self.logs.push(log);
+        let mut cmd = Command::new(PROCESSOR);
+        cmd.arg("serve")
+            .arg("--config")
+            .arg(&self.config)
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr);
+        kill_with_parent(&mut cmd);
+        let mut child = cmd.spawn().expect("spawning processor serve");
+        let stdout = child.stdout.take().expect("a stdout pipe");
+        let (tx, rx) = mpsc::channel();
+        // The first line, then the rest drained so that a later write never blocks or fails.
+        std::thread::spawn(move || {
+            let mut reader = BufReader::new(stdout);
+            let mut first = String::new();
+            let _ = reader.read_line(&mut first);
+            let _ = tx.send(first);
+            let _ = reader.read_to_end(&mut Vec::new());
+        });
+        let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_default();
+        let Some(addr) = line.trim().strip_prefix("listening on ") else {
+            let _ = child.kill();
+            let status = child.wait();
+            panic!(
+                "{}: the first line was {line:?} (exit {status:?}); stderr:\n{}",
+                self.name,
+                self.stderr()
+            );
+        };
+        assert!(addr.starts_with("http://127.0.0.1:"), "{addr}");
+        self.base = addr.to_owned();
+        self.child = Some(child);
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.as_ref().expect("the replica runs").id() as i32
+    }
+
+    /// Sends `signal` to the process.
+    fn signal(&self, signal: i32) {
+        // SAFETY: a signal to our own child, not yet waited for.
+        let rc = unsafe { libc::kill(self.pid(), signal) };
+        assert_eq!(rc, 0, "kill({}, {signal})", self.pid());
+    }
+
+    /// `kill -9`; waits until it is gone.
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then waits up to `limit` for the exit: its status and how long it took.
+    fn terminate(&mut self, limit: Duration) -> (ExitStatus, Duration) {
+        self.signal(libc::SIGTERM);
+        let mut child = self.child.take().expect("the replica runs");
+        let sent = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().expect("waiting for a replica") {
+                return (status, sent.elapsed());
+            }
+            if sent.elapsed() > limit {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "{} did not exit within {limit:?} of SIGTERM; stderr:\n{}",
+                    self.name,
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Everything every start wrote to stderr.
+    fn stderr(&self) -> String {
+        self.logs
+            .iter()
+            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n---- restart ----\n")
+    }
+
+    fn api(&self) -> Api {
+        Api::new(&self.base)
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        if let Some(child) = &self.child {
+            // A stopped process takes SIGKILL too, but SIGCONT first costs nothing.
+            // SAFETY: our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
+        }
+        self.kill9();
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn kill_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn kill_with_parent(_cmd: &mut Command) {}
+
+// ---- a small client of the API (no key: tenant `default`) ----
+
+#[derive(Clone)]
+struct Api {
+    base: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+struct Resp {
+    status: u16,
+    body: Bytes,
+}
+
+impl Resp {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    #[track_caller]
+    fn expect(&self, status: u16) -> Value {
+        assert_eq!(self.status, status, "body: {}", self.text());
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.text()))
+    }
+
+    fn jsonl(&self) -> Vec<Value> {
+        self.text()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect()
+    }
+}
+
+impl Api {
+    fn new(base: &str) -> Api {
+        Api {
+            base: base.to_owned(),
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    /// One exchange; an error when the replica does not answer.
+    async fn try_send(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: Option<&str>,
+        body: Bytes,
+    ) -> Result<Resp, String> {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base));
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        let req = req.body(Full::new(body)).expect("a request");
+        let exchange = async {
+            let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+            let status = resp.status().as_u16();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok(Resp { status, body })
+        };
+        tokio::time::timeout(HTTP_TIMEOUT, exchange)
+            .await
+            .map_err(|_| format!("no answer within {HTTP_TIMEOUT:?}"))?
+    }
+
+    async fn send(&self, method: Method, path: &str, ct: Option<&str>, body: Bytes) -> Resp {
+        let m = method.clone();
+        self.try_send(method, path, ct, body)
+            .await
+            .unwrap_or_else(|e| panic!("{m} {}{path}: {e}", self.base))
+    }
+
+    async fn get(&self, path: &str) -> Resp {
+        self.send(Method::GET, path, None, Bytes::new()).await
+    }
+
+    async fn upload(&self, name: &str, bytes: &[u8]) -> String {
+        let boundary = "----replicas-boundary-5e2a";
+        let mut body = Vec::new();
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
+                 --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\
+                 Content-Type: application/octet-stream\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(bytes);
+        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        let ct = format!("multipart/form-data; boundary={boundary}");
+        let file = self
+            .send(Method::POST, "/v1/files", Some(&ct), Bytes::from(body))
+            .await
+            .expect(200);
+        file["id"].as_str().expect("a file id").to_owned()
+    }
+
+    async fn create_batch(&self, file_id: &str) -> String {
+        let body = serde_json::json!({
+            "input_file_id": file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        });
+        let batch = self
+            .send(
+                Method::POST,
+                "/v1/batches",
+                Some("application/json"),
+                Bytes::from(body.to_string()),
+            )
+            .await
+            .expect(200);
+        batch["id"].as_str().expect("a batch id").to_owned()
+    }
+
+    async fn batch(&self, id: &str) -> Value {
+        self.get(&format!("/v1/batches/{id}")).await.expect(200)
+    }
+
+    async fn cancel(&self, id: &str) -> Value {
+        self.send(
+            Method::POST,
+            &format!("/v1/batches/{id}/cancel"),
+            None,
+            Bytes::new(),
+        )
+        .await
+        .expect(200)
+    }
+
+    async fn file_lines(&self, id: &Value) -> Vec<Value> {
+        match id.as_str() {
+            Some(id) => {
+                let resp = self.get(&format!("/v1/files/{id}/content")).await;
+                assert_eq!(resp.status, 200, "content of {id}: {}", resp.text());
+                resp.jsonl()
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// A finished batch's output and error lines, read through its files.
+    async fn results(&self, batch: &Value) -> Results {
+        Results {
+            output: self.file_lines(&batch["output_file_id"]).await,
+            error: self.file_lines(&batch["error_file_id"]).await,
+        }
+    }
+}
+
+fn is_final(status: &str) -> bool {
+    matches!(status, "completed" | "failed" | "expired" | "cancelled")
+}
+
+/// `n` chat requests as JSONL (`custom_id` `<prefix>-<i>`), and the lines.
+fn input_jsonl(prefix: &str, n: usize) -> (Vec<u8>, Vec<String>) {
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            let system = ["You are terse.", "Answer in French."][i % 2];
+            serde_json::json!({
+                "custom_id": format!("{prefix}-{i}"),
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "llama-3",
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": format!("{prefix} question {i}")}
+                    ],
+                    "max_tokens": 8
+                }
+            })
+            .to_string()
+        })
+        .collect();
+    ((lines.join("\n") + "\n").into_bytes(), lines)
+}
+
+// ---- the cluster: Redis, gateway, dispatcher, shared storage, N replicas ----
+
+struct Cluster {
+    env: Env,
+    sim: Option<DispatcherHandle>,
+    replicas: Vec<Replica>,
+    /// The bases the monitor may poll (replicas that answer now).
+    live: Arc<Mutex<Vec<String>>>,
+    /// The replicas' configs and stderr: kept when a test fails, removed by
+    /// [`Cluster::shutdown`].
+    logs: PathBuf,
+}
+
+/// A submitted batch: its id, input lines, and the replica it was created through.
+struct Submitted {
+    id: String,
+    lines: Vec<String>,
+    via: usize,
+}
+
+impl Cluster {
+    /// `n` replicas, each running up to `max_active_jobs` jobs; the gateway answers after
+    /// `latency` and the dispatcher sends at most `concurrency` requests at once, which sets
+    /// how long the batches run.
+    ///
+    /// `lost_request_timeout` is short (4 s) in the tests that lose a replica's disk or freeze
+    /// it: the lines it had answered since its last checkpoint must be sent again. It is long
+    /// elsewhere, because every quiet job then scans the dispatcher's whole request set.
+    async fn start(
+        n: usize,
+        max_active_jobs: usize,
+        latency: Duration,
+        concurrency: usize,
+        lost_request_timeout: &str,
+    ) -> Self {
+        let env = Env::start(GatewayConfig {
+            latency_fixed: latency,
+            ..GatewayConfig::default()
+        })
+        .await;
+        let sim = env
+            .dispatcher(&["pool-a"], |c| c.concurrency = concurrency)
+            .await;
+        let storage = env.path("storage");
+        std::fs::create_dir_all(&storage).unwrap();
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("test")
+            .rsplit("::")
+            .next()
+            .unwrap_or("test")
+            .to_owned();
+        let logs = std::env::temp_dir().join(format!("replicas-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&logs).unwrap();
+        let mut replicas = Vec::new();
+        for i in 0..n {
+            let name = format!("r{i}");
+            let work_dir = env.path(&format!("work-{name}"));
+            let yaml = format!(
+                "dispatch_mode: async\n\
+                 redis_url_file: {redis}\n\
+                 work_dir: {work}\n\
+                 async_dispatch:\n  result_poll_timeout: 200ms\n  lost_request_timeout: {lost_request_timeout}\n\
+                 model_gateways:\n  llama-3:\n    inference_pool_name: pool-a\n\
+                 serve:\n  storage: file://{storage}\n  reaper_interval: 200ms\n  \
+                 replica_id: {name}\n  lease_ttl: {ttl}s\n  checkpoint_interval: 1s\n  \
+                 max_active_jobs: {max_active_jobs}\n",
+                redis = env.redis_url_file.display(),
+                work = work_dir.display(),
+                storage = storage.display(),
+                ttl = LEASE_TTL.as_secs(),
+            );
+            let config = logs.join(format!("{name}.yaml"));
+            std::fs::write(&config, yaml).unwrap();
+            replicas.push(Replica::start(&name, config, work_dir));
+        }
+        let live = Arc::new(Mutex::new(
+            replicas.iter().map(|r| r.base.clone()).collect(),
+        ));
+        Cluster {
+            env,
+            sim: Some(sim),
+            replicas,
+            live,
+            logs,
+        }
+    }
+
+    fn redis(&self) -> &RedisServer {
+        &self.env.redis
+    }
+
+    fn api(&self, i: usize) -> Api {
+        self.replicas[i].api()
+    }
+
+    /// Takes replica `i` out of the monitor's rotation (before stopping or freezing it).
+    fn unlist(&self, i: usize) {
+        let base = &self.replicas[i].base;
+        self.live.lock().unwrap().retain(|b| b != base);
+    }
+
+    fn relist(&self, i: usize) {
+        self.live
+            .lock()
+            .unwrap()
+            .push(self.replicas[i].base.clone());
+    }
+
+    /// Uploads and creates `count` batches of `lines` lines, through replica `k % n` for the
+    /// k-th one.
+    async fn submit(&self, count: usize, lines: usize) -> Vec<Submitted> {
+        let mut out = Vec::new();
+        for k in 0..count {
+            let via = k % self.replicas.len();
+            let api = self.api(via);
+            let (bytes, input) = input_jsonl(&format!("b{k}"), lines);
+            let file = api.upload(&format!("b{k}.jsonl"), &bytes).await;
+            let id = api.create_batch(&file).await;
+            out.push(Submitted {
+                id,
+                lines: input,
+                via,
+            });
+        }
+        out
+    }
+
+    /// Which replica each running job was given to (`{prefix}:running`).
+    fn running(&self) -> BTreeMap<String, String> {
+        let flat = self
+            .redis()
+            .command_list(&["HGETALL", &format!("{PREFIX}:running")]);
+        flat.chunks(2)
+            .map(|kv| (kv[0].clone(), kv[1].clone()))
+            .collect()
+    }
+
+    /// Job `id`'s lease value `replica#epoch`, if held.
+    fn lease(&self, id: &str) -> Option<String> {
+        let v = self
+            .redis()
+            .command(&["GET", &format!("{PREFIX}:lease:{id}")]);
+        (v != "(nil)").then_some(v)
+    }
+
+    /// The jobs replica `name` runs now (by their leases).
+    fn jobs_of(&self, name: &str) -> Vec<String> {
+        self.running()
+            .into_keys()
+            .filter(|id| {
+                self.lease(id)
+                    .is_some_and(|l| l.split('#').next() == Some(name))
+            })
+            .collect()
+    }
+
+    /// Waits until every batch is final; returns them as replica `via` shows them.
+    async fn wait_all_final(&self, batches: &[Submitted], via: usize) -> Vec<Value> {
+        let api = self.api(via);
+        let deadline = Instant::now() + FINISH_LIMIT;
+        let mut out = Vec::new();
+        for b in batches {
+            loop {
+                let batch = api.batch(&b.id).await;
+                if is_final(batch["status"].as_str().unwrap_or("")) {
+                    out.push(batch);
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "not final within {FINISH_LIMIT:?}: {batch}\n{}",
+                    self.all_stderr()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        out
+    }
+
+    /// Checks a finished batch through replica `via`: completed, every line once across its
+    /// output and error files, each answer its own line's, counts to match.
+    async fn check_completed(&self, b: &Submitted, batch: &Value, via: usize) {
+        assert_eq!(batch["status"], "completed", "{batch}");
+        let results = self.api(via).results(batch).await;
+        results.assert_each_once(&b.lines);
+        results.assert_answers_match(&b.lines);
+        let n = b.lines.len() as u64;
+        assert_eq!(batch["request_counts"]["total"], n, "{batch}");
+        assert_eq!(
+            batch["request_counts"]["completed"].as_u64().unwrap()
+                + batch["request_counts"]["failed"].as_u64().unwrap(),
+            n,
+            "{batch}"
+        );
+        assert_eq!(
+            batch["request_counts"]["completed"].as_u64().unwrap(),
+            results.output.len() as u64,
+            "{batch}"
+        );
+    }
+
+    fn all_stderr(&self) -> String {
+        let tails = self
+            .replicas
+            .iter()
+            .map(|r| {
+                let text = r.stderr();
+                // The tail is what explains a hang.
+                let tail: Vec<&str> = text.lines().rev().take(40).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                format!("==== {} (last lines) ====\n{}", r.name, tail.join("\n"))
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        format!("{tails}\n(all logs in {})", self.logs.display())
+    }
+
+    async fn shutdown(mut self) {
+        for r in &mut self.replicas {
+            r.kill9();
+        }
+        let _ = std::fs::remove_dir_all(&self.logs);
+        if let Some(sim) = self.sim.take() {
+            sim.shutdown().await;
+        }
+    }
+}
+
+// ---- a monitor: polls every batch through live replicas and keeps what it saw ----
+
+#[derive(Debug, Clone)]
+struct Sample {
+    at: Instant,
+    status: String,
+    completed: u64,
+    failed: u64,
+    /// The epoch of the job's checkpoint record in Redis (0: none).
+    checkpoint_epoch: u64,
+    /// The job's lease holder (`replica#epoch`), empty when none.
+    holder: String,
+}
+
+struct Monitor {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<HashMap<String, Vec<Sample>>>,
+}
+
+impl Monitor {
+    fn start(cluster: &Cluster, ids: Vec<String>) -> Monitor {
+        let stop = CancellationToken::new();
+        let live = cluster.live.clone();
+        let redis_port = cluster.redis().port();
+        let token = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut seen: HashMap<String, Vec<Sample>> = HashMap::new();
+            let mut turn = 0usize;
+            while !token.is_cancelled() {
+                for id in &ids {
+                    let bases = live.lock().unwrap().clone();
+                    let mut batch = None;
+                    for k in 0..bases.len() {
+                        let api = Api::new(&bases[(turn + k) % bases.len()]);
+                        if let Ok(resp) = api
+                            .try_send(
+                                Method::GET,
+                                &format!("/v1/batches/{id}"),
+                                None,
+                                Bytes::new(),
+                            )
+                            .await
+                        {
+                            if resp.status == 200 {
+                                batch = serde_json::from_slice::<Value>(&resp.body).ok();
+                                break;
+                            }
+                        }
+                    }
+                    turn += 1;
+                    let Some(batch) = batch else { continue };
+                    let key = format!("{PREFIX}:checkpoint:{id}");
+                    let checkpoint = batch_testkit::command_on(redis_port, &["GET", &key]);
+                    let checkpoint_epoch = serde_json::from_str::<Value>(&checkpoint[0])
+                        .ok()
+                        .and_then(|c| c["epoch"].as_u64())
+                        .unwrap_or(0);
+                    let key = format!("{PREFIX}:lease:{id}");
+                    let lease = batch_testkit::command_on(redis_port, &["GET", &key]);
+                    let holder = lease[0].replace("(nil)", "");
+                    let counts = &batch["request_counts"];
+                    seen.entry(id.clone()).or_default().push(Sample {
+                        at: Instant::now(),
+                        status: batch["status"].as_str().unwrap_or("").to_owned(),
+                        completed: counts["completed"].as_u64().unwrap_or(0),
+                        failed: counts["failed"].as_u64().unwrap_or(0),
+                        checkpoint_epoch,
+                        holder,
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            seen
+        });
+        Monitor { stop, task }
+    }
+
+    async fn finish(self) -> HashMap<String, Vec<Sample>> {
+        self.stop.cancel();
+        self.task.await.expect("the monitor")
+    }
+}
+
+/// Panics if any batch was seen cancelled, cancelling, failed or expired.
+fn assert_never_stopped(seen: &HashMap<String, Vec<Sample>>) {
+    for (id, samples) in seen {
+        for s in samples {
+            assert!(
+                !matches!(
+                    s.status.as_str(),
+                    "cancelled" | "cancelling" | "failed" | "expired"
+                ),
+                "{id} was seen {}",
+                s.status
+            );
+        }
+    }
+}
+
+/// The longest time a batch that had started making progress went without any, before all its
+/// lines were done.
+fn longest_idle(samples: &[Sample], total: u64) -> Duration {
+    let mut longest = Duration::ZERO;
+    let mut last: Option<(Instant, u64)> = None;
+    for s in samples {
+        let done = s.completed + s.failed;
+        if done >= total || is_final(&s.status) {
+            break;
+        }
+        match last {
+            Some((_, d)) if d == done => {}
+            _ if done == 0 => {}
+            _ => last = Some((s.at, done)),
+        }
+        if let Some((since, _)) = last {
+            longest = longest.max(s.at - since);
+        }
+    }
+    longest
+}
+
+/// Panics if the counts of a batch went backwards at or after `from`.
+fn assert_monotone_from(id: &str, samples: &[Sample], from: Instant) {
+    let mut prev: Option<&Sample> = None;
+    for s in samples.iter().filter(|s| s.at >= from) {
+        if let Some(p) = prev {
+            assert!(
+                s.completed >= p.completed && s.failed >= p.failed,
+                "{id}: counts went back from {}/{} to {}/{} (completed/failed): a stale record was saved",
+                p.completed,
+                p.failed,
+                s.completed,
+                s.failed
+            );
+            assert!(
+                s.checkpoint_epoch == 0 || s.checkpoint_epoch >= p.checkpoint_epoch,
+                "{id}: the checkpoint went back from epoch {} to {}",
+                p.checkpoint_epoch,
+                s.checkpoint_epoch
+            );
+        }
+        prev = Some(s);
+    }
+}
+
+/// Waits (polling every 100 ms, at most `limit`) until `check` holds.
+async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    start.elapsed()
+}
+
+// ---- the tests ----
+
+/// How long a batch that had started may go without progress during a handover.
+const IDLE_LIMIT: Duration = Duration::from_secs(10);
+
+/// The index of the replica named `name`.
+fn index_of(name: &str) -> usize {
+    name.trim_start_matches('r')
+        .parse()
+        .expect("a replica name r<i>")
+}
+
+/// The replica part of a lease value `replica#epoch`.
+fn holder_name(lease: &str) -> &str {
+    lease.split('#').next().unwrap_or("")
+}
+
+/// Waits until every batch runs under a lease and one of them is part done; returns that one's
+/// index. (The dispatcher takes the earliest deadline first, so batches created one after the
+/// other are answered mostly one after the other.)
+async fn wait_running(cluster: &Cluster, batches: &[Submitted]) -> usize {
+    eventually(
+        "every batch to run under a lease",
+        Duration::from_secs(60),
+        || batches.iter().all(|b| cluster.lease(&b.id).is_some()),
+    )
+    .await;
+    let api = cluster.api(0);
+    let start = Instant::now();
+    loop {
+        for (i, b) in batches.iter().enumerate() {
+            let batch = api.batch(&b.id).await;
+            let c = &batch["request_counts"];
+            let done = c["completed"].as_u64().unwrap_or(0) + c["failed"].as_u64().unwrap_or(0);
+            if done > 0 && done < b.lines.len() as u64 {
+                return i;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no batch part done within 60 s\n{}",
+            cluster.all_stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The replica holding batch `id`'s lease, and every job it holds.
+fn holder_of(cluster: &Cluster, id: &str) -> (usize, Vec<String>) {
+    let lease = cluster.lease(id).expect("a lease");
+    let name = holder_name(&lease);
+    (index_of(name), cluster.jobs_of(name))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_complete_twelve_batches_each_line_once() {
+    let cluster = Cluster::start(3, 16, Duration::ZERO, 64, "10m").await;
+    let started = Instant::now();
+    let batches = cluster.submit(12, LINES_12).await;
+    let monitor = Monitor::start(&cluster, batches.iter().map(|b| b.id.clone()).collect());
+    let finals = cluster.wait_all_final(&batches, 1).await;
+    eprintln!(
+        "12 × {LINES_12} lines on 3 replicas: {:?}",
+        started.elapsed()
+    );
+    // Read back through another replica than the one the batch was created through.
+    for (b, batch) in batches.iter().zip(&finals) {
+        cluster.check_completed(b, batch, (b.via + 1) % 3).await;
+    }
+    let seen = monitor.finish().await;
+    assert_never_stopped(&seen);
+    // The work was spread: every replica held some job's lease.
+    let holders: std::collections::BTreeSet<String> = seen
+        .values()
+        .flatten()
+        .map(|s| holder_name(&s.holder).to_owned())
+        .filter(|h| !h.is_empty())
+        .collect();
+    assert_eq!(holders.len(), 3, "leases were held by {holders:?} only");
+    assert!(cluster.running().is_empty(), "{:?}", cluster.running());
+    cluster.shutdown().await;
+}
+
+/// Lines per batch in the twelve-batch test.
+const LINES_12: usize = 1000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
+    let mut cluster = Cluster::start(3, 4, SLOW_LATENCY, SLOW_CONCURRENCY, "4s").await;
+    let batches = cluster.submit(4, LINES_SLOW).await;
+    let monitor = Monitor::start(&cluster, batches.iter().map(|b| b.id.clone()).collect());
+    let current = wait_running(&cluster, &batches).await;
+    let (victim, lost) = holder_of(&cluster, &batches[current].id);
+    // Each of its jobs has a checkpoint to be restored from.
+    eventually(
+        "checkpoints of the victim's jobs",
+        Duration::from_secs(30),
+        || {
+            lost.iter().all(|id| {
+                cluster
+                    .redis()
+                    .command(&["EXISTS", &format!("{PREFIX}:checkpoint:{id}")])
+                    == ":1"
+            })
+        },
+    )
+    .await;
+    let name = cluster.replicas[victim].name.clone();
+    cluster.unlist(victim);
+    cluster.replicas[victim].kill9();
+    let killed = Instant::now();
+    std::fs::remove_dir_all(&cluster.replicas[victim].work_dir).expect("deleting its work dir");
+
+    let adopted = eventually(
+        "the killed replica's jobs to be taken over",
+        LEASE_TTL + Duration::from_secs(20),
+        || {
+            lost.iter()
+                .all(|id| cluster.lease(id).is_some_and(|l| holder_name(&l) != name))
+        },
+    )
+    .await;
+    let alive = [(victim + 1) % 3, (victim + 2) % 3];
+    let finals = cluster.wait_all_final(&batches, alive[0]).await;
+    eprintln!(
+        "{name} killed with {} jobs: taken over after {adopted:?}, all final after {:?}",
+        lost.len(),
+        killed.elapsed()
+    );
+    for (b, batch) in batches.iter().zip(&finals) {
+        cluster.check_completed(b, batch, alive[1]).await;
+    }
+    let seen = monitor.finish().await;
+    assert_never_stopped(&seen);
+    // The adopters rebuilt the lost jobs from their checkpoints in storage.
+    let logs: String = alive
+        .iter()
+        .map(|&i| cluster.replicas[i].stderr())
+        .collect();
+    for id in &lost {
+        assert!(
+            logs.lines()
+                .any(|l| l.contains("resuming from a checkpoint") && l.contains(id.as_str())),
+            "no replica resumed {id} from its checkpoint:\n{}",
+            cluster.all_stderr()
+        );
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rolling_restart_fails_no_job_and_idles_none() {
+    let mut cluster = Cluster::start(3, 6, SLOW_LATENCY, SLOW_CONCURRENCY, "10m").await;
+    let batches = cluster.submit(4, LINES_SLOW).await;
+    let monitor = Monitor::start(&cluster, batches.iter().map(|b| b.id.clone()).collect());
+    wait_running(&cluster, &batches).await;
+    let mut handed_over = 0;
+    for i in 0..3 {
+        let name = cluster.replicas[i].name.clone();
+        let had = cluster.jobs_of(&name);
+        cluster.unlist(i);
+        let (status, took) = cluster.replicas[i].terminate(Duration::from_secs(15));
+        assert!(
+            status.success(),
+            "{name} exited with {status} after SIGTERM:\n{}",
+            cluster.replicas[i].stderr()
+        );
+        // Its leases were let go: the others take its jobs without waiting for them to lapse.
+        let adopted = eventually(
+            "the stopped replica's jobs to be taken over",
+            Duration::from_secs(20),
+            || {
+                had.iter().all(|id| {
+                    cluster.lease(id).is_some_and(|l| holder_name(&l) != name)
+                        || !cluster.running().contains_key(id)
+                })
+            },
+        )
+        .await;
+        eprintln!(
+            "{name}: stopped in {took:?} with {} jobs, taken over after {adopted:?}",
+            had.len()
+        );
+        handed_over += had.len();
+        cluster.replicas[i].spawn();
+        cluster.relist(i);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    assert!(handed_over > 0, "no job ran on a stopped replica");
+    let finals = cluster.wait_all_final(&batches, 0).await;
+    for (b, batch) in batches.iter().zip(&finals) {
+        cluster.check_completed(b, batch, 1).await;
+    }
+    let seen = monitor.finish().await;
+    assert_never_stopped(&seen);
+    for b in &batches {
+        let idle = longest_idle(&seen[&b.id], b.lines.len() as u64);
+        eprintln!("{}: longest without progress {idle:?}", b.id);
+        assert!(
+            idle < IDLE_LIMIT,
+            "{} made no progress for {idle:?}\n{}",
+            b.id,
+            cluster.all_stderr()
+        );
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_replica_is_fenced_and_writes_nothing_more() {
+    let cluster = Cluster::start(3, 4, SLOW_LATENCY, SLOW_CONCURRENCY, "4s").await;
+    let batches = cluster.submit(4, LINES_SLOW).await;
+    let monitor = Monitor::start(&cluster, batches.iter().map(|b| b.id.clone()).collect());
+    let current = wait_running(&cluster, &batches).await;
+    let (victim, lost) = holder_of(&cluster, &batches[current].id);
+    let name = cluster.replicas[victim].name.clone();
+    let epochs: Vec<u64> = lost
+        .iter()
+        .map(|id| {
+            let lease = cluster.lease(id).expect("a lease");
+            lease.rsplit('#').next().unwrap().parse().expect("an epoch")
+        })
+        .collect();
+    let alive = [(victim + 1) % 3, (victim + 2) % 3];
+    let api = cluster.api(alive[0]);
+    cluster.unlist(victim);
+    cluster.replicas[victim].signal(libc::SIGSTOP);
+    // A save in flight when it froze may still land.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let frozen = Instant::now();
+    let mut frozen_counts = Vec::new();
+    for id in &lost {
+        frozen_counts.push(api.batch(id).await["request_counts"].clone());
+    }
+    let adopted = eventually(
+        "the frozen replica's jobs to be taken over",
+        LEASE_TTL + Duration::from_secs(20),
+        || {
+            lost.iter()
+                .all(|id| cluster.lease(id).is_some_and(|l| holder_name(&l) != name))
+        },
+    )
+    .await;
+    // The new holder of the batch that was being answered publishes its own counts before the
+    // frozen replica wakes up.
+    let start = Instant::now();
+    let at = lost
+        .iter()
+        .position(|id| *id == batches[current].id)
+        .expect("the current batch");
+    {
+        let (id, before) = (&lost[at], &frozen_counts[at]);
+        loop {
+            let b = api.batch(id).await;
+            if &b["request_counts"] != before || is_final(b["status"].as_str().unwrap()) {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "{id}: the new holder published nothing: {b}\n{}",
+                cluster.all_stderr()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let from = Instant::now();
+    cluster.replicas[victim].signal(libc::SIGCONT);
+    let noticed = eventually(
+        "the resumed replica to notice its lost leases",
+        Duration::from_secs(20),
+        || {
+            let log = cluster.replicas[victim].stderr();
+            lost.iter().all(|id| {
+                log.lines().any(|l| {
+                    l.contains("lost the job's lease to another replica") && l.contains(id.as_str())
+                })
+            })
+        },
+    )
+    .await;
+    eprintln!(
+        "{name} frozen with {} jobs: taken over after {adopted:?}; after SIGCONT it saw the loss in {noticed:?}",
+        lost.len()
+    );
+    // It still serves (and may take new jobs); only its old leases are gone.
+    let health = cluster.api(victim).get("/health").await;
+    assert_eq!(health.status, 200);
+    cluster.relist(victim);
+    let finals = cluster.wait_all_final(&batches, alive[1]).await;
+    for (b, batch) in batches.iter().zip(&finals) {
+        cluster.check_completed(b, batch, victim).await;
+    }
+    let seen = monitor.finish().await;
+    assert_never_stopped(&seen);
+    for (id, before) in lost.iter().zip(&frozen_counts) {
+        // From the new holder's first change on (it may restart from an older checkpoint).
+        let samples = &seen[id];
+        let changed = samples
+            .iter()
+            .filter(|s| s.at >= frozen)
+            .find(|s| {
+                s.completed != before["completed"].as_u64().unwrap()
+                    || s.failed != before["failed"].as_u64().unwrap()
+            })
+            .map_or(from, |s| s.at);
+        assert_monotone_from(id, samples, changed);
+    }
+    // Every lost job moved to a later epoch, which fences the frozen replica's writes.
+    for (id, epoch) in lost.iter().zip(&epochs) {
+        let now: u64 = cluster
+            .redis()
+            .command(&["GET", &format!("{PREFIX}:epoch:{id}")])
+            .parse()
+            .expect("an epoch");
+        assert!(
+            now > *epoch,
+            "{id}: epoch {now}, the frozen replica had {epoch}"
+        );
+        // Its result files were uploaded under the new holder's epoch only.
+        let results = cluster.env.path("storage").join("results").join(id);
+        let dirs: Vec<String> = std::fs::read_dir(&results)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(
+            !dirs.contains(&epoch.to_string()),
+            "{id}: the frozen replica uploaded results under epoch {epoch}: {dirs:?}"
+        );
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cancel_through_another_replica_reaches_the_running_one() {
+    let cluster = Cluster::start(3, 4, SLOW_LATENCY, SLOW_CONCURRENCY, "10m").await;
+    // Created through r0.
+    let batches = cluster.submit(1, LINES_SLOW).await;
+    let b = &batches[0];
+    wait_running(&cluster, &batches).await;
+    let runner = index_of(holder_name(&cluster.lease(&b.id).expect("a lease")));
+    // Cancelled through a replica that does not run it, polled through the third one.
+    let (canceller, poller) = match runner {
+        0 => (1, 2),
+        1 => (2, 0),
+        _ => (1, 0),
+    };
+    let polled = cluster.api(poller).batch(&b.id).await;
+    assert_eq!(polled["status"], "in_progress", "{polled}");
+    let answer = cluster.api(canceller).cancel(&b.id).await;
+    assert_eq!(answer["status"], "cancelling", "{answer}");
+    let reached = eventually(
+        "the running replica to see the cancel",
+        Duration::from_secs(20),
+        || {
+            cluster.replicas[runner]
+                .stderr()
+                .lines()
+                .any(|l| l.contains("cancel requested") && l.contains(b.id.as_str()))
+        },
+    )
+    .await;
+    eprintln!("the cancel reached r{runner} after {reached:?}");
+    assert!(
+        reached < Duration::from_secs(10),
+        "the cancel took {reached:?} to reach the running replica"
+    );
+    let batch = cluster.wait_all_final(&batches, poller).await.remove(0);
+    assert_eq!(batch["status"], "cancelled", "{batch}");
+    let results = cluster.api(poller).results(&batch).await;
+    results.assert_each_once(&b.lines);
+    let codes = results.error_codes();
+    assert!(
+        codes.get("batch_cancelled").is_some_and(|&n| n > 0),
+        "the cancel came after every line: {codes:?}"
+    );
+    assert_eq!(
+        batch["request_counts"]["completed"].as_u64().unwrap(),
+        results.output.len() as u64,
+        "{batch}"
+    );
+    cluster.shutdown().await;
+}
+
+/// The gateway's latency and the dispatcher's concurrency of the tests that act mid-run: slow
+/// enough that batches of [`LINES_SLOW`] run for a while.
+const SLOW_LATENCY: Duration = Duration::from_millis(20);
+const SLOW_CONCURRENCY: usize = 10;
+/// Lines per batch in the tests that act mid-run.
+const LINES_SLOW: usize = 1000;
