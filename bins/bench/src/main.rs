@@ -27,10 +27,10 @@ struct Args {
     /// Every scenario once with small sizes (a smoke test of the bench itself).
     #[arg(long)]
     quick: bool,
-    /// The processor binary for the memory scenario [default: next to this binary].
+    /// The processor binary for the memory and serve scenarios [default: next to this binary].
     #[arg(long)]
     processor: Option<PathBuf>,
-    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory); repeatable. Enqueue
+    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory, serve); repeatable. Enqueue
     /// and drain include their cluster rows.
     #[arg(long = "only", value_parser = parse_scenario)]
     only: Vec<Scenario>,
