@@ -15,7 +15,8 @@ use clap::Parser;
 /// rates.svg, rss.svg and the limit plots (aimd-limit.svg, aimd-limit-changing.svg,
 /// aimd-limit-queueing.svg) into --out. Enqueue and drain run a second time on a Redis Cluster
 /// of 3 primaries (needs redis-cli too), their rows labelled "(cluster, 3 primaries)" beside the
-/// single-server ones. Exit status 0 when every scenario ran
+/// single-server ones. The serve group starts `processor serve` (from --processor) against the
+/// same Redis and the dispatcher simulator. Exit status 0 when every scenario ran
 /// (targets missed are reported, not errors), 1 when one failed.
 #[derive(Debug, Parser)]
 #[command(name = "bench", version)]

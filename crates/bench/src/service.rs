@@ -37,9 +37,13 @@ impl Service {
     /// Starts `processor serve --config CONFIG --listen 127.0.0.1:0` with its log in `log`
     /// and waits for its `listening on http://…` line.
     ///
-    /// Called on an async worker thread, not a blocking one: `PR_SET_PDEATHSIG` follows the
+    /// Spawned from an async worker thread, not a blocking one: `PR_SET_PDEATHSIG` follows the
     /// thread that spawned the child, and blocking threads exit when idle.
-    pub(crate) fn start(processor: &Path, config: &Path, log: &Path) -> Result<Self, BenchError> {
+    pub(crate) async fn start(
+        processor: &Path,
+        config: &Path,
+        log: &Path,
+    ) -> Result<Self, BenchError> {
         let stderr = std::fs::File::create(log).map_err(|e| BenchError::io(log, e))?;
         let mut cmd = Command::new(processor);
         cmd.arg("serve")
@@ -70,7 +74,7 @@ impl Service {
             .spawn()
             .map_err(|e| BenchError::Tool(format!("{} serve: {e}", processor.display())))?;
         let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = std::sync::mpsc::channel();
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
         std::thread::spawn(move || {
             let mut reader = BufReader::new(stdout);
             let mut first = String::new();
@@ -86,14 +90,14 @@ impl Service {
         };
         let deadline = Instant::now() + START_TIMEOUT;
         let line = loop {
-            match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(line) => break line,
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {
+            match tokio::time::timeout(Duration::from_millis(50), &mut rx).await {
+                Ok(Ok(line)) => break line,
+                Err(_) if Instant::now() < deadline => {
                     if let Some(status) = service.exited() {
                         return Err(service.failed(&format!("exited ({status}) before listening")));
                     }
                 }
-                Err(_) => return Err(service.failed("printed no `listening on` line")),
+                _ => return Err(service.failed("printed no `listening on` line")),
             }
         };
         match line.trim().strip_prefix("listening on ") {
@@ -200,7 +204,11 @@ pub(crate) fn rss_mib(pid: u32) -> Option<(f64, f64)> {
     let field = |name: &str| {
         status.lines().find_map(|l| {
             let rest = l.strip_prefix(name)?;
-            rest.trim().trim_end_matches("kB").trim().parse::<f64>().ok()
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<f64>()
+                .ok()
         })
     };
     Some((field("VmRSS:")? / 1024.0, field("VmHWM:")? / 1024.0))
@@ -346,7 +354,11 @@ impl Api {
             .chain(chunks)
             .chain(futures::stream::once(async move { Ok(tail) }))
             .map(|chunk: Result<Bytes, std::io::Error>| chunk.map(Frame::data));
-        let mut req = self.request(Method::POST, "/v1/files", BodyExt::boxed(StreamBody::new(stream)));
+        let mut req = self.request(
+            Method::POST,
+            "/v1/files",
+            BodyExt::boxed(StreamBody::new(stream)),
+        );
         let headers = req.headers_mut();
         headers.insert(
             hyper::header::CONTENT_TYPE,

@@ -209,7 +209,7 @@ fn service_dir(lab: &Lab, name: &str) -> Result<PathBuf, BenchError> {
 }
 
 /// Writes the config of a service in `dir` and starts it.
-fn start(
+async fn start(
     lab: &Lab,
     s: &crate::Settings,
     dir: &Path,
@@ -229,7 +229,7 @@ fn start(
     );
     let config = dir.join("config.yaml");
     std::fs::write(&config, yaml).map_err(|e| BenchError::io(&config, e))?;
-    Service::start(&s.processor, &config, &dir.join("serve.log"))
+    Service::start(&s.processor, &config, &dir.join("serve.log")).await
 }
 
 /// Stops a service (SIGTERM, as the interface says it must stop: within 10 s, exit 0).
@@ -251,7 +251,7 @@ async fn uploads(
             let (from, to) = (big.to_owned(), dir.join("disk-copy"));
             blocking(move || copy_and_sync(&from, &to)).await?
         };
-        let service = start(lab, s, &dir, 16)?;
+        let service = start(lab, s, &dir, 16).await?;
         let api = Api::new(service.base(), 4);
         let started = Instant::now();
         let file = api
@@ -321,7 +321,7 @@ async fn fanouts(
         let clients_before = connected_clients(lab).await?;
         let sampling = CancellationToken::new();
         let sampler = tokio::spawn(sample_clients(lab.client().clone(), sampling.clone()));
-        let service = start(lab, s, &dir, s.serve_batches);
+        let service = start(lab, s, &dir, s.serve_batches).await;
         let measured = match &service {
             Ok(service) => fanout(s, service, input).await,
             Err(_) => Ok((0.0, 0.0, Vec::new())),
@@ -394,8 +394,7 @@ async fn fanout(
         }
     }
     let mine: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
-    let limit =
-        Duration::from_secs(300 + (s.serve_batches * s.serve_batch_lines) as u64 / 100);
+    let limit = Duration::from_secs(300 + (s.serve_batches * s.serve_batch_lines) as u64 / 100);
     let last = loop {
         let batches = api.all_batches().await?;
         let seen = started.elapsed().as_secs_f64();
@@ -443,7 +442,10 @@ async fn fanout(
 /// Fails unless the batch's output file has one success line per input line.
 async fn check_output(api: &Api, batch: &Value, lines: usize) -> Result<(), BenchError> {
     let id = batch["output_file_id"].as_str().ok_or_else(|| {
-        BenchError::Check(format!("batch {} completed without an output file", batch["id"]))
+        BenchError::Check(format!(
+            "batch {} completed without an output file",
+            batch["id"]
+        ))
     })?;
     let path = format!("/v1/files/{id}/content");
     let reply = api.get(&path).await?;
@@ -541,10 +543,14 @@ async fn get_load(api: &Api, ids: Vec<String>, s: &crate::Settings) -> Result<Lo
         }
     }
     if latencies.is_empty() {
-        return Err(BenchError::Check("no GET finished after the warm-up".into()));
+        return Err(BenchError::Check(
+            "no GET finished after the warm-up".into(),
+        ));
     }
     latencies.sort_by(f64::total_cmp);
-    let at = |q: f64| latencies[((latencies.len() as f64 * q).ceil() as usize).clamp(1, latencies.len()) - 1];
+    let at = |q: f64| {
+        latencies[((latencies.len() as f64 * q).ceil() as usize).clamp(1, latencies.len()) - 1]
+    };
     Ok(Load {
         rps: latencies.len() as f64 / (last - warm).as_secs_f64(),
         p50: at(0.50),
