@@ -419,3 +419,41 @@ fn rand_u64() -> u64 {
     );
     h.finish()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rss_of_this_process_is_read_from_proc() {
+        let ballast = vec![1u8; 64 << 20];
+        let (rss, hwm) = rss_mib(std::process::id()).expect("/proc/self/status");
+        assert!(rss >= 64.0, "VmRSS {rss} MiB with 64 MiB in use");
+        assert!(hwm >= rss, "VmHWM {hwm} below VmRSS {rss}");
+        assert_eq!(ballast.iter().map(|&b| b as usize).sum::<usize>(), 64 << 20);
+        assert!(rss_mib(u32::MAX).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_program_that_prints_no_listening_line_is_an_error_with_its_log() {
+        let dir = batch_testkit::tempdir().unwrap();
+        let script = dir.path().join("fake-processor");
+        std::fs::write(
+            &script,
+            "#!/bin/sh\necho 'refused: bad config' >&2\necho nope\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let log = dir.path().join("log");
+        let err = Service::start(&script, Path::new("c.yaml"), &log)
+            .await
+            .err()
+            .expect("no listening line")
+            .to_string();
+        assert!(
+            err.contains("\"nope\"") && err.contains("refused: bad config"),
+            "{err}"
+        );
+    }
+}
