@@ -32,6 +32,9 @@ enum Command {
     /// Run batch jobs to their end: output.jsonl, error.jsonl and batch.json in each output dir.
     #[command(after_help = cmd::run::RUN_EXIT_CODES)]
     Run(cmd::run::Args),
+    /// Serve the OpenAI Files and Batches API and run its jobs (SIGTERM/SIGINT: stop, jobs resume later).
+    #[command(after_help = EXIT_CODES)]
+    Serve(cmd::serve::Args),
     /// Cancel a job that is not running: withdraw its requests, close it as cancelled.
     #[command(after_help = EXIT_CODES)]
     Cancel(cmd::cancel::Args),
@@ -49,6 +52,7 @@ fn main() -> ExitCode {
         Command::Queues(args) => cmd::queues::run(args),
         Command::Run(args) => cmd::run::run(args),
         Command::Cancel(args) => cmd::cancel::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match outcome {
         Ok(code) => code,

@@ -63,9 +63,9 @@ pub use dispatcher::{
 pub use error::{ConfigError, ConfigErrors};
 pub use load::{ENV_NESTING, ENV_PREFIX};
 pub use types::{
-    AimdConfig, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
+    AimdConfig, ApiKey, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
     LimiterAlgorithm, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig,
-    Secret, TlsConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
+    Secret, ServeConfig, TlsConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 

@@ -30,6 +30,7 @@ const ROOT_KEYS: &[&str] = &[
     "work_dir",
     "observability",
     "input",
+    "serve",
 ];
 const ASYNC_KEYS: &[&str] = &[
     "result_poll_timeout",
@@ -72,6 +73,14 @@ const AIMD_KEYS: &[&str] = &[
 ];
 const OBSERVABILITY_KEYS: &[&str] = &["addr"];
 const INPUT_KEYS: &[&str] = &["max_requests", "max_file_bytes"];
+const SERVE_KEYS: &[&str] = &[
+    "listen",
+    "api_keys_file",
+    "storage",
+    "max_active_jobs",
+    "state_prefix",
+    "reaper_interval",
+];
 
 impl ProcessorConfig {
     /// Loads `path` (YAML) with `PROCESSOR_…` environment overrides, and validates everything.
@@ -79,6 +88,16 @@ impl ProcessorConfig {
     /// Secret files (the Redis URL in async mode, API keys) are read here, so an unreadable one is
     /// a config error naming the field and the file.
     pub fn load(path: &Path) -> Result<Self, ConfigErrors> {
+        Self::load_as(path, Needs::Run)
+    }
+
+    /// Like [`ProcessorConfig::load`] for `processor serve`: the Redis URL is read in both
+    /// dispatch modes (the service keeps its jobs in Redis), and `serve.api_keys_file` is read.
+    pub fn load_service(path: &Path) -> Result<Self, ConfigErrors> {
+        Self::load_as(path, Needs::Service)
+    }
+
+    fn load_as(path: &Path, needs: Needs) -> Result<Self, ConfigErrors> {
         let source = || path.display().to_string();
         // figment would report a missing file as a parse error deep in its provider; say it plainly.
         let text = std::fs::read_to_string(path).map_err(|e| {
@@ -94,7 +113,7 @@ impl ProcessorConfig {
                 return Err(ConfigErrors::single(source(), problem));
             }
         }
-        Self::from_figment(Self::figment(path))
+        Self::build_from(Self::figment(path), needs)
     }
 
     /// The providers [`ProcessorConfig::load`] reads: the YAML file, then the environment.
@@ -109,12 +128,21 @@ impl ProcessorConfig {
     /// Validates whatever `figment` holds. Relative paths resolve against the directory of the
     /// file a value came from, or the current directory for other sources.
     pub fn from_figment(figment: Figment) -> Result<Self, ConfigErrors> {
+        Self::build_from(figment, Needs::Run)
+    }
+
+    /// [`ProcessorConfig::from_figment`] for `processor serve` (see [`ProcessorConfig::load_service`]).
+    pub fn service_from_figment(figment: Figment) -> Result<Self, ConfigErrors> {
+        Self::build_from(figment, Needs::Service)
+    }
+
+    fn build_from(figment: Figment, needs: Needs) -> Result<Self, ConfigErrors> {
         let root = match figment.find_value("") {
             Ok(root) => root,
             Err(e) => return Err(provider_error(&figment, e)),
         };
         let mut collector = Collector::new(&figment);
-        let config = build(&mut collector, &root);
+        let config = build(&mut collector, &root, needs);
         let errors = collector.into_errors();
         if errors.is_empty() {
             Ok(config)
@@ -143,7 +171,16 @@ fn provider_error(figment: &Figment, error: figment::Error) -> ConfigErrors {
     }
 }
 
-fn build(c: &mut Collector<'_>, root: &Value) -> ProcessorConfig {
+/// What the command being configured reads beyond the common settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Needs {
+    /// `processor run` and the other one-job commands.
+    Run,
+    /// `processor serve`: Redis in both modes, API keys.
+    Service,
+}
+
+fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
     let root = c.root(root, ROOT_KEYS);
     let dispatch_mode = dispatch_mode(c, &root);
     let async_dispatch = async_dispatch(c, &root);
@@ -154,22 +191,23 @@ fn build(c: &mut Collector<'_>, root: &Value) -> ProcessorConfig {
         .path(&root, "redis_url_file")
         .unwrap_or_else(|| PathBuf::from(DEFAULT_REDIS_URL_FILE));
     let mut parsed_url = None;
-    let redis_url =
-        match dispatch_mode {
-            DispatchMode::Async => read_secret(c, &root, "redis_url_file", &redis_url_file)
-                .and_then(|url| match check_redis_url(url.expose()) {
-                    Ok(parsed) => {
-                        parsed_url = Some(parsed);
-                        Some(url)
-                    }
-                    Err(problem) => {
-                        let problem = format!("{} {problem}", redis_url_file.display());
-                        c.at(&root, "redis_url_file", problem);
-                        None
-                    }
-                }),
-            DispatchMode::Sync => None,
-        };
+    let need_redis = dispatch_mode == DispatchMode::Async || needs == Needs::Service;
+    let redis_url = match need_redis {
+        true => read_secret(c, &root, "redis_url_file", &redis_url_file).and_then(|url| {
+            match check_redis_url(url.expose()) {
+                Ok(parsed) => {
+                    parsed_url = Some(parsed);
+                    Some(url)
+                }
+                Err(problem) => {
+                    let problem = format!("{} {problem}", redis_url_file.display());
+                    c.at(&root, "redis_url_file", problem);
+                    None
+                }
+            }
+        }),
+        false => None,
+    };
     let redis_tls = redis_tls(c, &root, parsed_url.as_ref());
     let work_dir = c
         .path(&root, "work_dir")
@@ -186,6 +224,8 @@ fn build(c: &mut Collector<'_>, root: &Value) -> ProcessorConfig {
         max_file_bytes: c.byte_size(&input_table, "max_file_bytes", defaults.max_file_bytes),
     };
 
+    let serve = serve(c, &root, &work_dir, needs);
+
     ProcessorConfig {
         dispatch_mode,
         async_dispatch,
@@ -197,7 +237,109 @@ fn build(c: &mut Collector<'_>, root: &Value) -> ProcessorConfig {
         work_dir,
         observability,
         input,
+        serve,
     }
+}
+
+fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs) -> ServeConfig {
+    let t = c.table(root, "serve", SERVE_KEYS);
+    let d = ServeConfig::defaults(work_dir);
+    let api_keys_file = c.path(&t, "api_keys_file");
+    let api_keys = match (&api_keys_file, needs) {
+        (Some(file), Needs::Service) => read_api_keys(c, &t, file),
+        _ => Vec::new(),
+    };
+    let storage = match c.text(&t, "storage") {
+        None => d.storage,
+        Some(url) => match check_storage_url(&url) {
+            Ok(()) => url,
+            Err(problem) => {
+                c.at(&t, "storage", problem);
+                d.storage
+            }
+        },
+    };
+    let state_prefix = name_part(c, &t, "state_prefix", "prefix").unwrap_or(d.state_prefix);
+    ServeConfig {
+        listen: c.socket_addr(&t, "listen").unwrap_or(d.listen),
+        api_keys_file,
+        api_keys,
+        storage,
+        max_active_jobs: c.count(&t, "max_active_jobs", d.max_active_jobs, 1),
+        state_prefix,
+        reaper_interval: c.positive_duration(&t, "reaper_interval", d.reaper_interval),
+    }
+}
+
+/// `file:///abs/dir`, or `s3://bucket[/prefix]`.
+fn check_storage_url(url: &str) -> Result<(), String> {
+    if let Some(path) = url.strip_prefix("file://") {
+        if !path.starts_with('/') {
+            return Err(format!(
+                "expected an absolute directory URL such as file:///var/lib/batch/storage, got {url:?}"
+            ));
+        }
+        return Ok(());
+    }
+    if let Some(rest) = url.strip_prefix("s3://") {
+        if rest.split('/').next().is_some_and(|b| !b.is_empty()) {
+            return Ok(());
+        }
+        return Err(format!("expected s3://bucket[/prefix], got {url:?}"));
+    }
+    Err(format!(
+        "expected file:///directory or s3://bucket[/prefix], got {url:?}"
+    ))
+}
+
+/// `<key> <tenant>` per line; `#` starts a comment. Errors name the file and line, never a key.
+fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKey> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(text) => text,
+        Err(e) => {
+            let problem = format!("cannot read secret file {}: {e}", file.display());
+            c.at(t, "api_keys_file", problem);
+            return Vec::new();
+        }
+    };
+    let mut keys: Vec<ApiKey> = Vec::new();
+    let mut lines = 0;
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        lines += 1;
+        let mut parts = line.split_whitespace();
+        let (Some(key), Some(tenant), None) = (parts.next(), parts.next(), parts.next()) else {
+            let problem = format!(
+                "{} line {}: expected \"<key> <tenant>\"",
+                file.display(),
+                n + 1
+            );
+            c.at(t, "api_keys_file", problem);
+            continue;
+        };
+        if let Err(problem) = validate_part("tenant", tenant) {
+            let problem = format!("{} line {}: {problem}", file.display(), n + 1);
+            c.at(t, "api_keys_file", problem);
+            continue;
+        }
+        if keys.iter().any(|k| k.key.expose() == key) {
+            let problem = format!("{} line {}: the same key twice", file.display(), n + 1);
+            c.at(t, "api_keys_file", problem);
+            continue;
+        }
+        keys.push(ApiKey {
+            key: Secret::new(key),
+            tenant: tenant.to_owned(),
+        });
+    }
+    if lines == 0 {
+        let problem = format!("{} holds no key", file.display());
+        c.at(t, "api_keys_file", problem);
+    }
+    keys
 }
 
 fn dispatch_mode(c: &mut Collector<'_>, root: &Table<'_>) -> DispatchMode {

@@ -105,8 +105,10 @@ pub struct ProcessorConfig {
     pub work_dir: PathBuf,
     /// The health and metrics endpoint.
     pub observability: ObservabilityConfig,
-    /// Limits on one input file.
+    /// Limits on one input file (also on uploads to the service).
     pub input: InputLimits,
+    /// `processor serve`.
+    pub serve: ServeConfig,
 }
 
 /// Settings of the async (dispatcher) mode.
@@ -331,6 +333,51 @@ impl Default for InputLimits {
         Self {
             max_requests: 50_000,
             max_file_bytes: 200 * 1024 * 1024,
+        }
+    }
+}
+
+/// One API key of the service and the tenant it stands for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ApiKey {
+    /// The bearer token.
+    pub key: Secret,
+    /// The tenant whose files and batches the key reaches.
+    pub tenant: String,
+}
+
+/// `processor serve`: the OpenAI-compatible Batch API service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ServeConfig {
+    /// Listen address of the API (default `127.0.0.1:8080`).
+    pub listen: SocketAddr,
+    /// The mounted secret holding `<key> <tenant>` lines; none: one tenant `default`, no key,
+    /// loopback only.
+    pub api_keys_file: Option<PathBuf>,
+    /// The keys read from `api_keys_file` (only by [`ProcessorConfig::load_service`]).
+    pub api_keys: Vec<ApiKey>,
+    /// Where files live: `file:///dir` (default `file://<work_dir>/storage`) or `s3://bucket/prefix`.
+    pub storage: String,
+    /// Jobs this replica runs at once (default 16).
+    pub max_active_jobs: usize,
+    /// Prefix of the service's own Redis keys (default `batch-processor`).
+    pub state_prefix: String,
+    /// How often expired files are deleted (default 60s).
+    #[serde(serialize_with = "ser_duration")]
+    pub reaper_interval: Duration,
+}
+
+impl ServeConfig {
+    /// The defaults, with storage under `work_dir`.
+    pub fn defaults(work_dir: &std::path::Path) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            api_keys_file: None,
+            api_keys: Vec::new(),
+            storage: format!("file://{}", work_dir.join("storage").display()),
+            max_active_jobs: 16,
+            state_prefix: "batch-processor".into(),
+            reaper_interval: Duration::from_secs(60),
         }
     }
 }

@@ -1082,3 +1082,93 @@ fn the_async_example_documents_every_redis_url_form_and_redis_tls() {
         assert!(readme.contains(key), "README.md lacks {key}");
     }
 }
+
+fn load_service_file(path: &Path) -> Result<ProcessorConfig, ConfigErrors> {
+    ProcessorConfig::service_from_figment(Figment::from(Yaml::file_exact(path)))
+}
+
+#[test]
+fn the_service_reads_redis_in_sync_mode_and_its_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = write(dir.path(), "redis-url", "redis://127.0.0.1:7000\n");
+    let keys = write(
+        dir.path(),
+        "keys",
+        "# tenants\nsk-aaa alice\n\nsk-bbb bob  # second\n",
+    );
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        &format!(
+            "model_gateways:\n  m:\n    url: http://127.0.0.1:8000\nredis_url_file: {}\nwork_dir: /var/w\nserve:\n  listen: 127.0.0.1:9000\n  api_keys_file: {}\n  max_active_jobs: 3\n  reaper_interval: 2s\n",
+            url.display(),
+            keys.display()
+        ),
+    );
+    let run = load_file(&file).unwrap();
+    assert_eq!(run.redis_url, None, "processor run in sync mode needs no Redis");
+    assert!(run.serve.api_keys.is_empty(), "only the service reads keys");
+
+    let c = load_service_file(&file).unwrap();
+    assert_eq!(
+        c.redis_url.as_ref().map(Secret::expose),
+        Some("redis://127.0.0.1:7000")
+    );
+    assert_eq!(c.serve.listen.to_string(), "127.0.0.1:9000");
+    assert_eq!(c.serve.max_active_jobs, 3);
+    assert_eq!(c.serve.reaper_interval, Duration::from_secs(2));
+    assert_eq!(c.serve.storage, "file:///var/w/storage");
+    assert_eq!(c.serve.state_prefix, "batch-processor");
+    let tenants: Vec<(&str, &str)> = c
+        .serve
+        .api_keys
+        .iter()
+        .map(|k| (k.key.expose(), k.tenant.as_str()))
+        .collect();
+    assert_eq!(tenants, [("sk-aaa", "alice"), ("sk-bbb", "bob")]);
+    let printed = format!("{c:?}");
+    assert!(!printed.contains("sk-aaa"), "a key leaked: {printed}");
+}
+
+#[test]
+fn bad_service_settings_name_field_and_line_never_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = write(dir.path(), "redis-url", "redis://127.0.0.1:7000\n");
+    let keys = write(
+        dir.path(),
+        "keys",
+        "sk-secret-1 alice extra\nsk-secret-2 bad:tenant\n",
+    );
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        &format!(
+            "redis_url_file: {}\nserve:\n  api_keys_file: {}\n  storage: file://relative\n  max_active_jobs: 0\n",
+            url.display(),
+            keys.display()
+        ),
+    );
+    let errors: Vec<String> = match load_service_file(&file) {
+        Ok(c) => panic!("accepted: {c:?}"),
+        Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+    };
+    let all = errors.join("\n");
+    assert!(all.contains("serve.api_keys_file") && all.contains("line 1"), "{all}");
+    assert!(all.contains("line 2"), "{all}");
+    assert!(all.contains("serve.storage"), "{all}");
+    assert!(all.contains("serve.max_active_jobs"), "{all}");
+    assert!(!all.contains("sk-secret"), "a key leaked: {all}");
+
+    let missing = write(
+        dir.path(),
+        "p2.yaml",
+        "serve:\n  api_keys_file: /nonexistent/keys\n",
+    );
+    let errors: Vec<String> = match load_service_file(&missing) {
+        Ok(c) => panic!("accepted: {c:?}"),
+        Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+    };
+    let all = errors.join("\n");
+    assert!(all.contains("/nonexistent/keys"), "{all}");
+    assert!(all.contains("redis_url_file"), "the service needs Redis: {all}");
+}

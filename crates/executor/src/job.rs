@@ -28,6 +28,9 @@ pub struct JobSpec {
     pub completion_window: Duration,
     /// Headers added to every request of the job.
     pub headers: BTreeMap<String, String>,
+    /// When the job was created (Unix seconds), if before this run: the deadline counts from
+    /// it. `None`: now.
+    pub created_at: Option<i64>,
 }
 
 impl JobSpec {
@@ -39,6 +42,7 @@ impl JobSpec {
             job_id: None,
             completion_window: Duration::from_secs(24 * 3600),
             headers: BTreeMap::new(),
+            created_at: None,
         }
     }
 }
@@ -147,7 +151,7 @@ impl Job {
             }
             None => {
                 let id = spec.job_id.clone().unwrap_or_else(new_job_id);
-                let created = now_unix();
+                let created = spec.created_at.unwrap_or_else(now_unix);
                 let window = humantime_window(spec.completion_window);
                 let expires = created + spec.completion_window.as_secs().max(1) as i64;
                 let b = Batch::new(

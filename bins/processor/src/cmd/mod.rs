@@ -6,6 +6,7 @@ pub mod observe;
 pub mod progress;
 pub mod queues;
 pub mod run;
+pub mod serve;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -20,7 +21,7 @@ pub fn load_config(path: &Path) -> Result<ProcessorConfig, ExitCode> {
     ProcessorConfig::load(path).map_err(|errors| report_invalid(&errors))
 }
 
-fn report_invalid(errors: &ConfigErrors) -> ExitCode {
+pub(crate) fn report_invalid(errors: &ConfigErrors) -> ExitCode {
     for error in &errors.errors {
         eprintln!("{error}");
     }

@@ -121,6 +121,7 @@ fn specs(args: &Args) -> Result<Vec<JobSpec>, String> {
             job_id: args.job_id.clone(),
             completion_window: args.completion_window,
             headers: headers.clone(),
+            created_at: None,
         })
         .collect())
 }

@@ -1,0 +1,321 @@
+//! `/v1/batches`: create, retrieve, list, cancel, and the lines written so far.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use batch_jobs::{new_id, now_unix, BatchObject, FineCounts, StoredBatch};
+use batch_wire::{Batch, BatchStatus, ALLOWED_URLS};
+use futures::TryStreamExt;
+use serde::Deserialize;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+
+use crate::files::owned_file;
+use crate::{limit, list_body, Api, ApiError, Tenant};
+
+/// OpenAI's metadata limits.
+const MAX_METADATA_PAIRS: usize = 16;
+const MAX_METADATA_KEY: usize = 64;
+const MAX_METADATA_VALUE: usize = 512;
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct CreateBody {
+    input_file_id: Option<String>,
+    endpoint: Option<String>,
+    completion_window: Option<String>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, serde_json::Value>>,
+    #[serde(default)]
+    output_expires_after: Option<ExpiresAfter>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ExpiresAfter {
+    anchor: Option<String>,
+    seconds: Option<i64>,
+}
+
+pub(crate) async fn create(
+    State(api): State<Api>,
+    tenant: Tenant,
+    body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<BatchObject>, ApiError> {
+    let Json(body) =
+        body.map_err(|e| ApiError::invalid(format!("Invalid JSON body: {}", e.body_text()), None))?;
+    let input_file_id = body.input_file_id.ok_or_else(|| {
+        ApiError::invalid(
+            "Missing the required parameter 'input_file_id'.",
+            Some("input_file_id"),
+        )
+    })?;
+    let endpoint = body.endpoint.ok_or_else(|| {
+        ApiError::invalid(
+            "Missing the required parameter 'endpoint'.",
+            Some("endpoint"),
+        )
+    })?;
+    if !ALLOWED_URLS.contains(&endpoint.as_str()) {
+        return Err(ApiError::invalid(
+            format!(
+                "Invalid endpoint {endpoint:?}: expected one of {}.",
+                ALLOWED_URLS.join(", ")
+            ),
+            Some("endpoint"),
+        ));
+    }
+    let window_text = body.completion_window.ok_or_else(|| {
+        ApiError::invalid(
+            "Missing the required parameter 'completion_window'.",
+            Some("completion_window"),
+        )
+    })?;
+    let window = parse_window(&window_text)?;
+    let metadata = metadata(body.metadata)?;
+    let output_expires_after = match body.output_expires_after {
+        None => None,
+        Some(e) => {
+            if e.anchor.as_deref().is_some_and(|a| a != "created_at") {
+                return Err(ApiError::invalid(
+                    "output_expires_after.anchor must be 'created_at'.",
+                    Some("output_expires_after.anchor"),
+                ));
+            }
+            match e.seconds {
+                Some(s) if (1..=30 * 24 * 3600).contains(&s) => Some(s as u64),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "output_expires_after.seconds must be from 1 to 2592000.",
+                        Some("output_expires_after.seconds"),
+                    ))
+                }
+            }
+        }
+    };
+    let input = owned_file(&api, &tenant, &input_file_id).await?;
+    if input.file.purpose != "batch" {
+        return Err(ApiError::invalid(
+            format!(
+                "File {input_file_id} has purpose {:?}; a batch needs a 'batch' file.",
+                input.file.purpose
+            ),
+            Some("input_file_id"),
+        ));
+    }
+    let id = new_id("batch_");
+    let created_at = now_unix();
+    let window_secs = window.as_secs().max(1);
+    let mut batch = Batch::new(
+        id.clone(),
+        input_file_id,
+        window_text.trim(),
+        created_at,
+        created_at + window_secs as i64,
+    );
+    batch.endpoint = Some(endpoint);
+    batch.metadata = metadata;
+    let stored = StoredBatch {
+        tenant: tenant.0.clone(),
+        batch: BatchObject {
+            batch,
+            model: None,
+            usage: None,
+            x_request_counts: FineCounts::default(),
+        },
+        window_secs,
+        output_expires_after,
+    };
+    api.store.create_batch(&stored).await?;
+    api.hooks.wake();
+    tracing::info!(batch = %id, tenant = %tenant.0, window = %window_text, "batch created");
+    Ok(Json(stored.batch))
+}
+
+fn parse_window(text: &str) -> Result<Duration, ApiError> {
+    match humantime::parse_duration(text.trim()) {
+        Ok(d) if d >= Duration::from_secs(1) => Ok(d),
+        _ => Err(ApiError::invalid(
+            format!(
+                "Invalid completion_window {text:?}: expected a duration such as 24h, 30m or 90s."
+            ),
+            Some("completion_window"),
+        )),
+    }
+}
+
+fn metadata(
+    given: Option<BTreeMap<String, serde_json::Value>>,
+) -> Result<BTreeMap<String, String>, ApiError> {
+    let Some(given) = given else {
+        return Ok(BTreeMap::new());
+    };
+    if given.len() > MAX_METADATA_PAIRS {
+        return Err(ApiError::invalid(
+            format!(
+                "metadata holds {} pairs; at most {MAX_METADATA_PAIRS} are allowed.",
+                given.len()
+            ),
+            Some("metadata"),
+        ));
+    }
+    let mut out = BTreeMap::new();
+    for (key, value) in given {
+        let serde_json::Value::String(value) = value else {
+            return Err(ApiError::invalid(
+                format!("metadata[{key:?}] must be a string."),
+                Some("metadata"),
+            ));
+        };
+        if key.chars().count() > MAX_METADATA_KEY || value.chars().count() > MAX_METADATA_VALUE {
+            return Err(ApiError::invalid(
+                format!("metadata keys may have {MAX_METADATA_KEY} characters and values {MAX_METADATA_VALUE}; {key:?} is over."),
+                Some("metadata"),
+            ));
+        }
+        out.insert(key, value);
+    }
+    Ok(out)
+}
+
+/// The batch `id` if `tenant` owns it; 404 otherwise.
+async fn owned_batch(api: &Api, tenant: &Tenant, id: &str) -> Result<StoredBatch, ApiError> {
+    match api.store.batch(id).await? {
+        Some(b) if b.tenant == tenant.0 => Ok(b),
+        _ => Err(ApiError::not_found(format!("No such Batch object: {id}"))),
+    }
+}
+
+pub(crate) async fn retrieve(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<BatchObject>, ApiError> {
+    Ok(Json(owned_batch(&api, &tenant, &id).await?.batch))
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ListQuery {
+    after: Option<String>,
+    limit: Option<i64>,
+}
+
+pub(crate) async fn list(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let limit = limit(q.limit, 20, 100)?;
+    let page = api
+        .store
+        .list_batches(&tenant.0, q.after.as_deref(), limit)
+        .await?;
+    let batches: Vec<BatchObject> = page.data.into_iter().map(|b| b.batch).collect();
+    let ids = batches.iter().map(|b| b.batch.id.clone()).collect();
+    Ok(Json(list_body(batches, ids, page.has_more)))
+}
+
+pub(crate) async fn cancel(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<BatchObject>, ApiError> {
+    let batch = owned_batch(&api, &tenant, &id).await?;
+    match batch.batch.status() {
+        BatchStatus::Cancelled | BatchStatus::Cancelling => return Ok(Json(batch.batch)),
+        s if s.is_terminal() => {
+            return Err(ApiError::invalid(
+                format!("Cannot cancel batch {id}: its status is {}.", s.as_str()),
+                None,
+            ))
+        }
+        _ => {}
+    }
+    api.store.request_cancel(&id).await?;
+    api.hooks.wake();
+    tracing::info!(batch = %id, tenant = %tenant.0, "cancel requested");
+    Ok(Json(owned_batch(&api, &tenant, &id).await?.batch))
+}
+
+pub(crate) async fn output(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    lines_so_far(&api, &tenant, &id, batch_sink::OUTPUT_FILE).await
+}
+
+pub(crate) async fn errors(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    lines_so_far(&api, &tenant, &id, batch_sink::ERROR_FILE).await
+}
+
+/// The complete lines of a batch's output or error file: from storage once it ended, from the
+/// running job's own file while it runs here, none while it waits.
+async fn lines_so_far(
+    api: &Api,
+    tenant: &Tenant,
+    id: &str,
+    file: &str,
+) -> Result<Response, ApiError> {
+    let batch = owned_batch(api, tenant, id).await?;
+    let jsonl = [(header::CONTENT_TYPE, "application/jsonl")];
+    if batch.batch.status().is_terminal() {
+        let file_id = if file == batch_sink::OUTPUT_FILE {
+            &batch.batch.batch.output_file_id
+        } else {
+            &batch.batch.batch.error_file_id
+        };
+        let Some(file_id) = file_id else {
+            return Ok((jsonl, Body::empty()).into_response());
+        };
+        let object = api.storage.get(&batch_jobs::storage_key(file_id)).await?;
+        let stream = object.stream.map_err(std::io::Error::other);
+        return Ok((jsonl, Body::from_stream(stream)).into_response());
+    }
+    let Some(path) = api.hooks.local_result(id, file) else {
+        return Ok((jsonl, Body::empty()).into_response());
+    };
+    match complete_prefix(&path).await {
+        Ok(Some((file, len))) => {
+            let stream = tokio_util::io::ReaderStream::new(file.take(len));
+            Ok((jsonl, Body::from_stream(stream)).into_response())
+        }
+        Ok(None) => Ok((jsonl, Body::empty()).into_response()),
+        Err(e) => Err(ApiError::internal(format!(
+            "Reading the lines so far failed: {e}"
+        ))),
+    }
+}
+
+/// The file opened at its start, and the length up to its last newline (a line being written
+/// is not shown half).
+async fn complete_prefix(
+    path: &std::path::Path,
+) -> std::io::Result<Option<(tokio::fs::File, u64)>> {
+    let mut file = match tokio::fs::File::open(path).await {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut end = file.metadata().await?.len();
+    let mut buf = vec![0u8; 64 * 1024];
+    while end > 0 {
+        let start = end.saturating_sub(buf.len() as u64);
+        file.seek(std::io::SeekFrom::Start(start)).await?;
+        let n = (end - start) as usize;
+        file.read_exact(&mut buf[..n]).await?;
+        if let Some(pos) = buf[..n].iter().rposition(|&b| b == b'\n') {
+            end = start + pos as u64 + 1;
+            file.seek(std::io::SeekFrom::Start(0)).await?;
+            return Ok(Some((file, end)));
+        }
+        end = start;
+    }
+    Ok(None)
+}

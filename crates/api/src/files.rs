@@ -1,0 +1,313 @@
+//! `/v1/files`: upload (multipart, streamed to storage), retrieve, list, content, delete.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Multipart, Path, Query, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use batch_jobs::{new_id, now_unix, FileObject, Order, StoredFile};
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use serde::Deserialize;
+
+use crate::{limit, list_body, Api, ApiError, Tenant};
+
+/// Batch input files expire after 30 days unless the upload says otherwise.
+const DEFAULT_INPUT_EXPIRY_SECS: i64 = 30 * 24 * 3600;
+/// The longest `expires_after[seconds]` OpenAI allows.
+const MAX_EXPIRY_SECS: i64 = 30 * 24 * 3600;
+/// The most a form field other than `file` may hold.
+const MAX_FIELD_BYTES: usize = 64 * 1024;
+
+pub(crate) async fn upload(
+    State(api): State<Api>,
+    tenant: Tenant,
+    mut form: Multipart,
+) -> Result<Json<FileObject>, ApiError> {
+    let id = new_id("file-");
+    let key = batch_jobs::storage_key(&id);
+    let mut purpose: Option<String> = None;
+    let mut anchor: Option<String> = None;
+    let mut seconds: Option<String> = None;
+    let mut uploaded: Option<(String, u64)> = None;
+    let result = async {
+        while let Some(field) = form.next_field().await.map_err(bad_form)? {
+            let name = field.name().unwrap_or("").to_owned();
+            match name.as_str() {
+                "file" => {
+                    if uploaded.is_some() {
+                        return Err(ApiError::invalid("Only one file per upload.", Some("file")));
+                    }
+                    let filename = field.file_name().unwrap_or("upload.jsonl").to_owned();
+                    let bytes = store_file(&api, &key, field).await?;
+                    uploaded = Some((filename, bytes));
+                }
+                "purpose" => purpose = Some(small_text(field).await?),
+                "expires_after[anchor]" => anchor = Some(small_text(field).await?),
+                "expires_after[seconds]" => seconds = Some(small_text(field).await?),
+                _ => {
+                    // Unknown fields are read and ignored, as OpenAI does.
+                    small_text(field).await?;
+                }
+            }
+        }
+        let Some((filename, bytes)) = uploaded.take() else {
+            return Err(ApiError::invalid(
+                "Missing the file: send it as the multipart field 'file'.",
+                Some("file"),
+            ));
+        };
+        let purpose = purpose.take().ok_or_else(|| {
+            ApiError::invalid("Missing the required parameter 'purpose'.", Some("purpose"))
+        })?;
+        if purpose != "batch" {
+            return Err(ApiError::invalid(
+                format!("Invalid purpose {purpose:?}: this service accepts 'batch' files."),
+                Some("purpose"),
+            ));
+        }
+        let created_at = now_unix();
+        let expires_at = created_at + expiry(anchor.as_deref(), seconds.as_deref())?;
+        Ok(StoredFile {
+            tenant: tenant.0.clone(),
+            file: FileObject {
+                id: id.clone(),
+                object: "file".into(),
+                bytes,
+                created_at,
+                filename,
+                purpose,
+                expires_at: Some(expires_at),
+                status: "processed".into(),
+                status_details: None,
+            },
+        })
+    }
+    .await;
+    let stored = match result {
+        Ok(stored) => stored,
+        Err(e) => {
+            if let Err(cleanup) = api.storage.delete(&key).await {
+                tracing::warn!(key, error = %cleanup, "could not remove a refused upload");
+            }
+            return Err(e);
+        }
+    };
+    api.store.put_file(&stored).await?;
+    tracing::info!(file = %stored.file.id, tenant = %stored.tenant, bytes = stored.file.bytes, "file uploaded");
+    Ok(Json(stored.file))
+}
+
+fn bad_form(e: axum::extract::multipart::MultipartError) -> ApiError {
+    ApiError::invalid(format!("Invalid multipart body: {e}"), None)
+}
+
+async fn small_text(mut field: axum::extract::multipart::Field<'_>) -> Result<String, ApiError> {
+    let name = field.name().unwrap_or("").to_owned();
+    let mut text = Vec::new();
+    while let Some(chunk) = field.chunk().await.map_err(bad_form)? {
+        text.extend_from_slice(&chunk);
+        if text.len() > MAX_FIELD_BYTES {
+            return Err(ApiError::invalid(
+                format!("The form field '{name}' is too long."),
+                Some(&name),
+            ));
+        }
+    }
+    String::from_utf8(text).map_err(|_| {
+        ApiError::invalid(
+            format!("The form field '{name}' is not UTF-8."),
+            Some(&name),
+        )
+    })
+}
+
+fn expiry(anchor: Option<&str>, seconds: Option<&str>) -> Result<i64, ApiError> {
+    if let Some(a) = anchor.filter(|a| *a != "created_at") {
+        return Err(ApiError::invalid(
+            format!("expires_after[anchor] must be 'created_at', got {a:?}."),
+            Some("expires_after[anchor]"),
+        ));
+    }
+    let Some(text) = seconds else {
+        return Ok(DEFAULT_INPUT_EXPIRY_SECS);
+    };
+    match text.trim().parse::<i64>() {
+        Ok(n) if (1..=MAX_EXPIRY_SECS).contains(&n) => Ok(n),
+        _ => Err(ApiError::invalid(
+            format!("expires_after[seconds] must be a whole number of seconds from 1 to {MAX_EXPIRY_SECS}, got {text:?}."),
+            Some("expires_after[seconds]"),
+        )),
+    }
+}
+
+const TOO_MANY_BYTES: u8 = 1;
+const TOO_MANY_LINES: u8 = 2;
+
+/// Streams the `file` field to storage, counting bytes and request lines against the limits.
+async fn store_file(
+    api: &Api,
+    key: &str,
+    field: axum::extract::multipart::Field<'_>,
+) -> Result<u64, ApiError> {
+    let (max_bytes, max_lines) = (api.limits.max_file_bytes, api.limits.max_requests);
+    let over = Arc::new(AtomicU8::new(0));
+    let flag = over.clone();
+    let mut bytes = 0u64;
+    let mut lines = 0u64;
+    let mut in_line = false;
+    let counted = field.map(move |chunk| {
+        let chunk: Bytes = chunk.map_err(|e| e.to_string())?;
+        bytes += chunk.len() as u64;
+        if bytes > max_bytes {
+            flag.store(TOO_MANY_BYTES, Ordering::Relaxed);
+            return Err("too large".to_owned());
+        }
+        for &b in chunk.iter() {
+            match b {
+                b'\n' => in_line = false,
+                b' ' | b'\t' | b'\r' => {}
+                _ if !in_line => {
+                    in_line = true;
+                    lines += 1;
+                }
+                _ => {}
+            }
+        }
+        if lines > max_lines {
+            flag.store(TOO_MANY_LINES, Ordering::Relaxed);
+            return Err("too many lines".to_owned());
+        }
+        Ok(chunk)
+    });
+    match api.storage.put_stream(key, counted).await {
+        Ok(n) => Ok(n),
+        Err(e) => match over.load(Ordering::Relaxed) {
+            TOO_MANY_BYTES => Err(ApiError::too_large(format!(
+                "The file is larger than this service's limit of {max_bytes} bytes."
+            ))),
+            TOO_MANY_LINES => Err(ApiError::too_large(format!(
+                "The file holds more than this service's limit of {max_lines} requests."
+            ))
+            .with_code("too_many_requests_in_file")),
+            _ => match e {
+                batch_storage::StorageError::Source { message, .. } => Err(ApiError::invalid(
+                    format!("The upload stopped before its end: {message}"),
+                    Some("file"),
+                )),
+                other => Err(other.into()),
+            },
+        },
+    }
+}
+
+/// The file `id` if `tenant` owns it; 404 otherwise, also when another tenant does.
+pub(crate) async fn owned_file(
+    api: &Api,
+    tenant: &Tenant,
+    id: &str,
+) -> Result<StoredFile, ApiError> {
+    match api.store.file(id).await? {
+        Some(f) if f.tenant == tenant.0 && !expired(&f.file) => Ok(f),
+        _ => Err(ApiError::not_found(format!("No such File object: {id}"))),
+    }
+}
+
+/// Expired files are gone for the API even before the reaper deletes them.
+fn expired(file: &FileObject) -> bool {
+    file.expires_at.is_some_and(|at| at <= now_unix())
+}
+
+pub(crate) async fn retrieve(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<FileObject>, ApiError> {
+    Ok(Json(owned_file(&api, &tenant, &id).await?.file))
+}
+
+pub(crate) async fn content(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let file = owned_file(&api, &tenant, &id).await?;
+    let object = api.storage.get(&file.storage_key()).await?;
+    let stream = object.stream.map_err(std::io::Error::other);
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+            (header::CONTENT_LENGTH, object.size.to_string()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!(
+                    "attachment; filename=\"{}\"",
+                    file.file.filename.replace('"', "")
+                ),
+            ),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+pub(crate) async fn delete(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let file = owned_file(&api, &tenant, &id).await?;
+    api.storage.delete(&file.storage_key()).await?;
+    api.store.delete_file(&file).await?;
+    tracing::info!(file = %id, tenant = %tenant.0, "file deleted");
+    Ok(Json(
+        serde_json::json!({"id": id, "object": "file", "deleted": true}),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ListQuery {
+    after: Option<String>,
+    limit: Option<i64>,
+    order: Option<String>,
+    purpose: Option<String>,
+}
+
+pub(crate) async fn list(
+    State(api): State<Api>,
+    tenant: Tenant,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let limit = limit(q.limit, 10_000, 10_000)?;
+    let order = match q.order.as_deref() {
+        None | Some("desc") => Order::Desc,
+        Some("asc") => Order::Asc,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("order must be 'asc' or 'desc', got {other:?}."),
+                Some("order"),
+            ))
+        }
+    };
+    let page = api
+        .store
+        .list_files(
+            &tenant.0,
+            q.purpose.as_deref(),
+            q.after.as_deref(),
+            limit,
+            order,
+        )
+        .await?;
+    let files: Vec<FileObject> = page
+        .data
+        .into_iter()
+        .map(|f| f.file)
+        .filter(|f| !expired(f))
+        .collect();
+    let ids = files.iter().map(|f| f.id.clone()).collect();
+    Ok(Json(list_body(files, ids, page.has_more)))
+}

@@ -1,0 +1,264 @@
+//! The batch service's HTTP API: OpenAI's Files and Batches endpoints as the official SDKs call
+//! them, each tenant seeing only its own objects, plus `/health`, `/ready` and `/metrics`.
+//!
+//! The router keeps no state of its own: records live in Redis ([`batch_jobs::Store`]), bytes in
+//! storage ([`batch_storage::Storage`]), so any replica answers for any object. What only the
+//! process running jobs knows (a new batch to wake for, the lines a running batch wrote so far)
+//! comes through [`Hooks`].
+//!
+//! ```no_run
+//! # async fn demo(store: batch_jobs::Store, storage: batch_storage::Storage,
+//! #               hooks: std::sync::Arc<dyn batch_api::Hooks>) -> std::io::Result<()> {
+//! let api = batch_api::Api {
+//!     store,
+//!     storage,
+//!     keys: batch_api::Keys::single_tenant(),
+//!     limits: batch_config::InputLimits::default(),
+//!     hooks,
+//! };
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! axum::serve(listener, batch_api::router(api)).await
+//! # }
+//! ```
+
+mod batches;
+mod error;
+mod files;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{FromRequestParts, MatchedPath, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use batch_config::{ApiKey, InputLimits};
+use futures::future::BoxFuture;
+
+pub use error::ApiError;
+
+/// The request id header, echoed or generated on every response.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// The tenant a request acts for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant(pub String);
+
+/// The API keys and the tenants they stand for.
+#[derive(Clone)]
+pub struct Keys {
+    by_key: Arc<HashMap<String, String>>,
+}
+
+/// The tenant of a service without keys.
+pub const DEFAULT_TENANT: &str = "default";
+
+impl Keys {
+    /// No keys: every request is tenant [`DEFAULT_TENANT`].
+    pub fn single_tenant() -> Self {
+        Self {
+            by_key: Arc::new(HashMap::new()),
+        }
+    }
+
+    /// These keys; an empty list means [`Keys::single_tenant`].
+    pub fn new(keys: &[ApiKey]) -> Self {
+        let by_key = keys
+            .iter()
+            .map(|k| (k.key.expose().to_owned(), k.tenant.clone()))
+            .collect();
+        Self {
+            by_key: Arc::new(by_key),
+        }
+    }
+
+    fn tenant(&self, authorization: Option<&str>) -> Result<Tenant, ApiError> {
+        if self.by_key.is_empty() {
+            return Ok(Tenant(DEFAULT_TENANT.to_owned()));
+        }
+        let Some(value) = authorization else {
+            return Err(ApiError::unauthorized(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+            ));
+        };
+        let key = value
+            .strip_prefix("Bearer ")
+            .or_else(|| value.strip_prefix("bearer "))
+            .unwrap_or(value)
+            .trim();
+        match self.by_key.get(key) {
+            Some(tenant) => Ok(Tenant(tenant.clone())),
+            None => Err(ApiError::unauthorized("Incorrect API key provided.")),
+        }
+    }
+}
+
+/// What the API needs from the part of the process that runs jobs.
+pub trait Hooks: Send + Sync + 'static {
+    /// A batch was created or a cancel asked for: look at the queues now.
+    fn wake(&self);
+    /// The local file (`output.jsonl` or `error.jsonl`) a batch running in this process writes.
+    fn local_result(&self, batch_id: &str, file: &str) -> Option<PathBuf>;
+    /// The Prometheus text of `/metrics`.
+    fn render_metrics(&self) -> BoxFuture<'_, String>;
+}
+
+/// Everything the handlers share.
+#[derive(Clone)]
+pub struct Api {
+    /// Records, listings, the job queue.
+    pub store: batch_jobs::Store,
+    /// Where file bytes live.
+    pub storage: batch_storage::Storage,
+    /// Who may call.
+    pub keys: Keys,
+    /// Limits on uploads (and on a batch's input).
+    pub limits: InputLimits,
+    /// The job-running side.
+    pub hooks: Arc<dyn Hooks>,
+}
+
+impl FromRequestParts<Api> for Tenant {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, api: &Api) -> Result<Self, Self::Rejection> {
+        let header = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        api.keys.tenant(header)
+    }
+}
+
+/// The whole API.
+pub fn router(api: Api) -> Router {
+    Router::new()
+        .route("/v1/files", post(files::upload).get(files::list))
+        .route("/v1/files/{id}", get(files::retrieve).delete(files::delete))
+        .route("/v1/files/{id}/content", get(files::content))
+        .route("/v1/batches", post(batches::create).get(batches::list))
+        .route("/v1/batches/{id}", get(batches::retrieve))
+        .route("/v1/batches/{id}/cancel", post(batches::cancel))
+        .route("/v1/batches/{id}/output", get(batches::output))
+        .route("/v1/batches/{id}/errors", get(batches::errors))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics_text))
+        .route_layer(axum::middleware::from_fn(count))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn(request_id))
+        .with_state(api)
+}
+
+async fn health() -> &'static str {
+    "ok\n"
+}
+
+async fn ready(State(api): State<Api>) -> Response {
+    let redis = api.store.ping().await;
+    let storage = api.storage.check().await;
+    match (redis, storage) {
+        (Ok(()), Ok(())) => (StatusCode::OK, "ready\n").into_response(),
+        (r, s) => {
+            let mut why = String::new();
+            if let Err(e) = r {
+                why.push_str(&format!("redis: {e}\n"));
+            }
+            if let Err(e) = s {
+                why.push_str(&format!("storage: {e}\n"));
+            }
+            (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+        }
+    }
+}
+
+async fn metrics_text(State(api): State<Api>) -> Response {
+    let text = api.hooks.render_metrics().await;
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn not_found(request: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "Unknown request URL: {} {}.",
+        request.method(),
+        request.uri().path()
+    ))
+}
+
+/// Gives every response a request id (the caller's, or a new one) and logs the request.
+async fn request_id(request: Request, next: Next) -> Response {
+    let id = request
+        .headers()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 200)
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("req_{:032x}", rand::random::<u128>()));
+    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+    let started = Instant::now();
+    let mut response = next.run(request).await;
+    tracing::debug!(request_id = %id, %method, path, status = response.status().as_u16(), elapsed = ?started.elapsed(), "request");
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID, value);
+    }
+    response
+}
+
+/// Counts requests by route (the pattern, not the ids in it) and status.
+async fn count(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_default();
+    let method = request.method().to_string();
+    let response = next.run(request).await;
+    metrics::counter!(
+        "batch_service_api_requests_total",
+        "route" => route,
+        "method" => method,
+        "status" => response.status().as_u16().to_string()
+    )
+    .increment(1);
+    response
+}
+
+/// `limit` of a listing: `default` when absent, an error outside `1..=max`.
+pub(crate) fn limit(value: Option<i64>, default: usize, max: usize) -> Result<usize, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(n) if n >= 1 && n as usize <= max => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid(
+            format!("limit must be between 1 and {max}, got {n}."),
+            Some("limit"),
+        )),
+    }
+}
+
+/// A listing in OpenAI's shape.
+pub(crate) fn list_body<T: serde::Serialize>(
+    data: Vec<T>,
+    ids: Vec<String>,
+    has_more: bool,
+) -> serde_json::Value {
+    serde_json::json!({
+        "object": "list",
+        "data": data,
+        "first_id": ids.first(),
+        "last_id": ids.last(),
+        "has_more": has_more,
+    })
+}

@@ -1,0 +1,539 @@
+//! The batch service's state in Redis: file and batch records, each tenant's listings, the job
+//! queue ordered by SLO deadline across all tenants, which replica runs which job, cancel requests.
+//!
+//! Every key is `{<prefix>}:…`: one hash slot, so the scripts that move a job between the queue
+//! and the running set are atomic on Redis Cluster too, and the dispatcher's keys are never
+//! touched. Ids sort by creation time (`file-`/`batch_` + 12 hex digits of milliseconds + 12
+//! random), so a listing is a lexicographic range and its cursor is the last id of a page.
+//!
+//! ```no_run
+//! # async fn demo(client: fred::clients::Client) -> Result<(), batch_jobs::StoreError> {
+//! let store = batch_jobs::Store::new(client, "batch-processor");
+//! let page = store.list_batches("tenant-a", None, 20).await?;
+//! for batch in page.data {
+//!     println!("{} {}", batch.batch.batch.id, batch.batch.status().as_str());
+//! }
+//! # Ok(()) }
+//! ```
+
+mod records;
+
+use std::collections::BTreeMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use batch_wire::BatchStatus;
+use fred::clients::Client;
+use fred::interfaces::{ClientLike, KeysInterface};
+use fred::types::scripts::Script;
+use fred::types::{ClusterHash, CustomCommand, Value};
+use serde::de::DeserializeOwned;
+
+pub use records::{
+    storage_key, BatchObject, CachedTokens, FileObject, FineCounts, Page, ReasoningTokens,
+    StoredBatch, StoredFile, Usage, FINE_COUNTS_KEY,
+};
+
+/// Why a state operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Redis failed or could not be reached.
+    #[error("Redis: {0}")]
+    Redis(#[from] fred::error::Error),
+    /// A record in Redis does not parse (written by another version?).
+    #[error("record {key} is not valid: {problem}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+impl StoreError {
+    /// Whether waiting may cure it (Redis down, failing over).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Redis(e) => batch_redis::is_transient(e),
+            Self::Corrupt { .. } => false,
+        }
+    }
+}
+
+/// Unix seconds now.
+pub fn now_unix() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// A new id: `prefix` + 12 hex digits of Unix milliseconds + 12 random ones, so that ids sort
+/// by creation time.
+pub fn new_id(prefix: &str) -> String {
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let random = rand::random::<u64>() & 0xffff_ffff_ffff;
+    format!("{prefix}{ms:012x}{random:012x}")
+}
+
+/// Which way a listing runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// Oldest first.
+    Asc,
+    /// Newest first.
+    Desc,
+}
+
+/// What a cancel request found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelRequest {
+    /// Asked now; the job was waiting in the queue and moved to the cancel queue.
+    WasQueued,
+    /// Asked now; the job is running somewhere (its runner sees the request).
+    WasRunning,
+    /// Asked before.
+    Already,
+}
+
+/// The service's state in Redis.
+#[derive(Clone)]
+pub struct Store {
+    client: Client,
+    prefix: String,
+    scripts: std::sync::Arc<Scripts>,
+}
+
+struct Scripts {
+    put_file: Script,
+    delete_file: Script,
+    create_batch: Script,
+    save_batch: Script,
+    claim: Script,
+    cancel: Script,
+}
+
+/// KEYS: record, index, purpose index, expiry. ARGV: id, json, expires_at or "".
+const PUT_FILE_LUA: &str = r#"
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+redis.call('ZADD', KEYS[3], 0, ARGV[1])
+if ARGV[3] ~= '' then redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1]) end
+return 1
+"#;
+
+/// KEYS: record, index, purpose index, expiry. ARGV: id. Returns whether it existed.
+const DELETE_FILE_LUA: &str = r#"
+local n = redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+return n
+"#;
+
+/// KEYS: record, index, queue, status counts. ARGV: id, json, deadline, status.
+const CREATE_BATCH_LUA: &str = r#"
+if redis.call('SET', KEYS[1], ARGV[2], 'NX') == false then return 0 end
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
+redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
+return 1
+"#;
+
+/// KEYS: record, status counts. ARGV: json, new status. Moves the status count along with the
+/// record, reading the old status from the stored record itself.
+const SAVE_BATCH_LUA: &str = r#"
+local old = redis.call('GET', KEYS[1])
+redis.call('SET', KEYS[1], ARGV[1])
+if old then
+  local was = cjson.decode(old)['batch']['status']
+  if was ~= ARGV[2] then
+    redis.call('HINCRBY', KEYS[2], was, -1)
+    redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  end
+else
+  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+end
+return 1
+"#;
+
+/// KEYS: a queue, running. ARGV: replica. The most urgent job of the queue, now the replica's.
+const CLAIM_LUA: &str = r#"
+local first = redis.call('ZRANGE', KEYS[1], 0, 0)
+if #first == 0 then return false end
+redis.call('ZREM', KEYS[1], first[1])
+redis.call('HSET', KEYS[2], first[1], ARGV[1])
+return first[1]
+"#;
+
+/// KEYS: cancel marker, queue, cancel queue. ARGV: id, now.
+const CANCEL_LUA: &str = r#"
+if redis.call('SET', KEYS[1], ARGV[2], 'NX') == false then return 0 end
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
+  redis.call('ZADD', KEYS[3], 0, ARGV[1])
+  return 1
+end
+return 2
+"#;
+
+impl Store {
+    /// The state under `{prefix}:` in the Redis `client` talks to.
+    pub fn new(client: Client, prefix: &str) -> Self {
+        Self {
+            client,
+            prefix: format!("{{{prefix}}}"),
+            scripts: std::sync::Arc::new(Scripts {
+                put_file: Script::from_lua(PUT_FILE_LUA),
+                delete_file: Script::from_lua(DELETE_FILE_LUA),
+                create_batch: Script::from_lua(CREATE_BATCH_LUA),
+                save_batch: Script::from_lua(SAVE_BATCH_LUA),
+                claim: Script::from_lua(CLAIM_LUA),
+                cancel: Script::from_lua(CANCEL_LUA),
+            }),
+        }
+    }
+
+    /// The Redis client.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    fn key(&self, parts: &[&str]) -> String {
+        let mut key = self.prefix.clone();
+        for part in parts {
+            key.push(':');
+            key.push_str(part);
+        }
+        key
+    }
+
+    /// Whether Redis answers.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let _: Value = self.client.ping(None).await?;
+        Ok(())
+    }
+
+    // ---- files ----
+
+    /// Stores a new file record and lists it.
+    pub async fn put_file(&self, file: &StoredFile) -> Result<(), StoreError> {
+        let id = &file.file.id;
+        let keys = vec![
+            self.key(&["file", id]),
+            self.key(&["files", &file.tenant]),
+            self.key(&["files", &file.tenant, &file.file.purpose]),
+            self.key(&["expiry"]),
+        ];
+        let expires = file
+            .file
+            .expires_at
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        let json = serde_json::to_string(file).expect("a file record serializes");
+        let _: i64 = self
+            .scripts
+            .put_file
+            .evalsha_with_reload(&self.client, keys, vec![id.clone(), json, expires])
+            .await?;
+        Ok(())
+    }
+
+    /// The file `id`, whoever owns it.
+    pub async fn file(&self, id: &str) -> Result<Option<StoredFile>, StoreError> {
+        let key = self.key(&["file", id]);
+        let json: Option<String> = self.client.get(&key).await?;
+        json.map(|j| parse(&key, &j)).transpose()
+    }
+
+    /// Deletes a file's record and listings; false when there was none.
+    pub async fn delete_file(&self, file: &StoredFile) -> Result<bool, StoreError> {
+        let id = &file.file.id;
+        let keys = vec![
+            self.key(&["file", id]),
+            self.key(&["files", &file.tenant]),
+            self.key(&["files", &file.tenant, &file.file.purpose]),
+            self.key(&["expiry"]),
+        ];
+        let n: i64 = self
+            .scripts
+            .delete_file
+            .evalsha_with_reload(&self.client, keys, vec![id.clone()])
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// A page of `tenant`'s files, optionally of one purpose, after the id `after`.
+    pub async fn list_files(
+        &self,
+        tenant: &str,
+        purpose: Option<&str>,
+        after: Option<&str>,
+        limit: usize,
+        order: Order,
+    ) -> Result<Page<StoredFile>, StoreError> {
+        let index = match purpose {
+            Some(p) => self.key(&["files", tenant, p]),
+            None => self.key(&["files", tenant]),
+        };
+        let ids = self.range(&index, after, limit, order).await?;
+        let (ids, has_more) = split_more(ids, limit);
+        let keys: Vec<String> = ids.iter().map(|id| self.key(&["file", id])).collect();
+        let data = self.get_all(&keys).await?;
+        Ok(Page { data, has_more })
+    }
+
+    /// Up to `limit` ids of files whose `expires_at` is past `now`.
+    pub async fn expired_files(&self, now: i64, limit: usize) -> Result<Vec<String>, StoreError> {
+        let cmd = CustomCommand::new_static("ZRANGE", ClusterHash::FirstKey, false);
+        let args = vec![
+            Value::from(self.key(&["expiry"])),
+            Value::from("-inf"),
+            Value::from(now),
+            Value::from("BYSCORE"),
+            Value::from("LIMIT"),
+            Value::from(0),
+            Value::from(limit as i64),
+        ];
+        let ids: Vec<String> = self.client.custom(cmd, args).await?;
+        Ok(ids)
+    }
+
+    /// Forgets an expiry entry whose record is already gone.
+    pub async fn forget_expiry(&self, id: &str) -> Result<(), StoreError> {
+        let cmd = CustomCommand::new_static("ZREM", ClusterHash::FirstKey, false);
+        let _: i64 = self
+            .client
+            .custom(
+                cmd,
+                vec![Value::from(self.key(&["expiry"])), Value::from(id)],
+            )
+            .await?;
+        Ok(())
+    }
+
+    // ---- batches ----
+
+    /// Stores a new batch, lists it and queues it by its deadline (`expires_at`).
+    pub async fn create_batch(&self, batch: &StoredBatch) -> Result<(), StoreError> {
+        let b = &batch.batch.batch;
+        let keys = vec![
+            self.key(&["batch", &b.id]),
+            self.key(&["batches", &batch.tenant]),
+            self.key(&["queue"]),
+            self.key(&["status_counts"]),
+        ];
+        let json = serde_json::to_string(batch).expect("a batch record serializes");
+        let args = vec![
+            b.id.clone(),
+            json,
+            b.expires_at.to_string(),
+            b.status.as_str().to_owned(),
+        ];
+        let _: i64 = self
+            .scripts
+            .create_batch
+            .evalsha_with_reload(&self.client, keys, args)
+            .await?;
+        Ok(())
+    }
+
+    /// Replaces a batch's record (by its runner).
+    pub async fn save_batch(&self, batch: &StoredBatch) -> Result<(), StoreError> {
+        let b = &batch.batch.batch;
+        let keys = vec![self.key(&["batch", &b.id]), self.key(&["status_counts"])];
+        let json = serde_json::to_string(batch).expect("a batch record serializes");
+        let _: i64 = self
+            .scripts
+            .save_batch
+            .evalsha_with_reload(&self.client, keys, vec![json, b.status.as_str().to_owned()])
+            .await?;
+        Ok(())
+    }
+
+    /// The batch `id` as the API shows it: a pending cancel request shows as `cancelling`.
+    pub async fn batch(&self, id: &str) -> Result<Option<StoredBatch>, StoreError> {
+        Ok(self.batches(&[id.to_owned()]).await?.pop().flatten())
+    }
+
+    /// The batches `ids` (`None` for those that do not exist), cancel requests applied.
+    pub async fn batches(&self, ids: &[String]) -> Result<Vec<Option<StoredBatch>>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut keys: Vec<String> = ids.iter().map(|id| self.key(&["batch", id])).collect();
+        keys.extend(ids.iter().map(|id| self.key(&["cancel", id])));
+        let values: Vec<Option<String>> = self.client.mget(keys.clone()).await?;
+        let (records, cancels) = values.split_at(ids.len());
+        let mut out = Vec::with_capacity(ids.len());
+        for ((key, record), cancel) in keys.iter().zip(records).zip(cancels) {
+            let Some(json) = record else {
+                out.push(None);
+                continue;
+            };
+            let mut batch: StoredBatch = parse(key, json)?;
+            if let Some(at) = cancel.as_deref().and_then(|c| c.parse::<i64>().ok()) {
+                let b = &mut batch.batch.batch;
+                if !b.status.is_terminal() && b.status != BatchStatus::Cancelling {
+                    b.set_status(BatchStatus::Cancelling, at);
+                }
+            }
+            out.push(Some(batch));
+        }
+        Ok(out)
+    }
+
+    /// A page of `tenant`'s batches, newest first, after the id `after`.
+    pub async fn list_batches(
+        &self,
+        tenant: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Page<StoredBatch>, StoreError> {
+        let index = self.key(&["batches", tenant]);
+        let ids = self.range(&index, after, limit, Order::Desc).await?;
+        let (ids, has_more) = split_more(ids, limit);
+        let data = self.batches(&ids).await?.into_iter().flatten().collect();
+        Ok(Page { data, has_more })
+    }
+
+    /// Asks for batch `id` to be cancelled. A job still waiting in the queue moves to the cancel
+    /// queue, which runners take from without waiting for a free slot.
+    pub async fn request_cancel(&self, id: &str) -> Result<CancelRequest, StoreError> {
+        let keys = vec![
+            self.key(&["cancel", id]),
+            self.key(&["queue"]),
+            self.key(&["cancelq"]),
+        ];
+        let n: i64 = self
+            .scripts
+            .cancel
+            .evalsha_with_reload(
+                &self.client,
+                keys,
+                vec![id.to_owned(), now_unix().to_string()],
+            )
+            .await?;
+        Ok(match n {
+            0 => CancelRequest::Already,
+            1 => CancelRequest::WasQueued,
+            _ => CancelRequest::WasRunning,
+        })
+    }
+
+    /// Whether a cancel of batch `id` was asked for.
+    pub async fn cancel_requested(&self, id: &str) -> Result<bool, StoreError> {
+        let n: i64 = self.client.exists(self.key(&["cancel", id])).await?;
+        Ok(n == 1)
+    }
+
+    /// Takes the most urgent queued job (earliest deadline) for `replica`, or `None`.
+    pub async fn claim_queued(&self, replica: &str) -> Result<Option<String>, StoreError> {
+        self.claim("queue", replica).await
+    }
+
+    /// Takes a job whose cancel was asked while it waited in the queue, or `None`.
+    pub async fn claim_cancelled(&self, replica: &str) -> Result<Option<String>, StoreError> {
+        self.claim("cancelq", replica).await
+    }
+
+    async fn claim(&self, queue: &str, replica: &str) -> Result<Option<String>, StoreError> {
+        let keys = vec![self.key(&[queue]), self.key(&["running"])];
+        let id: Option<String> = self
+            .scripts
+            .claim
+            .evalsha_with_reload(&self.client, keys, vec![replica.to_owned()])
+            .await?;
+        Ok(id)
+    }
+
+    /// The jobs `replica` was running (to resume after a restart).
+    pub async fn running_on(&self, replica: &str) -> Result<Vec<String>, StoreError> {
+        let all: BTreeMap<String, String> =
+            fred::interfaces::HashesInterface::hgetall(&self.client, self.key(&["running"]))
+                .await?;
+        Ok(all
+            .into_iter()
+            .filter(|(_, r)| r == replica)
+            .map(|(id, _)| id)
+            .collect())
+    }
+
+    /// Marks job `id` as run by nobody (it ended).
+    pub async fn release(&self, id: &str) -> Result<(), StoreError> {
+        let _: i64 =
+            fred::interfaces::HashesInterface::hdel(&self.client, self.key(&["running"]), id)
+                .await?;
+        Ok(())
+    }
+
+    /// How many jobs are queued (not yet claimed).
+    pub async fn queued(&self) -> Result<u64, StoreError> {
+        let n: u64 =
+            fred::interfaces::SortedSetsInterface::zcard(&self.client, self.key(&["queue"]))
+                .await?;
+        Ok(n)
+    }
+
+    /// Batches by status, over every tenant.
+    pub async fn status_counts(&self) -> Result<BTreeMap<String, i64>, StoreError> {
+        let counts: BTreeMap<String, i64> =
+            fred::interfaces::HashesInterface::hgetall(&self.client, self.key(&["status_counts"]))
+                .await?;
+        Ok(counts)
+    }
+
+    // ---- helpers ----
+
+    async fn range(
+        &self,
+        index: &str,
+        after: Option<&str>,
+        limit: usize,
+        order: Order,
+    ) -> Result<Vec<String>, StoreError> {
+        let (cmd, from, to) = match (order, after) {
+            (Order::Asc, None) => ("ZRANGEBYLEX", "-".to_owned(), "+".to_owned()),
+            (Order::Asc, Some(a)) => ("ZRANGEBYLEX", format!("({a}"), "+".to_owned()),
+            (Order::Desc, None) => ("ZREVRANGEBYLEX", "+".to_owned(), "-".to_owned()),
+            (Order::Desc, Some(a)) => ("ZREVRANGEBYLEX", format!("({a}"), "-".to_owned()),
+        };
+        let cmd = CustomCommand::new_static(cmd, ClusterHash::FirstKey, false);
+        let args = vec![
+            Value::from(index),
+            Value::from(from),
+            Value::from(to),
+            Value::from("LIMIT"),
+            Value::from(0),
+            Value::from(limit as i64 + 1),
+        ];
+        let ids: Vec<String> = self.client.custom(cmd, args).await?;
+        Ok(ids)
+    }
+
+    async fn get_all<T: DeserializeOwned>(&self, keys: &[String]) -> Result<Vec<T>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let values: Vec<Option<String>> = self.client.mget(keys.to_vec()).await?;
+        keys.iter()
+            .zip(values)
+            .filter_map(|(k, v)| v.map(|v| parse(k, &v)))
+            .collect()
+    }
+}
+
+fn split_more(mut ids: Vec<String>, limit: usize) -> (Vec<String>, bool) {
+    let more = ids.len() > limit;
+    ids.truncate(limit);
+    (ids, more)
+}
+
+fn parse<T: DeserializeOwned>(key: &str, json: &str) -> Result<T, StoreError> {
+    serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+        key: key.to_owned(),
+        problem: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests;

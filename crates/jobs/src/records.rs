@@ -1,0 +1,155 @@
+//! The records the service keeps: OpenAI's File and Batch objects, with the tenant that owns them.
+
+use batch_wire::{Batch, BatchStatus};
+use serde::{Deserialize, Serialize};
+
+/// OpenAI's File object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileObject {
+    /// `file-…`.
+    pub id: String,
+    /// Always `file`.
+    pub object: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Unix seconds.
+    pub created_at: i64,
+    /// The uploaded file's name.
+    pub filename: String,
+    /// `batch` (inputs) or `batch_output` (a batch's output and error files).
+    pub purpose: String,
+    /// Unix seconds; `None`: never.
+    pub expires_at: Option<i64>,
+    /// Deprecated by OpenAI, still read by old clients: `processed`.
+    pub status: String,
+    /// Deprecated by OpenAI: always `None`.
+    pub status_details: Option<String>,
+}
+
+/// A file and who owns it, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredFile {
+    /// The owning tenant.
+    pub tenant: String,
+    /// The object the API shows.
+    pub file: FileObject,
+}
+
+impl StoredFile {
+    /// The storage key of its bytes.
+    pub fn storage_key(&self) -> String {
+        storage_key(&self.file.id)
+    }
+}
+
+/// The storage key of file `id`'s bytes.
+pub fn storage_key(id: &str) -> String {
+    format!("files/{id}")
+}
+
+/// Token counts summed over a batch's responses, in the Batch object's shape.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub input_tokens: u64,
+    /// Of which were cached.
+    pub input_tokens_details: CachedTokens,
+    /// Generated tokens.
+    pub output_tokens: u64,
+    /// Of which were reasoning.
+    pub output_tokens_details: ReasoningTokens,
+    /// Both.
+    pub total_tokens: u64,
+}
+
+/// `input_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachedTokens {
+    /// Prompt tokens served from a cache.
+    pub cached_tokens: u64,
+}
+
+/// `output_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReasoningTokens {
+    /// Generated tokens spent on reasoning.
+    pub reasoning_tokens: u64,
+}
+
+/// Finer counts than OpenAI's `request_counts`, as Anthropic's Message Batches give them; the
+/// Batch object carries them under [`FINE_COUNTS_KEY`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FineCounts {
+    /// Requests without a result yet.
+    pub processing: u64,
+    /// Requests answered (an output line).
+    pub succeeded: u64,
+    /// Requests that failed (an error line), other than cancelled and expired ones.
+    pub errored: u64,
+    /// Requests closed by a cancel.
+    pub cancelled: u64,
+    /// Requests closed by the deadline.
+    pub expired: u64,
+}
+
+/// The extension key of [`FineCounts`] in the Batch object.
+pub const FINE_COUNTS_KEY: &str = "x_request_counts";
+
+/// OpenAI's Batch object as the API shows it: the executor's batch plus what the service adds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchObject {
+    /// The fields every batch has.
+    #[serde(flatten)]
+    pub batch: Batch,
+    /// The model, when every request names the same one.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Summed token counts; set once the batch ended.
+    #[serde(default)]
+    pub usage: Option<Usage>,
+    /// Finer counts (see [`FineCounts`]).
+    #[serde(default)]
+    pub x_request_counts: FineCounts,
+}
+
+impl BatchObject {
+    /// The status.
+    pub fn status(&self) -> BatchStatus {
+        self.batch.status
+    }
+
+    /// Fine counts derived from `request_counts` while the batch runs.
+    pub fn running_counts(&mut self) {
+        let c = self.batch.request_counts;
+        self.x_request_counts = FineCounts {
+            processing: c.total.saturating_sub(c.completed + c.failed),
+            succeeded: c.completed,
+            errored: c.failed,
+            cancelled: 0,
+            expired: 0,
+        };
+    }
+}
+
+/// A batch and what the service needs to run it, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredBatch {
+    /// The owning tenant.
+    pub tenant: String,
+    /// The object the API shows.
+    pub batch: BatchObject,
+    /// The completion window in seconds.
+    pub window_secs: u64,
+    /// Seconds after which the output and error files expire; `None`: never.
+    #[serde(default)]
+    pub output_expires_after: Option<u64>,
+}
+
+/// One page of a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page<T> {
+    /// The items, in the order asked for.
+    pub data: Vec<T>,
+    /// Whether more follow the last one.
+    pub has_more: bool,
+}

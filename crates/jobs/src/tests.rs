@@ -1,0 +1,206 @@
+use super::*;
+use batch_testkit::RedisServer;
+use batch_wire::Batch;
+
+async fn store(redis: &RedisServer) -> Store {
+    let client = batch_redis::connect(&redis.url(), &Default::default())
+        .await
+        .unwrap();
+    Store::new(client, "svc")
+}
+
+fn file(tenant: &str, id: &str, purpose: &str, expires_at: Option<i64>) -> StoredFile {
+    StoredFile {
+        tenant: tenant.into(),
+        file: FileObject {
+            id: id.into(),
+            object: "file".into(),
+            bytes: 10,
+            created_at: 1,
+            filename: "in.jsonl".into(),
+            purpose: purpose.into(),
+            expires_at,
+            status: "processed".into(),
+            status_details: None,
+        },
+    }
+}
+
+fn batch(tenant: &str, id: &str, deadline: i64) -> StoredBatch {
+    StoredBatch {
+        tenant: tenant.into(),
+        batch: BatchObject {
+            batch: Batch::new(id, "file-x", "24h", 1, deadline),
+            model: None,
+            usage: None,
+            x_request_counts: FineCounts::default(),
+        },
+        window_secs: 86_400,
+        output_expires_after: None,
+    }
+}
+
+#[tokio::test]
+async fn listings_page_by_id_per_tenant_and_purpose() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    let ids: Vec<String> = (0..25).map(|i| format!("file-{i:03}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        let purpose = if i % 5 == 0 { "batch_output" } else { "batch" };
+        s.put_file(&file("a", id, purpose, None)).await.unwrap();
+    }
+    s.put_file(&file("b", "file-999", "batch", None))
+        .await
+        .unwrap();
+
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = s
+            .list_files("a", None, after.as_deref(), 10, Order::Asc)
+            .await
+            .unwrap();
+        seen.extend(page.data.iter().map(|f| f.file.id.clone()));
+        after = page.data.last().map(|f| f.file.id.clone());
+        if !page.has_more {
+            break;
+        }
+    }
+    assert_eq!(seen, ids, "every file of a, once, in order, none of b's");
+
+    let desc = s.list_files("a", None, None, 3, Order::Desc).await.unwrap();
+    let got: Vec<_> = desc.data.iter().map(|f| f.file.id.as_str()).collect();
+    assert_eq!(got, ["file-024", "file-023", "file-022"]);
+    assert!(desc.has_more);
+    let outputs = s
+        .list_files("a", Some("batch_output"), None, 100, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!(outputs.data.len(), 5);
+    assert!(!outputs.has_more);
+
+    let gone = s.file("file-003").await.unwrap().unwrap();
+    assert!(s.delete_file(&gone).await.unwrap());
+    assert!(!s.delete_file(&gone).await.unwrap());
+    assert!(s.file("file-003").await.unwrap().is_none());
+    let all = s
+        .list_files("a", None, None, 100, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!(all.data.len(), 24);
+}
+
+#[tokio::test]
+async fn expired_files_are_found_by_time() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    s.put_file(&file("a", "file-1", "batch", Some(100)))
+        .await
+        .unwrap();
+    s.put_file(&file("a", "file-2", "batch", Some(200)))
+        .await
+        .unwrap();
+    s.put_file(&file("a", "file-3", "batch", None))
+        .await
+        .unwrap();
+    assert_eq!(s.expired_files(150, 10).await.unwrap(), ["file-1"]);
+    assert_eq!(
+        s.expired_files(250, 10).await.unwrap(),
+        ["file-1", "file-2"]
+    );
+    let f = s.file("file-1").await.unwrap().unwrap();
+    s.delete_file(&f).await.unwrap();
+    assert_eq!(s.expired_files(250, 10).await.unwrap(), ["file-2"]);
+}
+
+#[tokio::test]
+async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    s.create_batch(&batch("a", "batch_late", 300))
+        .await
+        .unwrap();
+    s.create_batch(&batch("b", "batch_soon", 100))
+        .await
+        .unwrap();
+    s.create_batch(&batch("a", "batch_mid", 200)).await.unwrap();
+    assert_eq!(s.queued().await.unwrap(), 3);
+
+    assert_eq!(
+        s.claim_queued("r1").await.unwrap().as_deref(),
+        Some("batch_soon")
+    );
+    assert_eq!(
+        s.request_cancel("batch_late").await.unwrap(),
+        CancelRequest::WasQueued
+    );
+    assert_eq!(
+        s.request_cancel("batch_late").await.unwrap(),
+        CancelRequest::Already
+    );
+    assert_eq!(
+        s.request_cancel("batch_soon").await.unwrap(),
+        CancelRequest::WasRunning
+    );
+    assert!(s.cancel_requested("batch_soon").await.unwrap());
+    assert!(!s.cancel_requested("batch_mid").await.unwrap());
+    let shown = s.batch("batch_late").await.unwrap().unwrap();
+    assert_eq!(shown.batch.status(), BatchStatus::Cancelling);
+
+    assert_eq!(
+        s.claim_cancelled("r1").await.unwrap().as_deref(),
+        Some("batch_late")
+    );
+    assert_eq!(s.claim_cancelled("r1").await.unwrap(), None);
+    assert_eq!(
+        s.claim_queued("r2").await.unwrap().as_deref(),
+        Some("batch_mid")
+    );
+    assert_eq!(s.claim_queued("r2").await.unwrap(), None);
+    assert_eq!(
+        s.running_on("r1").await.unwrap(),
+        ["batch_late", "batch_soon"]
+    );
+    s.release("batch_soon").await.unwrap();
+    assert_eq!(s.running_on("r1").await.unwrap(), ["batch_late"]);
+}
+
+#[tokio::test]
+async fn saving_moves_status_counts_and_lists_newest_first() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    for i in 0..5 {
+        s.create_batch(&batch("a", &format!("batch_{i}"), 100))
+            .await
+            .unwrap();
+    }
+    let mut b = s.batch("batch_2").await.unwrap().unwrap();
+    b.batch.batch.set_status(BatchStatus::InProgress, 5);
+    s.save_batch(&b).await.unwrap();
+    s.save_batch(&b).await.unwrap();
+    let counts = s.status_counts().await.unwrap();
+    assert_eq!(counts.get("validating"), Some(&4));
+    assert_eq!(counts.get("in_progress"), Some(&1));
+
+    let page = s.list_batches("a", None, 2).await.unwrap();
+    let ids: Vec<_> = page
+        .data
+        .iter()
+        .map(|b| b.batch.batch.id.as_str())
+        .collect();
+    assert_eq!(ids, ["batch_4", "batch_3"]);
+    assert!(page.has_more);
+    let page = s.list_batches("a", Some("batch_1"), 2).await.unwrap();
+    assert_eq!(page.data.len(), 1);
+    assert!(!page.has_more);
+    assert!(s.list_batches("b", None, 2).await.unwrap().data.is_empty());
+}
+
+#[test]
+fn ids_sort_by_creation_time() {
+    let a = new_id("batch_");
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    let b = new_id("batch_");
+    assert!(a < b, "{a} {b}");
+    assert_eq!(a.len(), "batch_".len() + 24);
+}

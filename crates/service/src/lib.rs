@@ -1,0 +1,270 @@
+//! `processor serve`: the OpenAI-compatible Batch API service. One [`Service`] composes the HTTP
+//! API ([`batch_api`]), the job runner (which takes queued batches by SLO deadline and runs up to
+//! `serve.max_active_jobs` of them at once through the [`batch_executor::Executor`]) and the reaper
+//! that deletes expired files.
+//!
+//! State lives in Redis ([`batch_jobs::Store`]) and bytes in storage ([`batch_storage::Storage`]),
+//! so a restarted service lists every file and batch as before and resumes the jobs it was
+//! running from their local files (the executor's resume: each line exactly once).
+//! [`Service::shutdown`] pauses running jobs, never cancels them.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = batch_config::ProcessorConfig::load_service("processor.yaml".as_ref())?;
+//! let service = batch_service::Service::start(config, Default::default()).await?;
+//! println!("listening on http://{}", service.local_addr());
+//! tokio::signal::ctrl_c().await?;
+//! service.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+mod finalize;
+mod reaper;
+mod runner;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use batch_api::{Api, Hooks, Keys};
+use batch_config::ProcessorConfig;
+use batch_executor::Executor;
+use batch_jobs::Store;
+use batch_storage::Storage;
+use futures::future::BoxFuture;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use runner::Runner;
+
+/// How long a shutdown waits for running jobs to pause.
+const PAUSE_PATIENCE: Duration = Duration::from_secs(7);
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The configuration cannot be served.
+    #[error("{0}")]
+    Config(String),
+    /// Storage cannot be used.
+    #[error(transparent)]
+    Storage(#[from] batch_storage::StorageError),
+    /// Redis could not be reached.
+    #[error(transparent)]
+    Connect(#[from] batch_redis::ConnectError),
+    /// The executor could not be set up.
+    #[error(transparent)]
+    Executor(#[from] batch_executor::ExecError),
+    /// The listen address cannot be bound.
+    #[error("cannot listen on {addr}: {error}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        error: std::io::Error,
+    },
+}
+
+/// Choices of the embedder beyond the config.
+#[derive(Debug, Clone, Default)]
+pub struct ServiceOptions {
+    /// Listen here instead of `serve.listen`.
+    pub listen: Option<SocketAddr>,
+    /// This replica's name in the job records (default: the host name). A restarted replica
+    /// resumes the jobs recorded under its name.
+    pub replica_id: Option<String>,
+    /// The metrics recorder to render on `/metrics` (default: installs the process's one).
+    pub metrics: Option<batch_observability::MetricsHandle>,
+}
+
+/// A running service.
+pub struct Service {
+    addr: SocketAddr,
+    runner: Arc<Runner>,
+    executor: Arc<Executor>,
+    stop_http: CancellationToken,
+    stop_reaper: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Service {
+    /// Connects to Redis and storage, binds the listen address, resumes this replica's jobs and
+    /// starts serving.
+    pub async fn start(
+        config: ProcessorConfig,
+        options: ServiceOptions,
+    ) -> Result<Self, ServiceError> {
+        let serve = config.serve.clone();
+        let listen = options.listen.unwrap_or(serve.listen);
+        if serve.api_keys.is_empty() {
+            if !listen.ip().is_loopback() {
+                return Err(ServiceError::Config(format!(
+                    "serve.api_keys_file is not set: without API keys the service only listens on a loopback address, not {listen}"
+                )));
+            }
+            tracing::warn!(%listen, "serve.api_keys_file is not set: every request is tenant `default`, with no key");
+        }
+        let Some(redis_url) = config.redis_url.clone() else {
+            return Err(ServiceError::Config(
+                "the service needs Redis: set redis_url_file (and load the config with load_service)".into(),
+            ));
+        };
+        let storage = Storage::from_url(&serve.storage)?;
+        let connect = batch_redis::ConnectOptions {
+            tls: config.redis_tls_options(),
+            command_timeout: Duration::from_secs(10),
+            ..Default::default()
+        };
+        let client = batch_redis::connect(redis_url.expose(), &connect).await?;
+        let store = Store::new(client, &serve.state_prefix);
+        let metrics = match options.metrics {
+            Some(m) => Some(m),
+            None => batch_observability::install_recorder()
+                .map_err(|e| tracing::warn!(error = %e, "no /metrics: {e}"))
+                .ok(),
+        };
+        let work_dir: PathBuf = config.work_dir.clone();
+        let executor = Arc::new(Executor::new(config).await?);
+        let replica = options.replica_id.unwrap_or_else(host_name);
+        let runner = Runner::new(
+            store.clone(),
+            storage.clone(),
+            executor.clone(),
+            replica.clone(),
+            work_dir,
+            serve.max_active_jobs,
+        );
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|error| ServiceError::Listen {
+                addr: listen,
+                error,
+            })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|error| ServiceError::Listen {
+                addr: listen,
+                error,
+            })?;
+        let hooks = Arc::new(ServiceHooks {
+            runner: runner.clone(),
+            store: store.clone(),
+            metrics,
+        });
+        let api = Api {
+            store: store.clone(),
+            storage: storage.clone(),
+            keys: Keys::new(&serve.api_keys),
+            limits: executor.config().input.clone(),
+            hooks,
+        };
+        let stop_http = CancellationToken::new();
+        let stop_reaper = CancellationToken::new();
+        let mut tasks = Vec::new();
+        {
+            let stop = stop_http.clone();
+            let app = batch_api::router(api);
+            tasks.push(tokio::spawn(async move {
+                let served = axum::serve(listener, app)
+                    .with_graceful_shutdown(async move { stop.cancelled().await })
+                    .await;
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "the API server failed");
+                }
+            }));
+        }
+        tasks.push(tokio::spawn(runner.clone().run()));
+        tasks.push(tokio::spawn(reaper::run(
+            store,
+            storage,
+            serve.reaper_interval,
+            stop_reaper.clone(),
+        )));
+        tracing::info!(%addr, replica, max_active_jobs = serve.max_active_jobs, "service started");
+        Ok(Self {
+            addr,
+            runner,
+            executor,
+            stop_http,
+            stop_reaper,
+            tasks,
+        })
+    }
+
+    /// The address the API listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops taking requests and jobs, pauses running jobs (they resume at the next start) and
+    /// lets go of Redis: within [`PAUSE_PATIENCE`] plus a few seconds.
+    pub async fn shutdown(self) {
+        tracing::info!(
+            jobs = self.runner.active_jobs(),
+            "stopping: running jobs pause and resume at the next start"
+        );
+        self.stop_http.cancel();
+        self.stop_reaper.cancel();
+        self.runner.stop.cancel();
+        self.executor.pause();
+        self.runner.tasks.close();
+        if tokio::time::timeout(PAUSE_PATIENCE, self.runner.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("some jobs did not pause in time; they resume at the next start");
+        }
+        self.executor.shutdown().await;
+        for task in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+        }
+        tracing::info!("stopped");
+    }
+}
+
+struct ServiceHooks {
+    runner: Arc<Runner>,
+    store: Store,
+    metrics: Option<batch_observability::MetricsHandle>,
+}
+
+impl Hooks for ServiceHooks {
+    fn wake(&self) {
+        self.runner.wake.notify_waiters();
+    }
+
+    fn local_result(&self, batch_id: &str, file: &str) -> Option<PathBuf> {
+        self.runner.local_file(batch_id, file)
+    }
+
+    fn render_metrics(&self) -> BoxFuture<'_, String> {
+        Box::pin(async move {
+            match self.store.status_counts().await {
+                Ok(counts) => {
+                    for (status, n) in counts {
+                        metrics::gauge!("batch_service_jobs", "status" => status).set(n as f64);
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "no job counts for /metrics"),
+            }
+            if let Ok(n) = self.store.queued().await {
+                metrics::gauge!("batch_service_queued_jobs").set(n as f64);
+            }
+            metrics::gauge!("batch_service_active_jobs").set(self.runner.active_jobs() as f64);
+            self.metrics
+                .as_ref()
+                .map(|m| m.render())
+                .unwrap_or_default()
+        })
+    }
+}
+
+/// The host's name, which names this replica by default.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "replica".to_owned())
+}

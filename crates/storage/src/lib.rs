@@ -1,0 +1,407 @@
+//! The batch service's files (uploaded inputs, result files, checkpoints) in a directory or an
+//! object store, through the `object_store` crate. Bytes are streamed both ways: memory does not
+//! grow with a file.
+//!
+//! Keys are `/`-separated names such as `files/file-0123`. A file is visible only once its
+//! upload completed: a failed or aborted upload leaves nothing behind under its key.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), batch_storage::StorageError> {
+//! use futures::TryStreamExt;
+//!
+//! let storage = batch_storage::Storage::from_url("file:///var/lib/batch/storage")?;
+//! let chunks = futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from("hello\n"))]);
+//! let written = storage.put_stream("files/file-1", chunks).await?;
+//! assert_eq!(written, 6);
+//! let object = storage.get("files/file-1").await?;
+//! let bytes: Vec<bytes::Bytes> = object.stream.try_collect().await?;
+//! storage.delete("files/file-1").await?;
+//! # Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt, TryStreamExt};
+use object_store::buffered::BufWriter;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path as ObjectPath;
+use object_store::ObjectStore;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Why a storage operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// The storage URL cannot be used.
+    #[error("storage URL {url:?}: {problem}")]
+    Url {
+        /// The URL as configured.
+        url: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// No object under this key.
+    #[error("{0}: no such object")]
+    NotFound(String),
+    /// The store failed; the message names the key.
+    #[error("storage {key}: {message}")]
+    Store {
+        /// The key.
+        key: String,
+        /// The store's error.
+        message: String,
+    },
+    /// The bytes being uploaded failed at their source (the client, a local file).
+    #[error("upload of {key} stopped: {message}")]
+    Source {
+        /// The key.
+        key: String,
+        /// Why the source stopped.
+        message: String,
+    },
+    /// A local file could not be read or written.
+    #[error("{path}: {error}")]
+    Local {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        error: std::io::Error,
+    },
+}
+
+impl StorageError {
+    fn store(key: &str, error: object_store::Error) -> Self {
+        match error {
+            object_store::Error::NotFound { .. } => Self::NotFound(key.to_owned()),
+            other => Self::Store {
+                key: key.to_owned(),
+                message: other.to_string(),
+            },
+        }
+    }
+
+    fn local(path: &Path, error: std::io::Error) -> Self {
+        Self::Local {
+            path: path.to_owned(),
+            error,
+        }
+    }
+}
+
+/// An object being read: its size and its bytes.
+pub struct Object {
+    /// Size in bytes.
+    pub size: u64,
+    /// The bytes, in chunks.
+    pub stream: BoxStream<'static, Result<Bytes, StorageError>>,
+}
+
+/// Where the service keeps files.
+#[derive(Clone)]
+pub struct Storage {
+    store: Arc<dyn ObjectStore>,
+    url: String,
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Storage").field("url", &self.url).finish()
+    }
+}
+
+/// Chunk size of reads from local files.
+const READ_CHUNK: usize = 256 * 1024;
+
+impl Storage {
+    /// Storage at `url`: `file:///absolute/dir` (created if missing).
+    pub fn from_url(url: &str) -> Result<Self, StorageError> {
+        let bad = |problem: &str| StorageError::Url {
+            url: url.to_owned(),
+            problem: problem.to_owned(),
+        };
+        if let Some(dir) = url.strip_prefix("file://") {
+            if !dir.starts_with('/') {
+                return Err(bad("expected an absolute directory: file:///dir"));
+            }
+            std::fs::create_dir_all(dir).map_err(|e| bad(&format!("cannot create {dir}: {e}")))?;
+            let store = LocalFileSystem::new_with_prefix(dir)
+                .map_err(|e| bad(&e.to_string()))?
+                .with_automatic_cleanup(true);
+            return Ok(Self {
+                store: Arc::new(store),
+                url: url.to_owned(),
+            });
+        }
+        if url.starts_with("s3://") {
+            return Err(bad("S3 storage is not built into this version"));
+        }
+        Err(bad("expected file:///directory"))
+    }
+
+    /// Storage over any `object_store` implementation (tests, embedders).
+    pub fn from_store(store: Arc<dyn ObjectStore>, url: impl Into<String>) -> Self {
+        Self {
+            store,
+            url: url.into(),
+        }
+    }
+
+    /// The URL it was made from.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn path(key: &str) -> Result<ObjectPath, StorageError> {
+        ObjectPath::parse(key).map_err(|e| StorageError::Store {
+            key: key.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Writes the chunks of `source` under `key` and returns the byte count. The object appears
+    /// only when the source ended cleanly: an error from the source aborts the upload.
+    pub async fn put_stream<S, E>(&self, key: &str, source: S) -> Result<u64, StorageError>
+    where
+        S: Stream<Item = Result<Bytes, E>> + Send,
+        E: std::fmt::Display,
+    {
+        let path = Self::path(key)?;
+        let mut writer = BufWriter::new(self.store.clone(), path);
+        let mut source = std::pin::pin!(source);
+        let mut written = 0u64;
+        let failure = loop {
+            match source.next().await {
+                None => break None,
+                Some(Err(e)) => {
+                    break Some(StorageError::Source {
+                        key: key.to_owned(),
+                        message: e.to_string(),
+                    })
+                }
+                Some(Ok(chunk)) => {
+                    written += chunk.len() as u64;
+                    if let Err(e) = writer.write_all(&chunk).await {
+                        break Some(StorageError::Store {
+                            key: key.to_owned(),
+                            message: e.to_string(),
+                        });
+                    }
+                }
+            }
+        };
+        if let Some(e) = failure {
+            if let Err(abort) = writer.abort().await {
+                tracing::warn!(key, error = %abort, "could not abort a failed upload");
+            }
+            return Err(e);
+        }
+        writer.shutdown().await.map_err(|e| StorageError::Store {
+            key: key.to_owned(),
+            message: e.to_string(),
+        })?;
+        Ok(written)
+    }
+
+    /// Writes `bytes` under `key` in one request (small objects: records, markers).
+    pub async fn put_bytes(&self, key: &str, bytes: Bytes) -> Result<(), StorageError> {
+        let path = Self::path(key)?;
+        self.store
+            .put(&path, bytes.into())
+            .await
+            .map_err(|e| StorageError::store(key, e))?;
+        Ok(())
+    }
+
+    /// Uploads the local file `local` under `key`, streamed; returns its size.
+    pub async fn put_file(&self, key: &str, local: &Path) -> Result<u64, StorageError> {
+        let file = tokio::fs::File::open(local)
+            .await
+            .map_err(|e| StorageError::local(local, e))?;
+        let chunks = futures::stream::try_unfold(file, |mut file| async move {
+            let mut buf = vec![0u8; READ_CHUNK];
+            let n = file.read(&mut buf).await?;
+            if n == 0 {
+                return Ok::<_, std::io::Error>(None);
+            }
+            buf.truncate(n);
+            Ok(Some((Bytes::from(buf), file)))
+        });
+        self.put_stream(key, chunks).await
+    }
+
+    /// Opens the object under `key` for reading.
+    pub async fn get(&self, key: &str) -> Result<Object, StorageError> {
+        let path = Self::path(key)?;
+        let got = self
+            .store
+            .get(&path)
+            .await
+            .map_err(|e| StorageError::store(key, e))?;
+        let size = got.meta.size;
+        let owned = key.to_owned();
+        let stream = got
+            .into_stream()
+            .map_err(move |e| StorageError::store(&owned, e))
+            .boxed();
+        Ok(Object { size, stream })
+    }
+
+    /// Copies the object under `key` to the local file `local` (written aside, then renamed, so
+    /// a crash never leaves a partial file under that name); returns its size.
+    pub async fn download(&self, key: &str, local: &Path) -> Result<u64, StorageError> {
+        let mut object = self.get(key).await?;
+        let partial = local.with_extension("partial");
+        if let Some(dir) = local.parent() {
+            tokio::fs::create_dir_all(dir)
+                .await
+                .map_err(|e| StorageError::local(dir, e))?;
+        }
+        let mut file = tokio::fs::File::create(&partial)
+            .await
+            .map_err(|e| StorageError::local(&partial, e))?;
+        let mut size = 0u64;
+        while let Some(chunk) = object.stream.next().await {
+            let chunk = chunk?;
+            size += chunk.len() as u64;
+            file.write_all(&chunk)
+                .await
+                .map_err(|e| StorageError::local(&partial, e))?;
+        }
+        file.sync_all()
+            .await
+            .map_err(|e| StorageError::local(&partial, e))?;
+        drop(file);
+        tokio::fs::rename(&partial, local)
+            .await
+            .map_err(|e| StorageError::local(local, e))?;
+        Ok(size)
+    }
+
+    /// The size of the object under `key`, or `None` when there is none.
+    pub async fn size(&self, key: &str) -> Result<Option<u64>, StorageError> {
+        let path = Self::path(key)?;
+        match self.store.head(&path).await {
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(StorageError::store(key, e)),
+        }
+    }
+
+    /// Deletes the object under `key`; deleting what is not there succeeds.
+    pub async fn delete(&self, key: &str) -> Result<(), StorageError> {
+        let path = Self::path(key)?;
+        match self.store.delete(&path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(StorageError::store(key, e)),
+        }
+    }
+
+    /// Whether the store answers (for readiness): lists one key.
+    pub async fn check(&self) -> Result<(), StorageError> {
+        let prefix = ObjectPath::from("files");
+        let mut listing = self.store.list(Some(&prefix));
+        match listing.next().await {
+            None | Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(StorageError::store("files/", e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn storage(dir: &Path) -> Storage {
+        Storage::from_url(&format!("file://{}", dir.display())).unwrap()
+    }
+
+    async fn read_all(storage: &Storage, key: &str) -> Vec<u8> {
+        let object = storage.get(key).await.unwrap();
+        let chunks: Vec<Bytes> = object.stream.try_collect().await.unwrap();
+        chunks.concat()
+    }
+
+    #[tokio::test]
+    async fn streams_in_and_out_and_deletes() {
+        let dir = batch_testkit::tempdir().unwrap();
+        let s = storage(dir.path());
+        let chunks: Vec<Result<Bytes, std::io::Error>> = (0..100)
+            .map(|i| Ok(Bytes::from(format!("line {i}\n"))))
+            .collect();
+        let expected: String = (0..100).map(|i| format!("line {i}\n")).collect();
+        let n = s
+            .put_stream("files/a", futures::stream::iter(chunks))
+            .await
+            .unwrap();
+        assert_eq!(n, expected.len() as u64);
+        assert_eq!(read_all(&s, "files/a").await, expected.as_bytes());
+        assert_eq!(s.size("files/a").await.unwrap(), Some(n));
+        s.delete("files/a").await.unwrap();
+        s.delete("files/a").await.unwrap();
+        assert!(matches!(
+            s.get("files/a").await,
+            Err(StorageError::NotFound(_))
+        ));
+        assert_eq!(s.size("files/a").await.unwrap(), None);
+        s.check().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_source_leaves_nothing() {
+        let dir = batch_testkit::tempdir().unwrap();
+        let s = storage(dir.path());
+        // Bigger than BufWriter's first buffer, so a multipart upload had started.
+        let big = Bytes::from(vec![b'x'; 11 * 1024 * 1024]);
+        let chunks = futures::stream::iter(vec![
+            Ok(big),
+            Err(std::io::Error::other("client went away")),
+        ]);
+        let err = s.put_stream("files/b", chunks).await.unwrap_err();
+        assert!(err.to_string().contains("client went away"), "{err}");
+        assert_eq!(s.size("files/b").await.unwrap(), None);
+        let leftovers: Vec<_> = walk(dir.path());
+        assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+    }
+
+    fn walk(dir: &Path) -> Vec<PathBuf> {
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                found.extend(walk(&path));
+            } else {
+                found.push(path);
+            }
+        }
+        found
+    }
+
+    #[tokio::test]
+    async fn files_go_up_and_down_whole() {
+        let dir = batch_testkit::tempdir().unwrap();
+        let s = storage(&dir.path().join("store"));
+        let local = dir.path().join("in.jsonl");
+        let content: Vec<u8> = (0..2_000_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&local, &content).unwrap();
+        assert_eq!(
+            s.put_file("files/c", &local).await.unwrap(),
+            content.len() as u64
+        );
+        let back = dir.path().join("back/out.jsonl");
+        assert_eq!(
+            s.download("files/c", &back).await.unwrap(),
+            content.len() as u64
+        );
+        assert_eq!(std::fs::read(&back).unwrap(), content);
+        assert!(!back.with_extension("partial").exists());
+    }
+
+    #[test]
+    fn bad_urls_are_named() {
+        let err = Storage::from_url("file://relative/dir").unwrap_err();
+        assert!(err.to_string().contains("file://relative/dir"), "{err}");
+        assert!(Storage::from_url("ftp://x").is_err());
+    }
+}
