@@ -69,6 +69,7 @@ pub(crate) async fn run(
     if !s.processor.is_file() {
         return Err(BenchError::MissingTool(s.processor.display().to_string()));
     }
+    let load_before = load_average();
     let big = lab.path("serve-upload.jsonl");
     let upload_lines = (s.serve_upload_bytes as usize / UPLOAD_LINE).max(1);
     let big_bytes = {
@@ -88,6 +89,7 @@ pub(crate) async fn run(
     dispatcher.shutdown().await;
     gateway.shutdown().await;
     let (uploads, fanouts) = (uploads?, fanouts?);
+    let load_after = load_average();
 
     let mb = big_bytes as f64 / 1e6;
     let col = |f: &dyn Fn(&Upload) -> f64| Summary::new(uploads.iter().map(f).collect());
@@ -184,7 +186,7 @@ pub(crate) async fn run(
         s.processor.display()
     ));
     report.note(SERVE, format!(
-        "Upload: a {mb:.0} MB file of {} lines of {UPLOAD_LINE} B (within the default limits of 200 MiB and 50,000 lines), sent as one multipart request read from disk in chunks of 256 KiB (the client never holds it), timed until the File object comes back. The limit is the same bytes copied from that file to a new file on the same disk plus fsync, in the same run, just before each upload. Peak RSS is the service's VmHWM from /proc/<pid>/status after the upload: its peak over its whole life until then, start-up included. The target of 100 MB is {RSS_LIMIT_MIB:.1} MiB.",
+        "Upload: a {mb:.0} MB file of {} lines of {UPLOAD_LINE} B (within the default limits of 200 MiB and 50,000 lines), sent as one multipart request read from disk in chunks of 256 KiB (the client never holds it), timed until the File object comes back. The limit is the same bytes copied from that file to a new file on the same disk plus fsync, in the same run, just before each upload. Peak RSS is the service's VmHWM from /proc/<pid>/status after the upload: its peak over its whole life until then, start-up included. The target of 100 MB is {RSS_LIMIT_MIB:.1} MiB. The service answers once its storage has the bytes; its local storage (object_store's LocalFileSystem) does not fsync them, so its rate is not bounded by the fsync the limit includes.",
         super::lines(upload_lines)
     ));
     report.note(SERVE, format!(
@@ -196,7 +198,19 @@ pub(crate) async fn run(
         super::lines(n), s.serve_clients, s.serve_load.as_secs_f64(), warm_up(s).as_secs_f64(),
         super::lines(fanouts.get(Summary::new(fanouts.iter().map(|f| f.load.rps).collect()).median_run().unwrap_or(0)).map_or(0, |f| f.load.requests)),
     ));
+    report.note(SERVE, format!(
+        "The other load on this machine counts here more than elsewhere (several processes share its cores): the 1-minute load average was {load_before} when the scenario started and {load_after} when it ended, on {} cores.",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    ));
     Ok(())
+}
+
+/// The 1-minute load average, as /proc/loadavg has it.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into())
 }
 
 fn warm_up(s: &crate::Settings) -> Duration {
