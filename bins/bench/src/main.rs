@@ -15,7 +15,8 @@ use clap::Parser;
 /// rates.svg, rss.svg and the limit plots (aimd-limit.svg, aimd-limit-changing.svg,
 /// aimd-limit-queueing.svg) into --out. Enqueue and drain run a second time on a Redis Cluster
 /// of 3 primaries (needs redis-cli too), their rows labelled "(cluster, 3 primaries)" beside the
-/// single-server ones. Exit status 0 when every scenario ran
+/// single-server ones. The serve group starts `processor serve` (from --processor) against the
+/// same Redis and the dispatcher simulator. Exit status 0 when every scenario ran
 /// (targets missed are reported, not errors), 1 when one failed.
 #[derive(Debug, Parser)]
 #[command(name = "bench", version)]
@@ -27,10 +28,10 @@ struct Args {
     /// Every scenario once with small sizes (a smoke test of the bench itself).
     #[arg(long)]
     quick: bool,
-    /// The processor binary for the memory scenario [default: next to this binary].
+    /// The processor binary for the memory and serve scenarios [default: next to this binary].
     #[arg(long)]
     processor: Option<PathBuf>,
-    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory); repeatable. Enqueue
+    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory, serve); repeatable. Enqueue
     /// and drain include their cluster rows.
     #[arg(long = "only", value_parser = parse_scenario)]
     only: Vec<Scenario>,

@@ -76,6 +76,13 @@ fn quick_run_reports_every_scenario() {
         "| Sync AIMD | queueing, gradient: mean limit",
         "| Memory | peak RSS, async mode, 1,000 lines |",
         "| Memory | peak RSS, sync mode, 1,000 lines |",
+        "| Serve | upload of 20 MB: POST /v1/files, multipart streamed from disk |",
+        "| Serve | write + fsync of the same 20 MB to the same disk |",
+        "| Serve | peak RSS of the service, start + upload (VmHWM) |",
+        "| Serve | GET /v1/batches/{id}, 32 clients, 100 batches stored |",
+        "| Serve | GET /v1/batches/{id}, 32 clients, 100 batches stored: p99 latency |",
+        "| Serve | 100 batches of 50 lines at once: first POST → last batch completed |",
+        "| Serve | 100 batches of 50 lines at once: Redis connections of the service, max |",
     ] {
         assert!(md.contains(row), "no row {row:?} in\n{md}");
     }

@@ -156,6 +156,11 @@ impl Lab {
         }
     }
 
+    /// The file holding the Redis URL, for configs that name it.
+    pub fn redis_url_file(&self) -> &Path {
+        &self.redis_url_file
+    }
+
     /// A client of the lab's Redis.
     pub fn client(&self) -> &Client {
         &self.client

@@ -17,7 +17,11 @@
 //! 6. **Sync AIMD**: each limiter (the reference AIMD, the gradient limiter) against a gateway
 //!    of capacity C and latency L in three behaviours (hard limit, a limit changing mid-run, a
 //!    queueing gateway): throughput as a share of what the gateway can serve, and 429s;
-//! 7. **Memory**: peak RSS of the `processor` binary by job size, in both modes.
+//! 7. **Memory**: peak RSS of the `processor` binary by job size, in both modes;
+//! 8. **Serve**: `processor serve` through its HTTP API: a 200 MB upload against writing the
+//!    same bytes to the same disk, with the service's peak RSS; `GET /v1/batches/{id}` from 32
+//!    clients with 1,000 batches stored; 1,000 batches of 50 lines submitted at once: time to
+//!    the last completed and the service's Redis connections.
 //!
 //! Enqueue and drain run a second time on a Redis Cluster of 3 primaries
 //! ([`Settings::cluster_primaries`]), with the cluster's limits measured the same way.
@@ -43,6 +47,7 @@ mod redis_benchmark;
 mod report;
 mod rss;
 mod scenarios;
+mod service;
 mod stats;
 
 use std::path::{Path, PathBuf};
@@ -167,6 +172,16 @@ pub struct Settings {
     pub redis_benchmark_requests: usize,
     /// Primaries of the Redis Cluster that enqueue and drain run on a second time; none when 0.
     pub cluster_primaries: usize,
+    /// Bytes of the file the serve scenario uploads.
+    pub serve_upload_bytes: u64,
+    /// Batches the serve scenario submits at once (and then reads under load).
+    pub serve_batches: usize,
+    /// Lines of each of those batches.
+    pub serve_batch_lines: usize,
+    /// Concurrent clients of the `GET /v1/batches/{id}` load.
+    pub serve_clients: usize,
+    /// How long the `GET /v1/batches/{id}` load runs.
+    pub serve_load: std::time::Duration,
 }
 
 impl Settings {
@@ -192,6 +207,11 @@ impl Settings {
             long_runs: 3,
             redis_benchmark_requests: 50_000,
             cluster_primaries: 3,
+            serve_upload_bytes: 200_000_000,
+            serve_batches: 1_000,
+            serve_batch_lines: 50,
+            serve_clients: 32,
+            serve_load: std::time::Duration::from_secs(5),
         }
     }
 
@@ -208,6 +228,9 @@ impl Settings {
             short_runs: 1,
             long_runs: 1,
             redis_benchmark_requests: 5_000,
+            serve_upload_bytes: 20_000_000,
+            serve_batches: 100,
+            serve_load: std::time::Duration::from_secs(1),
             ..Self::full(processor)
         }
     }

@@ -33,6 +33,8 @@ impl Unit {
         }
         match self {
             Unit::PerSecond(what) => format!("{} {what}", thousands(value)),
+            // Sub-millisecond latencies keep two decimals.
+            Unit::Seconds if value < 0.01 => format!("{:.2} ms", value * 1000.0),
             Unit::Seconds if value < 1.0 => format!("{:.0} ms", value * 1000.0),
             Unit::Seconds => format!("{value:.2} s"),
             Unit::MiB => format!("{value:.1} MiB"),
@@ -489,6 +491,7 @@ mod tests {
         assert_eq!(Unit::PerSecond("req/s").format(12_345.0), "12,345 req/s");
         assert_eq!(Unit::Seconds.format(0.25), "250 ms");
         assert_eq!(Unit::Seconds.format(2.5), "2.50 s");
+        assert_eq!(Unit::Seconds.format(0.000_42), "0.42 ms");
         assert_eq!(Unit::Percent.format(0.031), "3.1 %");
     }
 

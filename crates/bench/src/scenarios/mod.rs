@@ -7,6 +7,7 @@ mod e2e;
 mod enqueue;
 mod memory;
 mod prefix;
+mod serve;
 
 use std::future::Future;
 use std::str::FromStr;
@@ -37,17 +38,20 @@ pub enum Scenario {
     Memory,
     /// Prefix-cache hits with plan-ordered against equal scores.
     Prefix,
+    /// `processor serve` through its HTTP API: upload, GET under load, many batches at once.
+    Serve,
 }
 
 impl Scenario {
     /// Every scenario, in run order.
-    pub const ALL: [Scenario; 6] = [
+    pub const ALL: [Scenario; 7] = [
         Scenario::Enqueue,
         Scenario::Drain,
         Scenario::EndToEnd,
         Scenario::Prefix,
         Scenario::Aimd,
         Scenario::Memory,
+        Scenario::Serve,
     ];
 
     /// The command-line name.
@@ -59,6 +63,7 @@ impl Scenario {
             Scenario::Aimd => "aimd",
             Scenario::Memory => "memory",
             Scenario::Prefix => "prefix",
+            Scenario::Serve => "serve",
         }
     }
 }
@@ -92,6 +97,7 @@ pub(crate) async fn run(
         Scenario::Aimd => aimd::run(lab, settings, report, progress).await,
         Scenario::Memory => memory::run(lab, settings, report, progress).await,
         Scenario::Prefix => prefix::run(lab, settings, report, progress).await,
+        Scenario::Serve => serve::run(lab, settings, report, progress).await,
     }
 }
 
