@@ -163,7 +163,9 @@ async fn a_redis_restart_in_the_middle_of_a_job_is_waited_out() {
     env.redis = batch_testkit::RedisServer::builder().aof(true).start();
     env.redis_url_file = env.redis.write_url_file(env.dir.path());
     let lines = write_input(&env.path("in.jsonl"), 20_000, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    // The simulator drops what it was sending when Redis went away; a short lost-request
+    // timeout lets the job send those lines again instead of waiting the default 10 minutes.
+    let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 20s\n");
     let sim = env.dispatcher(&["pool-a"], |c| c.batch_size = 200).await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let out = env.path("out");
@@ -183,7 +185,7 @@ async fn a_redis_restart_in_the_middle_of_a_job_is_waited_out() {
     let at = lines_in(&out.join("output.jsonl"));
     assert!(at < 20_000, "the job finished before the restart");
     env.redis.restart();
-    let batch = tokio::time::timeout(Duration::from_secs(300), run)
+    let batch = tokio::time::timeout(Duration::from_secs(600), run)
         .await
         .expect("the job finished after the restart")
         .unwrap();
