@@ -1219,6 +1219,55 @@ async fn sigterm_hands_a_replicas_jobs_over_to_another() {
     .await;
 }
 
+/// A replica frozen past its lease with no other replica to take the job: once it runs again it
+/// takes the same lease back (same epoch: nobody wrote meanwhile) and goes on with the job where
+/// it was, instead of stopping it and starting it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_frozen_past_its_lease_with_nobody_to_take_over_goes_on() {
+    let env = Env::start(slow_gateway()).await;
+    let sim = gated_dispatcher(&env).await;
+    let one = Service::start(&replica_config(&env, 1));
+    let api = one.client(Some(KEY_A));
+    let (text, lines) = input_jsonl("frozen", 60, "llama-3");
+    let file = api.upload_ok("frozen.jsonl", text.as_bytes()).await;
+    let id = id_of(&api.create_batch_ok(&file).await);
+    let deadline = Instant::now() + FINISH;
+    while count(&api.batch(&id).await, "completed") < 10 {
+        if api.batch(&id).await["status"] == "in_progress" {
+            gate(&env, true);
+        }
+        assert!(Instant::now() < deadline, "fewer than 10 lines done");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let epoch_key = format!("{{batch-processor}}:epoch:{id}");
+    let lease_key = format!("{{batch-processor}}:lease:{id}");
+    assert_eq!(env.redis.command(&["GET", &epoch_key]), "1");
+    // Frozen for twice the 2 s lease.
+    assert_eq!(unsafe { libc::kill(one.pid(), libc::SIGSTOP) }, 0);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        env.redis.command(&["EXISTS", &lease_key]),
+        ":0",
+        "the lease outlived the freeze"
+    );
+    assert_eq!(unsafe { libc::kill(one.pid(), libc::SIGCONT) }, 0);
+    let batch = api.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    let results = api.results(&batch).await;
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    let log = one.stderr_text();
+    assert!(log.contains("holding it again"), "{log}");
+    assert!(!log.contains("lost the job's lease"), "{log}");
+    assert!(!log.contains("taking over"), "{log}");
+    assert_eq!(
+        env.redis.command(&["GET", &epoch_key]),
+        "1",
+        "the job was adopted again instead of going on: {log}"
+    );
+    sim.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_mid_job_pauses_it_and_a_restart_completes_it() {
     signal_mid_job_pauses_it(libc::SIGTERM).await;

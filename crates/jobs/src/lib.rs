@@ -115,6 +115,16 @@ impl Lease {
     }
 }
 
+/// What [`Store::renew`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Renewal {
+    /// Leases another replica holds now: their jobs must stop writing here.
+    pub lost: Vec<Lease>,
+    /// Leases that had lapsed with nobody taking the job (this replica was frozen or cut off
+    /// past the lease time), held again.
+    pub regained: Vec<Lease>,
+}
+
 /// The service's state in Redis.
 #[derive(Clone)]
 pub struct Store {
@@ -208,20 +218,32 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return epoch
 "#;
 
-/// ARGV: lease ms, then lease key and expected value pairs. Renews each lease still held;
-/// returns the positions (0-based) of those lost.
+/// KEYS: running. ARGV: lease ms, key prefix, then job id and expected lease pairs. Renews each
+/// lease still held. A lease that lapsed while nobody took the job (its epoch unchanged, the job
+/// still this replica's) is taken again: nobody can have written for it meanwhile, as every other
+/// writer would have needed a new epoch. Returns `n + 1` for the lease at position `n` (0-based)
+/// that was lost, `-(n + 1)` for one taken again.
 const RENEW_LUA: &str = r#"
-local lost = {}
-local n = 0
-for i = 2, #ARGV, 2 do
-  if redis.call('GET', ARGV[i]) == ARGV[i + 1] then
-    redis.call('PEXPIRE', ARGV[i], ARGV[1])
+local out = {}
+for i = 3, #ARGV, 2 do
+  local id, expected = ARGV[i], ARGV[i + 1]
+  local n = math.floor((i - 3) / 2)
+  local lease = ARGV[2] .. ':lease:' .. id
+  local now = redis.call('GET', lease)
+  if now == expected then
+    redis.call('PEXPIRE', lease, ARGV[1])
   else
-    table.insert(lost, n)
+    local replica, epoch = string.match(expected, '^(.*)#(%d+)$')
+    if now == false and redis.call('GET', ARGV[2] .. ':epoch:' .. id) == epoch
+        and redis.call('HGET', KEYS[1], id) == replica then
+      redis.call('SET', lease, expected, 'PX', ARGV[1])
+      table.insert(out, -(n + 1))
+    else
+      table.insert(out, n + 1)
+    end
   end
-  n = n + 1
 end
-return lost
+return out
 "#;
 
 /// KEYS: lease, running (or none). ARGV: expected lease, id. Lets go of a lease still held; with
@@ -582,26 +604,39 @@ impl Store {
         }))
     }
 
-    /// Renews `leases`; returns those that were lost (another replica took the job).
-    pub async fn renew(&self, leases: &[Lease], ttl: Duration) -> Result<Vec<Lease>, StoreError> {
+    /// Renews `leases`: says which were lost (another replica took the job) and which had
+    /// lapsed with nobody taking the job, and are held again.
+    pub async fn renew(&self, leases: &[Lease], ttl: Duration) -> Result<Renewal, StoreError> {
         if leases.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Renewal::default());
         }
-        let mut args = vec![millis(ttl)];
+        let mut args = vec![millis(ttl), self.prefix.clone()];
         for lease in leases {
-            args.push(self.key(&["lease", &lease.job]));
+            args.push(lease.job.clone());
             args.push(lease.value());
         }
-        let keys: Vec<String> = Vec::new();
-        let lost: Vec<usize> = self
+        let outcomes: Vec<i64> = self
             .scripts
             .renew
-            .evalsha_with_reload(&self.client, keys, args)
+            .evalsha_with_reload(&self.client, vec![self.key(&["running"])], args)
             .await?;
-        Ok(lost
-            .into_iter()
-            .filter_map(|i| leases.get(i).cloned())
-            .collect())
+        let mut renewal = Renewal::default();
+        for outcome in outcomes {
+            let at = |n: i64| leases.get(n.unsigned_abs() as usize - 1).cloned();
+            match outcome {
+                n if n > 0 => renewal.lost.extend(at(n)),
+                n if n < 0 => renewal.regained.extend(at(n)),
+                _ => {}
+            }
+        }
+        Ok(renewal)
+    }
+
+    /// Renews one lease, taking it again if it lapsed while nobody took the job: false when
+    /// another replica holds the job now.
+    pub async fn hold(&self, lease: &Lease, ttl: Duration) -> Result<bool, StoreError> {
+        let renewal = self.renew(std::slice::from_ref(lease), ttl).await?;
+        Ok(renewal.lost.is_empty())
     }
 
     /// Lets go of a lease (a shutdown: another replica may take the job at once).

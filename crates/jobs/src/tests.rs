@@ -181,11 +181,10 @@ async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder()
 
     // Held: nobody else may take it, and renewing keeps it.
     assert_eq!(s.adopt("batch_1", "r2", TTL).await.unwrap(), None);
-    assert!(s
-        .renew(std::slice::from_ref(&first), short)
-        .await
-        .unwrap()
-        .is_empty());
+    assert_eq!(
+        s.renew(std::slice::from_ref(&first), short).await.unwrap(),
+        Renewal::default()
+    );
     assert!(s.unleased(&["batch_1".into()]).await.unwrap().is_empty());
 
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
@@ -194,9 +193,10 @@ async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder()
     assert_eq!(second.epoch, first.epoch + 1);
 
     // The first holder wakes up: it has lost the job and cannot write for it.
-    let lost = s.renew(std::slice::from_ref(&first), TTL).await.unwrap();
-    assert_eq!(lost.len(), 1);
-    assert_eq!(lost[0], first);
+    let renewal = s.renew(std::slice::from_ref(&first), TTL).await.unwrap();
+    assert_eq!(renewal.lost, std::slice::from_ref(&first));
+    assert!(renewal.regained.is_empty());
+    assert!(!s.hold(&first, TTL).await.unwrap());
     assert!(!s.save_batch(&record, Some(&first)).await.unwrap());
     assert!(!s.save_checkpoint(&first, "{}").await.unwrap());
     assert!(!s.release(&first).await.unwrap());
@@ -215,6 +215,41 @@ async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder()
     assert_eq!(again.epoch, 4, "the same replica after a restart");
     assert!(s.release(&again).await.unwrap());
     assert_eq!(s.adopt("batch_1", "r1", TTL).await.unwrap(), None, "ended");
+}
+
+#[tokio::test]
+async fn a_lapsed_lease_nobody_took_is_held_again_by_its_replica() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    for id in ["batch_1", "batch_2", "batch_3"] {
+        s.create_batch(&batch("a", id, 100)).await.unwrap();
+    }
+    let short = std::time::Duration::from_millis(200);
+    let mut leases = Vec::new();
+    for _ in 0..3 {
+        leases.push(s.claim_queued("r1", short).await.unwrap().unwrap());
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let record = s.batch("batch_1").await.unwrap().unwrap();
+    // Lapsed: writes are refused until the lease is held again.
+    assert!(!s.save_batch(&record, Some(&leases[0])).await.unwrap());
+    // batch_2 was taken by r2 meanwhile; batch_3 is nobody's any more.
+    let taken = s.adopt("batch_2", "r2", TTL).await.unwrap().unwrap();
+    s.forget_running("batch_3").await.unwrap();
+
+    let renewal = s.renew(&leases, TTL).await.unwrap();
+    assert_eq!(renewal.regained, [leases[0].clone()]);
+    assert_eq!(renewal.lost, [leases[1].clone(), leases[2].clone()]);
+    // Held again under the same epoch: writes go through, others are kept out.
+    assert!(s.save_batch(&record, Some(&leases[0])).await.unwrap());
+    assert!(s.save_checkpoint(&leases[0], "{}").await.unwrap());
+    assert_eq!(s.adopt("batch_1", "r2", TTL).await.unwrap(), None);
+    assert!(s.unleased(&["batch_1".into()]).await.unwrap().is_empty());
+    assert!(s.hold(&leases[0], TTL).await.unwrap());
+    // The new holder of batch_2 is not disturbed.
+    assert!(s.hold(&taken, TTL).await.unwrap());
+    assert!(!s.hold(&leases[1], TTL).await.unwrap());
+    assert!(s.release(&leases[0]).await.unwrap());
 }
 
 #[tokio::test]

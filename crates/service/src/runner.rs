@@ -216,15 +216,63 @@ impl Runner {
                 active.values().map(|a| a.lease.clone()).collect()
             };
             match self.store.renew(&leases, self.config.lease_ttl).await {
-                Ok(lost) => {
-                    for lease in lost {
+                Ok(renewal) => {
+                    for lease in renewal.lost {
                         tracing::warn!(job = %lease.job, epoch = lease.epoch, "lost the job's lease to another replica; stopping it here");
                         self.fence(&lease.job);
+                    }
+                    for lease in renewal.regained {
+                        self.regained(&lease).await;
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "could not renew job leases"),
             }
         }
+    }
+
+    /// A lease that lapsed with nobody taking the job is held again: the job goes on here.
+    /// A job that let go of its lease meanwhile (a shutdown) lets go of it again.
+    async fn regained(&self, lease: &Lease) {
+        let active = self
+            .active
+            .lock()
+            .expect("active lock")
+            .contains_key(&lease.job);
+        if active {
+            log_regained(lease);
+        } else if let Err(e) = self.store.release_lease(lease).await {
+            tracing::warn!(job = %lease.job, error = %e, "could not let go of a lease again");
+        }
+    }
+
+    /// A write for the job under `lease` was refused: true when the lease had only lapsed and
+    /// is held again, so the write may be made again.
+    async fn regain(&self, lease: &Lease) -> Result<bool, RunError> {
+        let held = self
+            .retry("renewing a lease", || {
+                self.store.hold(lease, self.config.lease_ttl)
+            })
+            .await?;
+        if held {
+            log_regained(lease);
+        }
+        Ok(held)
+    }
+
+    /// Makes a write that holds only under `lease` (`op` says whether it was made), once more
+    /// if the lease had only lapsed; [`RunError::Fenced`] when another replica holds the job.
+    async fn fenced<F, Fut>(&self, what: &str, lease: &Lease, mut op: F) -> Result<(), RunError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool, StoreError>>,
+    {
+        if self.retry(what, &mut op).await? {
+            return Ok(());
+        }
+        if self.regain(lease).await? && self.retry(what, &mut op).await? {
+            return Ok(());
+        }
+        Err(RunError::Fenced)
     }
 
     fn fence(&self, id: &str) {
@@ -352,16 +400,10 @@ impl Runner {
 
     /// Saves `record` as the holder of `lease`; [`RunError::Fenced`] when it no longer is.
     pub(crate) async fn save(&self, record: &StoredBatch, lease: &Lease) -> Result<(), RunError> {
-        if self
-            .retry("saving a batch", || {
-                self.store.save_batch(record, Some(lease))
-            })
-            .await?
-        {
-            Ok(())
-        } else {
-            Err(RunError::Fenced)
-        }
+        self.fenced("saving a batch", lease, || {
+            self.store.save_batch(record, Some(lease))
+        })
+        .await
     }
 
     async fn run_job(
@@ -481,6 +523,9 @@ impl Runner {
         if let Err(e) = self.checkpoint(job, lease).await {
             tracing::warn!(job = %lease.job, error = %e, "no checkpoint at shutdown; the next holder redoes more");
         }
+        // Out of the heartbeat's list first: a renewal racing this release must not take the
+        // lease back (see `regained`).
+        self.active.lock().expect("active lock").remove(&lease.job);
         self.retry("letting go of a lease", || self.store.release_lease(lease))
             .await?;
         Ok(())
@@ -490,12 +535,8 @@ impl Runner {
     /// files go.
     async fn end(&self, lease: &Lease, dir: &Path) -> Result<(), RunError> {
         let id = lease.job.as_str();
-        if !self
-            .retry("releasing a job", || self.store.release(lease))
-            .await?
-        {
-            return Err(RunError::Fenced);
-        }
+        self.fenced("releasing a job", lease, || self.store.release(lease))
+            .await?;
         self.retry("forgetting a checkpoint", || {
             self.store.forget_checkpoint(id)
         })
@@ -577,14 +618,10 @@ impl Runner {
             manifest: String::from_utf8_lossy(&cut.manifest).into_owned(),
         };
         let json = serde_json::to_string(&record).expect("a checkpoint serializes");
-        if !self
-            .retry("recording a checkpoint", || {
-                self.store.save_checkpoint(lease, &json)
-            })
-            .await?
-        {
-            return Err(RunError::Fenced);
-        }
+        self.fenced("recording a checkpoint", lease, || {
+            self.store.save_checkpoint(lease, &json)
+        })
+        .await?;
         metrics::counter!("batch_service_checkpoints_total").increment(1);
         tracing::debug!(job = %lease.job, output_len, error_len, "checkpoint");
         Ok(())
@@ -653,11 +690,16 @@ impl Runner {
                 record.batch.running_counts();
                 match self.store.save_batch(&record, Some(&lease)).await {
                     Ok(true) => last = Some(now),
-                    Ok(false) => {
-                        tracing::warn!(job = %id, "lost the job's lease to another replica; stopping it here");
-                        fenced.cancel();
-                        return;
-                    }
+                    Ok(false) => match self.regain(&lease).await {
+                        // Published at the next turn.
+                        Ok(true) => {}
+                        Ok(false) => {
+                            tracing::warn!(job = %id, "lost the job's lease to another replica; stopping it here");
+                            fenced.cancel();
+                            return;
+                        }
+                        Err(_) => return,
+                    },
                     Err(e) => tracing::debug!(job = %id, error = %e, "could not publish progress"),
                 }
             }
@@ -685,6 +727,10 @@ impl Runner {
             }
         }
     }
+}
+
+fn log_regained(lease: &Lease) {
+    tracing::warn!(job = %lease.job, epoch = lease.epoch, "the job's lease lapsed (this replica was frozen or cut off) but nobody took the job; holding it again");
 }
 
 fn checkpoint_prefix(id: &str) -> String {
