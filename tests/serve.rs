@@ -549,6 +549,8 @@ async fn a_batch_shows_live_counts_and_partial_output_then_completes() {
         assert!(batch[field].as_u64().is_some(), "{field}: {batch}");
     }
     assert!(batch["error_file_id"].is_null(), "no error lines: {batch}");
+    // Every line names one model, so the batch does too.
+    assert_eq!(batch["model"], "llama-3", "{batch}");
     let results = a.results(&batch).await;
     results.assert_each_once(&lines);
     results.assert_answers_match(&lines);

@@ -299,6 +299,11 @@ impl Job {
         &self.id
     }
 
+    /// The models the job's requests name, each once.
+    pub fn models(&self) -> impl Iterator<Item = &str> {
+        self.plan.models().iter().map(|m| m.model.as_str())
+    }
+
     /// A receiver of the job's progress.
     pub fn progress(&self) -> watch::Receiver<JobProgress> {
         self.progress.subscribe()

@@ -475,6 +475,10 @@ impl Runner {
         let batch = match prepared {
             Prepared::Finished(batch) => *batch,
             Prepared::Ready(job) => {
+                let mut models = job.models();
+                if let (Some(model), None) = (models.next(), models.next()) {
+                    record.batch.model = Some(model.to_owned());
+                }
                 let done = CancellationToken::new();
                 let watcher = tokio::spawn(self.clone().watch(
                     job.clone(),
