@@ -1155,6 +1155,80 @@ fn replica_config(env: &Env, n: usize) -> PathBuf {
     config
 }
 
+/// Two replicas running one job at a time, four batches: replica 1 dies with its job mid-way.
+/// The slot replica 2 frees next goes to that job, before the two batches still queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_freed_slot_takes_over_a_dead_replicas_job_before_a_queued_one() {
+    let env = Env::start(slow_gateway()).await;
+    let sim = gated_dispatcher(&env).await;
+    let one_at_a_time = |n| {
+        let config = replica_config(&env, n);
+        let yaml = std::fs::read_to_string(&config).unwrap();
+        std::fs::write(
+            &config,
+            yaml.replace("max_active_jobs: 2", "max_active_jobs: 1"),
+        )
+        .unwrap();
+        config
+    };
+    let mut one = Service::start(&one_at_a_time(1));
+    let two = Service::start(&one_at_a_time(2));
+    let api = two.client(Some(KEY_A));
+    let mut batches = Vec::new();
+    for i in 0..4 {
+        let (text, lines) = input_jsonl(&format!("q{i}"), 150, "llama-3");
+        let file = api.upload_ok(&format!("q{i}.jsonl"), text.as_bytes()).await;
+        batches.push((id_of(&api.create_batch_ok(&file).await), lines));
+    }
+    let running = || -> BTreeMap<String, String> {
+        let flat = env
+            .redis
+            .command_list(&["HGETALL", "{batch-processor}:running"]);
+        flat.chunks(2)
+            .map(|kv| (kv[0].clone(), kv[1].clone()))
+            .collect()
+    };
+    let deadline = Instant::now() + FINISH;
+    while running().len() < 2 {
+        assert!(Instant::now() < deadline, "two jobs did not start");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let held = running();
+    let dead = held
+        .iter()
+        .find(|(_, r)| r.as_str() == "replica-1")
+        .map(|(id, _)| id.clone())
+        .expect("replica 1 runs a job");
+    let queued: Vec<String> = batches
+        .iter()
+        .map(|(id, _)| id.clone())
+        .filter(|id| !held.contains_key(id))
+        .collect();
+    gate(&env, true);
+    while count(&api.batch(&dead).await, "completed") < 5 {
+        assert!(
+            Instant::now() < deadline,
+            "the job of replica 1 made no progress"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    one.kill9();
+    for (id, lines) in &batches {
+        let batch = api.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        api.results(&batch).await.assert_each_once(lines);
+    }
+    let adopted = api.batch(&dead).await;
+    for id in &queued {
+        let later = api.batch(id).await;
+        assert!(
+            adopted["completed_at"].as_u64() <= later["in_progress_at"].as_u64(),
+            "a queued batch started before the dead replica's job was done: {adopted} {later}"
+        );
+    }
+    sim.shutdown().await;
+}
+
 /// Four batches of 60 lines on two replicas, two each at once; `stop` ends replica 1 mid-way.
 /// Replica 2 finishes every batch, each line exactly once, and lists everything as before.
 async fn a_replica_stopped_mid_job_is_taken_over(stop: impl FnOnce(&mut Service)) {

@@ -159,6 +159,9 @@ impl Runner {
             let Some(permit) = self.slot().await else {
                 break;
             };
+            let Some(permit) = self.take_over_one(permit).await else {
+                continue;
+            };
             match self.store.claim_queued(me, self.config.lease_ttl).await {
                 Ok(Some(lease)) => {
                     self.spawn_job(lease, Some(permit), false);
@@ -289,34 +292,44 @@ impl Runner {
                 _ = self.stop.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
-            if self.slots.available_permits() == 0 {
-                continue;
-            }
-            let orphans = match self.orphans().await {
-                Ok(ids) => ids,
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not look for jobs to take over");
-                    continue;
-                }
-            };
-            for id in orphans {
-                let Ok(permit) = self.slots.clone().try_acquire_owned() else {
+            while let Ok(permit) = self.slots.clone().try_acquire_owned() {
+                if self.take_over_one(permit).await.is_some() {
                     break;
-                };
-                match self
-                    .store
-                    .adopt(&id, &self.config.replica, self.config.lease_ttl)
-                    .await
-                {
-                    Ok(Some(lease)) => {
-                        tracing::info!(job = %id, epoch = lease.epoch, "taking over a job whose replica stopped");
-                        self.spawn_job(lease, Some(permit), true);
-                    }
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!(job = %id, error = %e, "could not take over a job"),
                 }
             }
         }
+    }
+
+    /// Takes over one job whose replica stopped, running it with `permit`; gives the permit
+    /// back when there is none. A freed slot goes to such a job before any queued one: it
+    /// started first, and its partial results wait for it.
+    async fn take_over_one(
+        self: &Arc<Self>,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<OwnedSemaphorePermit> {
+        let orphans = match self.orphans().await {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not look for jobs to take over");
+                return Some(permit);
+            }
+        };
+        for id in orphans {
+            match self
+                .store
+                .adopt(&id, &self.config.replica, self.config.lease_ttl)
+                .await
+            {
+                Ok(Some(lease)) => {
+                    tracing::info!(job = %id, epoch = lease.epoch, "taking over a job whose replica stopped");
+                    self.spawn_job(lease, Some(permit), true);
+                    return None;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(job = %id, error = %e, "could not take over a job"),
+            }
+        }
+        Some(permit)
     }
 
     async fn orphans(&self) -> Result<Vec<String>, StoreError> {
