@@ -506,7 +506,8 @@ impl ServeSetup {
     ) -> Result<Service, BenchError> {
         std::fs::create_dir_all(&self.dir).map_err(|e| BenchError::io(&self.dir, e))?;
         let config = self.dir.join("config.yaml");
-        std::fs::write(&config, self.yaml(lab.redis_url_file())).map_err(|e| BenchError::io(&config, e))?;
+        std::fs::write(&config, self.yaml(lab.redis_url_file()))
+            .map_err(|e| BenchError::io(&config, e))?;
         Service::start(processor, &config, &self.dir.join("serve.log")).await
     }
 }
@@ -719,7 +720,10 @@ mod tests {
         }
         std::hint::black_box(x);
         let after = cpu_seconds(std::process::id()).expect("/proc/self/stat");
-        assert!(after - before >= 0.1, "{before} s → {after} s after 300 ms of work");
+        assert!(
+            after - before >= 0.1,
+            "{before} s → {after} s after 300 ms of work"
+        );
         assert!(cpu_seconds(u32::MAX).is_none());
     }
 
@@ -737,9 +741,15 @@ mod tests {
         let plain = ServeSetup::new(&dir.path().join("s"), 7, "pre");
         let c = load(&plain);
         assert_eq!(c.dispatch_mode, batch_config::DispatchMode::Async);
-        assert_eq!((c.serve.max_active_jobs, c.serve.state_prefix.as_str()), (7, "pre"));
+        assert_eq!(
+            (c.serve.max_active_jobs, c.serve.state_prefix.as_str()),
+            (7, "pre")
+        );
         assert_eq!(c.work_dir, dir.path().join("s").join("work"));
-        assert_eq!(c.async_dispatch.lost_request_timeout, Duration::from_secs(600));
+        assert_eq!(
+            c.async_dispatch.lost_request_timeout,
+            Duration::from_secs(600)
+        );
 
         let replica = ServeSetup {
             storage: dir.path().join("shared"),
@@ -755,7 +765,10 @@ mod tests {
         assert_eq!(c.serve.replica_id, "r2");
         assert_eq!(c.serve.lease_ttl, Duration::from_secs(5));
         assert_eq!(c.serve.checkpoint_interval, Duration::from_millis(1500));
-        assert_eq!(c.async_dispatch.lost_request_timeout, Duration::from_secs(4));
+        assert_eq!(
+            c.async_dispatch.lost_request_timeout,
+            Duration::from_secs(4)
+        );
         assert!(c.serve.storage.ends_with("/shared"), "{}", c.serve.storage);
 
         let sync = ServeSetup {

@@ -210,14 +210,13 @@ pub(crate) async fn run(
                 .find(|(m, k, _)| m == mode && *k == 1)
                 .map(|(_, _, r)| r);
             if let Some(one) = one {
-                let ratios = one
-                    .iter()
-                    .zip(runs)
-                    .map(|(a, b)| a.secs / b.secs)
-                    .collect();
+                let ratios = one.iter().zip(runs).map(|(a, b)| a.secs / b.secs).collect();
                 report.rows.push(Row::new(
                     REPLICAS,
-                    format!("{}, {work}: 3 replicas / 1 replica, throughput", mode.name()),
+                    format!(
+                        "{}, {work}: 3 replicas / 1 replica, throughput",
+                        mode.name()
+                    ),
                     Unit::Factor,
                     Summary::new(ratios),
                 ));
@@ -226,10 +225,7 @@ pub(crate) async fn run(
     }
     for (ttl, runs) in &takeovers {
         let bound = *ttl + takeover_poll(*ttl);
-        let what = format!(
-            "lease_ttl {} s: SIGKILL of a replica",
-            ttl.as_secs()
-        );
+        let what = format!("lease_ttl {} s: SIGKILL of a replica", ttl.as_secs());
         let all = |f: &dyn Fn(&Takeover) -> &Vec<f64>| {
             Summary::new(runs.iter().flat_map(|t| f(t).iter().copied()).collect())
         };
@@ -454,7 +450,9 @@ async fn completed(api: &Api, id: &str) -> Result<(u64, i64), BenchError> {
 async fn next_second() {
     let into = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(Duration::ZERO, |d| Duration::from_nanos(d.subsec_nanos().into()));
+        .map_or(Duration::ZERO, |d| {
+            Duration::from_nanos(d.subsec_nanos().into())
+        });
     tokio::time::sleep(Duration::from_secs(1) - into + Duration::from_millis(20)).await;
 }
 
@@ -501,8 +499,12 @@ async fn takeover(
             match lease(lab, id).await? {
                 Some(l) => held.push(holder(&l).to_owned()),
                 None => {
-                    not_yet("every batch running under a lease", waiting, Duration::from_secs(60))
-                        .await?;
+                    not_yet(
+                        "every batch running under a lease",
+                        waiting,
+                        Duration::from_secs(60),
+                    )
+                    .await?;
                     continue 'leased;
                 }
             }
