@@ -289,7 +289,7 @@ pub(crate) async fn run(
         if s.takeover_default_lease { format!(", 1 with the default {} s", DEFAULT_LEASE.as_secs()) } else { String::new() },
     ));
     report.note(REPLICAS, format!(
-        "Expected: a replica renews its leases every lease_ttl / 3, so a lease outlives its replica by between 2/3 of lease_ttl and lease_ttl; the others look for lapsed leases every lease_ttl / 4 clamped to 200 ms..1 s ({} ms at 5 s and at 30 s). So held ≤ lease_ttl + {} ms (the target). Growing needs the adopter to restore the job from its checkpoint in storage (it cannot see the dead replica's disk, so deleting that `work_dir` changes nothing here) and to read the results the dispatcher keeps pushing to the dead replica's result list, whose own lease (batch-consumer's default, 10 s) must lapse first.",
+        "Expected: a replica renews its leases every lease_ttl / 3, so a lease outlives its replica by between 2/3 of lease_ttl and lease_ttl; the others look for lapsed leases every lease_ttl / 4 clamped to 200 ms..1 s ({} ms at 5 s and at 30 s). So held ≤ lease_ttl + {} ms (the target). Growing needs the adopter to restore the job from its checkpoint in storage (it cannot see the dead replica's disk, so deleting that `work_dir` changes nothing here) and to get results for it again.",
         takeover_poll(SHORT_LEASE).as_millis(), takeover_poll(SHORT_LEASE).as_millis(),
     ));
     report.note(REPLICAS, format!(
