@@ -16,7 +16,8 @@ use clap::Parser;
 /// aimd-limit-queueing.svg) into --out. Enqueue and drain run a second time on a Redis Cluster
 /// of 3 primaries (needs redis-cli too), their rows labelled "(cluster, 3 primaries)" beside the
 /// single-server ones. The serve group starts `processor serve` (from --processor) against the
-/// same Redis and the dispatcher simulator. Exit status 0 when every scenario ran
+/// same Redis and the dispatcher simulator; the replicas group starts 1 and 3 of them on one
+/// Redis and storage, and kills one to time the takeover. Exit status 0 when every scenario ran
 /// (targets missed are reported, not errors), 1 when one failed.
 #[derive(Debug, Parser)]
 #[command(name = "bench", version)]
@@ -31,7 +32,8 @@ struct Args {
     /// The processor binary for the memory and serve scenarios [default: next to this binary].
     #[arg(long)]
     processor: Option<PathBuf>,
-    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory, serve); repeatable. Enqueue
+    /// Run only these scenarios (enqueue, drain, e2e, prefix, aimd, memory, serve, replicas);
+    /// repeatable. Enqueue
     /// and drain include their cluster rows.
     #[arg(long = "only", value_parser = parse_scenario)]
     only: Vec<Scenario>,

@@ -1,5 +1,5 @@
 //! The CI smoke test of the bench: `bench --quick` runs every scenario (enqueue and drain on a
-//! Redis Cluster too) and writes a report with each scenario's rows and the three plots.
+//! Redis Cluster too, the replicas group with a replica killed) and writes a report with each scenario's rows and the three plots.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -83,6 +83,13 @@ fn quick_run_reports_every_scenario() {
         "| Serve | GET /v1/batches/{id}, 32 clients, 100 batches stored: p99 latency |",
         "| Serve | 100 batches of 50 lines at once: first POST → last batch completed |",
         "| Serve | 100 batches of 50 lines at once: Redis connections of the service, max |",
+        "| Replicas | async, 6 batches × 200 lines, 1 replica: jobs per minute |",
+        "| Replicas | async, 6 batches × 200 lines, 3 replicas: requests per second |",
+        "| Replicas | async, 6 batches × 200 lines: 3 replicas / 1 replica, throughput |",
+        "| Replicas | sync, 6 batches × 200 lines, 3 replicas: jobs per minute |",
+        "| Replicas | sync, 6 batches × 200 lines: 3 replicas / 1 replica, throughput |",
+        "| Replicas | lease_ttl 5 s: SIGKILL of a replica → each of its jobs' leases held by another |",
+        "| Replicas | lease_ttl 5 s: SIGKILL of a replica → each of its jobs' completed count growing again |",
     ] {
         assert!(md.contains(row), "no row {row:?} in\n{md}");
     }

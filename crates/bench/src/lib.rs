@@ -21,7 +21,11 @@
 //! 8. **Serve**: `processor serve` through its HTTP API: a 200 MB upload against writing the
 //!    same bytes to the same disk, with the service's peak RSS; `GET /v1/batches/{id}` from 32
 //!    clients with 1,000 batches stored; 1,000 batches of 50 lines submitted at once: time to
-//!    the last completed and the service's Redis connections.
+//!    the last completed and the service's Redis connections;
+//! 9. **Replicas**: the same batches run by 1 and by 3 `processor serve` replicas sharing one
+//!    Redis, storage and simulator (jobs per minute, requests per second, in async and sync
+//!    mode), and the time from a replica's SIGKILL to each of its jobs' leases held by another
+//!    replica and to their counts growing again.
 //!
 //! Enqueue and drain run a second time on a Redis Cluster of 3 primaries
 //! ([`Settings::cluster_primaries`]), with the cluster's limits measured the same way.
@@ -182,6 +186,14 @@ pub struct Settings {
     pub serve_clients: usize,
     /// How long the `GET /v1/batches/{id}` load runs.
     pub serve_load: std::time::Duration,
+    /// Batches of the replicas throughput runs (the same for 1 and for 3 replicas).
+    pub replicas_batches: usize,
+    /// Lines of each of those batches.
+    pub replicas_batch_lines: usize,
+    /// Lines of each batch of the takeover runs.
+    pub takeover_lines: usize,
+    /// Also measure the takeover with the default `serve.lease_ttl` (30 s), once.
+    pub takeover_default_lease: bool,
 }
 
 impl Settings {
@@ -212,6 +224,10 @@ impl Settings {
             serve_batch_lines: 50,
             serve_clients: 32,
             serve_load: std::time::Duration::from_secs(5),
+            replicas_batches: 24,
+            replicas_batch_lines: 1_000,
+            takeover_lines: 3_000,
+            takeover_default_lease: true,
         }
     }
 
@@ -231,6 +247,10 @@ impl Settings {
             serve_upload_bytes: 20_000_000,
             serve_batches: 100,
             serve_load: std::time::Duration::from_secs(1),
+            replicas_batches: 6,
+            replicas_batch_lines: 200,
+            takeover_lines: 1_000,
+            takeover_default_lease: false,
             ..Self::full(processor)
         }
     }

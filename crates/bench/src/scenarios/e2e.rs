@@ -23,7 +23,21 @@ const E2E: &str = "End to end async";
 pub(crate) async fn fast_simulator(
     lab: &Lab,
 ) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
-    let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), GatewayConfig::default()).await?;
+    simulator(lab, Duration::ZERO, 256).await
+}
+
+/// A gateway answering after `latency` and a simulated dispatcher polling every 10 ms, up to
+/// 5,000 messages per poll, with `concurrency` HTTP workers.
+pub(crate) async fn simulator(
+    lab: &Lab,
+    latency: Duration,
+    concurrency: usize,
+) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
+    let gateway_config = GatewayConfig {
+        latency_fixed: latency,
+        ..GatewayConfig::default()
+    };
+    let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), gateway_config).await?;
     let name = batch_queue_names::request_queue_name(POOL)
         .map_err(|e| BenchError::Config(e.to_string()))?;
     let mut queue = QueueEntry::new(name);
@@ -32,9 +46,15 @@ pub(crate) async fn fast_simulator(
     let mut config = DispatcherConfig::new(lab.redis_url(), vec![queue]);
     config.poll_interval = Duration::from_millis(10);
     config.batch_size = 5_000;
-    config.concurrency = 256;
+    config.concurrency = concurrency;
     config.sim.time_scale = 0.01;
-    let dispatcher = Dispatcher::start(config, None).await?;
+    let dispatcher = match Dispatcher::start(config, None).await {
+        Ok(d) => d,
+        Err(e) => {
+            gateway.shutdown().await;
+            return Err(e.into());
+        }
+    };
     Ok((gateway, dispatcher))
 }
 

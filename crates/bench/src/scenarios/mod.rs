@@ -7,6 +7,7 @@ mod e2e;
 mod enqueue;
 mod memory;
 mod prefix;
+mod replicas;
 mod serve;
 
 use std::future::Future;
@@ -40,11 +41,14 @@ pub enum Scenario {
     Prefix,
     /// `processor serve` through its HTTP API: upload, GET under load, many batches at once.
     Serve,
+    /// 3 `processor serve` replicas against 1 on the same batches, and the time from a
+    /// replica's SIGKILL to its jobs running on another.
+    Replicas,
 }
 
 impl Scenario {
     /// Every scenario, in run order.
-    pub const ALL: [Scenario; 7] = [
+    pub const ALL: [Scenario; 8] = [
         Scenario::Enqueue,
         Scenario::Drain,
         Scenario::EndToEnd,
@@ -52,6 +56,7 @@ impl Scenario {
         Scenario::Aimd,
         Scenario::Memory,
         Scenario::Serve,
+        Scenario::Replicas,
     ];
 
     /// The command-line name.
@@ -64,6 +69,7 @@ impl Scenario {
             Scenario::Memory => "memory",
             Scenario::Prefix => "prefix",
             Scenario::Serve => "serve",
+            Scenario::Replicas => "replicas",
         }
     }
 }
@@ -98,6 +104,7 @@ pub(crate) async fn run(
         Scenario::Memory => memory::run(lab, settings, report, progress).await,
         Scenario::Prefix => prefix::run(lab, settings, report, progress).await,
         Scenario::Serve => serve::run(lab, settings, report, progress).await,
+        Scenario::Replicas => replicas::run(lab, settings, report, progress).await,
     }
 }
 

@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 
 use fred::interfaces::ClientLike;
 use fred::types::CustomCommand;
-use futures::StreamExt;
-use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use super::blocking;
@@ -17,7 +15,10 @@ use super::e2e::fast_simulator;
 use crate::inputs::write_input;
 use crate::lab::Lab;
 use crate::report::{Kind, Report, Row, Target, Unit};
-use crate::service::{rss_mib, Api, Service};
+use crate::service::{
+    batch_request, create_batches, id_of, load_average, rss_mib, stop, wait_completed, Api,
+    ServeSetup, Service,
+};
 use crate::stats::Summary;
 use crate::BenchError;
 
@@ -31,6 +32,8 @@ const RSS_LIMIT_MIB: f64 = 100e6 / (1024.0 * 1024.0);
 const UPLOAD_RATIO: f64 = 0.5;
 /// Redis connections the service may hold while every batch runs: far below one per job.
 const CONNECTION_LIMIT: f64 = 32.0;
+/// `serve.state_prefix` of the services.
+const STATE_PREFIX: &str = "bench-serve";
 /// Requests sent at once while submitting the batches.
 const SUBMITTERS: usize = 64;
 /// How often the completion of the submitted batches is polled.
@@ -205,14 +208,6 @@ pub(crate) async fn run(
     Ok(())
 }
 
-/// The 1-minute load average, as /proc/loadavg has it.
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn warm_up(s: &crate::Settings) -> Duration {
     (s.serve_load / 10).min(Duration::from_millis(500))
 }
@@ -222,33 +217,16 @@ fn service_dir(lab: &Lab, name: &str) -> Result<PathBuf, BenchError> {
     lab.fresh_dir(&format!("serve-{name}"))
 }
 
-/// Writes the config of a service in `dir` and starts it.
+/// Starts a service in `dir`, its storage in `dir/storage`.
 async fn start(
     lab: &Lab,
     s: &crate::Settings,
     dir: &Path,
     max_active_jobs: usize,
 ) -> Result<Service, BenchError> {
-    let yaml = format!(
-        "dispatch_mode: async\nredis_url_file: {}\nwork_dir: {}\n\
-         async_dispatch:\n  result_poll_timeout: 100ms\n\
-         model_gateways:\n  {}:\n    inference_pool_name: {}\n\
-         serve:\n  listen: 127.0.0.1:0\n  storage: file://{}\n  max_active_jobs: {max_active_jobs}\n  \
-         state_prefix: bench-serve\n",
-        lab.redis_url_file().display(),
-        dir.join("work").display(),
-        crate::inputs::MODEL,
-        crate::inputs::POOL,
-        dir.join("storage").display(),
-    );
-    let config = dir.join("config.yaml");
-    std::fs::write(&config, yaml).map_err(|e| BenchError::io(&config, e))?;
-    Service::start(&s.processor, &config, &dir.join("serve.log")).await
-}
-
-/// Stops a service (SIGTERM, as the interface says it must stop: within 10 s, exit 0).
-async fn stop(service: Service) -> Result<(), BenchError> {
-    blocking(move || service.stop().map(|_| ())).await
+    ServeSetup::new(dir, max_active_jobs, STATE_PREFIX)
+        .start(lab, &s.processor)
+        .await
 }
 
 async fn uploads(
@@ -372,114 +350,19 @@ async fn fanout(
 ) -> Result<(f64, f64, Vec<String>), BenchError> {
     let api = Api::new(service.base(), SUBMITTERS);
     let file = api.upload(input, Duration::from_secs(60)).await?;
-    let file_id = file["id"]
-        .as_str()
-        .ok_or_else(|| BenchError::Check(format!("POST /v1/files: no id in {file}")))?
-        .to_owned();
-    let body = json!({
-        "input_file_id": file_id,
-        "endpoint": "/v1/chat/completions",
-        "completion_window": "24h",
-    });
+    let body = batch_request(&id_of(&file, "POST /v1/files")?);
     let started = Instant::now();
-    let created: Vec<Result<Value, BenchError>> = futures::stream::iter(0..s.serve_batches)
-        .map(|_| {
-            let (api, body) = (&api, &body);
-            async move {
-                api.post_json("/v1/batches", body)
-                    .await?
-                    .json("POST /v1/batches")
-            }
-        })
-        .buffer_unordered(SUBMITTERS)
-        .collect()
-        .await;
+    let ids = create_batches(
+        std::slice::from_ref(&api),
+        &body,
+        s.serve_batches,
+        SUBMITTERS,
+    )
+    .await?;
     let submitted = started.elapsed().as_secs_f64();
-    let mut ids = Vec::with_capacity(created.len());
-    for batch in created {
-        let batch = batch?;
-        match batch["id"].as_str() {
-            Some(id) if id.starts_with("batch_") => ids.push(id.to_owned()),
-            _ => {
-                return Err(BenchError::Check(format!(
-                    "POST /v1/batches: no batch id in {batch}"
-                )))
-            }
-        }
-    }
-    let mine: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
     let limit = Duration::from_secs(300 + (s.serve_batches * s.serve_batch_lines) as u64 / 100);
-    let last = loop {
-        let batches = api.all_batches().await?;
-        let seen = started.elapsed().as_secs_f64();
-        let mut completed = Vec::new();
-        for b in batches
-            .iter()
-            .filter(|b| b["id"].as_str().is_some_and(|id| mine.contains(id)))
-        {
-            match b["status"].as_str() {
-                Some("completed") => completed.push(b),
-                Some("failed" | "expired" | "cancelled" | "cancelling") => {
-                    return Err(BenchError::Check(format!(
-                        "batch {} ended {}: {}",
-                        b["id"], b["status"], b["errors"]
-                    )))
-                }
-                _ => {}
-            }
-        }
-        if completed.len() == ids.len() {
-            for b in &completed {
-                let done = b["request_counts"]["completed"].as_u64();
-                if done != Some(s.serve_batch_lines as u64) {
-                    return Err(BenchError::Check(format!(
-                        "batch {} completed with request_counts {}",
-                        b["id"], b["request_counts"]
-                    )));
-                }
-            }
-            check_output(&api, completed[0], s.serve_batch_lines).await?;
-            break seen;
-        }
-        if started.elapsed() > limit {
-            return Err(BenchError::Check(format!(
-                "{} of {} batches completed within {limit:?}",
-                completed.len(),
-                ids.len()
-            )));
-        }
-        tokio::time::sleep(POLL).await;
-    };
+    let last = wait_completed(&api, &ids, s.serve_batch_lines, started, POLL, limit).await?;
     Ok((submitted, last, ids))
-}
-
-/// Fails unless the batch's output file has one success line per input line.
-async fn check_output(api: &Api, batch: &Value, lines: usize) -> Result<(), BenchError> {
-    let id = batch["output_file_id"].as_str().ok_or_else(|| {
-        BenchError::Check(format!(
-            "batch {} completed without an output file",
-            batch["id"]
-        ))
-    })?;
-    let path = format!("/v1/files/{id}/content");
-    let reply = api.get(&path).await?;
-    if reply.status != hyper::StatusCode::OK {
-        return Err(BenchError::Check(format!("GET {path}: {}", reply.status)));
-    }
-    let text = String::from_utf8_lossy(&reply.body);
-    let ok = text
-        .lines()
-        .filter(|l| {
-            serde_json::from_str::<Value>(l)
-                .is_ok_and(|v| v["response"]["status_code"].as_u64() == Some(200))
-        })
-        .count();
-    if ok != lines {
-        return Err(BenchError::Check(format!(
-            "GET {path}: {ok} successful lines of {lines}"
-        )));
-    }
-    Ok(())
 }
 
 /// `connected_clients` of INFO clients.
