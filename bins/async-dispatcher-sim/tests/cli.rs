@@ -18,6 +18,8 @@ struct Sim {
     child: Child,
     stdout: Receiver<String>,
     stderr: Arc<Mutex<String>>,
+    /// Reads stderr to its end; joined once the process exited, so nothing it wrote is missed.
+    stderr_reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Sim {
@@ -40,7 +42,7 @@ impl Sim {
         let stderr = Arc::new(Mutex::new(String::new()));
         let sink = stderr.clone();
         let mut err = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
+        let stderr_reader = std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok(n) = err.read(&mut buf) {
                 if n == 0 {
@@ -55,6 +57,7 @@ impl Sim {
             child,
             stdout,
             stderr,
+            stderr_reader: Some(stderr_reader),
         }
     }
 
@@ -83,6 +86,9 @@ impl Sim {
         let until = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
+                if let Some(reader) = self.stderr_reader.take() {
+                    let _ = reader.join();
+                }
                 return status;
             }
             assert!(
