@@ -204,7 +204,10 @@ async fn the_openai_python_sdk_drives_two_replicas_on_s3_in_turn() {
     let services: Vec<Service> = ["r0", "r1"]
         .iter()
         .map(|name| {
-            let (config, work_dir) = setup.config(name, &storage, &format!("  replica_id: {name}\n"));
+            // A checkpoint each turn of the job's watcher: a replica that does not run a batch
+            // shows its lines so far from it, as many as its counts say.
+            let serve_extra = format!("  replica_id: {name}\n  checkpoint_interval: 200ms\n");
+            let (config, work_dir) = setup.config(name, &storage, &serve_extra);
             Launch::new(&config)
                 .name(name)
                 .work_dir(&work_dir)
