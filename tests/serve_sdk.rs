@@ -87,12 +87,10 @@ impl Setup {
     fn config(&self, name: &str, storage: &str, serve_extra: &str) -> (PathBuf, PathBuf) {
         let shared = self.env.async_config(&[("llama-3", "pool-a")], "");
         let work_dir = self.env.path(&format!("work-{name}"));
-        let yaml = std::fs::read_to_string(&shared)
-            .unwrap()
-            .replace(
-                &format!("work_dir: {}\n", self.env.path("work").display()),
-                &format!("work_dir: {}\n", work_dir.display()),
-            );
+        let yaml = std::fs::read_to_string(&shared).unwrap().replace(
+            &format!("work_dir: {}\n", self.env.path("work").display()),
+            &format!("work_dir: {}\n", work_dir.display()),
+        );
         assert!(yaml.contains(&format!("work_dir: {}\n", work_dir.display())));
         let yaml = format!(
             "{yaml}input:\n  max_requests: {MAX_REQUESTS}\nserve:\n  api_keys_file: {}\n  \
@@ -152,7 +150,13 @@ impl Setup {
             .collect();
         let logs: String = services
             .iter()
-            .map(|s| format!("\n--- {}'s log (last lines):\n{}", s.name(), s.stderr_tail(200)))
+            .map(|s| {
+                format!(
+                    "\n--- {}'s log (last lines):\n{}",
+                    s.name(),
+                    s.stderr_tail(200)
+                )
+            })
             .collect();
         assert!(
             output.status.success(),
