@@ -505,7 +505,7 @@ async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
     cluster.unlist(victim);
     cluster.replicas[victim].kill9();
     let killed = Instant::now();
-    std::fs::remove_dir_all(&cluster.replicas[victim].work_dir()).expect("deleting its work dir");
+    std::fs::remove_dir_all(cluster.replicas[victim].work_dir()).expect("deleting its work dir");
 
     let adopted = eventually(
         "the killed replica's jobs to be taken over",
