@@ -5,384 +5,38 @@
 //! Each replica is the real binary with its own `work_dir` and `replica_id`, short leases
 //! (`lease_ttl` 3 s) and checkpoints (1 s), and a short `lost_request_timeout` (4 s) so that
 //! requests lost with a dead replica's disk are sent again soon.
-//!
-//! The small `Replica`/`Api` harness here overlaps tests/support/serve.rs of branch
-//! `servetests`; they are meant to be folded together.
 
 mod support;
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use batch_testkit::RedisServer;
 use bytes::Bytes;
 use dispatcher_sim::{DispatcherHandle, GatewayConfig};
-use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request};
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::TokioExecutor;
+use hyper::Method;
 use serde_json::Value;
-use support::{Env, Results, PROCESSOR};
+use support::serve::{input_jsonl, is_final, Api, Launch, Service};
+use support::{eventually, Env};
 use tokio_util::sync::CancellationToken;
 
 /// The service's Redis key prefix (the default `state_prefix`, in braces: one hash slot).
 const PREFIX: &str = "{batch-processor}";
 /// Every replica's `serve.lease_ttl`.
 const LEASE_TTL: Duration = Duration::from_secs(3);
-/// How long one HTTP exchange may take on a loaded 2-core machine.
-const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a whole set of batches may take to finish.
-const FINISH_LIMIT: Duration = Duration::from_secs(300);
-
-// ---- one replica: the real binary ----
-
-/// One `processor serve` process (and its later starts), killed when dropped.
-struct Replica {
-    name: String,
-    config: PathBuf,
-    work_dir: PathBuf,
-    child: Option<std::process::Child>,
-    /// Stderr of each start, in order.
-    logs: Vec<PathBuf>,
-    /// `http://127.0.0.1:PORT` of the latest start.
-    base: String,
-}
-
-impl Replica {
-    /// Starts replica `name` with `config`. Call it from the test's own thread: the child gets
-    /// SIGKILL when the thread that spawned it ends (PR_SET_PDEATHSIG).
-    fn start(name: &str, config: PathBuf, work_dir: PathBuf) -> Replica {
-        let mut r = Replica {
-            name: name.to_owned(),
-            config,
-            work_dir,
-            child: None,
-            logs: Vec::new(),
-            base: String::new(),
-        };
-        r.spawn();
-        r
-    }
-
-    fn spawn(&mut self) {
-        let log =
-            self.config
-                .with_file_name(format!("{}-{}.stderr", self.name, self.logs.len() + 1));
-        let stderr = std::fs::File::create(&log).expect("creating a stderr file");
-        self.logs.push(log);
-        let mut cmd = Command::new(PROCESSOR);
-        cmd.arg("serve")
-            .arg("--config")
-            .arg(&self.config)
-            .arg("--listen")
-            .arg("127.0.0.1:0")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr);
-        kill_with_parent(&mut cmd);
-        let mut child = cmd.spawn().expect("spawning processor serve");
-        let stdout = child.stdout.take().expect("a stdout pipe");
-        let (tx, rx) = mpsc::channel();
-        // The first line, then the rest drained so that a later write never blocks or fails.
-        std::thread::spawn(move || {
-            let mut reader = BufReader::new(stdout);
-            let mut first = String::new();
-            let _ = reader.read_line(&mut first);
-            let _ = tx.send(first);
-            let _ = reader.read_to_end(&mut Vec::new());
-        });
-        let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_default();
-        let Some(addr) = line.trim().strip_prefix("listening on ") else {
-            let _ = child.kill();
-            let status = child.wait();
-            panic!(
-                "{}: the first line was {line:?} (exit {status:?}); stderr:\n{}",
-                self.name,
-                self.stderr()
-            );
-        };
-        assert!(addr.starts_with("http://127.0.0.1:"), "{addr}");
-        self.base = addr.to_owned();
-        self.child = Some(child);
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.as_ref().expect("the replica runs").id() as i32
-    }
-
-    /// Sends `signal` to the process.
-    fn signal(&self, signal: i32) {
-        // SAFETY: a signal to our own child, not yet waited for.
-        let rc = unsafe { libc::kill(self.pid(), signal) };
-        assert_eq!(rc, 0, "kill({}, {signal})", self.pid());
-    }
-
-    /// `kill -9`; waits until it is gone.
-    fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// SIGTERM, then waits up to `limit` for the exit: its status and how long it took.
-    fn terminate(&mut self, limit: Duration) -> (ExitStatus, Duration) {
-        self.signal(libc::SIGTERM);
-        let mut child = self.child.take().expect("the replica runs");
-        let sent = Instant::now();
-        loop {
-            if let Some(status) = child.try_wait().expect("waiting for a replica") {
-                return (status, sent.elapsed());
-            }
-            if sent.elapsed() > limit {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!(
-                    "{} did not exit within {limit:?} of SIGTERM; stderr:\n{}",
-                    self.name,
-                    self.stderr()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Everything every start wrote to stderr.
-    fn stderr(&self) -> String {
-        self.logs
-            .iter()
-            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
-            .collect::<Vec<_>>()
-            .join("\n---- restart ----\n")
-    }
-
-    fn api(&self) -> Api {
-        Api::new(&self.base)
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        if let Some(child) = &self.child {
-            // A stopped process takes SIGKILL too, but SIGCONT first costs nothing.
-            // SAFETY: our own child.
-            unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
-        }
-        self.kill9();
-    }
-}
-
-#[cfg(target_os = "linux")]
-fn kill_with_parent(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn kill_with_parent(_cmd: &mut Command) {}
-
-// ---- a small client of the API (no key: tenant `default`) ----
-
-#[derive(Clone)]
-struct Api {
-    base: String,
-    client: Client<HttpConnector, Full<Bytes>>,
-}
-
-struct Resp {
-    status: u16,
-    body: Bytes,
-}
-
-impl Resp {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-
-    #[track_caller]
-    fn expect(&self, status: u16) -> Value {
-        assert_eq!(self.status, status, "body: {}", self.text());
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.text()))
-    }
-
-    fn jsonl(&self) -> Vec<Value> {
-        self.text()
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-            .collect()
-    }
-}
-
-impl Api {
-    fn new(base: &str) -> Api {
-        Api {
-            base: base.to_owned(),
-            client: Client::builder(TokioExecutor::new()).build_http(),
-        }
-    }
-
-    /// One exchange; an error when the replica does not answer.
-    async fn try_send(
-        &self,
-        method: Method,
-        path: &str,
-        content_type: Option<&str>,
-        body: Bytes,
-    ) -> Result<Resp, String> {
-        let mut req = Request::builder()
-            .method(method)
-            .uri(format!("{}{path}", self.base));
-        if let Some(ct) = content_type {
-            req = req.header("content-type", ct);
-        }
-        let req = req.body(Full::new(body)).expect("a request");
-        let exchange = async {
-            let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
-            let status = resp.status().as_u16();
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?
-                .to_bytes();
-            Ok(Resp { status, body })
-        };
-        tokio::time::timeout(HTTP_TIMEOUT, exchange)
-            .await
-            .map_err(|_| format!("no answer within {HTTP_TIMEOUT:?}"))?
-    }
-
-    async fn send(&self, method: Method, path: &str, ct: Option<&str>, body: Bytes) -> Resp {
-        let m = method.clone();
-        self.try_send(method, path, ct, body)
-            .await
-            .unwrap_or_else(|e| panic!("{m} {}{path}: {e}", self.base))
-    }
-
-    async fn get(&self, path: &str) -> Resp {
-        self.send(Method::GET, path, None, Bytes::new()).await
-    }
-
-    async fn upload(&self, name: &str, bytes: &[u8]) -> String {
-        let boundary = "----replicas-boundary-5e2a";
-        let mut body = Vec::new();
-        body.extend_from_slice(
-            format!(
-                "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
-                 --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\
-                 Content-Type: application/octet-stream\r\n\r\n"
-            )
-            .as_bytes(),
-        );
-        body.extend_from_slice(bytes);
-        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
-        let ct = format!("multipart/form-data; boundary={boundary}");
-        let file = self
-            .send(Method::POST, "/v1/files", Some(&ct), Bytes::from(body))
-            .await
-            .expect(200);
-        file["id"].as_str().expect("a file id").to_owned()
-    }
-
-    async fn create_batch(&self, file_id: &str) -> String {
-        let body = serde_json::json!({
-            "input_file_id": file_id,
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        });
-        let batch = self
-            .send(
-                Method::POST,
-                "/v1/batches",
-                Some("application/json"),
-                Bytes::from(body.to_string()),
-            )
-            .await
-            .expect(200);
-        batch["id"].as_str().expect("a batch id").to_owned()
-    }
-
-    async fn batch(&self, id: &str) -> Value {
-        self.get(&format!("/v1/batches/{id}")).await.expect(200)
-    }
-
-    async fn cancel(&self, id: &str) -> Value {
-        self.send(
-            Method::POST,
-            &format!("/v1/batches/{id}/cancel"),
-            None,
-            Bytes::new(),
-        )
-        .await
-        .expect(200)
-    }
-
-    async fn file_lines(&self, id: &Value) -> Vec<Value> {
-        match id.as_str() {
-            Some(id) => {
-                let resp = self.get(&format!("/v1/files/{id}/content")).await;
-                assert_eq!(resp.status, 200, "content of {id}: {}", resp.text());
-                resp.jsonl()
-            }
-            None => Vec::new(),
-        }
-    }
-
-    /// A finished batch's output and error lines, read through its files.
-    async fn results(&self, batch: &Value) -> Results {
-        Results {
-            output: self.file_lines(&batch["output_file_id"]).await,
-            error: self.file_lines(&batch["error_file_id"]).await,
-        }
-    }
-}
-
-fn is_final(status: &str) -> bool {
-    matches!(status, "completed" | "failed" | "expired" | "cancelled")
-}
-
-/// `n` chat requests as JSONL (`custom_id` `<prefix>-<i>`), and the lines.
-fn input_jsonl(prefix: &str, n: usize) -> (Vec<u8>, Vec<String>) {
-    let lines: Vec<String> = (0..n)
-        .map(|i| {
-            let system = ["You are terse.", "Answer in French."][i % 2];
-            serde_json::json!({
-                "custom_id": format!("{prefix}-{i}"),
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "llama-3",
-                    "messages": [
-                        {"role": "system", "content": system},
-                        {"role": "user", "content": format!("{prefix} question {i}")}
-                    ],
-                    "max_tokens": 8
-                }
-            })
-            .to_string()
-        })
-        .collect();
-    ((lines.join("\n") + "\n").into_bytes(), lines)
-}
+/// How long a whole set of batches may take to finish: 12 × 5,000 lines took 270-310 s on a
+/// 2-core machine loaded by other builds (most of the CPU going to the simulators in this
+/// process), so twice that.
+const FINISH_LIMIT: Duration = Duration::from_secs(600);
 
 // ---- the cluster: Redis, gateway, dispatcher, shared storage, N replicas ----
 
 struct Cluster {
     env: Env,
     sim: Option<DispatcherHandle>,
-    replicas: Vec<Replica>,
+    replicas: Vec<Service>,
     /// The bases the monitor may poll (replicas that answer now).
     live: Arc<Mutex<Vec<String>>>,
     /// The replicas' configs and stderr: kept when a test fails, removed by
@@ -451,7 +105,7 @@ impl Cluster {
             );
             let config = logs.join(format!("{name}.yaml"));
             std::fs::write(&config, yaml).unwrap();
-            replicas.push(Replica::start(&name, config, work_dir));
+            replicas.push(Launch::new(&config).name(&name).work_dir(&work_dir).start());
         }
         let live = Arc::new(Mutex::new(
             replicas.iter().map(|r| r.base.clone()).collect(),
@@ -470,7 +124,7 @@ impl Cluster {
     }
 
     fn api(&self, i: usize) -> Api {
-        self.replicas[i].api()
+        self.replicas[i].client(None)
     }
 
     /// Takes replica `i` out of the monitor's rotation (before stopping or freezing it).
@@ -493,11 +147,11 @@ impl Cluster {
         for k in 0..count {
             let via = k % self.replicas.len();
             let api = self.api(via);
-            let (bytes, input) = input_jsonl(&format!("b{k}"), lines);
-            let file = api.upload(&format!("b{k}.jsonl"), &bytes).await;
-            let id = api.create_batch(&file).await;
+            let (text, input) = input_jsonl(&format!("b{k}"), lines, "llama-3");
+            let file = api.upload_ok(&format!("b{k}.jsonl"), text.as_bytes()).await;
+            let batch = api.create_batch_ok(&file).await;
             out.push(Submitted {
-                id,
+                id: batch["id"].as_str().expect("a batch id").to_owned(),
                 lines: input,
                 via,
             });
@@ -583,13 +237,7 @@ impl Cluster {
         let tails = self
             .replicas
             .iter()
-            .map(|r| {
-                let text = r.stderr();
-                // The tail is what explains a hang.
-                let tail: Vec<&str> = text.lines().rev().take(40).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
-                format!("==== {} (last lines) ====\n{}", r.name, tail.join("\n"))
-            })
+            .map(|r| format!("==== {} (last lines) ====\n{}", r.name(), r.stderr_tail(40)))
             .collect::<Vec<_>>()
             .join("\n");
         format!("{tails}\n(all logs in {})", self.logs.display())
@@ -639,14 +287,9 @@ impl Monitor {
                     let bases = live.lock().unwrap().clone();
                     let mut batch = None;
                     for k in 0..bases.len() {
-                        let api = Api::new(&bases[(turn + k) % bases.len()]);
+                        let api = Api::new(&bases[(turn + k) % bases.len()], None);
                         if let Ok(resp) = api
-                            .try_send(
-                                Method::GET,
-                                &format!("/v1/batches/{id}"),
-                                None,
-                                Bytes::new(),
-                            )
+                            .try_send(Method::GET, &format!("/v1/batches/{id}"), &[], Bytes::new())
                             .await
                         {
                             if resp.status == 200 {
@@ -751,19 +394,6 @@ fn assert_monotone_from(id: &str, samples: &[Sample], from: Instant) {
     }
 }
 
-/// Waits (polling every 100 ms, at most `limit`) until `check` holds.
-async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !check() {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    start.elapsed()
-}
-
 // ---- the tests ----
 
 /// How long a batch that had started may go without progress during a handover.
@@ -848,7 +478,7 @@ async fn three_replicas_complete_twelve_batches_each_line_once() {
 }
 
 /// Lines per batch in the twelve-batch test.
-const LINES_12: usize = 1000;
+const LINES_12: usize = 5000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
@@ -871,11 +501,11 @@ async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
         },
     )
     .await;
-    let name = cluster.replicas[victim].name.clone();
+    let name = cluster.replicas[victim].name().to_owned();
     cluster.unlist(victim);
     cluster.replicas[victim].kill9();
     let killed = Instant::now();
-    std::fs::remove_dir_all(&cluster.replicas[victim].work_dir).expect("deleting its work dir");
+    std::fs::remove_dir_all(cluster.replicas[victim].work_dir()).expect("deleting its work dir");
 
     let adopted = eventually(
         "the killed replica's jobs to be taken over",
@@ -901,7 +531,7 @@ async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
     // The adopters rebuilt the lost jobs from their checkpoints in storage.
     let logs: String = alive
         .iter()
-        .map(|&i| cluster.replicas[i].stderr())
+        .map(|&i| cluster.replicas[i].all_stderr())
         .collect();
     for id in &lost {
         assert!(
@@ -922,14 +552,15 @@ async fn a_rolling_restart_fails_no_job_and_idles_none() {
     wait_running(&cluster, &batches).await;
     let mut handed_over = 0;
     for i in 0..3 {
-        let name = cluster.replicas[i].name.clone();
+        let name = cluster.replicas[i].name().to_owned();
         let had = cluster.jobs_of(&name);
         cluster.unlist(i);
-        let (status, took) = cluster.replicas[i].terminate(Duration::from_secs(15));
+        let (status, took) =
+            cluster.replicas[i].signal_and_wait(libc::SIGTERM, Duration::from_secs(15));
         assert!(
             status.success(),
             "{name} exited with {status} after SIGTERM:\n{}",
-            cluster.replicas[i].stderr()
+            cluster.replicas[i].all_stderr()
         );
         // Its leases were let go: the others take its jobs without waiting for them to lapse.
         let adopted = eventually(
@@ -948,7 +579,7 @@ async fn a_rolling_restart_fails_no_job_and_idles_none() {
             had.len()
         );
         handed_over += had.len();
-        cluster.replicas[i].spawn();
+        cluster.replicas[i].restart();
         cluster.relist(i);
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
@@ -979,7 +610,7 @@ async fn a_frozen_replica_is_fenced_and_writes_nothing_more() {
     let monitor = Monitor::start(&cluster, batches.iter().map(|b| b.id.clone()).collect());
     let current = wait_running(&cluster, &batches).await;
     let (victim, lost) = holder_of(&cluster, &batches[current].id);
-    let name = cluster.replicas[victim].name.clone();
+    let name = cluster.replicas[victim].name().to_owned();
     let epochs: Vec<u64> = lost
         .iter()
         .map(|id| {
@@ -1035,7 +666,7 @@ async fn a_frozen_replica_is_fenced_and_writes_nothing_more() {
         "the resumed replica to notice its lost leases",
         Duration::from_secs(20),
         || {
-            let log = cluster.replicas[victim].stderr();
+            let log = cluster.replicas[victim].all_stderr();
             lost.iter().all(|id| {
                 log.lines().any(|l| {
                     l.contains("lost the job's lease to another replica") && l.contains(id.as_str())
@@ -1122,7 +753,7 @@ async fn a_cancel_through_another_replica_reaches_the_running_one() {
         Duration::from_secs(20),
         || {
             cluster.replicas[runner]
-                .stderr()
+                .all_stderr()
                 .lines()
                 .any(|l| l.contains("cancel requested") && l.contains(b.id.as_str()))
         },
@@ -1156,3 +787,59 @@ const SLOW_LATENCY: Duration = Duration::from_millis(20);
 const SLOW_CONCURRENCY: usize = 10;
 /// Lines per batch in the tests that act mid-run.
 const LINES_SLOW: usize = 1000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_running_batch_shows_its_lines_so_far_through_another_replica() {
+    // Slow enough (1000 lines, 4 at a time, 50 ms each: 12 s at least) for checkpoints to come
+    // while it runs.
+    let cluster = Cluster::start(2, 4, Duration::from_millis(50), 4, "10m").await;
+    let batches = cluster.submit(1, LINES_SLOW).await;
+    let b = &batches[0];
+    wait_running(&cluster, &batches).await;
+    let runner = index_of(holder_name(&cluster.lease(&b.id).expect("a lease")));
+    let other = cluster.api(1 - runner);
+    let start = Instant::now();
+    let (so_far, batch) = loop {
+        let lines = other
+            .get(&format!("/v1/batches/{}/output", b.id))
+            .await
+            .jsonl();
+        // Still running after the lines were read: they were read while it ran.
+        let batch = other.batch(&b.id).await;
+        let running = !is_final(batch["status"].as_str().unwrap_or(""));
+        if running && !lines.is_empty() {
+            break (lines, batch);
+        }
+        assert!(
+            running && start.elapsed() < FINISH_LIMIT,
+            "r{} showed no line of {} while it ran on r{runner}: {batch}\n{}",
+            1 - runner,
+            b.id,
+            cluster.all_stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!(
+        "r{} showed {} lines after {:?} (status {})",
+        1 - runner,
+        so_far.len(),
+        start.elapsed(),
+        batch["status"]
+    );
+    let partial = support::Results {
+        output: so_far,
+        error: Vec::new(),
+    };
+    partial.assert_answers_match(&b.lines);
+    let mut ids: Vec<&str> = partial
+        .output
+        .iter()
+        .map(|l| l["custom_id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), partial.output.len(), "a line shown twice");
+    let batch = cluster.wait_all_final(&batches, 1 - runner).await.remove(0);
+    cluster.check_completed(b, &batch, 1 - runner).await;
+    cluster.shutdown().await;
+}

@@ -5,6 +5,8 @@ API key, as a user of OpenAI's Batch API would. Started by tests/serve_sdk.rs, w
 service against a real Redis, the dispatcher simulator and its gateway, and sets:
 
   OPENAI_BASE_URL   http://127.0.0.1:PORT/v1
+  OPENAI_BASE_URLS  instead of OPENAI_BASE_URL: several replicas' base URLs, comma-separated
+                    (they differ only in host:port); every request goes to the next one in turn
   KEY_A, KEY_B      API keys of two tenants
   SLOW_MAX_TOKENS   max_tokens that make one gateway answer take seconds (for the cancel check)
   MODEL             a model the service has a gateway for
@@ -12,14 +14,17 @@ service against a real Redis, the dispatcher simulator and its gateway, and sets
   MAX_REQUESTS      the service's input.max_requests
 
 Each check is named; the run prints one line per check, the traceback of each failure, and
-"N passed, N failed" at the end; the exit code is 1 when any check failed. Names of check
+"N passed, N failed" at the end, then one line `requests to <base url>: N` per base URL;
+the exit code is 1 when any check failed. Names of check
 functions as arguments run only those (`... test_openai_sdk.py check_upload check_create`).
 """
 
+import itertools
 import json
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 import urllib.error
@@ -27,7 +32,16 @@ import urllib.request
 
 import openai
 
-BASE_URL = os.environ["OPENAI_BASE_URL"].rstrip("/")
+try:  # the HTTP library under the SDK: httpx2 in openai 3, httpx before
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+BASE_URLS = [u.strip().rstrip("/") for u in
+             (os.environ.get("OPENAI_BASE_URLS") or os.environ["OPENAI_BASE_URL"]).split(",")
+             if u.strip()]
+# What the SDK is given; each request is then sent to the next of BASE_URLS.
+BASE_URL = BASE_URLS[0]
 KEY_A = os.environ["KEY_A"]
 KEY_B = os.environ["KEY_B"]
 SLOW_MAX_TOKENS = int(os.environ.get("SLOW_MAX_TOKENS", "5000"))
@@ -39,9 +53,48 @@ POLL_LIMIT = float(os.environ.get("POLL_LIMIT_SECS", "180"))
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
+class RoundRobin:
+    """Hands out the base URLs in turn, and counts the requests each got."""
+
+    def __init__(self, bases):
+        paths = {httpx.URL(b).path for b in bases}
+        assert len(paths) == 1, f"the base URLs differ in more than host:port: {bases}"
+        self.bases = bases
+        self.turn = itertools.cycle(range(len(bases)))
+        self.counts = [0] * len(bases)
+        self.lock = threading.Lock()
+
+    def next(self):
+        with self.lock:
+            i = next(self.turn)
+            self.counts[i] += 1
+            return self.bases[i]
+
+
+ROUND_ROBIN = RoundRobin(BASE_URLS)
+
+
+class RoundRobinTransport(httpx.BaseTransport):
+    """httpx's own transport, each request's host:port rewritten to the next base URL's."""
+
+    def __init__(self):
+        self.inner = httpx.HTTPTransport()
+
+    def handle_request(self, request):
+        target = httpx.URL(ROUND_ROBIN.next())
+        request.url = request.url.copy_with(scheme=target.scheme, host=target.host,
+                                            port=target.port)
+        request.headers["Host"] = request.url.netloc.decode("ascii")
+        return self.inner.handle_request(request)
+
+    def close(self):
+        self.inner.close()
+
+
 def client(key):
     # No retries: a 5xx or a dropped connection is a finding, not something to paper over.
-    return openai.OpenAI(base_url=BASE_URL, api_key=key, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=BASE_URL, api_key=key, max_retries=0, timeout=60,
+                         http_client=openai.DefaultHttpxClient(transport=RoundRobinTransport()))
 
 
 A = client(KEY_A)
@@ -160,8 +213,8 @@ def expect_status(status, call, what):
 
 
 def raw_get(path, key=None):
-    """GET without the SDK: (status, headers, body bytes)."""
-    request = urllib.request.Request(BASE_URL + path)
+    """GET without the SDK, to the next base URL: (status, headers, body bytes)."""
+    request = urllib.request.Request(ROUND_ROBIN.next() + path)
     if key is not None:
         request.add_header("Authorization", f"Bearer {key}")
     try:
@@ -343,8 +396,9 @@ def check_a_refused_upload_leaves_a_usable_connection():
     `Connection: close` or leave the connection usable: a pooled client (the SDK's httpx) sends
     its next request on it. Here the body comes 300 ms after the headers, as from a slow client;
     the SDK hits the same race now and then with a body sent at once."""
-    host, port = BASE_URL.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-    prefix = "/" + BASE_URL.split("//", 1)[1].split("/", 1)[1]
+    base = ROUND_ROBIN.next()  # both requests go on one connection: counted once
+    host, port = base.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    prefix = "/" + base.split("//", 1)[1].split("/", 1)[1]
     body = (b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
             b'--XX\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n'
             b'{}\n\r\n--XX--\r\n')
@@ -563,7 +617,7 @@ CHECKS = [
 def main():
     only = set(sys.argv[1:])
     passed, failed = 0, []
-    print(f"openai {openai.__version__} against {BASE_URL}", flush=True)
+    print(f"openai {openai.__version__} against {', '.join(BASE_URLS)}", flush=True)
     for name, check in CHECKS:
         if only and check.__name__ not in only:
             continue
@@ -581,6 +635,8 @@ def main():
     print(f"sdk: {passed} passed, {len(failed)} failed")
     for name in failed:
         print(f"  failed: {name}")
+    for base, n in zip(ROUND_ROBIN.bases, ROUND_ROBIN.counts):
+        print(f"requests to {base}: {n}")
     sys.exit(1 if failed else 0)
 
 

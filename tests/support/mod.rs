@@ -261,16 +261,17 @@ pub fn batch_json(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap()
 }
 
-/// Polls `check` every 20 ms until it holds, for at most `limit`.
-pub async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
+/// Polls `check` every 20 ms until it holds, for at most `limit`; returns how long it took.
+pub async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
     while !check() {
         assert!(
-            Instant::now() < deadline,
+            start.elapsed() < limit,
             "timed out after {limit:?} waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    start.elapsed()
 }
 
 /// A child process killed when dropped.

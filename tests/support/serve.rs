@@ -53,15 +53,94 @@ pub fn add_serve_section(
     std::fs::write(config, yaml).expect("writing the processor config");
 }
 
+/// How to start a [`Service`]: its config, a name for its logs and messages, its `work_dir`
+/// when a test needs it, and the environment of its process.
+pub struct Launch {
+    config: PathBuf,
+    name: Option<String>,
+    work_dir: Option<PathBuf>,
+    env: Vec<(String, String)>,
+    env_remove: Vec<String>,
+}
+
+impl Launch {
+    /// A service of the config at `config`, named after the config's file stem.
+    pub fn new(config: &Path) -> Launch {
+        Launch {
+            config: config.to_owned(),
+            name: None,
+            work_dir: None,
+            env: Vec::new(),
+            env_remove: Vec::new(),
+        }
+    }
+
+    /// Names it (its stderr files are `<config dir>/<name>-serve-<n>.stderr`).
+    pub fn name(mut self, name: &str) -> Launch {
+        self.name = Some(name.to_owned());
+        self
+    }
+
+    /// Records its `work_dir` (the config's), for [`Service::work_dir`].
+    pub fn work_dir(mut self, dir: &Path) -> Launch {
+        self.work_dir = Some(dir.to_owned());
+        self
+    }
+
+    /// Sets an environment variable of its process.
+    pub fn env(mut self, name: &str, value: &str) -> Launch {
+        self.env.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Reaches `s3` as a deployment would, through `AWS_*` variables only: none inherited from
+    /// this process, no shared AWS files of the machine's user.
+    pub fn s3(mut self, s3: &batch_testkit::S3Server) -> Launch {
+        self.env_remove.extend(
+            std::env::vars()
+                .map(|(name, _)| name)
+                .filter(|name| name.starts_with("AWS_")),
+        );
+        self = self
+            .env("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+            .env("AWS_CONFIG_FILE", "/nonexistent");
+        for (name, value) in s3.env() {
+            self = self.env(name, &value);
+        }
+        self
+    }
+
+    /// Starts it: see [`Service::start`].
+    pub fn start(self) -> Service {
+        let name = self.name.clone().unwrap_or_else(|| {
+            self.config
+                .file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        });
+        let mut service = Service {
+            child: None,
+            launch: self,
+            logs: Vec::new(),
+            name,
+            base: String::new(),
+        };
+        service.spawn();
+        service
+    }
+}
+
 /// A running `processor serve`, killed (SIGKILL) when dropped.
 ///
 /// Start and restart it from the test's own thread: the child gets SIGKILL when the thread
 /// that spawned it ends (PR_SET_PDEATHSIG), and a runtime's worker may end before the test.
 pub struct Service {
     child: Option<std::process::Child>,
-    config: PathBuf,
-    stderr: PathBuf,
-    starts: usize,
+    launch: Launch,
+    /// The stderr file of each start, in order.
+    logs: Vec<PathBuf>,
+    name: String,
     /// `http://127.0.0.1:PORT`, as the service printed it.
     pub base: String,
 }
@@ -69,39 +148,36 @@ pub struct Service {
 impl Service {
     /// Runs `processor serve --config CONFIG --listen 127.0.0.1:0` and waits (60 s at most) for
     /// its `listening on` line. Its stderr goes to `<config dir>/<config stem>-serve-<n>.stderr`.
+    /// [`Launch`] starts one with a name, a work_dir or more environment.
     pub fn start(config: &Path) -> Service {
-        let mut service = Service {
-            child: None,
-            config: config.to_owned(),
-            stderr: PathBuf::new(),
-            starts: 0,
-            base: String::new(),
-        };
-        service.spawn();
-        service
+        Launch::new(config).start()
     }
 
     fn spawn(&mut self) {
-        self.starts += 1;
-        let stem = self
-            .config
-            .file_stem()
-            .unwrap_or_default()
-            .to_string_lossy();
-        self.stderr = self
-            .config
-            .with_file_name(format!("{stem}-serve-{}.stderr", self.starts));
-        let stderr = std::fs::File::create(&self.stderr).expect("creating the stderr file");
+        let config = &self.launch.config;
+        let log = config.with_file_name(format!(
+            "{}-serve-{}.stderr",
+            self.name,
+            self.logs.len() + 1
+        ));
+        let stderr = std::fs::File::create(&log).expect("creating the stderr file");
+        self.logs.push(log);
         let mut cmd = Command::new(PROCESSOR);
         cmd.arg("serve")
             .arg("--config")
-            .arg(&self.config)
+            .arg(config)
             .arg("--listen")
             .arg("127.0.0.1:0")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr);
+        for name in &self.launch.env_remove {
+            cmd.env_remove(name);
+        }
+        for (name, value) in &self.launch.env {
+            cmd.env(name, value);
+        }
         kill_with_parent(&mut cmd);
         let mut child = cmd.spawn().expect("spawning processor serve");
         let stdout = child.stdout.take().unwrap();
@@ -124,7 +200,8 @@ impl Service {
                     let _ = child.kill();
                     let _ = child.wait();
                     panic!(
-                        "processor serve printed no line within 60 s; stderr:\n{}",
+                        "{}: processor serve printed no line within 60 s; stderr:\n{}",
+                        self.name,
                         self.stderr_text()
                     );
                 }
@@ -134,7 +211,8 @@ impl Service {
             let _ = child.kill();
             let status = child.wait();
             panic!(
-                "processor serve's first line was {line:?} (exit {status:?}); stderr:\n{}",
+                "{}: processor serve's first line was {line:?} (exit {status:?}); stderr:\n{}",
+                self.name,
                 self.stderr_text()
             );
         };
@@ -142,18 +220,57 @@ impl Service {
             addr.starts_with("http://127.0.0.1:"),
             "not a loopback address: {addr}"
         );
-        self.base = addr.to_owned();
+        self.base = addr.trim_end_matches('/').to_owned();
         self.child = Some(child);
+    }
+
+    /// Its name: [`Launch::name`], else the config's file stem.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its `work_dir`, as given to [`Launch::work_dir`].
+    pub fn work_dir(&self) -> &Path {
+        self.launch
+            .work_dir
+            .as_deref()
+            .expect("started without Launch::work_dir")
     }
 
     /// Everything the service (its latest start) wrote to stderr so far.
     pub fn stderr_text(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        self.logs
+            .last()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default()
+    }
+
+    /// Everything every start wrote to stderr, in order.
+    pub fn all_stderr(&self) -> String {
+        self.logs
+            .iter()
+            .map(|p| std::fs::read_to_string(p).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n---- restart ----\n")
+    }
+
+    /// The last `n` lines of [`Service::all_stderr`]: what explains a hang.
+    pub fn stderr_tail(&self, n: usize) -> String {
+        let text = self.all_stderr();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     /// Its process id.
     pub fn pid(&self) -> i32 {
         self.child.as_ref().expect("the service runs").id() as i32
+    }
+
+    /// Sends `signal` (SIGSTOP, SIGCONT, ...) and returns at once.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: a signal to our own child process, which has not been waited for.
+        let rc = unsafe { libc::kill(self.pid(), signal) };
+        assert_eq!(rc, 0, "{}: kill({}, {signal})", self.name, self.pid());
     }
 
     /// `kill -9`, and waits for the process to be gone.
@@ -167,10 +284,9 @@ impl Service {
     /// Sends `signal` and waits up to `limit` for the exit; returns the status and how long the
     /// exit took.
     pub fn signal_and_wait(&mut self, signal: i32, limit: Duration) -> (ExitStatus, Duration) {
+        self.signal(signal);
         let mut child = self.child.take().expect("the service runs");
         let sent = Instant::now();
-        // SAFETY: a signal to our own child process, which has not been waited for.
-        unsafe { libc::kill(child.id() as i32, signal) };
         loop {
             if let Some(status) = child.try_wait().unwrap() {
                 return (status, sent.elapsed());
@@ -179,7 +295,9 @@ impl Service {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!(
-                    "processor serve did not exit within {limit:?} of signal {signal}; stderr:\n{}",
+                    "{}: processor serve did not exit within {limit:?} of signal {signal}; \
+                     stderr:\n{}",
+                    self.name,
                     self.stderr_text()
                 );
             }
@@ -187,8 +305,8 @@ impl Service {
         }
     }
 
-    /// Starts it again with the same config (after [`Service::kill9`] or a signal); it listens
-    /// on a new port.
+    /// Starts it again with the same config and environment (after [`Service::kill9`] or a
+    /// signal, else it is killed first); it listens on a new port.
     pub fn restart(&mut self) {
         self.kill9();
         self.spawn();
@@ -202,6 +320,11 @@ impl Service {
 
 impl Drop for Service {
     fn drop(&mut self) {
+        if let Some(child) = &self.child {
+            // A stopped process takes SIGKILL too, but SIGCONT first costs nothing.
+            // SAFETY: our own child, not yet waited for.
+            unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
+        }
         self.kill9();
     }
 }
@@ -304,8 +427,23 @@ impl Api {
         headers: &[(&str, &str)],
         body: Bytes,
     ) -> Resp {
+        let m = method.clone();
+        self.try_send(method, path, headers, body)
+            .await
+            .unwrap_or_else(|e| panic!("{m} {}{path}: {e}", self.base))
+    }
+
+    /// Like [`Api::send`], with an error instead of a panic when the service does not answer
+    /// (within [`HTTP_TIMEOUT`]).
+    pub async fn try_send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Result<Resp, String> {
         let mut req = Request::builder()
-            .method(method.clone())
+            .method(method)
             .uri(format!("{}{path}", self.base));
         if let Some(key) = &self.key {
             req = req.header("authorization", format!("Bearer {key}"));
@@ -328,9 +466,9 @@ impl Api {
             })
         };
         match tokio::time::timeout(HTTP_TIMEOUT, exchange).await {
-            Ok(Ok(resp)) => resp,
-            Ok(Err(e)) => panic!("{method} {path}: {e:?}"),
-            Err(_) => panic!("{method} {path}: no answer within {HTTP_TIMEOUT:?}"),
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) => Err(format!("{e:?}")),
+            Err(_) => Err(format!("no answer within {HTTP_TIMEOUT:?}")),
         }
     }
 
@@ -462,12 +600,16 @@ impl Api {
     /// `cancelled`) and returns it.
     pub async fn wait_final(&self, id: &str, limit: Duration) -> Value {
         self.wait_batch(id, limit, "a final status", |b| {
-            matches!(
-                b["status"].as_str(),
-                Some("completed" | "failed" | "expired" | "cancelled")
-            )
+            is_final(b["status"].as_str().unwrap_or(""))
         })
         .await
+    }
+
+    /// `POST /v1/batches/{id}/cancel`, which must succeed; returns the batch.
+    pub async fn cancel(&self, id: &str) -> Value {
+        self.post_empty(&format!("/v1/batches/{id}/cancel"))
+            .await
+            .expect(200)
     }
 
     /// The JSON lines of file `id`'s content (none when `id` is null).
@@ -521,6 +663,11 @@ impl Api {
         }
         panic!("{route} never ended its pages");
     }
+}
+
+/// Whether a batch status is final: `completed`, `failed`, `expired` or `cancelled`.
+pub fn is_final(status: &str) -> bool {
+    matches!(status, "completed" | "failed" | "expired" | "cancelled")
 }
 
 /// The ids of the items of a list.

@@ -256,7 +256,8 @@ pub(crate) async fn errors(
 }
 
 /// The complete lines of a batch's output or error file: from storage once it ended, from the
-/// running job's own file while it runs here, none while it waits.
+/// running job's own file while it runs here, from its latest checkpoint while it runs on
+/// another replica, none while it waits.
 async fn lines_so_far(
     api: &Api,
     tenant: &Tenant,
@@ -282,7 +283,20 @@ async fn lines_so_far(
         return Ok((jsonl, Body::from_stream(stream)).into_response());
     }
     let Some(path) = api.hooks.local_result(id, file) else {
-        return Ok((jsonl, Body::empty()).into_response());
+        let Some(key) = api.hooks.checkpointed_result(id, file).await? else {
+            return Ok((jsonl, Body::empty()).into_response());
+        };
+        return match api.storage.get(&key).await {
+            Ok(object) => {
+                let stream = object.stream.map_err(std::io::Error::other);
+                Ok((jsonl, Body::from_stream(stream)).into_response())
+            }
+            // The batch ended meanwhile, and its checkpoints went.
+            Err(batch_storage::StorageError::NotFound(_)) => {
+                Ok((jsonl, Body::empty()).into_response())
+            }
+            Err(e) => Err(e.into()),
+        };
     };
     match complete_prefix(&path).await {
         Ok(Some((file, len))) => {

@@ -3,8 +3,8 @@
 //!
 //! The router keeps no state of its own: records live in Redis ([`batch_jobs::Store`]), bytes in
 //! storage ([`batch_storage::Storage`]), so any replica answers for any object. What only the
-//! process running jobs knows (a new batch to wake for, the lines a running batch wrote so far)
-//! comes through [`Hooks`].
+//! process running jobs knows (a new batch to wake for, the lines a running batch wrote so far,
+//! where its latest checkpoint is) comes through [`Hooks`].
 //!
 //! ```no_run
 //! # async fn demo(store: batch_jobs::Store, storage: batch_storage::Storage,
@@ -104,6 +104,13 @@ pub trait Hooks: Send + Sync + 'static {
     fn wake(&self);
     /// The local file (`output.jsonl` or `error.jsonl`) a batch running in this process writes.
     fn local_result(&self, batch_id: &str, file: &str) -> Option<PathBuf>;
+    /// The storage key of that file in the latest checkpoint of a running batch (whole lines
+    /// only), if it has one: what a replica that does not run the batch shows of it.
+    fn checkpointed_result<'a>(
+        &'a self,
+        batch_id: &'a str,
+        file: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, batch_jobs::StoreError>>;
     /// The Prometheus text of `/metrics`.
     fn render_metrics(&self) -> BoxFuture<'_, String>;
 }

@@ -257,6 +257,14 @@ impl Hooks for ServiceHooks {
         self.runner.local_file(batch_id, file)
     }
 
+    fn checkpointed_result<'a>(
+        &'a self,
+        batch_id: &'a str,
+        file: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, batch_jobs::StoreError>> {
+        Box::pin(self.runner.checkpointed_file(batch_id, file))
+    }
+
     fn render_metrics(&self) -> BoxFuture<'_, String> {
         Box::pin(async move {
             match self.store.status_counts().await {

@@ -117,6 +117,25 @@ impl Runner {
         active.get(id).map(|a| a.dir.join("out").join(file))
     }
 
+    /// The storage key of `file` in job `id`'s latest checkpoint, if it has one.
+    pub(crate) async fn checkpointed_file(
+        &self,
+        id: &str,
+        file: &str,
+    ) -> Result<Option<String>, batch_jobs::StoreError> {
+        let Some(json) = self.store.checkpoint(id).await? else {
+            return Ok(None);
+        };
+        let Ok(record) = serde_json::from_str::<CheckpointRecord>(&json) else {
+            return Ok(None);
+        };
+        Ok(match file {
+            batch_sink::OUTPUT_FILE => Some(record.output_key),
+            batch_sink::ERROR_FILE => Some(record.error_key),
+            _ => None,
+        })
+    }
+
     /// How many jobs run here now.
     pub(crate) fn active_jobs(&self) -> usize {
         self.active.lock().expect("active lock").len()
@@ -697,6 +716,21 @@ impl Runner {
         let mut last_checkpoint = tokio::time::Instant::now();
         loop {
             let now = progress.borrow_and_update().clone();
+            // Checkpoint before publishing `now`, so that the checkpoint (what other replicas
+            // show of the job's lines) holds every line `now` counts when one is due each turn.
+            if last_checkpoint.elapsed() >= self.config.checkpoint_interval {
+                match self.checkpoint(&job, &lease).await {
+                    Ok(()) => {}
+                    Err(RunError::Fenced) => {
+                        fenced.cancel();
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(job = %id, error = %e, "checkpoint failed; trying again later")
+                    }
+                }
+                last_checkpoint = tokio::time::Instant::now();
+            }
             if last.as_ref() != Some(&now) {
                 let b = &mut record.batch.batch;
                 b.request_counts = now.counts;
@@ -724,19 +758,6 @@ impl Runner {
             {
                 tracing::info!(job = %id, "cancel requested");
                 cancel.cancel();
-            }
-            if last_checkpoint.elapsed() >= self.config.checkpoint_interval {
-                match self.checkpoint(&job, &lease).await {
-                    Ok(()) => {}
-                    Err(RunError::Fenced) => {
-                        fenced.cancel();
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::warn!(job = %id, error = %e, "checkpoint failed; trying again later")
-                    }
-                }
-                last_checkpoint = tokio::time::Instant::now();
             }
             tokio::select! {
                 _ = done.cancelled() => return,
