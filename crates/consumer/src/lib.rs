@@ -4,9 +4,10 @@
 //! else: it moves what waits in the result list into the list's in-flight list (`{<list>}:inflight`,
 //! atomically and in O(1): the whole backlog at once), reads the in-flight list from the right
 //! (oldest first) a batch at a time, hands each batch to the [`ResultHandler`], and removes it
-//! from the in-flight list only once the handler says it is written. The next batch is read while
-//! one is being written. When the result list is empty it blocks (BLMOVE of one result into
-//! flight) for up to the poll timeout; an empty poll is not an error.
+//! from the in-flight list only once the handler says it is written. The next batch is read and
+//! parsed while one is being written (on a blocking thread), so the two use two cores. When the
+//! result list is empty it blocks (BLMOVE of one result into flight) for up to the poll
+//! timeout; an empty poll is not an error.
 //!
 //! - **One reader per list**: the consumer holds the list's [`Lease`] and every script that takes
 //!   or acknowledges results checks it, so a process that lost its lease (frozen, cut off) stops
@@ -393,11 +394,17 @@ impl ResultConsumer {
     ) -> Result<(), Halt> {
         let batch = self.options.batch.max(1) as i64;
         let mut items = self.read_in_flight(-batch, -1).await?;
+        let mut routed = self.route_batch(&items);
         while !items.is_empty() {
             let n = items.len() as i64;
-            // The next batch, just left of this one, is read while this one is written.
-            let next = self.read_in_flight(-n - batch, -n - 1);
-            let (next, handled) = tokio::join!(next, self.handle(&items, shutdown));
+            // The next batch, just left of this one, is read and parsed while this one is
+            // written.
+            let next = async {
+                let next = self.read_in_flight(-n - batch, -n - 1).await?;
+                let routed = self.route_batch(&next);
+                Ok::<_, fred::error::Error>((next, routed))
+            };
+            let (next, handled) = tokio::join!(next, self.handle(&routed, shutdown));
             let Some(not_here) = handled else {
                 // Shutting down: what is not written stays in flight for the next reader.
                 return Ok(());
@@ -428,7 +435,7 @@ impl ResultConsumer {
                     ))
                 }
             }
-            items = next?;
+            (items, routed) = next?;
         }
         Ok(())
     }
@@ -442,14 +449,9 @@ impl ResultConsumer {
         self.client.lrange(&self.keys.inflight, start, stop).await
     }
 
-    /// Routes and writes `items` (list order), retrying the handler until it succeeds. Returns
-    /// the (list position, job) of results of jobs not here, or `None` when shut down first.
-    async fn handle(
-        &self,
-        items: &[String],
-        shutdown: &CancellationToken,
-    ) -> Option<Vec<(usize, String)>> {
-        self.stats.received(items.len() as u64);
+    /// Parses and routes `items` (list order), oldest first; malformed ones are counted and
+    /// left out.
+    fn route_batch(&self, items: &[String]) -> RoutedBatch {
         // Oldest first: the rightmost item is the oldest.
         let mut positions = Vec::with_capacity(items.len());
         let mut routed = Vec::with_capacity(items.len());
@@ -459,10 +461,27 @@ impl ResultConsumer {
                 routed.push(r);
             }
         }
+        RoutedBatch {
+            received: items.len() as u64,
+            positions,
+            routed: Arc::new(routed),
+        }
+    }
+
+    /// Writes a routed batch, retrying the handler until it succeeds. Returns the (list
+    /// position, job) of results of jobs not here, or `None` when shut down first.
+    async fn handle(
+        &self,
+        batch: &RoutedBatch,
+        shutdown: &CancellationToken,
+    ) -> Option<Vec<(usize, String)>> {
+        self.stats.received(batch.received);
+        let RoutedBatch {
+            positions, routed, ..
+        } = batch;
         if routed.is_empty() {
             return Some(Vec::new());
         }
-        let routed = Arc::new(routed);
         let mut backoff = self.options.min_backoff;
         let mut failing = false;
         loop {
@@ -529,6 +548,15 @@ impl ResultConsumer {
             }
         }
     }
+}
+
+/// A batch of results parsed and routed, oldest first.
+struct RoutedBatch {
+    /// Results read, the malformed ones included.
+    received: u64,
+    /// The list position of each result.
+    positions: Vec<usize>,
+    routed: Arc<Vec<Routed>>,
 }
 
 fn now_unix() -> i64 {

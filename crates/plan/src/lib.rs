@@ -35,10 +35,12 @@ mod custom_ids;
 mod records;
 mod validate;
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Mutex};
 
 use batch_wire::{error_codes, BatchError};
 
@@ -48,6 +50,12 @@ pub use validate::{check_line, CheckedLine, NO_PREFIX};
 
 /// At most this many validation errors are listed; one more entry says how many were left out.
 pub const MAX_REPORTED_ERRORS: usize = 10_000;
+
+/// Lines are checked on this many threads while the file is read, a block of lines at a time.
+const CHECK_THREADS: usize = 2;
+/// About this many bytes of whole lines per block; at most `2 * CHECK_THREADS + 1` blocks are
+/// held at once.
+const BLOCK_BYTES: usize = 1 << 20;
 
 /// Input limits, OpenAI's by default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,7 +143,16 @@ impl Plan {
     /// Validates `input` in one pass and writes the plan files into `dir` (created if needed,
     /// earlier plan files replaced).
     pub fn build(input: &Path, dir: &Path, limits: Limits) -> Result<Plan, PlanError> {
-        let file = File::open(input).map_err(io_error(READ_INPUT, input))?;
+        Self::build_in_blocks(input, dir, limits, BLOCK_BYTES)
+    }
+
+    fn build_in_blocks(
+        input: &Path,
+        dir: &Path,
+        limits: Limits,
+        block_bytes: usize,
+    ) -> Result<Plan, PlanError> {
+        let mut file = File::open(input).map_err(io_error(READ_INPUT, input))?;
         let size = file.metadata().map_err(io_error(READ_INPUT, input))?.len();
         if size > limits.max_file_bytes {
             return Err(PlanError::Invalid(vec![BatchError {
@@ -149,27 +166,50 @@ impl Plan {
             }]));
         }
         let mut builder = Builder::new(limits);
-        let mut reader = BufReader::with_capacity(1 << 16, file);
-        let mut buf = Vec::new();
-        let mut offset = 0u64;
         let mut hash = xxhash_rust::xxh3::Xxh3::new();
-        loop {
-            buf.clear();
-            let n = reader
-                .read_until(b'\n', &mut buf)
-                .map_err(io_error(READ_INPUT, input))?;
-            if n == 0 {
-                break;
+        // The file is read (and hashed) here; its lines are checked on worker threads, a block
+        // at a time, and taken into the plan here in file order.
+        let (work, work_rx) = mpsc::sync_channel::<Block>(CHECK_THREADS);
+        let work_rx = Mutex::new(work_rx);
+        let bytes = std::thread::scope(|scope| -> Result<u64, PlanError> {
+            let (done_tx, done) = mpsc::channel::<CheckedBlock>();
+            for _ in 0..CHECK_THREADS {
+                let (work_rx, done_tx) = (&work_rx, done_tx.clone());
+                scope.spawn(move || loop {
+                    let next = work_rx.lock().expect("work queue lock").recv();
+                    let Ok(block) = next else { return };
+                    if done_tx
+                        .send(check_block(block, limits.max_requests))
+                        .is_err()
+                    {
+                        return;
+                    }
+                });
             }
-            hash.update(&buf);
-            let mut text = &buf[..];
-            text = text.strip_suffix(b"\n").unwrap_or(text);
-            text = text.strip_suffix(b"\r").unwrap_or(text);
-            builder.line(offset, text);
-            offset += n as u64;
-        }
+            drop(done_tx);
+            let mut order = InOrder::default();
+            let mut blocks = BlockReader::new(block_bytes);
+            while let Some(block) = blocks
+                .next(&mut file)
+                .map_err(io_error(READ_INPUT, input))?
+            {
+                hash.update(&block.bytes);
+                // The workers stop when this sender is dropped, on error too.
+                if work.send(block).is_err() {
+                    break;
+                }
+                while let Ok(checked) = done.try_recv() {
+                    order.take(checked, &mut builder);
+                }
+            }
+            drop(work);
+            for checked in done {
+                order.take(checked, &mut builder);
+            }
+            Ok(blocks.offset)
+        })?;
         let digest = InputDigest {
-            bytes: offset,
+            bytes,
             xxh3: hash.digest(),
         };
         builder.finish(input, dir, digest)
@@ -253,16 +293,18 @@ impl Builder {
         }
     }
 
-    fn line(&mut self, offset: u64, text: &[u8]) {
+    /// Takes a line checked by [`check_block`].
+    fn line(&mut self, line: &LineCheck, block: &CheckedBlock) {
         let line_no = self.lines + 1;
         self.lines += 1;
+        debug_assert_eq!(line_no, line.line_no);
         // A blank last line (a trailing newline too many) adds no request; a blank line followed
         // by more requests is an error.
         if let Some(blank) = self.pending_blank.take() {
             self.error(blank_line_error(blank));
             self.custom_ids.push("");
         }
-        if text.iter().all(u8::is_ascii_whitespace) {
+        if let Outcome::Blank = line.outcome {
             self.pending_blank = Some(line_no);
             return;
         }
@@ -282,22 +324,35 @@ impl Builder {
         }
         // Every line up to the limit gets one slot in `custom_ids` (empty when invalid), so a
         // line's index is its slot.
-        let Ok(text) = std::str::from_utf8(text) else {
-            self.error(BatchError {
-                code: error_codes::INVALID_JSON_LINE.into(),
-                message: "the line is not valid UTF-8".into(),
-                param: None,
-                line: Some(line_no),
-            });
-            self.custom_ids.push("");
-            return;
-        };
-        match check_line(text, line_no) {
-            Err(errors) => {
-                errors.into_iter().for_each(|e| self.error(e));
+        match &line.outcome {
+            Outcome::Blank | Outcome::PastLimit => unreachable!("handled above"),
+            Outcome::NotUtf8 => {
+                self.error(BatchError {
+                    code: error_codes::INVALID_JSON_LINE.into(),
+                    message: "the line is not valid UTF-8".into(),
+                    param: None,
+                    line: Some(line_no),
+                });
                 self.custom_ids.push("");
             }
-            Ok(line) => self.accept(offset, text.len(), line_no, line),
+            Outcome::Invalid(errors) => {
+                errors.iter().for_each(|e| self.error(e.clone()));
+                self.custom_ids.push("");
+            }
+            Outcome::Valid {
+                custom_id,
+                model,
+                url,
+                prefix_hash,
+            } => {
+                let checked = CheckedLine {
+                    custom_id: Cow::Borrowed(&block.custom_ids[custom_id.0..custom_id.1]),
+                    model: Cow::Borrowed(&block.models[*model]),
+                    url: Cow::Borrowed(url),
+                    prefix_hash: *prefix_hash,
+                };
+                self.accept(line.offset, line.len, line_no, checked)
+            }
         }
     }
 
@@ -408,11 +463,288 @@ impl Builder {
     }
 }
 
+/// Whole lines of the input, read in one piece.
+struct Block {
+    seq: u64,
+    /// Offset in the file of the first byte.
+    offset: u64,
+    /// 1-based number of the first line.
+    first_line: u64,
+    bytes: Vec<u8>,
+}
+
+/// Cuts the input into [`Block`]s of whole lines (the last line may lack its newline).
+struct BlockReader {
+    block_bytes: usize,
+    /// Bytes read past the last newline, the start of the next block.
+    carry: Vec<u8>,
+    seq: u64,
+    /// Offset of the next block.
+    offset: u64,
+    line: u64,
+    eof: bool,
+}
+
+impl BlockReader {
+    fn new(block_bytes: usize) -> Self {
+        Self {
+            block_bytes: block_bytes.max(1),
+            carry: Vec::new(),
+            seq: 0,
+            offset: 0,
+            line: 1,
+            eof: false,
+        }
+    }
+
+    fn next(&mut self, file: &mut File) -> std::io::Result<Option<Block>> {
+        let mut bytes = std::mem::take(&mut self.carry);
+        // Ends at the last newline read; a line longer than a block makes the block longer.
+        let end = loop {
+            let searched = bytes.len();
+            if !self.eof {
+                let want = searched + self.block_bytes;
+                bytes.reserve(want - searched);
+                let n = file
+                    .by_ref()
+                    .take(self.block_bytes as u64)
+                    .read_to_end(&mut bytes)?;
+                self.eof = n == 0;
+            }
+            match bytes.iter().rposition(|&b| b == b'\n') {
+                Some(i) if !self.eof || i + 1 == bytes.len() => break i + 1,
+                _ if self.eof => break bytes.len(),
+                _ => continue,
+            }
+        };
+        if end == 0 {
+            return Ok(None);
+        }
+        self.carry = bytes[end..].to_vec();
+        bytes.truncate(end);
+        let lines = bytes.iter().filter(|&&b| b == b'\n').count() as u64
+            + u64::from(bytes.last() != Some(&b'\n'));
+        let block = Block {
+            seq: self.seq,
+            offset: self.offset,
+            first_line: self.line,
+            bytes,
+        };
+        self.seq += 1;
+        self.offset += block.bytes.len() as u64;
+        self.line += lines;
+        Ok(Some(block))
+    }
+}
+
+/// What a worker found in one line.
+struct LineCheck {
+    line_no: u64,
+    offset: u64,
+    /// Bytes without the line end.
+    len: usize,
+    outcome: Outcome,
+}
+
+enum Outcome {
+    /// Only whitespace.
+    Blank,
+    /// Past `max_requests`: not checked.
+    PastLimit,
+    NotUtf8,
+    Invalid(Vec<BatchError>),
+    Valid {
+        /// Its range in [`CheckedBlock::custom_ids`].
+        custom_id: (usize, usize),
+        /// Its index in [`CheckedBlock::models`].
+        model: usize,
+        url: &'static str,
+        prefix_hash: u32,
+    },
+}
+
+/// The lines of one [`Block`], checked.
+struct CheckedBlock {
+    seq: u64,
+    lines: Vec<LineCheck>,
+    /// Every valid line's `custom_id`, end to end.
+    custom_ids: String,
+    /// The models named in the block.
+    models: Vec<String>,
+}
+
+fn check_block(block: Block, max_requests: u64) -> CheckedBlock {
+    let mut checked = CheckedBlock {
+        seq: block.seq,
+        lines: Vec::new(),
+        custom_ids: String::new(),
+        models: Vec::new(),
+    };
+    let (mut offset, mut line_no) = (block.offset, block.first_line);
+    for raw in block.bytes.split_inclusive(|&b| b == b'\n') {
+        let mut text = raw;
+        text = text.strip_suffix(b"\n").unwrap_or(text);
+        text = text.strip_suffix(b"\r").unwrap_or(text);
+        let outcome = if text.iter().all(u8::is_ascii_whitespace) {
+            Outcome::Blank
+        } else if line_no > max_requests {
+            Outcome::PastLimit
+        } else {
+            match std::str::from_utf8(text) {
+                Err(_) => Outcome::NotUtf8,
+                Ok(text) => match check_line(text, line_no) {
+                    Err(errors) => Outcome::Invalid(errors),
+                    Ok(line) => {
+                        let start = checked.custom_ids.len();
+                        checked.custom_ids.push_str(&line.custom_id);
+                        let model = match checked.models.iter().position(|m| *m == line.model) {
+                            Some(i) => i,
+                            None => {
+                                checked.models.push(line.model.into_owned());
+                                checked.models.len() - 1
+                            }
+                        };
+                        let url = batch_wire::ALLOWED_URLS
+                            .iter()
+                            .find(|u| **u == line.url)
+                            .expect("a valid line has an allowed url");
+                        Outcome::Valid {
+                            custom_id: (start, checked.custom_ids.len()),
+                            model,
+                            url,
+                            prefix_hash: line.prefix_hash,
+                        }
+                    }
+                },
+            }
+        };
+        checked.lines.push(LineCheck {
+            line_no,
+            offset,
+            len: text.len(),
+            outcome,
+        });
+        offset += raw.len() as u64;
+        line_no += 1;
+    }
+    checked
+}
+
+/// Hands checked blocks to the builder in file order, whatever order the workers finish in.
+#[derive(Default)]
+struct InOrder {
+    next: u64,
+    early: BTreeMap<u64, CheckedBlock>,
+}
+
+impl InOrder {
+    fn take(&mut self, checked: CheckedBlock, builder: &mut Builder) {
+        self.early.insert(checked.seq, checked);
+        while let Some(block) = self.early.remove(&self.next) {
+            for line in &block.lines {
+                builder.line(line, &block);
+            }
+            self.next += 1;
+        }
+    }
+}
+
 fn blank_line_error(line_no: u64) -> BatchError {
     BatchError {
         code: error_codes::INVALID_JSON_LINE.into(),
         message: "the line is empty".into(),
         param: None,
         line: Some(line_no),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(custom_id: &str, model: &str, filler: usize) -> String {
+        format!(
+            r#"{{"custom_id":"{custom_id}","method":"POST","url":"/v1/chat/completions","body":{{"model":"{model}","messages":[{{"role":"system","content":"P{}"}},{{"role":"user","content":"{}"}}]}}}}"#,
+            filler % 3,
+            "x".repeat(filler)
+        )
+    }
+
+    /// What a plan says of its input: every field a caller can see.
+    fn summary(plan: Result<Plan, PlanError>) -> String {
+        match plan {
+            Err(PlanError::Invalid(errors)) => format!("{errors:?}"),
+            Err(e) => format!("{e}"),
+            Ok(plan) => {
+                let mut text = format!(
+                    "{:?} {:?} {:?}\n",
+                    plan.digest(),
+                    plan.endpoint(),
+                    (0..plan.total())
+                        .map(|i| plan.custom_ids().get(i as usize).unwrap_or("?").to_owned())
+                        .collect::<Vec<_>>()
+                );
+                for m in plan.models() {
+                    let records: Vec<_> = plan.records(m).unwrap().map(Result::unwrap).collect();
+                    text += &format!("{} {} {records:?}\n", m.model, m.requests);
+                }
+                text
+            }
+        }
+    }
+
+    /// Blocks of any size, lines longer than a block included, give the plan of one block.
+    #[test]
+    fn block_size_changes_nothing() {
+        let dir = batch_testkit::tempdir().unwrap();
+        let valid: Vec<String> = (0..40)
+            .map(|i| line(&format!("id-{i}"), ["b", "a", "c"][i % 3], i * 7))
+            .collect();
+        let mut invalid = valid.clone();
+        invalid[5] = "not json".into();
+        invalid[9] = String::new();
+        invalid[17] = line("id-3", "a", 1);
+        invalid[30] = "\u{feff}{}".into();
+        let files: Vec<(Vec<u8>, Limits)> = vec![
+            (
+                format!("{}\n", valid.join("\n")).into_bytes(),
+                Limits::default(),
+            ),
+            (valid.join("\r\n").into_bytes(), Limits::default()),
+            (
+                format!("{}\n\n", valid.join("\n")).into_bytes(),
+                Limits::default(),
+            ),
+            (invalid.join("\n").into_bytes(), Limits::default()),
+            (
+                [
+                    &b"{\"custom_id\":\"\xff\"}\n"[..],
+                    valid.join("\n").as_bytes(),
+                ]
+                .concat(),
+                Limits::default(),
+            ),
+            (
+                valid.join("\n").into_bytes(),
+                Limits {
+                    max_requests: 12,
+                    ..Limits::default()
+                },
+            ),
+            (Vec::new(), Limits::default()),
+            (b"\n".to_vec(), Limits::default()),
+        ];
+        for (n, (bytes, limits)) in files.iter().enumerate() {
+            let input = dir.path().join(format!("input-{n}.jsonl"));
+            std::fs::write(&input, bytes).unwrap();
+            let plan = |block| {
+                let plan_dir = dir.path().join(format!("plan-{n}-{block}"));
+                summary(Plan::build_in_blocks(&input, &plan_dir, *limits, block))
+            };
+            let whole = plan(1 << 30);
+            for block in [1, 7, 64, 300, 4096] {
+                assert_eq!(plan(block), whole, "file {n}, blocks of {block} B");
+            }
+        }
     }
 }

@@ -3,6 +3,7 @@
 use std::borrow::Cow;
 
 use batch_wire::{error_codes, BatchError, ALLOWED_URLS};
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -31,32 +32,296 @@ struct LineView<'a> {
     #[serde(borrow, default)]
     url: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    body: Option<&'a RawValue>,
+    body: Option<Body<'a>>,
 }
 
-#[derive(Deserialize)]
+/// The line's `body`, read in the same pass as the line: each byte of a request is scanned
+/// once, where a `RawValue` per level (line, body, messages) scanned the messages three times.
+enum Body<'a> {
+    /// A JSON object, without duplicate fields among those read.
+    Object(BodyView<'a>),
+    /// Anything else.
+    Other,
+}
+
 struct BodyView<'a> {
-    #[serde(borrow, default)]
     model: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     stream: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    messages: Option<&'a RawValue>,
+    prefix_hash: u32,
 }
 
-#[derive(Deserialize)]
-struct MessageView<'a> {
-    #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+impl<'de: 'a, 'a> Deserialize<'de> for Body<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(BodyVisitor)
+    }
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Content<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Parts(#[serde(borrow)] Vec<PartView<'a>>),
+struct BodyVisitor;
+
+impl<'de> Visitor<'de> for BodyVisitor {
+    type Value = Body<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a request body")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Body<'de>, A::Error> {
+        let (mut model, mut stream, mut messages) = (None, None, None);
+        // A repeated field makes the body invalid, as it would for a derived struct.
+        let mut repeated = false;
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            match key.as_ref() {
+                "model" => {
+                    repeated |= model
+                        .replace(map.next_value::<Option<&RawValue>>()?)
+                        .is_some()
+                }
+                "stream" => {
+                    repeated |= stream
+                        .replace(map.next_value::<Option<&RawValue>>()?)
+                        .is_some()
+                }
+                "messages" => repeated |= messages.replace(map.next_value::<Messages>()?).is_some(),
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        if repeated {
+            return Ok(Body::Other);
+        }
+        Ok(Body::Object(BodyView {
+            model: model.flatten(),
+            stream: stream.flatten(),
+            prefix_hash: messages.map_or(NO_PREFIX, |m| m.0),
+        }))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Body<'de>, A::Error> {
+        skip_seq(seq).map(|()| Body::Other)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Body<'de>, E> {
+        Ok(Body::Other)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Body<'de>, E> {
+        Ok(Body::Other)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Body<'de>, E> {
+        Ok(Body::Other)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Body<'de>, E> {
+        Ok(Body::Other)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Body<'de>, E> {
+        Ok(Body::Other)
+    }
+    fn visit_unit<E>(self) -> Result<Body<'de>, E> {
+        Ok(Body::Other)
+    }
+}
+
+fn skip_seq<'de, A: SeqAccess<'de>>(mut seq: A) -> Result<(), A::Error> {
+    while seq.next_element::<IgnoredAny>()?.is_some() {}
+    Ok(())
+}
+
+fn skip_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
+    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+    Ok(())
+}
+
+/// `body.messages` reduced to the hash of its first non-empty system prompt ([`NO_PREFIX`] when
+/// there is none, or when `messages` is not an array of message objects).
+struct Messages(u32);
+
+impl<'de> Deserialize<'de> for Messages {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(MessagesVisitor)
+    }
+}
+
+struct MessagesVisitor;
+
+impl<'de> Visitor<'de> for MessagesVisitor {
+    type Value = Messages;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("messages")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Messages, A::Error> {
+        let mut hash = None;
+        let mut valid = true;
+        while let Some(m) = seq.next_element::<Message>()? {
+            match m {
+                Message::Valid { role, content } if valid && hash.is_none() => {
+                    if role.as_deref() == Some("system") {
+                        hash = content.and_then(content_hash);
+                    }
+                }
+                Message::Valid { .. } => {}
+                Message::Invalid => valid = false,
+            }
+        }
+        Ok(Messages(hash.filter(|_| valid).unwrap_or(NO_PREFIX)))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Messages, A::Error> {
+        skip_map(map).map(|()| Messages(NO_PREFIX))
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Messages, E> {
+        Ok(Messages(NO_PREFIX))
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Messages, E> {
+        Ok(Messages(NO_PREFIX))
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Messages, E> {
+        Ok(Messages(NO_PREFIX))
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Messages, E> {
+        Ok(Messages(NO_PREFIX))
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Messages, E> {
+        Ok(Messages(NO_PREFIX))
+    }
+    fn visit_unit<E>(self) -> Result<Messages, E> {
+        Ok(Messages(NO_PREFIX))
+    }
+}
+
+/// One element of `messages`: an object whose `role` is a string or null, each of `role` and
+/// `content` at most once; anything else is `Invalid` (and the whole list gets no prefix).
+enum Message<'a> {
+    Valid {
+        role: Option<Cow<'a, str>>,
+        content: Option<&'a RawValue>,
+    },
+    Invalid,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Message<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(MessageVisitor)
+    }
+}
+
+struct MessageVisitor;
+
+impl<'de> Visitor<'de> for MessageVisitor {
+    type Value = Message<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a message")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Message<'de>, A::Error> {
+        let (mut role, mut content) = (None, None);
+        let mut valid = true;
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            match key.as_ref() {
+                "role" => match map.next_value::<Text>()? {
+                    Text::Str(r) => valid &= role.replace(Some(r)).is_none(),
+                    Text::Null => valid &= role.replace(None).is_none(),
+                    Text::Other => valid = false,
+                },
+                "content" => {
+                    valid &= content
+                        .replace(map.next_value::<Option<&RawValue>>()?)
+                        .is_none()
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(match valid {
+            true => Message::Valid {
+                role: role.flatten(),
+                content: content.flatten(),
+            },
+            false => Message::Invalid,
+        })
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Message<'de>, A::Error> {
+        skip_seq(seq).map(|()| Message::Invalid)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Message<'de>, E> {
+        Ok(Message::Invalid)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Message<'de>, E> {
+        Ok(Message::Invalid)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Message<'de>, E> {
+        Ok(Message::Invalid)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Message<'de>, E> {
+        Ok(Message::Invalid)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Message<'de>, E> {
+        Ok(Message::Invalid)
+    }
+    fn visit_unit<E>(self) -> Result<Message<'de>, E> {
+        Ok(Message::Invalid)
+    }
+}
+
+/// A value that should be a string.
+enum Text<'a> {
+    Str(Cow<'a, str>),
+    Null,
+    Other,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(TextVisitor)
+    }
+}
+
+struct TextVisitor;
+
+impl<'de> Visitor<'de> for TextVisitor {
+    type Value = Text<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Text<'de>, E> {
+        Ok(Text::Str(Cow::Borrowed(s)))
+    }
+    fn visit_str<E>(self, s: &str) -> Result<Text<'de>, E> {
+        Ok(Text::Str(Cow::Owned(s.to_owned())))
+    }
+    fn visit_string<E>(self, s: String) -> Result<Text<'de>, E> {
+        Ok(Text::Str(Cow::Owned(s)))
+    }
+    fn visit_unit<E>(self) -> Result<Text<'de>, E> {
+        Ok(Text::Null)
+    }
+    fn visit_none<E>(self) -> Result<Text<'de>, E> {
+        Ok(Text::Null)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Text<'de>, A::Error> {
+        skip_map(map).map(|()| Text::Other)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Text<'de>, A::Error> {
+        skip_seq(seq).map(|()| Text::Other)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Text<'de>, E> {
+        Ok(Text::Other)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Text<'de>, E> {
+        Ok(Text::Other)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Text<'de>, E> {
+        Ok(Text::Other)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Text<'de>, E> {
+        Ok(Text::Other)
+    }
 }
 
 #[derive(Deserialize)]
@@ -145,10 +410,10 @@ pub fn check_line(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Vec<Batch
             line_no,
         ));
     }
-    let body = view
-        .body
-        .filter(|b| b.get().trim_start().starts_with('{'))
-        .and_then(|b| serde_json::from_str::<BodyView>(b.get()).ok());
+    let body = match view.body {
+        Some(Body::Object(b)) => Some(b),
+        _ => None,
+    };
     let mut model = None;
     let mut prefix_hash = NO_PREFIX;
     match body {
@@ -176,7 +441,7 @@ pub fn check_line(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Vec<Batch
                     line_no,
                 ));
             }
-            prefix_hash = system_prompt_hash(body.messages);
+            prefix_hash = body.prefix_hash;
         }
     }
     match (errors.is_empty(), custom_id, model, view.url) {
@@ -190,35 +455,180 @@ pub fn check_line(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Vec<Batch
     }
 }
 
-/// Hashes the first system message with non-empty text; messages the gateway may still refuse
-/// (odd shapes) are not our business here, they simply get no prefix.
-fn system_prompt_hash(messages: Option<&RawValue>) -> u32 {
-    let Some(messages) = messages else {
-        return NO_PREFIX;
+/// The hash of a system message's text (a string, or the concatenated `text` of its parts),
+/// `None` when it has none; shapes the gateway may still refuse are not our business here, they
+/// simply get no prefix.
+fn content_hash(content: &RawValue) -> Option<u32> {
+    let raw = content.get();
+    let text: Cow<str> = match raw.as_bytes().first() {
+        Some(b'"') => serde_json::from_str(raw).ok()?,
+        Some(b'[') => serde_json::from_str::<Vec<PartView>>(raw)
+            .ok()?
+            .into_iter()
+            .filter_map(|p| p.text)
+            .collect::<String>()
+            .into(),
+        _ => return None,
     };
-    let Ok(messages) = serde_json::from_str::<Vec<MessageView>>(messages.get()) else {
-        return NO_PREFIX;
-    };
-    for m in messages {
-        if m.role.as_deref() != Some("system") {
-            continue;
-        }
-        let Some(content) = m.content else { continue };
-        let text = match serde_json::from_str::<Content>(content.get()) {
-            Ok(Content::Text(t)) => t.into_owned(),
-            Ok(Content::Parts(parts)) => parts.into_iter().filter_map(|p| p.text).collect(),
-            Err(_) => continue,
-        };
-        if !text.is_empty() {
-            return batch_wire::hash::fnv1a_32(text.as_bytes());
-        }
-    }
-    NO_PREFIX
+    (!text.is_empty()).then(|| batch_wire::hash::fnv1a_32(text.as_bytes()))
 }
+
+#[cfg(test)]
+#[path = "validate_reference.rs"]
+mod reference;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// One JSON value out of a few, the first most often; `""` leaves the field out.
+    fn pick(options: &'static [&'static str]) -> impl Strategy<Value = Option<&'static str>> {
+        prop_oneof![2 => Just(options[0]), 1 => prop::sample::select(options)]
+            .prop_map(|s| (!s.is_empty()).then_some(s))
+    }
+
+    fn object(fields: Vec<(&'static str, Option<String>)>) -> String {
+        let parts: Vec<String> = fields
+            .into_iter()
+            .filter_map(|(k, v)| Some(format!("{k:?}: {}", v?)))
+            .collect();
+        format!("{{{}}}", parts.join(", "))
+    }
+
+    fn message() -> impl Strategy<Value = String> {
+        (
+            pick(&[
+                r#""system""#,
+                "",
+                r#""user""#,
+                "null",
+                "3",
+                r#""sys\u0074em""#,
+            ]),
+            pick(&[
+                r#""be brief""#,
+                "",
+                r#""""#,
+                "null",
+                "7",
+                r#"{"text":"x"}"#,
+                r#"[{"type":"text","text":"be "},{"text":"brief"}]"#,
+                r#"[{"type":"image_url"}]"#,
+                r#"["be brief"]"#,
+                r#"[]"#,
+            ]),
+            pick(&["", r#""x""#, r#"{"a":[1,{"b":null}]}"#]),
+            prop::bool::weighted(0.1),
+        )
+            .prop_map(|(role, content, extra, repeat)| {
+                let mut fields = vec![
+                    ("role", role.map(str::to_owned)),
+                    ("name", extra.map(str::to_owned)),
+                    ("content", content.map(str::to_owned)),
+                ];
+                if repeat {
+                    fields.push(("role", Some(r#""user""#.into())));
+                }
+                object(fields)
+            })
+    }
+
+    fn messages() -> impl Strategy<Value = Option<String>> {
+        prop_oneof![
+            4 => prop::collection::vec(message(), 0..4).prop_map(|m| Some(format!("[{}]", m.join(",")))),
+            1 => pick(&["", "null", r#""hi""#, r#"{"role":"system","content":"x"}"#, "[1]", r#"["system"]"#])
+                .prop_map(|m| m.map(str::to_owned)),
+        ]
+    }
+
+    fn body() -> impl Strategy<Value = Option<String>> {
+        let object_body = (
+            pick(&[
+                r#""m""#,
+                "",
+                r#""  ""#,
+                "null",
+                "5",
+                r#""Qwen/Qwen3-0.6B""#,
+                r#""m\u00e9""#,
+            ]),
+            pick(&["", "true", "false", "null", r#""true""#]),
+            messages(),
+            pick(&["", "128", r#"{"deep":[[],{}]}"#]),
+            pick(&["", "model", "stream", "messages"]),
+        )
+            .prop_map(|(model, stream, messages, extra, repeated)| {
+                let mut fields = vec![
+                    ("model", model.map(str::to_owned)),
+                    ("messages", messages),
+                    ("max_tokens", extra.map(str::to_owned)),
+                    ("stream", stream.map(str::to_owned)),
+                ];
+                if let Some(repeated) = repeated {
+                    fields.push((repeated, Some("null".into())));
+                }
+                Some(object(fields))
+            });
+        prop_oneof![
+            6 => object_body,
+            1 => pick(&["", "null", r#""x""#, "[1,2]", "3", "{}"]).prop_map(|b| b.map(str::to_owned)),
+        ]
+    }
+
+    fn line() -> impl Strategy<Value = String> {
+        (
+            pick(&[r#""r1""#, "", r#""""#, r#""  ""#, "7", "null", r#""r\n2""#]),
+            pick(&[r#""POST""#, "", r#""GET""#, "null"]),
+            pick(&[
+                r#""/v1/chat/completions""#,
+                "",
+                r#""/v1/completions""#,
+                r#""/v2/x""#,
+                "1",
+            ]),
+            body(),
+            prop::bool::ANY,
+        )
+            .prop_map(|(custom_id, method, url, body, spaced)| {
+                let line = object(vec![
+                    ("custom_id", custom_id.map(str::to_owned)),
+                    ("method", method.map(str::to_owned)),
+                    ("url", url.map(str::to_owned)),
+                    ("body", body),
+                ]);
+                match spaced {
+                    true => format!("  {line} "),
+                    false => line.replace(": ", ":").replace(", ", ","),
+                }
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// The single-pass validator says exactly what the one before it said.
+        #[test]
+        fn agrees_with_the_reference_validator(line in line()) {
+            prop_assert_eq!(check_line(&line, 3), reference::check_line(&line, 3), "{}", line);
+        }
+    }
+
+    #[test]
+    fn the_generated_lines_cover_both_answers_and_prefixes() {
+        use proptest::strategy::ValueTree;
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let (mut ok, mut hashed, mut bad) = (0, 0, 0);
+        for _ in 0..2000 {
+            let line = line().new_tree(&mut runner).unwrap().current();
+            match check_line(&line, 1) {
+                Ok(c) if c.prefix_hash != NO_PREFIX => hashed += 1,
+                Ok(_) => ok += 1,
+                Err(_) => bad += 1,
+            }
+        }
+        assert!(ok > 20 && hashed > 20 && bad > 20, "{ok} {hashed} {bad}");
+    }
 
     fn codes(text: &str) -> Vec<String> {
         check_line(text, 1)

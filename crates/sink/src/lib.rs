@@ -36,7 +36,7 @@ use batch_wire::{parse_request_id, Batch, Outcome, RequestCounts};
 use serde::Deserialize;
 
 pub use done::DoneSet;
-pub use render::{render, Rendered, Usage};
+pub use render::{render, render_into, LineKind, Rendered, Usage};
 
 /// The output file's name in a job directory.
 pub const OUTPUT_FILE: &str = "output.jsonl";
@@ -120,6 +120,8 @@ pub struct JobSink {
     counts: RequestCounts,
     /// Requests recorded since the last flush, and whether each counted as completed.
     pending: Vec<(u64, bool)>,
+    /// The line being rendered, kept to reuse its allocation.
+    scratch: Vec<u8>,
 }
 
 /// One result file: a buffered appender that knows where its last flushed line ends.
@@ -186,6 +188,7 @@ impl JobSink {
             done,
             counts,
             pending: Vec::new(),
+            scratch: Vec::new(),
         })
     }
 
@@ -207,12 +210,13 @@ impl JobSink {
             return Ok(Written::Duplicate);
         }
         let id = batch_wire::request_id(&self.job_id, index);
-        let rendered = render(&id, custom_id, outcome);
+        self.scratch.clear();
+        let rendered = render_into(&mut self.scratch, &id, custom_id, outcome);
         let file = match rendered.status {
             Some(_) => &mut self.output,
             None => &mut self.error,
         };
-        if let Err(e) = file.write_line(rendered.line.as_bytes()) {
+        if let Err(e) = file.write_line(&self.scratch) {
             let path = file.path.clone();
             return Err(self.roll_back(path, e));
         }

@@ -1,21 +1,56 @@
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 
 use crate::{error_codes, WireError};
 
 /// A string as it is; a JSON object or array as its JSON text (some dispatchers send the body
 /// decoded). Scalars other than strings are refused: they are no response body.
 fn string_or_json<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    use serde::de::Error;
-    let raw: Box<serde_json::value::RawValue> = Deserialize::deserialize(d)?;
+    let raw: Box<RawValue> = Deserialize::deserialize(d)?;
+    payload_text(&raw).map_err(serde::de::Error::custom)
+}
+
+fn payload_text(raw: &RawValue) -> Result<String, String> {
     let text = raw.get().trim();
     match text.as_bytes().first() {
-        Some(b'"') => serde_json::from_str(text).map_err(D::Error::custom),
+        Some(b'"') => serde_json::from_str(text).map_err(|e| e.to_string()),
         Some(b'{' | b'[') => Ok(text.to_owned()),
-        _ => Err(D::Error::custom(format!(
+        _ => Err(format!(
             "payload: expected a string, object or array, found {text}"
-        ))),
+        )),
+    }
+}
+
+/// A result list element as [`ResultMessage::parse`] reads it: borrowed where it can be, so
+/// the payload is copied once, when it is unescaped, not first into a box of its own.
+#[derive(Deserialize)]
+struct ResultView<'a> {
+    #[serde(borrow)]
+    id: Cow<'a, str>,
+    #[serde(default)]
+    status_code: Option<u16>,
+    #[serde(borrow, default)]
+    payload: Payload<'a>,
+    #[serde(borrow, default)]
+    error_code: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    error_message: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    request_token: Option<Cow<'a, str>>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+/// `payload` as it came, `null` included (which [`payload_text`] refuses, like any scalar).
+#[derive(Default)]
+struct Payload<'a>(Option<&'a RawValue>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Payload<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <&RawValue>::deserialize(d).map(|raw| Payload(Some(raw)))
     }
 }
 
@@ -89,7 +124,20 @@ impl ResultMessage {
     /// Reads one list element.
     pub fn parse(raw: &str) -> Result<Self, WireError> {
         crate::expect_object(raw)?;
-        Ok(serde_json::from_str(raw)?)
+        let view: ResultView = serde_json::from_str(raw)?;
+        let payload = match view.payload.0 {
+            Some(p) => payload_text(p).map_err(WireError::Invalid)?,
+            None => String::new(),
+        };
+        Ok(Self {
+            id: view.id.into_owned(),
+            status_code: view.status_code,
+            payload,
+            error_code: view.error_code.map(Cow::into_owned),
+            error_message: view.error_message.map(Cow::into_owned),
+            request_token: view.request_token.map(Cow::into_owned),
+            metadata: view.metadata,
+        })
     }
 
     /// The element bytes to LPUSH.
@@ -278,6 +326,31 @@ mod tests {
             ResultMessage::failed("a", "CANCELLED", "cancelled").to_json(),
             r#"{"id":"a","payload":"{\"error\":\"cancelled\"}","error_code":"CANCELLED","error_message":"cancelled"}"#
         );
+    }
+
+    #[test]
+    fn parse_reads_what_the_derived_deserializer_reads() {
+        for raw in [
+            r#"{"id":"a","status_code":200,"payload":"{\"n\":\"\\u00e9\"}","request_token":"t"}"#,
+            r#"{"id":"a\u00e9","payload":{"x":[1, 2]},"error_code":"E","error_message":"m\n"}"#,
+            r#"{"id":"a","payload":"","metadata":{"job_id":"j","request_index":"3"},"extra":[{}]}"#,
+            r#"{"id":"a","status_code":0}"#,
+            r#"{"id":"a","payload":null}"#,
+            r#"{"id":"a","payload":"x","payload":"y"}"#,
+            r#"{"id":"a","status_code":-1}"#,
+            r#"{"id":"a","status_code":null,"error_code":null}"#,
+        ] {
+            let derived = serde_json::from_str::<ResultMessage>(raw).map_err(|e| e.to_string());
+            let parsed = ResultMessage::parse(raw).map_err(|e| e.to_string());
+            assert_eq!(
+                parsed.is_ok(),
+                derived.is_ok(),
+                "{raw}: {parsed:?} {derived:?}"
+            );
+            if let Ok(p) = parsed {
+                assert_eq!(p, derived.unwrap(), "{raw}");
+            }
+        }
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Peak RSS of the `processor` binary, by job size, in both modes.
+//! Peak RSS of the `processor` binary, by job size, in both modes, and its CPU time per 1,000
+//! requests.
 
 use std::ffi::OsString;
 use std::time::Duration;
@@ -37,6 +38,8 @@ pub(crate) async fn run(
         inputs.push((size, path));
     }
     let mut points = Vec::new();
+    // (mode, lines, CPU seconds per 1,000 requests of each run)
+    let mut cpu: Vec<(&str, usize, Vec<f64>)> = Vec::new();
     for mode in ["async", "sync"] {
         lab.flush_redis().await?;
         // The simulator runs in this process, so only the processor's own memory is measured.
@@ -56,7 +59,7 @@ pub(crate) async fn run(
             (gateway, None, config)
         };
         for (size, input) in &inputs {
-            let mut runs = Vec::new();
+            let (mut runs, mut cpu_runs) = (Vec::new(), Vec::new());
             for run in 0..s.long_runs {
                 let out = lab.fresh_dir(&format!("memory-{mode}-{size}-{run}"))?;
                 let args: Vec<OsString> = vec![
@@ -75,15 +78,19 @@ pub(crate) async fn run(
                     lab.path("memory-processor.stderr"),
                 );
                 let timeout = Duration::from_secs(120 + *size as u64 / 100);
-                let peak = blocking(move || {
-                    crate::rss::peak_rss_mib(&helper, &processor, &args, &stdout, &stderr, timeout)
+                let used = blocking(move || {
+                    crate::rss::measure(&helper, &processor, &args, &stdout, &stderr, timeout)
                 })
                 .await?;
+                let per_1000 = used.cpu_seconds * 1000.0 / (*size).max(1) as f64;
                 progress(&format!(
-                    "   {mode}, {size} lines, run {run}: peak RSS {peak:.1} MiB"
+                    "   {mode}, {size} lines, run {run}: peak RSS {:.1} MiB, CPU {:.2} s ({:.0} ms per 1,000 requests)",
+                    used.peak_mib, used.cpu_seconds, per_1000 * 1000.0
                 ));
-                runs.push(peak);
+                runs.push(used.peak_mib);
+                cpu_runs.push(per_1000);
             }
+            cpu.push((mode, *size, cpu_runs));
             points.push(RssPoint {
                 mode: mode.into(),
                 lines: *size,
@@ -137,6 +144,21 @@ pub(crate) async fn run(
             );
         }
     }
+    // The largest job: start-up and finalizing weigh least in it.
+    for mode in ["async", "sync"] {
+        if let Some((_, size, runs)) = cpu.iter().filter(|c| c.0 == mode).max_by_key(|c| c.1) {
+            report.rows.push(Row::new(
+                MEMORY,
+                format!(
+                    "CPU time per 1,000 requests ({mode}), {} lines",
+                    super::lines(*size)
+                ),
+                Unit::Seconds,
+                Summary::new(runs.clone()),
+            ));
+        }
+    }
+    report.note(MEMORY, "CPU time is the processor's user + system time (`ru_utime` + `ru_stime` of the same `wait4`, all its threads, start-up and finalizing included) divided by the job's requests, per 1,000; the simulator and gateway run in the bench, not in it. In async mode it validates, plans, builds and ZADDs every member and writes every result; in sync mode it also sends every request over HTTP itself.");
     report.note(MEMORY, format!(
         "Peak RSS (`ru_maxrss` from `wait4`, taken by a small helper process that starts the processor, so the bench's own memory is not folded in) of `processor run` ({}) on jobs of {} B lines, the simulator (async: dispatcher and gateway; sync: gateway, per_endpoint 64) running inside the bench, so only the processor is measured. Flat is judged between the two largest jobs: the largest may need at most {FLAT}× the peak of the next one. From the smallest job up, memory first grows with buffers that are bounded by the configuration, not by the job: in async mode up to 4 chunks of 1,000 members (about 2.5 KB each) in flight to Redis, plus 1,000 results per consumer batch; a 1,000-line job does not fill them.",
         s.processor.display(), s.request_bytes
