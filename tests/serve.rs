@@ -771,6 +771,8 @@ async fn an_invalid_input_fails_the_batch_naming_every_bad_line() {
         line(Some("c"), "GET"),        // 5: not POST
         "this is not json".to_owned(), // 6
         line(Some("d"), "POST"),
+        // 8: an allowed url, but not the batch's endpoint
+        line(Some("e"), "POST").replace("/v1/chat/completions", "/v1/completions"),
     ]
     .join("\n")
         + "\n";
@@ -787,7 +789,10 @@ async fn an_invalid_input_fails_the_batch_naming_every_bad_line() {
             e["line"].as_u64().unwrap_or_else(|| panic!("no line: {e}"))
         })
         .collect();
-    assert_eq!(bad, BTreeSet::from([2, 4, 5, 6]), "{batch}");
+    assert_eq!(bad, BTreeSet::from([2, 4, 5, 6, 8]), "{batch}");
+    let mismatch = errors.iter().find(|e| e["line"] == 8).unwrap();
+    assert_eq!(mismatch["code"], "url_mismatch", "{mismatch}");
+    assert_eq!(mismatch["param"], "url", "{mismatch}");
     assert!(batch["output_file_id"].is_null(), "{batch}");
     // Nothing was sent.
     assert_eq!(env.gateway.stats().total, 0);

@@ -31,6 +31,9 @@ pub struct JobSpec {
     /// When the job was created (Unix seconds), if before this run: the deadline counts from
     /// it. `None`: now.
     pub created_at: Option<i64>,
+    /// The one `url` every line must name (a batch's `endpoint`); a line naming another fails
+    /// validation with `url_mismatch`. `None`: each line names its own.
+    pub endpoint: Option<String>,
 }
 
 impl JobSpec {
@@ -43,6 +46,7 @@ impl JobSpec {
             completion_window: Duration::from_secs(24 * 3600),
             headers: BTreeMap::new(),
             created_at: None,
+            endpoint: None,
         }
     }
 }

@@ -230,9 +230,24 @@ impl Executor {
 
     /// Creates or resumes the job of `spec`, locks its directory and validates its input.
     pub async fn prepare(&self, spec: &JobSpec) -> Result<Prepared, ExecError> {
+        let endpoint = match spec.endpoint.as_deref() {
+            None => None,
+            Some(e) => Some(
+                batch_wire::ALLOWED_URLS
+                    .into_iter()
+                    .find(|u| *u == e)
+                    .ok_or_else(|| {
+                        ExecError::Config(format!(
+                            "the endpoint {e} is not one of {}",
+                            batch_wire::ALLOWED_URLS.join(", ")
+                        ))
+                    })?,
+            ),
+        };
         let limits = batch_plan::Limits {
             max_requests: self.config.input.max_requests,
             max_file_bytes: self.config.input.max_file_bytes,
+            endpoint,
         };
         let (spec, work_dir) = (spec.clone(), self.config.work_dir.clone());
         let prepared = tokio::task::spawn_blocking(move || Job::prepare(&spec, &work_dir, limits))

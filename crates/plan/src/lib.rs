@@ -64,6 +64,9 @@ pub struct Limits {
     pub max_requests: u64,
     /// Largest file, in bytes.
     pub max_file_bytes: u64,
+    /// The one `url` every line must name (the batch's `endpoint`, as OpenAI requires), one of
+    /// [`batch_wire::ALLOWED_URLS`]; `None` lets each line name its own.
+    pub endpoint: Option<&'static str>,
 }
 
 impl Default for Limits {
@@ -71,6 +74,7 @@ impl Default for Limits {
         Self {
             max_requests: 50_000,
             max_file_bytes: 200 * 1024 * 1024,
+            endpoint: None,
         }
     }
 }
@@ -178,10 +182,7 @@ impl Plan {
                 scope.spawn(move || loop {
                     let next = work_rx.lock().expect("work queue lock").recv();
                     let Ok(block) = next else { return };
-                    if done_tx
-                        .send(check_block(block, limits.max_requests))
-                        .is_err()
-                    {
+                    if done_tx.send(check_block(block, &limits)).is_err() {
                         return;
                     }
                 });
@@ -573,7 +574,7 @@ struct CheckedBlock {
     models: Vec<String>,
 }
 
-fn check_block(block: Block, max_requests: u64) -> CheckedBlock {
+fn check_block(block: Block, limits: &Limits) -> CheckedBlock {
     let mut checked = CheckedBlock {
         seq: block.seq,
         lines: Vec::new(),
@@ -587,13 +588,25 @@ fn check_block(block: Block, max_requests: u64) -> CheckedBlock {
         text = text.strip_suffix(b"\r").unwrap_or(text);
         let outcome = if text.iter().all(u8::is_ascii_whitespace) {
             Outcome::Blank
-        } else if line_no > max_requests {
+        } else if line_no > limits.max_requests {
             Outcome::PastLimit
         } else {
             match std::str::from_utf8(text) {
                 Err(_) => Outcome::NotUtf8,
                 Ok(text) => match check_line(text, line_no) {
                     Err(errors) => Outcome::Invalid(errors),
+                    Ok(line) if limits.endpoint.is_some_and(|e| e != line.url) => {
+                        Outcome::Invalid(vec![BatchError {
+                            code: error_codes::URL_MISMATCH.into(),
+                            message: format!(
+                                "The url {} does not match the batch's endpoint {}.",
+                                line.url,
+                                limits.endpoint.unwrap_or_default()
+                            ),
+                            param: Some("url".into()),
+                            line: Some(line_no),
+                        }])
+                    }
                     Ok(line) => {
                         let start = checked.custom_ids.len();
                         checked.custom_ids.push_str(&line.custom_id);

@@ -197,3 +197,22 @@ fn missing_input_is_an_io_error_naming_the_file() {
     // The I/O error is in the message once, not again as a source.
     assert!(std::error::Error::source(&err).is_none());
 }
+
+#[test]
+fn with_an_endpoint_every_line_must_name_it() {
+    let dir = tempdir().unwrap();
+    let other = line("b", "m", None).replace("/v1/chat/completions", "/v1/embeddings");
+    let lines = vec![line("a", "m", None), other, line("c", "m", None)];
+    let input = write(dir.path(), &lines, true);
+    let chat = Limits {
+        endpoint: Some("/v1/chat/completions"),
+        ..Limits::default()
+    };
+    assert_eq!(
+        invalid(Plan::build(&input, &dir.path().join("p1"), chat)),
+        [(Some(2), "url_mismatch".to_owned())]
+    );
+    // Without one, each line names its own.
+    let plan = Plan::build(&input, &dir.path().join("p2"), Limits::default()).unwrap();
+    assert_eq!(plan.total(), 3);
+}

@@ -487,6 +487,7 @@ impl Runner {
             completion_window: Duration::from_secs(record.window_secs),
             headers: Default::default(),
             created_at: Some(record.batch.batch.created_at),
+            endpoint: record.batch.batch.endpoint.clone(),
         };
         let cancel = CancellationToken::new();
         if self

@@ -42,6 +42,8 @@ pub mod error_codes {
     pub const INVALID_METHOD: &str = "invalid_method";
     /// Validation: `url` is not an allowed endpoint.
     pub const INVALID_URL: &str = "invalid_url";
+    /// Validation: `url` is not the batch's endpoint.
+    pub const URL_MISMATCH: &str = "url_mismatch";
     /// Validation: `body.model` missing or empty.
     pub const MISSING_MODEL: &str = "missing_model";
     /// Validation: `body.stream` is true.

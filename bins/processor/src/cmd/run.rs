@@ -122,6 +122,7 @@ fn specs(args: &Args) -> Result<Vec<JobSpec>, String> {
             completion_window: args.completion_window,
             headers: headers.clone(),
             created_at: None,
+            endpoint: None,
         })
         .collect())
 }

@@ -51,6 +51,7 @@ pub(crate) async fn run(
             let limits = batch_plan::Limits {
                 max_requests: u64::MAX,
                 max_file_bytes: u64::MAX,
+                endpoint: None,
             };
             batch_plan::Plan::build(&input, &dir, limits)?;
             Ok(t.elapsed().as_secs_f64())

@@ -108,6 +108,7 @@ pub(crate) async fn run(
             let limits = batch_plan::Limits {
                 max_requests: u64::MAX,
                 max_file_bytes: u64::MAX,
+                endpoint: None,
             };
             let plan = batch_plan::Plan::build(&input, &dir, limits)?;
             let mut positions = vec![0u64; n];
