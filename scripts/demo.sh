@@ -18,17 +18,24 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-redis_port=$(free_port)
-start_redis "$redis_port" "$work"
+start_redis "$work"
+redis_port=$REDIS_PORT
 pids+=("$REDIS_PID")
 echo "redis://127.0.0.1:$redis_port" > "$work/redis-url"
 export PROCESSOR_REDIS_URL_FILE="$work/redis-url"
 export PROCESSOR_WORK_DIR="$work/jobs"
 
-gateway_port=$(free_port)
-"$bin/async-dispatcher-sim" gateway --listen "127.0.0.1:$gateway_port" --latency 20ms \
+# Port 0: the gateway binds a free port and prints it.
+"$bin/async-dispatcher-sim" gateway --listen 127.0.0.1:0 --latency 20ms \
   > "$work/gateway.log" 2>&1 &
 pids+=($!)
+gateway_port=
+for _ in $(seq 1 100); do
+  gateway_port=$(sed -n 's|^listening gateway=http://127.0.0.1:\([0-9]*\).*|\1|p' "$work/gateway.log")
+  if [ -n "$gateway_port" ]; then break; fi
+  sleep 0.1
+done
+if [ -z "$gateway_port" ]; then echo "the gateway did not start; see $work/gateway.log" >&2; exit 1; fi
 wait_http "$gateway_port"
 
 # The dispatcher gets its queues from the processor's own config: one source of truth.

@@ -54,16 +54,23 @@ free_port() {
   echo "no free port found" >&2; return 1
 }
 
-# Starts redis-server on 127.0.0.1:$1 with data in $2; waits until it answers PING.
+# Starts redis-server on a free 127.0.0.1 port with data in $1; waits until it answers PING.
+# Sets REDIS_PORT and REDIS_PID. Another port is tried when the chosen one was taken meanwhile.
 start_redis() {
-  redis-server --bind 127.0.0.1 --port "$1" --dir "$2" --save "" --appendonly no \
-    --logfile "$2/redis.log" --daemonize no &
-  REDIS_PID=$!
-  for _ in $(seq 1 100); do
-    if [ "$(redis-cli -p "$1" ping 2>/dev/null)" = PONG ]; then return; fi
-    sleep 0.1
+  local attempt
+  for attempt in 1 2 3 4 5; do
+    REDIS_PORT=$(free_port)
+    redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$1" --save "" --appendonly no \
+      --logfile "$1/redis.log" --daemonize no &
+    REDIS_PID=$!
+    for _ in $(seq 1 100); do
+      if [ "$(redis-cli -p "$REDIS_PORT" ping 2>/dev/null)" = PONG ]; then return; fi
+      if ! kill -0 "$REDIS_PID" 2>/dev/null; then break; fi
+      sleep 0.1
+    done
+    if kill -0 "$REDIS_PID" 2>/dev/null; then break; fi
   done
-  echo "redis-server did not start; see $2/redis.log" >&2; return 1
+  echo "redis-server did not start; see $1/redis.log" >&2; return 1
 }
 
 # Waits until an HTTP server answers on 127.0.0.1:$1.
