@@ -146,13 +146,21 @@ fn the_rss_helper_measures_the_child_not_its_large_parent() {
         .status()
         .unwrap();
     assert_eq!(status.code(), Some(7), "the helper passes the exit code on");
+    // `<peak KiB> <exit code> <CPU µs>`
     let text = std::fs::read_to_string(&result).unwrap();
-    let kib: u64 = text.split_whitespace().next().unwrap().parse().unwrap();
+    let fields: Vec<u64> = text
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or_else(|_| panic!("{text}")))
+        .collect();
+    let [kib, code, cpu_us] = fields[..] else {
+        panic!("three fields expected: {text}")
+    };
     assert!(
         kib > 0 && kib < 64 << 10,
         "{kib} KiB reported for `sh -c exit`"
     );
-    assert!(text.trim().ends_with(" 7"), "{text}");
+    assert_eq!(code, 7, "{text}");
+    assert!(cpu_us < 10_000_000, "{cpu_us} µs of CPU for `sh -c exit`");
     assert_eq!(
         ballast.iter().map(|&b| b as usize).sum::<usize>(),
         300 << 20
