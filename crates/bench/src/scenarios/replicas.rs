@@ -525,7 +525,7 @@ async fn takeover(
         .and_then(|i| i.parse().ok())
         .filter(|i| *i < services.len())
         .ok_or_else(|| BenchError::Check(format!("a lease held by {victim_name:?}")))?;
-    let lost: Vec<String> = ids
+    let mut lost: Vec<String> = ids
         .iter()
         .zip(&holders)
         .filter(|(_, h)| **h == victim_name)
@@ -540,9 +540,14 @@ async fn takeover(
             let key = format!("{{{STATE_PREFIX}}}:checkpoint:{id}");
             let exists: u64 = lab.client().exists(key).await?;
             let (done, _) = completed(survivor, id).await?;
+            // A job that ran ahead of the others (an earlier deadline) may end first: it has
+            // nothing left to take over.
+            if done >= s.takeover_lines as u64 {
+                continue;
+            }
             if exists == 0 || done < tenth {
                 not_yet(
-                    "a checkpoint and a tenth of the lines of each job of the replica to kill",
+                    &format!("a checkpoint and a tenth of the lines of each job of the replica to kill (now {id}: checkpoint {exists}, {done} of {tenth} lines)"),
                     waiting,
                     Duration::from_secs(120),
                 )
@@ -551,6 +556,18 @@ async fn takeover(
             }
         }
         break;
+    }
+    let mut running = Vec::new();
+    for id in lost {
+        if completed(survivor, &id).await?.0 < s.takeover_lines as u64 {
+            running.push(id);
+        }
+    }
+    lost = running;
+    if lost.is_empty() {
+        return Err(BenchError::Check(
+            "every job of the replica to kill ended before it could be killed".into(),
+        ));
     }
     for id in &ids {
         created.insert(completed(survivor, id).await?.1);
