@@ -40,6 +40,7 @@ const ASYNC_KEYS: &[&str] = &[
     "lost_request_timeout",
     "enqueue_chunk",
     "result_batch",
+    "result_linger",
 ];
 const MODEL_KEYS: &[&str] = &[
     "url",
@@ -445,6 +446,7 @@ fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfi
         ),
         enqueue_chunk: c.count(&t, "enqueue_chunk", d.enqueue_chunk, 1),
         result_batch: c.count(&t, "result_batch", d.result_batch, 1),
+        result_linger: c.duration(&t, "result_linger", d.result_linger),
     }
 }
 

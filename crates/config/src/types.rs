@@ -135,6 +135,10 @@ pub struct AsyncDispatchConfig {
     pub enqueue_chunk: usize,
     /// Results popped per round trip (default 1000, > 0).
     pub result_batch: usize,
+    /// After a round of fewer than `result_batch` results, how long the consumer lets more
+    /// gather before the next (default 10ms; 0 reads each result at once).
+    #[serde(serialize_with = "ser_duration")]
+    pub result_linger: Duration,
 }
 
 impl Default for AsyncDispatchConfig {
@@ -148,6 +152,7 @@ impl Default for AsyncDispatchConfig {
             lost_request_timeout: Duration::from_secs(600),
             enqueue_chunk: 1000,
             result_batch: 1000,
+            result_linger: Duration::from_millis(10),
         }
     }
 }

@@ -63,6 +63,7 @@ fn defaults_fill_a_minimal_sync_config() {
     );
     assert_eq!(c.async_dispatch.enqueue_chunk, 1000);
     assert_eq!(c.async_dispatch.result_batch, 1000);
+    assert_eq!(c.async_dispatch.result_linger, Duration::from_millis(10));
 
     let m = &c.model_gateways["m"];
     assert_eq!(m.url.as_deref(), Some("http://127.0.0.1:8000"));
@@ -118,6 +119,7 @@ async_dispatch:
   lost_request_timeout: 2m
   enqueue_chunk: 50
   result_batch: 20
+  result_linger: 0s
 model_gateways:
   "Qwen/Qwen3-0.6B":
     url: https://gateway.example:8443/
@@ -153,6 +155,7 @@ input: {max_requests: 10, max_file_bytes: 1MiB}
     );
     assert_eq!(a.lost_request_timeout, Duration::from_secs(120));
     assert_eq!((a.enqueue_chunk, a.result_batch), (50, 20));
+    assert_eq!(a.result_linger, Duration::ZERO);
 
     let m = &c.model_gateways["Qwen/Qwen3-0.6B"];
     assert_eq!(m.url.as_deref(), Some("https://gateway.example:8443/"));

@@ -146,6 +146,40 @@ async fn takes_oldest_first_in_batches_and_leaves_nothing_in_flight() {
     handle.join().await;
 }
 
+/// Rounds (handler calls) it took to write 200 results pushed one every 2 ms.
+async fn rounds_for_a_trickle(linger: Duration) -> usize {
+    let redis = RedisServer::start();
+    let handler = Recorder::for_jobs(&["job"]);
+    let options = ConsumerOptions {
+        linger,
+        ..options(1000)
+    };
+    let (handle, shutdown) = spawn_with(&redis, handler.clone(), options).await;
+    for i in 0..200 {
+        push(&redis, "job", [i]);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    until("200 results", || handler.indexes().len() == 200).await;
+    assert_eq!(handler.indexes(), (0..200).collect::<Vec<_>>());
+    shutdown.cancel();
+    handle.join().await;
+    let rounds = handler.batches.lock().unwrap().len();
+    rounds
+}
+
+#[tokio::test]
+async fn results_that_trickle_in_are_written_many_at_a_time() {
+    let eager = rounds_for_a_trickle(Duration::ZERO).await;
+    let lingering = rounds_for_a_trickle(Duration::from_millis(25)).await;
+    eprintln!("rounds for 200 results: {eager} without linger, {lingering} with 25 ms");
+    // About 400 ms of pushes: one round per 25 ms, against about one per result.
+    assert!(lingering <= 50, "{lingering} rounds");
+    assert!(
+        eager >= 2 * lingering,
+        "{eager} rounds without linger, {lingering} with"
+    );
+}
+
 #[tokio::test]
 async fn bad_and_foreign_messages_are_counted_and_skipped() {
     let redis = RedisServer::start();

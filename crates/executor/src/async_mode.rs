@@ -136,6 +136,7 @@ impl AsyncMode {
         ConsumerOptions {
             batch: self.config.async_dispatch.result_batch,
             poll_timeout: self.config.async_dispatch.result_poll_timeout,
+            linger: self.config.async_dispatch.result_linger,
             ..ConsumerOptions::default()
         }
     }

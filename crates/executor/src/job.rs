@@ -361,17 +361,23 @@ impl Job {
         );
     }
 
-    /// Writes one outcome and flushes.
-    pub(crate) fn record(&self, index: u64, outcome: &Outcome<'_>) -> Result<Written, ExecError> {
+    /// Writes outcomes (each skipped when its line exists) and flushes once. On an error
+    /// nothing of them is kept (see [`JobSink`]): the whole call can be made again.
+    pub(crate) fn record_all<'a>(
+        &self,
+        outcomes: impl IntoIterator<Item = (u64, Outcome<'a>)>,
+    ) -> Result<(), ExecError> {
         let mut tally = m::Tally::default();
         let mut sink = self.sink.lock().expect("sink lock");
-        let written = self.record_unflushed(&mut sink, index, outcome, &mut tally)?;
+        for (index, outcome) in outcomes {
+            self.record_unflushed(&mut sink, index, &outcome, &mut tally)?;
+        }
         sink.flush()?;
         let counts = sink.counts();
         drop(sink);
         self.emit(tally, false);
         self.publish(counts);
-        Ok(written)
+        Ok(())
     }
 
     /// Publishes new counters after writes.
@@ -446,6 +452,17 @@ impl Job {
         self.input
             .read(record)
             .map_err(|e| ExecError::io(self.plan.input(), e))
+    }
+
+    /// The lines of `records`, each with its record.
+    pub(crate) fn read_lines(
+        &self,
+        records: Vec<Record>,
+    ) -> Result<Vec<(Record, Vec<u8>)>, ExecError> {
+        records
+            .into_iter()
+            .map(|r| Ok((r, self.read_line(&r)?)))
+            .collect()
     }
 
     /// Gives every line still without one an error line with `code`.

@@ -5,17 +5,24 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use batch_config::ProcessorConfig;
+use batch_plan::Record;
 use batch_sync_dispatch::{
     EndpointOptions, LimitOptions, SyncDispatcher, SyncOutcome, SyncRequest, TlsOptions,
 };
 use batch_wire::{InputLine, Outcome};
-use futures::future::BoxFuture;
+use futures::future::{self, BoxFuture};
 use futures::stream::{self, StreamExt};
+use tokio::sync::mpsc;
 
 use crate::job::{End, Job};
 use crate::metrics as m;
 use crate::stop::Stop;
 use crate::{blocking, Dispatch, ExecError};
+
+/// Input lines read in one blocking call, ahead of the calls that send them.
+const READ_AHEAD: usize = 64;
+/// Answers written with one flush, at most.
+const WRITE_BATCH: usize = 256;
 
 pub(crate) struct SyncMode {
     dispatcher: SyncDispatcher,
@@ -80,6 +87,9 @@ impl SyncMode {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         let width = self.config.concurrency.per_endpoint.max(1);
+        // Answers go to one writer, which writes whatever has come in one blocking call and one
+        // flush, instead of a thread hand-off and a write per answer.
+        let (answers, mut written) = mpsc::channel::<(u64, Owned)>(width + WRITE_BATCH);
         let mut per_model = Vec::new();
         for model in job.plan.models() {
             if !self.config.model_gateways.contains_key(&model.model) {
@@ -92,22 +102,47 @@ impl SyncMode {
             job.dispatched(records.len() as u64);
             let name = model.model.as_str();
             let headers = &headers;
-            let calls = stream::iter(records)
-                .map(move |record| async move {
+            let chunks: Vec<Vec<Record>> = records.chunks(READ_AHEAD).map(<[_]>::to_vec).collect();
+            let answers = answers.clone();
+            let calls = stream::iter(chunks)
+                .then(move |chunk| {
                     let j = job.clone();
-                    let line = blocking(move || j.read_line(&record)).await?;
-                    let index = record.line as u64;
-                    let outcome = self.call(name, index, &line, slo, headers, job).await;
-                    write_outcome(job, index, outcome, stop).await
+                    blocking(move || j.read_lines(chunk))
+                })
+                .flat_map(|read| match read {
+                    Ok(lines) => stream::iter(lines.into_iter().map(Ok)).left_stream(),
+                    Err(e) => stream::once(future::ready(Err(e))).right_stream(),
+                })
+                .map(move |read| {
+                    let answers = answers.clone();
+                    async move {
+                        let (record, line) = read?;
+                        let index = record.line as u64;
+                        let outcome = self.call(name, index, &line, slo, headers, job).await;
+                        // Closed only when the job stops writing: the answer is not kept.
+                        let _ = answers.send((index, outcome)).await;
+                        Ok::<_, ExecError>(())
+                    }
                 })
                 .buffer_unordered(width);
             per_model.push(calls.boxed());
         }
-        let mut all = stream::select_all(per_model);
-        while let Some(done) = all.next().await {
-            done?;
-        }
-        Ok(())
+        drop(answers);
+        let send = async move {
+            let mut all = stream::select_all(per_model);
+            while let Some(done) = all.next().await {
+                done?;
+            }
+            Ok(())
+        };
+        let write = async {
+            let mut batch = Vec::with_capacity(WRITE_BATCH);
+            while written.recv_many(&mut batch, WRITE_BATCH).await > 0 {
+                write_outcomes(job, std::mem::take(&mut batch), stop).await;
+            }
+        };
+        let (sent, ()) = tokio::join!(send, write);
+        sent
     }
 
     async fn call(
@@ -148,23 +183,19 @@ impl SyncMode {
     }
 }
 
-/// Writes one answer, retrying a failed write (a full disk) until it succeeds or the job stops.
-async fn write_outcome(
-    job: &Arc<Job>,
-    index: u64,
-    outcome: Owned,
-    stop: &Stop,
-) -> Result<(), ExecError> {
-    let outcome = Arc::new(outcome);
+/// Writes answers, retrying a failed write (a full disk) until it succeeds or the job stops.
+async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop) {
+    let outcomes = Arc::new(outcomes);
     let mut backoff = Duration::from_millis(100);
     loop {
-        let (j, o) = (job.clone(), outcome.clone());
-        match blocking(move || j.record(index, &o.as_outcome())).await {
-            Ok(_) => return Ok(()),
+        let (j, o) = (job.clone(), outcomes.clone());
+        let write = move || j.record_all(o.iter().map(|(index, o)| (*index, o.as_outcome())));
+        match blocking(write).await {
+            Ok(()) => return,
             Err(e) => {
-                tracing::error!(job = %job.id, error = %e, "could not write an answer; retrying");
+                tracing::error!(job = %job.id, error = %e, "could not write answers; retrying");
                 tokio::select! {
-                    _ = stop.halt.cancelled() => return Ok(()),
+                    _ = stop.halt.cancelled() => return,
                     _ = tokio::time::sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
