@@ -460,8 +460,10 @@ impl AsyncMode {
     ) -> Result<u64, ExecError> {
         let mut total = 0;
         for q in queues {
+            // One chunk built ahead of those in flight: building is much faster than sending,
+            // and every chunk held is megabytes.
             let (tx, mut rx) =
-                tokio::sync::mpsc::channel::<Result<Vec<(f64, String)>, ExecError>>(4);
+                tokio::sync::mpsc::channel::<Result<Vec<(f64, String)>, ExecError>>(1);
             let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
             let (j, model, msgs, first) = (
                 job.clone(),

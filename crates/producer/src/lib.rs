@@ -195,6 +195,12 @@ impl Producer {
     }
 
     async fn zadd(&self, queue: &str, chunk: Vec<(f64, String)>) -> Result<u64, ProducerError> {
+        // Each member's bytes are shared by every attempt (a Bytes-backed string), not copied
+        // per attempt: a chunk is megabytes.
+        let chunk: Vec<(f64, Value)> = chunk
+            .into_iter()
+            .map(|(score, member)| (score, Value::String(member.into())))
+            .collect();
         self.retry("ZADD", queue, || {
             self.client
                 .zadd::<u64, _, _>(queue, None, None, false, false, chunk.clone())
