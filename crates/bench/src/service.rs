@@ -312,7 +312,16 @@ impl Api {
 
     /// `POST path` with a JSON body.
     pub(crate) async fn post_json(&self, path: &str, body: &Value) -> Result<Reply, BenchError> {
-        let bytes = Bytes::from(body.to_string());
+        self.post_json_bytes(path, Bytes::from(body.to_string()))
+            .await
+    }
+
+    /// `POST path` with a JSON body given as its bytes.
+    pub(crate) async fn post_json_bytes(
+        &self,
+        path: &str,
+        bytes: Bytes,
+    ) -> Result<Reply, BenchError> {
         let mut req = self.request(Method::POST, path, full(bytes));
         req.headers_mut().insert(
             hyper::header::CONTENT_TYPE,

@@ -640,7 +640,7 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
         latency = latency.saturating_add(config.prefix_miss_latency);
     }
     let latency = config.queued_latency(latency, in_flight);
-    tokio::time::sleep(latency).await;
+    crate::timer::sleep(latency).await;
     let text = reply::success(endpoint, model, request, &digest, tokens);
     state.count(http::json(StatusCode::OK, text))
 }

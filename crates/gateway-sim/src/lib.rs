@@ -42,6 +42,7 @@ pub mod http;
 mod prefix;
 pub mod prom;
 mod reply;
+mod timer;
 
 use std::net::SocketAddr;
 

@@ -27,13 +27,14 @@ fn payload_text(raw: &RawValue) -> Result<String, String> {
 /// A result list element as [`ResultMessage::parse`] reads it: borrowed where it can be, so
 /// the payload is copied once, when it is unescaped, not first into a box of its own.
 #[derive(Deserialize)]
-struct ResultView<'a> {
+#[serde(bound(deserialize = "P: Deserialize<'de> + Default"))]
+struct ResultView<'a, P> {
     #[serde(borrow)]
     id: Cow<'a, str>,
     #[serde(default)]
     status_code: Option<u16>,
-    #[serde(borrow, default)]
-    payload: Payload<'a>,
+    #[serde(default)]
+    payload: P,
     #[serde(borrow, default)]
     error_code: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
@@ -47,6 +48,33 @@ struct ResultView<'a> {
 /// `payload` as it came, `null` included (which [`payload_text`] refuses, like any scalar).
 #[derive(Default)]
 struct Payload<'a>(Option<&'a RawValue>);
+
+/// `payload` when it is a string (as every dispatcher sends it), unescaped in the pass that
+/// reads it; anything else is refused, and then read again as a [`Payload`].
+#[derive(Default)]
+struct StrPayload<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for StrPayload<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl<'de> serde::de::Visitor<'de> for Text {
+            type Value = Cow<'de, str>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Cow::Borrowed(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v.to_owned()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v))
+            }
+        }
+        d.deserialize_str(Text).map(StrPayload)
+    }
+}
 
 impl<'de: 'a, 'a> Deserialize<'de> for Payload<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -124,12 +152,22 @@ impl ResultMessage {
     /// Reads one list element.
     pub fn parse(raw: &str) -> Result<Self, WireError> {
         crate::expect_object(raw)?;
-        let view: ResultView = serde_json::from_str(raw)?;
+        // Every dispatcher sends the payload as a string: read and unescape it in one pass.
+        // Anything else (a decoded body, or an error to report) takes the general path.
+        if let Ok(mut view) = serde_json::from_str::<ResultView<StrPayload>>(raw) {
+            let payload = std::mem::take(&mut view.payload.0).into_owned();
+            return Ok(Self::from_view(view, payload));
+        }
+        let view: ResultView<Payload> = serde_json::from_str(raw)?;
         let payload = match view.payload.0 {
             Some(p) => payload_text(p).map_err(WireError::Invalid)?,
             None => String::new(),
         };
-        Ok(Self {
+        Ok(Self::from_view(view, payload))
+    }
+
+    fn from_view<P>(view: ResultView<'_, P>, payload: String) -> Self {
+        Self {
             id: view.id.into_owned(),
             status_code: view.status_code,
             payload,
@@ -137,7 +175,7 @@ impl ResultMessage {
             error_message: view.error_message.map(Cow::into_owned),
             request_token: view.request_token.map(Cow::into_owned),
             metadata: view.metadata,
-        })
+        }
     }
 
     /// The element bytes to LPUSH.
@@ -339,6 +377,10 @@ mod tests {
             r#"{"id":"a","payload":"x","payload":"y"}"#,
             r#"{"id":"a","status_code":-1}"#,
             r#"{"id":"a","status_code":null,"error_code":null}"#,
+            r#"{"id":"a","status_code":200,"payload":"\ud83d\ude00 \"q\" \\ \/ \b\f\n\r\t"}"#,
+            r#"{"id":"a","payload":[1]}"#,
+            r#"{"id":"a","payload":"\ud83d"}"#,
+            r#"{"id":"a","payload":"x","status_code":"200"}"#,
         ] {
             let derived = serde_json::from_str::<ResultMessage>(raw).map_err(|e| e.to_string());
             let parsed = ResultMessage::parse(raw).map_err(|e| e.to_string());
@@ -350,6 +392,14 @@ mod tests {
             if let Ok(p) = parsed {
                 assert_eq!(p, derived.unwrap(), "{raw}");
             }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_string_payload_reads_back_as_it_was_sent(body in ".*", id in "[a-z_0-9]{1,20}", status in 100u16..600) {
+            let sent = ResultMessage::http(id, status, body);
+            proptest::prop_assert_eq!(ResultMessage::parse(&sent.to_json()).unwrap(), sent);
         }
     }
 

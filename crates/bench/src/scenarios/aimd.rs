@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::{expect_completed, lines, ready, spec};
 use crate::inputs::{write_input, MODEL};
 use crate::lab::{load, Lab};
-use crate::report::{AimdSample, AimdTrace, Report, Row, Target, Unit};
+use crate::report::{AimdSample, AimdTrace, Kind, Report, Row, Target, Unit};
 use crate::stats::Summary;
 use crate::BenchError;
 
@@ -172,6 +172,31 @@ pub(crate) async fn run(
     let n = s.aimd_lines;
     let input = lab.path("aimd.jsonl");
     write_input(&input, n, 1024)?;
+    let mut bare = Vec::new();
+    for run in 0..s.long_runs {
+        let rate = bare_client(&input, n).await?;
+        progress(&format!(
+            "   hard limit, bare HTTP client, {CAPACITY} at once, run {run}: {rate:.0} req/s"
+        ));
+        bare.push(rate);
+    }
+    let bare = Summary::new(bare);
+    report.rows.push(
+        Row::new(
+            AIMD,
+            format!(
+                "hard limit, bare HTTP client, {CAPACITY} at once (no processor): throughput, {} lines",
+                lines(n)
+            ),
+            Unit::PerSecond("req/s"),
+            bare.clone(),
+        )
+        .limit(
+            format!("C/L = {CAPACITY} / {} ms", LATENCY.as_millis()),
+            CAPACITY as f64 / LATENCY.as_secs_f64(),
+        )
+        .kind(Kind::Limit),
+    );
     for behaviour in Behaviour::ALL {
         for candidate in CANDIDATES {
             let mut runs = Vec::new();
@@ -200,9 +225,50 @@ pub(crate) async fn run(
         "The processor runs in sync mode with `per_endpoint: {PER_ENDPOINT}` (above C, so the limiter must find C), `global: {GLOBAL}`, `aimd.min: 5`, `max_retries: 1000`, `initial_backoff: 1ms`, `max_backoff: 20ms`; requests are {} lines of 1 KiB. `aimd` is the reference processor's limiter (starts at `per_endpoint`, cuts by `backoff_factor` once per overload episode, a request keeps its permit while it retries); `gradient` is crates/aimd's `GradientLimiter` (starts at `aimd.min` and doubles; latency floor; a 429 cuts to the concurrency that was refused; hears every attempt; a request gives its permit back while it backs off). The targets apply to `gradient`.",
         lines(n)
     ));
+    report.note(AIMD, format!(
+        "What a client on this machine can get from the hard-limit gateway at all: the bare HTTP client row is {CAPACITY} callers in the bench process, each POSTing the job's first request body again the moment its last answer came, over keep-alive HTTP/1 (hyper, no processor, no limiter, no 429), {:.0} req/s median, {:.0} % of C/L. It loses to C/L what every request's round trip outside the gateway's {} ms takes: all {CAPACITY} answers of a wave come within microseconds of each other and wait for the CPU, client and gateway sharing the 2 cores.",
+        bare.median(),
+        bare.median() / (CAPACITY as f64 / LATENCY.as_secs_f64()) * 100.0,
+        LATENCY.as_millis()
+    ));
     report.note(AIMD, "The 429 share counts the gateway's 429 responses (retries included) against the job's requests, as counted at the gateway. The mean limit is the time average of the endpoint's limit sampled every 10 ms; the plots show the run with the median throughput.");
     report.note(AIMD, "The reference AIMD with backoff_factor 0.5 saws between about C/2 and C (about 75 % of C on average); 0.9 cuts less but, since a request that meets a 429 keeps its permit and retries at once and a cut only comes with a final answer, it meets more 429s. Against the queueing gateway the reference sits above the knee (it starts at 128 and only a 429 past Q moves it), which costs latency, not throughput.");
     Ok(())
+}
+
+/// The machine's own ceiling against the hard limit: C callers at once, each sending its next
+/// request the moment its last answer came (no processor).
+async fn bare_client(input: &std::path::Path, n: usize) -> Result<f64, BenchError> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let line = std::fs::read_to_string(input).map_err(|e| BenchError::io(input, e))?;
+    let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap_or("{}"))
+        .map_err(|e| BenchError::Check(format!("the bench's input: {e}")))?;
+    let body = bytes::Bytes::from(first["body"].to_string());
+    let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), Behaviour::Hard.config()).await?;
+    let api = crate::service::Api::new(&gateway.base_url(), CAPACITY);
+    let next = std::sync::Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let callers = (0..CAPACITY).map(|_| {
+        let (api, body, next) = (api.clone(), body.clone(), next.clone());
+        async move {
+            while next.fetch_add(1, Ordering::Relaxed) < n {
+                let reply = api
+                    .post_json_bytes("/v1/chat/completions", body.clone())
+                    .await?;
+                if reply.status != hyper::StatusCode::OK {
+                    return Err(BenchError::Check(format!(
+                        "the bare client got {} from the gateway",
+                        reply.status
+                    )));
+                }
+            }
+            Ok(())
+        }
+    });
+    let called = futures::future::try_join_all(callers).await;
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    gateway.shutdown().await;
+    called.map(|_| rate)
 }
 
 fn record(
