@@ -109,7 +109,7 @@ pub(crate) async fn run(
             Summary::new(rates),
         )
         .limit(format!("redis-benchmark RPOP, -P {best_pipeline}"), best)
-        .target(Target::AtLeast(100_000.0)),
+        .target(Target::AtLeast(300_000.0)),
     );
     for (pipeline, runs) in limits {
         report.rows.push(

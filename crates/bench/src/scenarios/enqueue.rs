@@ -169,7 +169,8 @@ pub(crate) async fn run(
             RATE,
             rate.clone(),
         )
-        .limit(&limit_name, best),
+        .limit(&limit_name, best)
+        .target(Target::RatioAtLeast(1.0)),
     );
     report.rows.push(Row::new(
         &enqueue,
