@@ -141,7 +141,8 @@ pub struct Settings {
     pub quick: bool,
     /// Which scenarios run (all by default).
     pub scenarios: Vec<Scenario>,
-    /// The `processor` binary, for the memory scenario.
+    /// The `processor` binary, for the scenarios that run it as a child process (memory,
+    /// serve, replicas).
     pub processor: PathBuf,
     /// A program that runs [`rss_helper`] when its first argument is [`RSS_HELPER_ARG`] (the
     /// bench binary); the memory scenario needs it.
@@ -197,6 +198,17 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// The `processor` binary, or why a scenario that runs it cannot.
+    pub(crate) fn require_processor(&self) -> Result<&std::path::Path, BenchError> {
+        if self.processor.is_file() {
+            Ok(&self.processor)
+        } else {
+            Err(BenchError::MissingTool(
+                self.processor.display().to_string(),
+            ))
+        }
+    }
+
     /// The full run: 50,000-line jobs, 5 runs of short scenarios, 3 of long ones.
     pub fn full(processor: PathBuf) -> Self {
         Self {

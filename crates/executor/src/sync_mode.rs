@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use batch_config::ProcessorConfig;
-use batch_plan::Record;
 use batch_sync_dispatch::{
     EndpointOptions, LimitOptions, SyncDispatcher, SyncOutcome, SyncRequest, TlsOptions,
 };
@@ -102,9 +101,9 @@ impl SyncMode {
             job.dispatched(records.len() as u64);
             let name = model.model.as_str();
             let headers = &headers;
-            let chunks: Vec<Vec<Record>> = records.chunks(READ_AHEAD).map(<[_]>::to_vec).collect();
             let answers = answers.clone();
-            let calls = stream::iter(chunks)
+            let calls = stream::iter(records)
+                .chunks(READ_AHEAD)
                 .then(move |chunk| {
                     let j = job.clone();
                     blocking(move || j.read_lines(chunk))

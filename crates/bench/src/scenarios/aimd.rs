@@ -239,9 +239,14 @@ pub(crate) async fn run(
 /// The machine's own ceiling against the hard limit: C callers at once, each sending its next
 /// request the moment its last answer came (no processor).
 async fn bare_client(input: &std::path::Path, n: usize) -> Result<f64, BenchError> {
+    use std::io::BufRead;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let line = std::fs::read_to_string(input).map_err(|e| BenchError::io(input, e))?;
-    let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap_or("{}"))
+    let mut line = String::new();
+    std::fs::File::open(input)
+        .map(std::io::BufReader::new)
+        .and_then(|mut r| r.read_line(&mut line))
+        .map_err(|e| BenchError::io(input, e))?;
+    let first: serde_json::Value = serde_json::from_str(&line)
         .map_err(|e| BenchError::Check(format!("the bench's input: {e}")))?;
     let body = bytes::Bytes::from(first["body"].to_string());
     let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), Behaviour::Hard.config()).await?;

@@ -25,9 +25,7 @@ pub(crate) async fn run(
     report: &mut Report,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(), BenchError> {
-    if !s.processor.is_file() {
-        return Err(BenchError::MissingTool(s.processor.display().to_string()));
-    }
+    s.require_processor()?;
     let helper = s.rss_helper.clone().ok_or_else(|| {
         BenchError::MissingTool("the RSS helper (the bench binary, Settings::rss_helper)".into())
     })?;

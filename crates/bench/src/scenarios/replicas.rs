@@ -102,9 +102,7 @@ pub(crate) async fn run(
     report: &mut Report,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(), BenchError> {
-    if !s.processor.is_file() {
-        return Err(BenchError::MissingTool(s.processor.display().to_string()));
-    }
+    s.require_processor()?;
     let load_before = load_average();
     let (batches, lines) = (s.replicas_batches, s.replicas_batch_lines);
     let input = lab.path("replicas-batch.jsonl");

@@ -69,9 +69,7 @@ pub(crate) async fn run(
     report: &mut Report,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(), BenchError> {
-    if !s.processor.is_file() {
-        return Err(BenchError::MissingTool(s.processor.display().to_string()));
-    }
+    s.require_processor()?;
     let load_before = load_average();
     let big = lab.path("serve-upload.jsonl");
     let upload_lines = (s.serve_upload_bytes as usize / UPLOAD_LINE).max(1);
