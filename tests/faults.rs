@@ -282,12 +282,23 @@ async fn a_gate_closed_for_three_lost_timeouts_sends_each_request_once() {
     sim.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_write_that_fails_half_way_leaves_the_job_resumable() {
+/// A write stopped half way by a file-size limit, in either mode: the processor waits for the
+/// disk, a SIGTERM pauses it, and a rerun completes every line once.
+async fn write_fails_half_way(sync: bool) {
     let env = Env::start(GatewayConfig::default()).await;
     let lines = write_input(&env.path("in.jsonl"), 2000, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
-    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let (config, sim) = if sync {
+        (env.sync_config(&["llama-3"], "", ""), None)
+    } else {
+        let config = env.async_config(&[("llama-3", "pool-a")], "");
+        (config, Some(env.dispatcher(&["pool-a"], |_| {}).await))
+    };
+    // Sync mode writes its answers in batches, async mode its results.
+    let complaint = if sync {
+        "could not write answers"
+    } else {
+        "could not write results"
+    };
     let out = env.path("out");
     let mut limited = run_cmd(&config, &env.path("in.jsonl"), &out);
     limited.stdout(Stdio::null()).stderr(Stdio::piped());
@@ -321,7 +332,7 @@ async fn a_write_that_fails_half_way_leaves_the_job_resumable() {
     let status = wait_exit(&mut child.0, Duration::from_secs(15));
     let stderr = stderr_of(&mut child.0);
     assert_eq!(status.code(), Some(6), "paused: {stderr}");
-    assert!(stderr.contains("could not write results"), "{stderr}");
+    assert!(stderr.contains(complaint), "{stderr}");
     let text = std::fs::read_to_string(out.join("output.jsonl")).unwrap();
     assert!(
         text.is_empty() || text.ends_with('\n'),
@@ -337,7 +348,19 @@ async fn a_write_that_fails_half_way_leaves_the_job_resumable() {
     results.assert_each_once(&lines);
     results.assert_answers_match(&lines);
     assert_eq!(batch_json(&out)["status"], "completed");
-    sim.shutdown().await;
+    if let Some(sim) = sim {
+        sim.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_that_fails_half_way_leaves_the_job_resumable() {
+    write_fails_half_way(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sync_write_that_fails_half_way_leaves_the_job_resumable() {
+    write_fails_half_way(true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
