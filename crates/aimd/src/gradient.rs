@@ -33,14 +33,17 @@ pub struct GradientConfig {
     /// The latency floor is the least window mean over this many windows; at least 1. Older
     /// windows are forgotten, so a gateway that became slower is followed.
     pub floor_windows: usize,
-    /// A window is `max(limit, min_window)` successes; at least 1.
+    /// A window is `max(limit, min_window)` successes (in slow start, `limit`: one round
+    /// trip, so the limit doubles per round trip as TCP's does); at least 1.
     pub min_window: usize,
     /// Windows without an overload before the limit may pass the concurrency that was last
     /// refused.
     pub hold_windows: usize,
-    /// Every this many windows the limit drops for one window to 0.9 × what the gateway
-    /// serves at the floor, to see the floor again before it is forgotten, then goes back
-    /// (BBR's ProbeRTT). At least 1; below `floor_windows` to be useful.
+    /// After this many windows none of which came near the floor (within a quarter of the
+    /// tolerance above it), the limit drops for one window to 0.9 × what the gateway serves
+    /// at the floor, to see the floor again before it is forgotten, then goes back (BBR's
+    /// ProbeRTT, which also waits until its minimum is stale). At least 1; below
+    /// `floor_windows` to be useful.
     pub probe_windows: usize,
 }
 
@@ -134,16 +137,20 @@ impl Window {
 ///   in use (its busiest moment had at least half the limit in flight): by a step that starts
 ///   at `initial_step` and doubles each window, capped at a quarter of the limit. Below the
 ///   concurrency last refused the growth stops one short of it, and passing it waits
-///   `hold_windows` calm windows (TCP CUBIC's plateau). Once the latency is halfway to the
+///   `hold_windows` calm windows (TCP CUBIC's plateau). A quarter past it with the latency
+///   still near the floor, that refusal is stale (the gateway grew): slow start again, which
+///   ends at the next overload or queued window. Once the latency is halfway to the
 ///   tolerance it does not pass `tolerance` times what the window says the gateway serves
 ///   at the floor.
 /// - **Shrink on latency**: when the mean latency is above the tolerance the gateway is
 ///   queueing; the limit moves toward `mean in_flight × floor / mean latency` (what it serves
 ///   at the floor latency; Gradient2's rule) by `smoothing`. The step restarts.
-/// - **Probe**: every `probe_windows` windows the limit drops for one window to 0.9 × that
-///   estimate, answers sent above it are left out, and then it goes back. So the floor is
-///   seen again before it is forgotten; else, against a gateway kept just within the
-///   tolerance, it would creep up with the queue.
+/// - **Probe**: after `probe_windows` windows none of which came within a quarter of the
+///   tolerance of the floor, the limit drops for one window to 0.9 × that estimate, answers
+///   sent above it are left out, and then it goes back. So the floor is seen again before
+///   it is forgotten; else, against a gateway kept just within the tolerance, it would
+///   creep up with the queue. A gateway answering at its floor anyway is not probed: a
+///   probe costs a tenth of the limit for a round trip or two.
 ///
 /// ```
 /// use std::time::Duration;
@@ -171,7 +178,8 @@ pub struct GradientLimiter {
     /// The in-flight count of the last refused request; `usize::MAX` before any.
     refused_at: usize,
     calm_windows: usize,
-    windows_since_probe: usize,
+    /// Windows since one whose mean came near the floor.
+    windows_off_floor: usize,
     /// While probing, the limit to go back to.
     probe: Option<usize>,
     slow_start: bool,
@@ -190,7 +198,7 @@ impl GradientLimiter {
             epoch: 0,
             refused_at: usize::MAX,
             calm_windows: 0,
-            windows_since_probe: 0,
+            windows_off_floor: 0,
             probe: None,
             slow_start: true,
             window: Window::default(),
@@ -250,7 +258,7 @@ impl GradientLimiter {
             return None;
         }
         self.window.add(latency.as_secs_f64(), in_flight);
-        if self.window.count < self.limit.max(self.config.min_window) {
+        if self.window.count < self.window_size() {
             return None;
         }
         let window = std::mem::take(&mut self.window);
@@ -262,7 +270,12 @@ impl GradientLimiter {
         let floor = self.floor_secs().unwrap_or(mean);
         let mean_in_flight = window.in_flight_sum / window.count as f64;
         self.calm_windows += 1;
-        self.windows_since_probe += 1;
+        let near_floor = mean <= floor * (1.0 + (self.config.tolerance - 1.0) / 4.0);
+        self.windows_off_floor = if near_floor {
+            0
+        } else {
+            self.windows_off_floor + 1
+        };
         let queued = mean > floor * self.config.tolerance;
         if let Some(before) = self.probe.take() {
             if !queued {
@@ -280,8 +293,8 @@ impl GradientLimiter {
             let to = (target.max(0.0) as usize).max(self.config.min);
             return if to < self.limit { self.set(to) } else { None };
         }
-        if self.windows_since_probe >= self.config.probe_windows && !self.slow_start {
-            self.windows_since_probe = 0;
+        if self.windows_off_floor >= self.config.probe_windows && !self.slow_start {
+            self.windows_off_floor = 0;
             let to = ((mean_in_flight * floor / mean * 0.9).floor() as usize).max(self.config.min);
             if to < self.limit {
                 self.probe = Some(self.limit);
@@ -291,6 +304,13 @@ impl GradientLimiter {
         if window.max_in_flight * 2 < self.limit {
             // Not limited by the limit: growing it would test nothing.
             return None;
+        }
+        if !self.slow_start
+            && near_floor
+            && self.refused_at != usize::MAX
+            && self.limit >= self.refused_at.saturating_add(self.refused_at / 4)
+        {
+            self.slow_start = true;
         }
         let passing = self.limit.saturating_add(1) >= self.refused_at;
         if passing && self.calm_windows <= self.config.hold_windows {
@@ -321,6 +341,15 @@ impl GradientLimiter {
             .saturating_mul(2)
             .min((to / 4).max(self.config.initial_step));
         self.set(to)
+    }
+
+    /// Successes that close the current window.
+    fn window_size(&self) -> usize {
+        if self.slow_start {
+            self.limit
+        } else {
+            self.limit.max(self.config.min_window)
+        }
     }
 
     fn set(&mut self, to: usize) -> Option<Change> {
@@ -376,7 +405,7 @@ mod tests {
 
     /// One window at the current limit, every request taking `latency`.
     fn window(l: &mut GradientLimiter, latency: Duration) {
-        let n = l.limit().max(l.config().min_window);
+        let n = l.window_size();
         let in_flight = l.limit();
         for _ in 0..n {
             l.on_success(latency, in_flight);
@@ -453,6 +482,28 @@ mod tests {
     }
 
     #[test]
+    fn a_quarter_past_a_stale_refusal_it_doubles_again() {
+        // The gateway went from 16 back to 64: calm past the refused 17, then doubling.
+        let mut l = limiter(1, 1000);
+        l.on_overload(17, l.epoch());
+        let mut trace = vec![l.limit()];
+        for _ in 0..8 {
+            window(&mut l, L);
+            trace.push(l.limit());
+        }
+        assert_eq!(trace, vec![16, 16, 16, 16, 17, 19, 23, 46, 92]);
+        // Against the hard 64 it overshot to, one cut and it holds there.
+        let settled = hard_limit_loop(&mut l, 64, 100);
+        assert_eq!(settled[0].0, 64);
+        assert!(
+            settled.iter().all(|&(x, _)| (57..=65).contains(&x)),
+            "{settled:?}"
+        );
+        let refused: usize = settled[1..].iter().map(|t| t.1).sum();
+        assert!(refused < 50, "{refused} refusals after the cut");
+    }
+
+    #[test]
     fn passing_the_refused_concurrency_waits_for_calm_windows() {
         let mut l = limiter(1, 1000);
         l.on_overload(11, l.epoch()); // 10
@@ -461,7 +512,8 @@ mod tests {
             window(&mut l, L);
             trace.push(l.limit());
         }
-        assert_eq!(trace, vec![10, 10, 10, 10, 11, 13, 16]);
+        // Past it by a quarter (13 of 11), the old refusal is stale: doubling.
+        assert_eq!(trace, vec![10, 10, 10, 10, 11, 13, 26]);
     }
 
     #[test]
@@ -499,16 +551,37 @@ mod tests {
         })
         .unwrap();
         l.on_overload(101, 0); // out of slow start; 100 stays (one less than 101... at max)
-        for _ in 0..3 {
-            window(&mut l, L);
-        }
-        assert_eq!(l.limit(), 90, "0.9 × the 100 served at the floor");
+        window(&mut l, L);
+        // Within the tolerance but off the floor: the third such window probes.
+        let off = L.mul_f64(1.2);
+        window(&mut l, off);
+        window(&mut l, off);
+        assert_eq!(l.limit(), 100);
+        window(&mut l, off);
+        assert_eq!(l.limit(), 75, "0.9 × the 100 × 20 / 24 served at the floor");
         // Answers sent with 100 in flight predate the probe and are left out.
         for _ in 0..200 {
             assert_eq!(l.on_success(3 * L, 100), None);
         }
         window(&mut l, L);
         assert_eq!(l.limit(), 100, "the floor was seen again: back");
+    }
+
+    #[test]
+    fn a_gateway_answering_at_its_floor_is_not_probed() {
+        let mut l = GradientLimiter::new(GradientConfig {
+            max: 100,
+            initial: 100,
+            probe_windows: 3,
+            ..GradientConfig::default()
+        })
+        .unwrap();
+        l.on_overload(101, 0);
+        for k in 0..50 {
+            // Noise within a quarter of the tolerance is still the floor.
+            window(&mut l, L.mul_f64(1.0 + (k % 3) as f64 * 0.03));
+            assert_eq!(l.limit(), 100, "window {k}");
+        }
     }
 
     #[test]
