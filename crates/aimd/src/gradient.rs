@@ -541,8 +541,8 @@ mod tests {
         assert_eq!(smooth.limit(), 75, "halfway from 100 to 50");
     }
 
-    #[test]
-    fn a_probe_drops_for_one_window_ignores_older_answers_and_goes_back() {
+    /// At 100 out of slow start (refused at 101, at max), probing after 3 windows off the floor.
+    fn probing() -> GradientLimiter {
         let mut l = GradientLimiter::new(GradientConfig {
             max: 100,
             initial: 100,
@@ -550,7 +550,13 @@ mod tests {
             ..GradientConfig::default()
         })
         .unwrap();
-        l.on_overload(101, 0); // out of slow start; 100 stays (one less than 101... at max)
+        l.on_overload(101, 0);
+        l
+    }
+
+    #[test]
+    fn a_probe_drops_for_one_window_ignores_older_answers_and_goes_back() {
+        let mut l = probing();
         window(&mut l, L);
         // Within the tolerance but off the floor: the third such window probes.
         let off = L.mul_f64(1.2);
@@ -569,14 +575,7 @@ mod tests {
 
     #[test]
     fn a_gateway_answering_at_its_floor_is_not_probed() {
-        let mut l = GradientLimiter::new(GradientConfig {
-            max: 100,
-            initial: 100,
-            probe_windows: 3,
-            ..GradientConfig::default()
-        })
-        .unwrap();
-        l.on_overload(101, 0);
+        let mut l = probing();
         for k in 0..50 {
             // Noise within a quarter of the tolerance is still the floor.
             window(&mut l, L.mul_f64(1.0 + (k % 3) as f64 * 0.03));
