@@ -12,13 +12,12 @@ use tokio::sync::oneshot;
 
 struct Sleeper {
     at: Instant,
-    seq: u64,
     wake: oneshot::Sender<()>,
 }
 
 impl PartialEq for Sleeper {
     fn eq(&self, other: &Self) -> bool {
-        (self.at, self.seq) == (other.at, other.seq)
+        self.at == other.at
     }
 }
 impl Eq for Sleeper {}
@@ -28,15 +27,15 @@ impl PartialOrd for Sleeper {
     }
 }
 impl Ord for Sleeper {
-    // Reversed: the heap's top is the earliest deadline.
+    // Reversed: the heap's top is the earliest deadline (ties wake in any order).
     fn cmp(&self, other: &Self) -> Ordering {
-        (other.at, other.seq).cmp(&(self.at, self.seq))
+        other.at.cmp(&self.at)
     }
 }
 
 #[derive(Default)]
 struct Timer {
-    sleepers: Mutex<(BinaryHeap<Sleeper>, u64)>,
+    sleepers: Mutex<BinaryHeap<Sleeper>>,
     earlier: Condvar,
 }
 
@@ -57,11 +56,11 @@ impl Timer {
         let mut guard = self.sleepers.lock().expect("timer lock");
         loop {
             let now = Instant::now();
-            let next = guard.0.peek().map(|s| s.at);
+            let next = guard.peek().map(|s| s.at);
             guard = match next {
                 None => self.earlier.wait(guard).expect("timer lock"),
                 Some(at) if at <= now => {
-                    if let Some(s) = guard.0.pop() {
+                    if let Some(s) = guard.pop() {
                         // A sleeper that went away (its request was dropped) is no error.
                         let _ = s.wake.send(());
                     }
@@ -80,10 +79,8 @@ impl Timer {
     fn add(&self, at: Instant) -> oneshot::Receiver<()> {
         let (wake, woken) = oneshot::channel();
         let mut guard = self.sleepers.lock().expect("timer lock");
-        let seq = guard.1;
-        guard.1 += 1;
-        let first = guard.0.peek().is_none_or(|s| at < s.at);
-        guard.0.push(Sleeper { at, seq, wake });
+        let first = guard.peek().is_none_or(|s| at < s.at);
+        guard.push(Sleeper { at, wake });
         drop(guard);
         if first {
             self.earlier.notify_one();
