@@ -4,8 +4,9 @@
 //! else: it moves what waits in the result list into the list's in-flight list (`{<list>}:inflight`,
 //! atomically and in O(1): the whole backlog at once), reads the in-flight list from the right
 //! (oldest first) a batch at a time, hands each batch to the [`ResultHandler`], and removes it
-//! from the in-flight list only once the handler says it is written. The next batch is read and
-//! parsed while one is being written (on a blocking thread), so the two use two cores. When the
+//! from the in-flight list only once the handler says it is written. Reading, writing and
+//! acknowledging overlap: the next batch is read and parsed (on a blocking thread) while one
+//! is written (on another) and the one before it is acknowledged. When the
 //! result list is empty it blocks (BLMOVE of one result into flight) for up to the poll
 //! timeout; an empty poll is not an error. After a round that found less than a batch it waits
 //! [`ConsumerOptions::linger`] before the next, so results that trickle in one by one are still
@@ -328,7 +329,7 @@ impl ResultConsumer {
         if left > 0 {
             tracing::info!(inflight = %self.keys.inflight, results = left, "handling results left in flight");
             self.stats.add_recovered(left);
-            self.drain_in_flight(lease, shutdown).await?;
+            self.drain_in_flight(left, lease, shutdown).await?;
         }
         while !shutdown.is_cancelled() {
             if lease.lost().is_cancelled() {
@@ -367,7 +368,9 @@ impl ResultConsumer {
                 return Ok(0);
             }
         }
-        self.drain_in_flight(lease, shutdown).await
+        // The blocking pop moves one result.
+        let len = taken.max(1) as u64;
+        self.drain_in_flight(len, lease, shutdown).await
     }
 
     /// Waits for the list to fill: true when a result was moved into flight.
@@ -401,89 +404,146 @@ impl ResultConsumer {
         Ok(!moved.is_null())
     }
 
-    /// Writes everything in the in-flight list, oldest first, a batch at a time, acknowledging
-    /// each batch once written; returns how many results it read. Nothing else adds to the list
-    /// meanwhile, so positions are stable.
+    /// Writes everything in the in-flight list (`len` results), oldest first, a batch at a
+    /// time, acknowledging each batch once written; returns how many results it read.
+    ///
+    /// Three stages overlap: batches are read and parsed ahead (on a blocking thread), one is
+    /// written (on another) while the one before it is acknowledged. Acknowledgements stay in
+    /// order, each sent once the one before it is applied. Nothing else adds to the list
+    /// meanwhile, and acknowledgements trim its right end, so positions counted from the left
+    /// stay where they were when reading began.
     async fn drain_in_flight(
         &self,
+        len: u64,
         lease: &Lease,
         shutdown: &CancellationToken,
     ) -> Result<u64, Halt> {
-        let mut read = 0u64;
-        let batch = self.options.batch.max(1) as i64;
-        let mut items = self.read_in_flight(-batch, -1).await?;
-        let mut routed = self.route_batch(&items);
+        let (tx, rx) = tokio::sync::mpsc::channel(READ_AHEAD);
+        let (read, written) = tokio::join!(
+            self.read_ahead(len, tx),
+            self.write_and_ack(rx, lease, shutdown)
+        );
+        // The writer stopping first (shut down, lease lost) ends the reader; a read error ends
+        // the writer once it has written what was read before it.
+        written?;
+        read
+    }
+
+    /// Reads and parses the `len` in-flight results a batch at a time, oldest first, into
+    /// `tx` until the writer stops taking them; returns how many it read. Each batch is parsed
+    /// while the next one is read.
+    async fn read_ahead(
+        &self,
+        len: u64,
+        tx: tokio::sync::mpsc::Sender<Taken>,
+    ) -> Result<u64, Halt> {
+        let batch = self.options.batch.max(1) as u64;
+        let range = |end: u64| (end.saturating_sub(batch), end);
+        let mut read = 0;
+        let (mut start, end) = range(len);
+        let mut items = self.read_in_flight(start, end).await?;
         while !items.is_empty() {
-            let n = items.len() as i64;
-            read += n as u64;
-            // The next batch, just left of this one, is read and parsed while this one is
-            // written.
-            let next = async {
-                let next = self.read_in_flight(-n - batch, -n - 1).await?;
-                let routed = self.route_batch(&next);
-                Ok::<_, fred::error::Error>((next, routed))
+            read += items.len() as u64;
+            let parse = async {
+                let stats = self.stats.clone();
+                let list = self.keys.list.clone();
+                tokio::task::spawn_blocking(move || {
+                    let routed = route_batch(&stats, &list, &items);
+                    Taken { items, routed }
+                })
+                .await
+                .map_err(|e| Halt::Error(format!("parsing results failed: {e}")))
             };
-            let (next, handled) = tokio::join!(next, self.handle(&routed, shutdown));
-            let Some(not_here) = handled else {
-                // Shutting down: what is not written stays in flight for the next reader.
-                return Ok(read);
-            };
-            let parked = self
-                .scripts
-                .ack(
-                    &self.client,
-                    &self.keys,
-                    lease.value(),
-                    &items,
-                    &not_here,
-                    now_unix(),
-                )
-                .await?;
-            match parked {
-                scripts::Ack::Done { parked } => {
-                    let dropped = not_here.len() as u64 - parked;
-                    self.stats.parked_and_dropped(parked, dropped);
-                    if dropped > 0 {
-                        tracing::warn!(results = %self.keys.list, count = dropped, "dropped results of jobs that exist nowhere");
-                    }
-                }
-                scripts::Ack::LeaseLost => return Err(Halt::LeaseLost),
-                scripts::Ack::Mismatch => {
-                    return Err(Halt::Error(
-                        "the in-flight list changed under its reader".into(),
-                    ))
-                }
+            let (next_start, next_end) = range(start);
+            let (next, parsed) = tokio::join!(self.read_in_flight(next_start, next_end), parse);
+            if tx.send(parsed?).await.is_err() {
+                break;
             }
-            (items, routed) = next?;
+            items = next?;
+            start = next_start;
         }
         Ok(read)
     }
 
-    /// In-flight results between two positions, in list order (newest first).
-    async fn read_in_flight(
-        &self,
-        start: i64,
-        stop: i64,
-    ) -> Result<Vec<String>, fred::error::Error> {
-        self.client.lrange(&self.keys.inflight, start, stop).await
+    /// The in-flight results at positions `start..end` from the left, in list order (newest
+    /// first).
+    async fn read_in_flight(&self, start: u64, end: u64) -> Result<Vec<String>, Halt> {
+        if start >= end {
+            return Ok(Vec::new());
+        }
+        let items = self
+            .client
+            .lrange(&self.keys.inflight, start as i64, end as i64 - 1)
+            .await?;
+        Ok(items)
     }
 
-    /// Parses and routes `items` (list order), oldest first; malformed ones are counted and
-    /// left out.
-    fn route_batch(&self, items: &[String]) -> RoutedBatch {
-        // Oldest first: the rightmost item is the oldest.
-        let mut positions = Vec::with_capacity(items.len());
-        let mut routed = Vec::with_capacity(items.len());
-        for (pos, raw) in items.iter().enumerate().rev() {
-            if let Some(r) = self.route(raw) {
-                positions.push(pos);
-                routed.push(r);
-            }
+    /// Writes each batch `rx` brings and acknowledges it, the acknowledgement of one
+    /// overlapping the write of the next.
+    async fn write_and_ack(
+        &self,
+        mut rx: tokio::sync::mpsc::Receiver<Taken>,
+        lease: &Lease,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Halt> {
+        let mut written: Option<Unacked> = None;
+        while let Some(taken) = rx.recv().await {
+            let previous = written.take();
+            let ack = async {
+                match &previous {
+                    Some(w) => self.ack(lease, &w.items, &w.not_here).await,
+                    None => Ok(()),
+                }
+            };
+            let (acked, handled) = tokio::join!(ack, self.handle(&taken.routed, shutdown));
+            acked?;
+            let Some(not_here) = handled else {
+                // Shutting down: what is not written stays in flight for the next reader.
+                return Ok(());
+            };
+            written = Some(Unacked {
+                items: taken.items,
+                not_here,
+            });
         }
-        RoutedBatch {
-            received: items.len() as u64,
-            positions,
-            routed: Arc::new(routed),
+        if let Some(w) = written {
+            self.ack(lease, &w.items, &w.not_here).await?;
+        }
+        Ok(())
+    }
+
+    /// Removes a written batch (list order) from flight, parking the results of jobs that
+    /// run elsewhere.
+    async fn ack(
+        &self,
+        lease: &Lease,
+        items: &[String],
+        not_here: &[(usize, String)],
+    ) -> Result<(), Halt> {
+        let acked = self
+            .scripts
+            .ack(
+                &self.client,
+                &self.keys,
+                lease.value(),
+                items,
+                not_here,
+                now_unix(),
+            )
+            .await?;
+        match acked {
+            scripts::Ack::Done { parked } => {
+                let dropped = not_here.len() as u64 - parked;
+                self.stats.parked_and_dropped(parked, dropped);
+                if dropped > 0 {
+                    tracing::warn!(results = %self.keys.list, count = dropped, "dropped results of jobs that exist nowhere");
+                }
+                Ok(())
+            }
+            scripts::Ack::LeaseLost => Err(Halt::LeaseLost),
+            scripts::Ack::Mismatch => Err(Halt::Error(
+                "the in-flight list changed under its reader".into(),
+            )),
         }
     }
 
@@ -537,34 +597,70 @@ impl ResultConsumer {
             backoff = (backoff * 2).min(self.options.max_backoff);
         }
     }
+}
 
-    fn route(&self, raw: &str) -> Option<Routed> {
-        let result = match ResultMessage::parse(raw) {
-            Ok(r) => r,
-            Err(e) => {
-                self.stats.malformed();
-                tracing::warn!(results = %self.keys.list, error = %e, message = %preview(raw), "dropped a malformed result");
-                return None;
-            }
-        };
-        let by_metadata = || {
-            let m = result.metadata.as_ref()?;
-            Some((
-                m.get("job_id")?.clone(),
-                m.get("request_index")?.parse().ok()?,
-            ))
-        };
-        match parse_request_id(&result.id).or_else(by_metadata) {
-            Some((job_id, index)) => Some(Routed {
-                job_id,
-                index,
-                result,
-            }),
-            None => {
-                self.stats.malformed();
-                tracing::warn!(results = %self.keys.list, id = %preview(&result.id), "dropped a result whose id names no job");
-                None
-            }
+/// Batches read ahead of the one being written: each is about a megabyte per 1,000 results.
+const READ_AHEAD: usize = 1;
+
+/// A batch read from flight: as it is in the list (newest first), and parsed.
+struct Taken {
+    items: Vec<String>,
+    routed: RoutedBatch,
+}
+
+/// A batch written and not yet acknowledged.
+struct Unacked {
+    /// As it is in the list.
+    items: Vec<String>,
+    /// The (list position, job) of results of jobs not here.
+    not_here: Vec<(usize, String)>,
+}
+
+/// Parses and routes `items` (list order), oldest first; malformed ones are counted and left
+/// out.
+fn route_batch(stats: &ConsumerStats, list: &str, items: &[String]) -> RoutedBatch {
+    // Oldest first: the rightmost item is the oldest.
+    let mut positions = Vec::with_capacity(items.len());
+    let mut routed = Vec::with_capacity(items.len());
+    for (pos, raw) in items.iter().enumerate().rev() {
+        if let Some(r) = route(stats, list, raw) {
+            positions.push(pos);
+            routed.push(r);
+        }
+    }
+    RoutedBatch {
+        received: items.len() as u64,
+        positions,
+        routed: Arc::new(routed),
+    }
+}
+
+fn route(stats: &ConsumerStats, list: &str, raw: &str) -> Option<Routed> {
+    let result = match ResultMessage::parse(raw) {
+        Ok(r) => r,
+        Err(e) => {
+            stats.malformed();
+            tracing::warn!(results = %list, error = %e, message = %preview(raw), "dropped a malformed result");
+            return None;
+        }
+    };
+    let by_metadata = || {
+        let m = result.metadata.as_ref()?;
+        Some((
+            m.get("job_id")?.clone(),
+            m.get("request_index")?.parse().ok()?,
+        ))
+    };
+    match parse_request_id(&result.id).or_else(by_metadata) {
+        Some((job_id, index)) => Some(Routed {
+            job_id,
+            index,
+            result,
+        }),
+        None => {
+            stats.malformed();
+            tracing::warn!(results = %list, id = %preview(&result.id), "dropped a result whose id names no job");
+            None
         }
     }
 }
