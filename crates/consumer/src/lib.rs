@@ -67,6 +67,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use batch_queue_names::ListKeys;
 use batch_wire::{parse_request_id, ResultMessage};
+use fred::bytes_utils::Str;
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, ListInterface};
 use fred::types::config::Options;
@@ -467,7 +468,7 @@ impl ResultConsumer {
 
     /// The in-flight results at positions `start..end` from the left, in list order (newest
     /// first).
-    async fn read_in_flight(&self, start: u64, end: u64) -> Result<Vec<String>, Halt> {
+    async fn read_in_flight(&self, start: u64, end: u64) -> Result<Vec<Str>, Halt> {
         if start >= end {
             return Ok(Vec::new());
         }
@@ -517,7 +518,7 @@ impl ResultConsumer {
     async fn ack(
         &self,
         lease: &Lease,
-        items: &[String],
+        items: &[Str],
         not_here: &[(usize, String)],
     ) -> Result<(), Halt> {
         let acked = self
@@ -604,21 +605,21 @@ const READ_AHEAD: usize = 1;
 
 /// A batch read from flight: as it is in the list (newest first), and parsed.
 struct Taken {
-    items: Vec<String>,
+    items: Vec<Str>,
     routed: RoutedBatch,
 }
 
 /// A batch written and not yet acknowledged.
 struct Unacked {
     /// As it is in the list.
-    items: Vec<String>,
+    items: Vec<Str>,
     /// The (list position, job) of results of jobs not here.
     not_here: Vec<(usize, String)>,
 }
 
 /// Parses and routes `items` (list order), oldest first; malformed ones are counted and left
 /// out.
-fn route_batch(stats: &ConsumerStats, list: &str, items: &[String]) -> RoutedBatch {
+fn route_batch(stats: &ConsumerStats, list: &str, items: &[Str]) -> RoutedBatch {
     // Oldest first: the rightmost item is the oldest.
     let mut positions = Vec::with_capacity(items.len());
     let mut routed = Vec::with_capacity(items.len());

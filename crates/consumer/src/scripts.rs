@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use batch_queue_names::ListKeys;
+use fred::bytes_utils::Str;
 use fred::clients::Client;
 use fred::types::scripts::Script;
 
@@ -114,7 +115,7 @@ impl Scripts {
         client: &Client,
         keys: &ListKeys,
         holder: &str,
-        items: &[String],
+        items: &[Str],
         not_here: &[(usize, String)],
         now: i64,
     ) -> Result<Ack, fred::error::Error> {
@@ -131,8 +132,8 @@ impl Scripts {
             holder.to_owned(),
             nonce(),
             items.len().to_string(),
-            oldest.clone(),
-            newest.clone(),
+            oldest.to_string(),
+            newest.to_string(),
             now.to_string(),
         ];
         let mut park: Vec<&(usize, String)> = not_here.iter().collect();
