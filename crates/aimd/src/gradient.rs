@@ -139,7 +139,8 @@ impl Window {
 ///   concurrency last refused the growth stops one short of it, and passing it waits
 ///   `hold_windows` calm windows (TCP CUBIC's plateau). A quarter past it with the latency
 ///   still near the floor, that refusal is stale (the gateway grew): slow start again, which
-///   ends at the next overload or queued window. Once the latency is halfway to the
+///   ends at the next overload or queued window, or at the highest limit a calm window has
+///   used in full, past which it grows as past a refusal (TCP's `ssthresh`). Once the latency is halfway to the
 ///   tolerance it does not pass `tolerance` times what the window says the gateway serves
 ///   at the floor.
 /// - **Shrink on latency**: when the mean latency is above the tolerance the gateway is
@@ -183,6 +184,12 @@ pub struct GradientLimiter {
     /// While probing, the limit to go back to.
     probe: Option<usize>,
     slow_start: bool,
+    /// The highest limit a calm window has used in full: where a restarted slow start stops
+    /// doubling, as TCP's does at `ssthresh`, rather than overshooting past a gateway that
+    /// has only grown back to what it was.
+    proven: usize,
+    /// While a restarted slow start runs, the limit it stops at.
+    slow_start_cap: Option<usize>,
     window: Window,
     floors: VecDeque<f64>,
 }
@@ -201,6 +208,8 @@ impl GradientLimiter {
             windows_off_floor: 0,
             probe: None,
             slow_start: true,
+            proven: 0,
+            slow_start_cap: None,
             window: Window::default(),
             floors: VecDeque::new(),
         })
@@ -237,6 +246,7 @@ impl GradientLimiter {
         }
         self.epoch += 1;
         self.slow_start = false;
+        self.slow_start_cap = None;
         self.step = self.config.initial_step;
         self.calm_windows = 0;
         self.refused_at = in_flight.max(1);
@@ -284,8 +294,12 @@ impl GradientLimiter {
             }
         }
 
+        if !queued && window.max_in_flight >= self.limit {
+            self.proven = self.proven.max(self.limit);
+        }
         if queued {
             self.slow_start = false;
+            self.slow_start_cap = None;
             self.step = self.config.initial_step;
             let estimate = mean_in_flight * floor / mean;
             let s = self.config.smoothing;
@@ -311,6 +325,7 @@ impl GradientLimiter {
             && self.limit >= self.refused_at.saturating_add(self.refused_at / 4)
         {
             self.slow_start = true;
+            self.slow_start_cap = (self.proven > self.limit).then_some(self.proven);
         }
         let passing = self.limit.saturating_add(1) >= self.refused_at;
         if passing && self.calm_windows <= self.config.hold_windows {
@@ -321,7 +336,19 @@ impl GradientLimiter {
             self.step = self.config.initial_step;
         }
         let mut to = if self.slow_start {
-            self.limit.saturating_mul(2)
+            match self.slow_start_cap {
+                Some(cap) if self.limit.saturating_mul(2) >= cap => {
+                    // Back where the gateway served before: past it only step by step, after
+                    // calm windows, as past a refusal.
+                    self.slow_start = false;
+                    self.slow_start_cap = None;
+                    self.refused_at = cap.saturating_add(1);
+                    self.calm_windows = 0;
+                    self.step = self.config.initial_step;
+                    cap
+                }
+                _ => self.limit.saturating_mul(2),
+            }
         } else {
             self.limit.saturating_add(self.step)
         };
@@ -501,6 +528,35 @@ mod tests {
         );
         let refused: usize = settled[1..].iter().map(|t| t.1).sum();
         assert!(refused < 50, "{refused} refusals after the cut");
+    }
+
+    #[test]
+    fn a_restarted_slow_start_stops_where_the_gateway_served_before() {
+        // 64 used in full, then the gateway went to 16 and back: doubling from 23 stops at 64.
+        let mut l = limiter(1, 1000);
+        l.on_overload(65, l.epoch());
+        window(&mut l, L);
+        l.on_overload(17, l.epoch());
+        let mut trace = vec![l.limit()];
+        for _ in 0..12 {
+            window(&mut l, L);
+            trace.push(l.limit());
+        }
+        assert_eq!(
+            trace,
+            vec![16, 16, 16, 16, 17, 19, 23, 46, 64, 64, 64, 64, 65]
+        );
+        // A limit never used in full proves nothing: a quiet window at 64 leaves it unproven.
+        let mut l = limiter(1, 1000);
+        l.on_overload(65, l.epoch());
+        for _ in 0..l.window_size() {
+            l.on_success(L, 10);
+        }
+        l.on_overload(17, l.epoch());
+        for _ in 0..8 {
+            window(&mut l, L);
+        }
+        assert_eq!(l.limit(), 92);
     }
 
     #[test]
