@@ -140,9 +140,9 @@ impl Window {
 ///   `hold_windows` calm windows (TCP CUBIC's plateau). A quarter past it with the latency
 ///   still near the floor, that refusal is stale (the gateway grew): slow start again, which
 ///   ends at the next overload or queued window, or at the highest limit a calm window has
-///   used in full, past which it grows as past a refusal (TCP's `ssthresh`). Once the latency is halfway to the
-///   tolerance it does not pass `tolerance` times what the window says the gateway serves
-///   at the floor.
+///   used in full, past which it grows as past a refusal (TCP's `ssthresh`). Once the
+///   latency is halfway to the tolerance it does not pass `tolerance` times what the window
+///   says the gateway serves at the floor.
 /// - **Shrink on latency**: when the mean latency is above the tolerance the gateway is
 ///   queueing; the limit moves toward `mean in_flight × floor / mean latency` (what it serves
 ///   at the floor latency; Gradient2's rule) by `smoothing`. The step restarts.
