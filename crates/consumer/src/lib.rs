@@ -62,11 +62,12 @@ mod lease;
 mod scripts;
 mod stats;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use batch_queue_names::ListKeys;
-use batch_wire::{parse_request_id, ResultMessage};
+use batch_wire::{split_request_id, RawResult};
 use fred::bytes_utils::Str;
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, ListInterface};
@@ -80,12 +81,12 @@ pub use stats::ConsumerStats;
 /// A result with the job and line it belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Routed {
-    /// The job.
-    pub job_id: String,
+    /// The job (shared by the results of a batch that belong to it).
+    pub job_id: Arc<str>,
     /// 0-based line index in the job.
     pub index: u64,
-    /// The result as the dispatcher wrote it.
-    pub result: ResultMessage,
+    /// The result as the dispatcher wrote it, read in place.
+    pub result: RawResult<Str>,
 }
 
 /// What a [`ResultHandler`] did with a batch.
@@ -578,7 +579,7 @@ impl ResultConsumer {
                             .not_here
                             .iter()
                             .filter_map(|&i| {
-                                Some((*positions.get(i)?, routed.get(i)?.job_id.clone()))
+                                Some((*positions.get(i)?, routed.get(i)?.job_id.to_string()))
                             })
                             .collect(),
                     );
@@ -623,8 +624,9 @@ fn route_batch(stats: &ConsumerStats, list: &str, items: &[Str]) -> RoutedBatch 
     // Oldest first: the rightmost item is the oldest.
     let mut positions = Vec::with_capacity(items.len());
     let mut routed = Vec::with_capacity(items.len());
+    let mut last_job: Option<Arc<str>> = None;
     for (pos, raw) in items.iter().enumerate().rev() {
-        if let Some(r) = route(stats, list, raw) {
+        if let Some(r) = route(stats, list, raw, &mut last_job) {
             positions.push(pos);
             routed.push(r);
         }
@@ -636,8 +638,15 @@ fn route_batch(stats: &ConsumerStats, list: &str, items: &[Str]) -> RoutedBatch 
     }
 }
 
-fn route(stats: &ConsumerStats, list: &str, raw: &str) -> Option<Routed> {
-    let result = match ResultMessage::parse(raw) {
+/// Parses and routes one element; `last_job` is the job of the one before, whose name is
+/// shared rather than copied when this one belongs to it too.
+fn route(
+    stats: &ConsumerStats,
+    list: &str,
+    raw: &Str,
+    last_job: &mut Option<Arc<str>>,
+) -> Option<Routed> {
+    let result = match RawResult::parse(raw.clone()) {
         Ok(r) => r,
         Err(e) => {
             stats.malformed();
@@ -646,24 +655,26 @@ fn route(stats: &ConsumerStats, list: &str, raw: &str) -> Option<Routed> {
         }
     };
     let by_metadata = || {
-        let m = result.metadata.as_ref()?;
+        let m = result.metadata()?;
         Some((
-            m.get("job_id")?.clone(),
+            Cow::Borrowed(m.get("job_id")?.as_str()),
             m.get("request_index")?.parse().ok()?,
         ))
     };
-    match parse_request_id(&result.id).or_else(by_metadata) {
-        Some((job_id, index)) => Some(Routed {
-            job_id,
-            index,
-            result,
-        }),
-        None => {
-            stats.malformed();
-            tracing::warn!(results = %list, id = %preview(&result.id), "dropped a result whose id names no job");
-            None
-        }
-    }
+    let Some((job, index)) = split_request_id(result.id()).or_else(by_metadata) else {
+        stats.malformed();
+        tracing::warn!(results = %list, id = %preview(result.id()), "dropped a result whose id names no job");
+        return None;
+    };
+    let job_id = match last_job {
+        Some(last) if **last == *job => last.clone(),
+        _ => last_job.insert(Arc::from(job.as_ref())).clone(),
+    };
+    Some(Routed {
+        job_id,
+        index,
+        result,
+    })
 }
 
 /// A batch of results parsed and routed, oldest first.

@@ -53,13 +53,13 @@ impl ResultHandler for Recorder {
         let mut report = WriteReport::default();
         let mut seen = self.seen.lock().unwrap();
         for (i, r) in results.iter().enumerate() {
-            if !self.jobs.contains(&r.job_id) {
+            if !self.jobs.contains(&*r.job_id) {
                 report.not_here.push(i);
             } else if !self
                 .written
                 .lock()
                 .unwrap()
-                .insert((r.job_id.clone(), r.index))
+                .insert((r.job_id.to_string(), r.index))
             {
                 report.duplicates += 1;
             } else {

@@ -39,9 +39,13 @@ impl ResultHandler for Registry {
     fn write(&self, results: &[Routed]) -> Result<WriteReport, HandlerError> {
         let mut report = WriteReport::default();
         // One lock, one flush and one round of metrics per job and batch.
+        let same =
+            |a: &Routed, b: &Routed| Arc::ptr_eq(&a.job_id, &b.job_id) || a.job_id == b.job_id;
         let mut by_job: Vec<(usize, &Routed)> = results.iter().enumerate().collect();
-        by_job.sort_by(|a, b| a.1.job_id.cmp(&b.1.job_id));
-        for group in by_job.chunk_by(|a, b| a.1.job_id == b.1.job_id) {
+        if !by_job.windows(2).all(|w| same(w[0].1, w[1].1)) {
+            by_job.sort_by(|a, b| a.1.job_id.cmp(&b.1.job_id));
+        }
+        for group in by_job.chunk_by(|a, b| same(a.1, b.1)) {
             let Some(job) = self.get(&group[0].1.job_id) else {
                 report.not_here.extend(group.iter().map(|(i, _)| *i));
                 continue;
@@ -55,9 +59,9 @@ impl ResultHandler for Registry {
                     report.duplicates += 1;
                     continue;
                 }
-                if let Some(token) = &r.result.request_token {
+                if let Some(token) = r.result.request_token() {
                     // v0.10 echoes the token: another one means another attempt or job.
-                    if *token != request_token(&job.id, created, r.index) {
+                    if token != request_token(&job.id, created, r.index) {
                         report.mismatched += 1;
                         continue;
                     }

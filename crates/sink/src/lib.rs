@@ -28,6 +28,7 @@
 mod done;
 mod render;
 
+use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -122,6 +123,10 @@ pub struct JobSink {
     pending: Vec<(u64, bool)>,
     /// The line being rendered, kept to reuse its allocation.
     scratch: Vec<u8>,
+    /// Request ids of this job without their index (`batch_req_<job>_`).
+    id_prefix: String,
+    /// The id being rendered, kept to reuse its allocation.
+    id: String,
 }
 
 /// One result file: a buffered appender that knows where its last flushed line ends.
@@ -189,6 +194,8 @@ impl JobSink {
             counts,
             pending: Vec::new(),
             scratch: Vec::new(),
+            id_prefix: id_prefix(job_id),
+            id: String::new(),
         })
     }
 
@@ -209,9 +216,11 @@ impl JobSink {
         if self.done.contains(index) {
             return Ok(Written::Duplicate);
         }
-        let id = batch_wire::request_id(&self.job_id, index);
+        self.id.clear();
+        self.id.push_str(&self.id_prefix);
+        write!(self.id, "{index}").expect("writing to a String");
         self.scratch.clear();
-        let rendered = render_into(&mut self.scratch, &id, custom_id, outcome);
+        let rendered = render_into(&mut self.scratch, &self.id, custom_id, outcome);
         let file = match rendered.status {
             Some(_) => &mut self.output,
             None => &mut self.error,
@@ -311,6 +320,26 @@ impl JobSink {
             file.writer.get_ref().sync_all().map_err(io(&file.path))?;
         }
         Ok(())
+    }
+}
+
+/// What every request id of job `job_id` starts with: its id without the index.
+fn id_prefix(job_id: &str) -> String {
+    let mut id = batch_wire::request_id(job_id, 0);
+    id.pop();
+    id
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ids_are_the_prefix_and_the_index() {
+        for job in ["batch_1", "job 1/ü", ""] {
+            for index in [0, 7, 10, 123_456_789] {
+                let id = format!("{}{index}", super::id_prefix(job));
+                assert_eq!(id, batch_wire::request_id(job, index));
+            }
+        }
     }
 }
 

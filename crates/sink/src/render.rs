@@ -1,9 +1,10 @@
 //! From an outcome to the JSON of its output or error line, as the original processor maps it.
 //!
-//! The line is written straight into a caller's buffer, field by field: a 2xx body is read once
-//! (its `usage` read while checking that it is JSON), then copied as it is.
+//! The line is written straight into a caller's buffer, field by field. A body is copied where
+//! it belongs in the line and checked there ([`batch_wire::json::check`], which finds its `usage`
+//! in the same pass); only a line that turns out otherwise is written again.
 
-use batch_wire::error_codes;
+use batch_wire::{error_codes, json};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -69,58 +70,204 @@ pub fn render_into(
 ) -> LineKind {
     use batch_wire::Outcome;
     match *outcome {
-        Outcome::Http { status, body } if (200..300).contains(&status) => {
-            let trimmed = body.trim();
-            if trimmed.is_empty() {
-                return error_line(
-                    out,
-                    id,
-                    custom_id,
-                    error_codes::SERVER_ERROR,
-                    &format!("the gateway answered {status} with an empty body"),
-                );
-            }
-            // Reading `usage` parses the whole body: when it succeeds the body is JSON.
-            if let Ok(u) = serde_json::from_str::<UsageOnly>(trimmed) {
-                response_line(out, id, custom_id, status, trimmed);
-                return LineKind {
-                    status: Some(status),
-                    usage: u.usage,
-                };
-            }
-            match serde_json::from_str::<&RawValue>(trimmed) {
-                Ok(raw) => response_line(out, id, custom_id, status, raw.get()),
-                Err(e) => error_line(
-                    out,
-                    id,
-                    custom_id,
-                    error_codes::PARSE_ERROR,
-                    &format!("the gateway answered {status} with a body that is not JSON: {e}"),
-                ),
-            }
-        }
-        Outcome::Http { status, body } => {
-            let trimmed = body.trim();
-            if trimmed.is_empty() {
-                return response_line(out, id, custom_id, status, "{}");
-            }
-            match serde_json::from_str::<&RawValue>(trimmed) {
-                Ok(raw) => response_line(out, id, custom_id, status, raw.get()),
-                Err(_) => {
-                    let wrapped = serde_json::json!({
-                        "error": {"message": body, "type": "upstream_error"}
-                    });
-                    response_line(out, id, custom_id, status, &wrapped.to_string())
-                }
-            }
-        }
+        Outcome::Http { status, body } => http_line(out, id, custom_id, status, body),
         Outcome::Failed { code, message } => error_line(out, id, custom_id, code, message),
     }
 }
 
+/// The line of an HTTP answer. The body is copied where it goes in an output line and checked
+/// there; a line that turns out to be an error line, or to need its body wrapped, is written
+/// again from the start.
+fn http_line(out: &mut Vec<u8>, id: &str, custom_id: &str, status: u16, body: &str) -> LineKind {
+    let start = out.len();
+    response_head(out, id, custom_id, status);
+    let body_start = out.len();
+    out.extend_from_slice(body.as_bytes());
+    let (lo, hi) = trimmed(&out[body_start..]);
+    let (lo, hi) = (body_start + lo, body_start + hi);
+    let success = (200..300).contains(&status);
+    let checked = match hi > lo {
+        true => json::check(&out[lo..hi]).ok(),
+        false => None,
+    };
+    if let Some(doc) = checked {
+        let usage = success.then(|| usage(&out[lo..hi], &doc)).flatten();
+        if lo > body_start {
+            out.copy_within(lo..hi, body_start);
+        }
+        out.truncate(body_start + hi - lo);
+        out.extend_from_slice(RESPONSE_TAIL);
+        return LineKind {
+            status: Some(status),
+            usage,
+        };
+    }
+    // The rare lines: written again.
+    out.truncate(start);
+    let trimmed = body.trim();
+    match (success, trimmed.is_empty()) {
+        (true, true) => error_line(
+            out,
+            id,
+            custom_id,
+            error_codes::SERVER_ERROR,
+            &format!("the gateway answered {status} with an empty body"),
+        ),
+        (true, false) => {
+            let e = serde_json::from_str::<&RawValue>(trimmed)
+                .expect_err("a body that failed the check is not JSON");
+            error_line(
+                out,
+                id,
+                custom_id,
+                error_codes::PARSE_ERROR,
+                &format!("the gateway answered {status} with a body that is not JSON: {e}"),
+            )
+        }
+        (false, true) => response_line(out, id, custom_id, status, "{}"),
+        (false, false) => {
+            let wrapped = serde_json::json!({
+                "error": {"message": body, "type": "upstream_error"}
+            });
+            response_line(out, id, custom_id, status, &wrapped.to_string())
+        }
+    }
+}
+
+/// The bounds of `body` without surrounding whitespace, as `str::trim` sees it.
+fn trimmed(body: &[u8]) -> (usize, usize) {
+    let plain = |b: &u8| b.is_ascii_graphic();
+    if body.first().is_some_and(plain) && body.last().is_some_and(plain) {
+        return (0, body.len());
+    }
+    let text = std::str::from_utf8(body).expect("a body is a str");
+    let inner = text.trim();
+    let lo = inner.as_ptr() as usize - text.as_ptr() as usize;
+    (lo, lo + inner.len())
+}
+
+/// The token counts of a JSON body, as a `{usage: Option<Usage>}` would read them.
+fn usage(body: &[u8], doc: &json::Document) -> Option<Usage> {
+    if !doc.object {
+        // serde reads an array into a struct's fields: keep what it made of them.
+        return serde_json::from_slice::<UsageOnly>(body).ok()?.usage;
+    }
+    let at = doc.usage.clone().filter(|_| !doc.usage_repeated)?;
+    let value = &body[at];
+    plain_usage(value).unwrap_or_else(|| serde_json::from_slice::<Option<Usage>>(value).ok()?)
+}
+
+/// The usual `usage`, read by hand: `null`, or an object whose members are integers or `null`
+/// under plain keys. `None` for anything else, which serde reads. `value` is JSON.
+fn plain_usage(value: &[u8]) -> Option<Option<Usage>> {
+    if value == b"null" {
+        return Some(None);
+    }
+    let mut usage = Usage::default();
+    let (mut prompt, mut completion) = (false, false);
+    let mut i = ws(value, 1);
+    if value.first() != Some(&b'{') {
+        return None;
+    }
+    if value.get(i) == Some(&b'}') {
+        return Some(Some(usage));
+    }
+    loop {
+        // A key without escapes: JSON, so it ends at the next quote.
+        let key_start = i + 1;
+        let key_end = key_start + value[key_start..].iter().position(|&b| b == b'"')?;
+        let key = &value[key_start..key_end];
+        if key.contains(&b'\\') {
+            return None;
+        }
+        i = ws(value, key_end + 1) + 1;
+        i = ws(value, i);
+        let digits = value[i..].iter().take_while(|b| b.is_ascii_digit()).count();
+        let number = match digits {
+            0 if value[i..].starts_with(b"null") => {
+                i += 4;
+                None
+            }
+            1..=19 => {
+                let n = std::str::from_utf8(&value[i..i + digits])
+                    .ok()?
+                    .parse()
+                    .ok()?;
+                i += digits;
+                Some(n)
+            }
+            _ => return None,
+        };
+        // A fraction or exponent: a float, which serde judges.
+        if let Some(b'.' | b'e' | b'E') = value.get(i) {
+            return None;
+        }
+        let (slot, seen) = match key {
+            b"prompt_tokens" => (&mut usage.prompt_tokens, &mut prompt),
+            b"completion_tokens" => (&mut usage.completion_tokens, &mut completion),
+            _ => {
+                i = ws(value, i);
+                match value.get(i) {
+                    Some(b',') => i = ws(value, i + 1),
+                    _ => break,
+                }
+                continue;
+            }
+        };
+        // A repeated field, or a count that is `null`: serde's error, which it reports.
+        if std::mem::replace(seen, true) {
+            return None;
+        }
+        *slot = number?;
+        i = ws(value, i);
+        match value.get(i) {
+            Some(b',') => i = ws(value, i + 1),
+            _ => break,
+        }
+    }
+    Some(Some(usage))
+}
+
+fn ws(s: &[u8], mut i: usize) -> usize {
+    while let Some(b' ' | b'\t' | b'\n' | b'\r') = s.get(i) {
+        i += 1;
+    }
+    i
+}
+
 /// A JSON string, escaped as serde_json escapes it.
 fn string(out: &mut Vec<u8>, s: &str) {
-    serde_json::to_writer(&mut *out, s).expect("writing to a Vec cannot fail");
+    json::write_str(out, s);
+}
+
+const RESPONSE_TAIL: &[u8] = b"},\"error\":null}";
+
+/// An output line up to its body.
+fn response_head(out: &mut Vec<u8>, id: &str, custom_id: &str, status: u16) {
+    out.extend_from_slice(b"{\"id\":");
+    string(out, id);
+    out.extend_from_slice(b",\"custom_id\":");
+    string(out, custom_id);
+    out.extend_from_slice(b",\"response\":{\"status_code\":");
+    decimal(out, status);
+    out.extend_from_slice(b",\"request_id\":");
+    string(out, id);
+    out.extend_from_slice(b",\"body\":");
+}
+
+fn decimal(out: &mut Vec<u8>, n: u16) {
+    let mut digits = [0u8; 5];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// `body` must be one JSON value without surrounding whitespace.
@@ -131,17 +278,9 @@ fn response_line(
     status: u16,
     body: &str,
 ) -> LineKind {
-    out.extend_from_slice(b"{\"id\":");
-    string(out, id);
-    out.extend_from_slice(b",\"custom_id\":");
-    string(out, custom_id);
-    out.extend_from_slice(b",\"response\":{\"status_code\":");
-    out.extend_from_slice(status.to_string().as_bytes());
-    out.extend_from_slice(b",\"request_id\":");
-    string(out, id);
-    out.extend_from_slice(b",\"body\":");
+    response_head(out, id, custom_id, status);
     out.extend_from_slice(body.as_bytes());
-    out.extend_from_slice(b"},\"error\":null}");
+    out.extend_from_slice(RESPONSE_TAIL);
     LineKind {
         status: Some(status),
         usage: None,
@@ -232,6 +371,15 @@ mod tests {
         }
     }
 
+    /// Token counts as the line's usage was read before it was found by hand.
+    fn reference_usage(status: u16, body: &str) -> Option<Usage> {
+        let trimmed = body.trim();
+        if !(200..300).contains(&status) || serde_json::from_str::<&RawValue>(trimmed).is_err() {
+            return None;
+        }
+        serde_json::from_str::<UsageOnly>(trimmed).ok()?.usage
+    }
+
     fn text() -> impl Strategy<Value = String> {
         prop_oneof![
             Just(String::new()),
@@ -248,6 +396,16 @@ mod tests {
             Just(r#" {"id":"x","usage":{"prompt_tokens":3,"completion_tokens":5}} "#.to_owned()),
             Just(r#"{"usage":{"prompt_tokens":-1}}"#.to_owned()),
             Just(r#"{"usage":3,"usage":4}"#.to_owned()),
+            Just(r#"{"usage":{"prompt_tokens":3},"usage":{"prompt_tokens":4}}"#.to_owned()),
+            Just(
+                r#"{"a":[{"usage":{"prompt_tokens":9}}],"usage":{"completion_tokens":7,"x":[1]}}"#
+                    .to_owned()
+            ),
+            Just(r#"{"usage":[3,4]}"#.to_owned()),
+            Just(r#"{"usage":{"prompt_tokens":1e3}}"#.to_owned()),
+            Just(r#"{"us\u0061ge":{"prompt_tokens":5}}"#.to_owned()),
+            Just("\u{a0}{\"usage\":null}\u{2028}".to_owned()),
+            Just(r#"{"text":"a \"quoted\" \\ word\n","usage":{"prompt_tokens":2}}"#.to_owned()),
             Just(r#"[{"prompt_tokens":2}]"#.to_owned()),
             Just("\n\"a string\"\t".to_owned()),
             Just("<html>".to_owned()),
@@ -278,6 +436,74 @@ mod tests {
             prop_assert_eq!(&ours.line, &line);
             prop_assert_eq!(ours.status, file);
             serde_json::from_str::<serde_json::Value>(&ours.line).unwrap();
+            if !failed {
+                prop_assert_eq!(ours.usage, reference_usage(status, &body));
+            }
+        }
+    }
+
+    fn usage_value() -> impl Strategy<Value = String> {
+        let key = prop::sample::select(vec![
+            "prompt_tokens",
+            "completion_tokens",
+            "total_tokens",
+            "x",
+            "prompt\\u005ftokens",
+        ]);
+        let value = prop::sample::select(vec![
+            "0",
+            "7",
+            "512",
+            "null",
+            "-1",
+            "1.5",
+            "2e3",
+            "\"s\"",
+            "{}",
+            "[1]",
+            "true",
+            "18446744073709551615",
+            "18446744073709551616",
+            "1234567890123456789",
+        ]);
+        let space = prop::sample::select(vec!["", " ", "\n\t"]);
+        prop_oneof![
+            Just("null".to_owned()),
+            Just("[3, 4]".to_owned()),
+            prop::collection::vec((key, value, space), 0..5).prop_map(|members| {
+                let members: Vec<String> = members
+                    .iter()
+                    .map(|(k, v, s)| format!("{s}\"{k}\"{s}:{s}{v}{s}"))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            }),
+        ]
+    }
+
+    #[test]
+    fn the_usual_usage_is_read_by_hand() {
+        let usual = br#"{"prompt_tokens":512, "completion_tokens":180,"total_tokens":692}"#;
+        let read = Some(Usage {
+            prompt_tokens: 512,
+            completion_tokens: 180,
+        });
+        assert_eq!(plain_usage(usual), Some(read));
+        assert_eq!(plain_usage(b"null"), Some(None));
+        assert_eq!(
+            plain_usage(br#"{"prompt_tokens":1,"prompt_tokens":2}"#),
+            None
+        );
+        assert_eq!(plain_usage(br#"{"details":{}}"#), None);
+    }
+
+    proptest! {
+        /// `usage` read by hand is what serde reads.
+        #[test]
+        fn usage_is_read_as_serde_reads_it(value in usage_value()) {
+            let body = format!("{{\"usage\":{value}}}");
+            let doc = json::check(body.as_bytes()).unwrap();
+            let serde = serde_json::from_str::<UsageOnly>(&body).ok().and_then(|u| u.usage);
+            prop_assert_eq!(usage(body.as_bytes(), &doc), serde, "{}", body);
         }
     }
 

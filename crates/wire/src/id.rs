@@ -5,6 +5,7 @@
 //! HTTP headers and Redis keys; the index is last and all digits, so splitting on the final `_`
 //! is unambiguous whatever the job id holds.
 
+use std::borrow::Cow;
 use std::fmt::Write;
 
 /// Every request id starts with this, as OpenAI's do.
@@ -34,6 +35,12 @@ pub fn request_id(job_id: &str, index: u64) -> String {
 /// Only the exact bytes [`request_id`] produces are accepted, so two different ids never parse
 /// to the same pair.
 pub fn parse_request_id(id: &str) -> Option<(String, u64)> {
+    split_request_id(id).map(|(job, index)| (job.into_owned(), index))
+}
+
+/// [`parse_request_id`], borrowing the job id from `id` when it needed no escapes (as almost
+/// every job id does).
+pub fn split_request_id(id: &str) -> Option<(Cow<'_, str>, u64)> {
     let rest = id.strip_prefix(REQUEST_ID_PREFIX)?;
     let (escaped, index) = rest.rsplit_once('_')?;
     if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
@@ -43,6 +50,9 @@ pub fn parse_request_id(id: &str) -> Option<(String, u64)> {
         return None;
     }
     let index: u64 = index.parse().ok()?;
+    if escaped.bytes().all(is_plain) {
+        return Some((Cow::Borrowed(escaped), index));
+    }
     let mut bytes = Vec::with_capacity(escaped.len());
     let mut it = escaped.bytes();
     while let Some(b) = it.next() {
@@ -60,7 +70,7 @@ pub fn parse_request_id(id: &str) -> Option<(String, u64)> {
             _ => return None,
         }
     }
-    Some((String::from_utf8(bytes).ok()?, index))
+    Some((Cow::Owned(String::from_utf8(bytes).ok()?), index))
 }
 
 fn hex_upper(b: u8) -> Option<u8> {
@@ -140,6 +150,12 @@ mod tests {
             if let Some((job, index)) = parse_request_id(&s) {
                 prop_assert_eq!(request_id(&job, index), s);
             }
+        }
+
+        #[test]
+        fn a_plain_job_id_is_borrowed(job in "[a-zA-Z0-9_.-]{0,20}", index in any::<u64>()) {
+            let id = request_id(&job, index);
+            prop_assert!(matches!(split_request_id(&id), Some((Cow::Borrowed(j), i)) if j == job && i == index));
         }
     }
 }

@@ -29,6 +29,8 @@ mod batch;
 mod envelope;
 pub mod hash;
 mod id;
+pub mod json;
+mod raw;
 mod result;
 
 pub use batch::{
@@ -36,7 +38,8 @@ pub use batch::{
     RequestCounts, ResponseBody, ALLOWED_URLS,
 };
 pub use envelope::{Envelope, Internal, RequestKind, RequestMessage};
-pub use id::{parse_request_id, request_id, REQUEST_ID_PREFIX};
+pub use id::{parse_request_id, request_id, split_request_id, REQUEST_ID_PREFIX};
+pub use raw::RawResult;
 pub use result::{dispatcher_error_codes, Outcome, ResultMessage};
 
 /// serde reads a JSON array into a struct's fields in order; the formats here are objects only.

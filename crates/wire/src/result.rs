@@ -214,30 +214,57 @@ impl ResultMessage {
                 status,
                 body: &self.payload,
             },
-            _ if self.error_code.as_deref() == Some(dispatcher_error_codes::DEADLINE_EXCEEDED) => {
-                Outcome::Failed {
-                    code: error_codes::BATCH_EXPIRED,
-                    message: error_codes::BATCH_EXPIRED_MESSAGE,
-                }
-            }
-            _ => Outcome::Failed {
-                code: self
-                    .error_code
-                    .as_deref()
-                    .filter(|c| !c.is_empty())
-                    .unwrap_or(dispatcher_error_codes::INFERENCE_ERROR),
-                message: self
-                    .error_message
-                    .as_deref()
-                    .unwrap_or("the dispatcher returned no response"),
-            },
+            _ => failure(self.error_code.as_deref(), self.error_message.as_deref()),
         }
     }
 }
 
+/// The outcome of a result without an HTTP response; see [`ResultMessage::outcome`].
+pub(crate) fn failure<'a>(code: Option<&'a str>, message: Option<&'a str>) -> Outcome<'a> {
+    if code == Some(dispatcher_error_codes::DEADLINE_EXCEEDED) {
+        return Outcome::Failed {
+            code: error_codes::BATCH_EXPIRED,
+            message: error_codes::BATCH_EXPIRED_MESSAGE,
+        };
+    }
+    Outcome::Failed {
+        code: code
+            .filter(|c| !c.is_empty())
+            .unwrap_or(dispatcher_error_codes::INFERENCE_ERROR),
+        message: message.unwrap_or("the dispatcher returned no response"),
+    }
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Elements of every shape a reader must judge as the derived deserializer does.
+    pub(crate) const ODD_ELEMENTS: [&str; 12] = [
+        r#"{"id":"a","status_code":200,"payload":"{\"n\":\"\\u00e9\"}","request_token":"t"}"#,
+        r#"{"id":"a\u00e9","payload":{"x":[1, 2]},"error_code":"E","error_message":"m\n"}"#,
+        r#"{"id":"a","payload":"","metadata":{"job_id":"j","request_index":"3"},"extra":[{}]}"#,
+        r#"{"id":"a","status_code":0}"#,
+        r#"{"id":"a","payload":null}"#,
+        r#"{"id":"a","payload":"x","payload":"y"}"#,
+        r#"{"id":"a","status_code":-1}"#,
+        r#"{"id":"a","status_code":null,"error_code":null}"#,
+        r#"{"id":"a","status_code":200,"payload":"\ud83d\ude00 \"q\" \\ \/ \b\f\n\r\t"}"#,
+        r#"{"id":"a","payload":[1]}"#,
+        r#"{"id":"a","payload":"\ud83d"}"#,
+        r#"{"id":"a","payload":"x","status_code":"200"}"#,
+    ];
+
+    /// Elements that are no result at all.
+    pub(crate) const GARBAGE: [&str; 7] = [
+        "",
+        "[]",
+        r#"["a",200,"{}"]"#,
+        "{}",
+        r#"{"id":3}"#,
+        r#"{"id":"a","payload":3}"#,
+        r#"{"id":"a","payload":true}"#,
+    ];
 
     #[test]
     fn reads_the_contract_examples() {
@@ -368,20 +395,7 @@ mod tests {
 
     #[test]
     fn parse_reads_what_the_derived_deserializer_reads() {
-        for raw in [
-            r#"{"id":"a","status_code":200,"payload":"{\"n\":\"\\u00e9\"}","request_token":"t"}"#,
-            r#"{"id":"a\u00e9","payload":{"x":[1, 2]},"error_code":"E","error_message":"m\n"}"#,
-            r#"{"id":"a","payload":"","metadata":{"job_id":"j","request_index":"3"},"extra":[{}]}"#,
-            r#"{"id":"a","status_code":0}"#,
-            r#"{"id":"a","payload":null}"#,
-            r#"{"id":"a","payload":"x","payload":"y"}"#,
-            r#"{"id":"a","status_code":-1}"#,
-            r#"{"id":"a","status_code":null,"error_code":null}"#,
-            r#"{"id":"a","status_code":200,"payload":"\ud83d\ude00 \"q\" \\ \/ \b\f\n\r\t"}"#,
-            r#"{"id":"a","payload":[1]}"#,
-            r#"{"id":"a","payload":"\ud83d"}"#,
-            r#"{"id":"a","payload":"x","status_code":"200"}"#,
-        ] {
+        for raw in ODD_ELEMENTS {
             let derived = serde_json::from_str::<ResultMessage>(raw).map_err(|e| e.to_string());
             let parsed = ResultMessage::parse(raw).map_err(|e| e.to_string());
             assert_eq!(
@@ -405,15 +419,7 @@ mod tests {
 
     #[test]
     fn refuses_garbage() {
-        for raw in [
-            "",
-            "[]",
-            r#"["a",200,"{}"]"#,
-            "{}",
-            r#"{"id":3}"#,
-            r#"{"id":"a","payload":3}"#,
-            r#"{"id":"a","payload":true}"#,
-        ] {
+        for raw in GARBAGE {
             assert!(ResultMessage::parse(raw).is_err(), "{raw}");
         }
     }

@@ -1,0 +1,826 @@
+//! Fast passes over JSON text for the result drain: where a string ends, its unescaped text,
+//! whether a document is JSON, and a string written as JSON.
+//!
+//! Each result's payload is a JSON document inside a JSON string, read once per result, so the
+//! drain's cost is mostly these passes. They look at string text 32 bytes at a time (two SSE2
+//! vectors; 8 bytes off x86-64) and call no general parser. Each accepts exactly what
+//! serde_json accepts (the tests hold them to it, input by input), so using them changes no
+//! result.
+//!
+//! ```
+//! use batch_wire::json;
+//!
+//! let text = br#"{"usage":{"prompt_tokens":3}}"#;
+//! let doc = json::check(text).expect("JSON");
+//! assert_eq!(&text[doc.usage.unwrap()], br#"{"prompt_tokens":3}"#);
+//!
+//! let mut out = Vec::new();
+//! assert!(json::unescape_into(r#"{\"n\":\"\u00e9\"}"#, &mut out));
+//! assert_eq!(out, r#"{"n":"é"}"#.as_bytes());
+//! ```
+
+use std::ops::Range;
+
+/// String text is looked at a block at a time: 32 bytes as two SSE2 vectors (SSE2 is part of
+/// every x86-64 CPU), else 8 bytes in a `u64`. A block's mask marks its stops (`"`, `\` and
+/// control characters) exactly, so one mask serves every stop of its block.
+#[cfg(target_arch = "x86_64")]
+mod block {
+    use std::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_max_epu8, _mm_movemask_epi8, _mm_or_si128,
+        _mm_set1_epi8,
+    };
+
+    pub(super) const LEN: usize = 32;
+
+    /// One bit per byte of a block, lowest first.
+    pub(super) type Mask = u64;
+
+    /// The stops of 16 bytes.
+    #[inline(always)]
+    fn stops16(v: __m128i) -> u32 {
+        // SAFETY: SSE2 is in the x86-64 baseline; these read and write registers only.
+        unsafe {
+            let quote = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8));
+            let backslash = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8));
+            // Unsigned `v <= 0x1f`: max(v, 0x1f) is 0x1f.
+            let low = _mm_set1_epi8(0x1f);
+            let control = _mm_cmpeq_epi8(_mm_max_epu8(v, low), low);
+            _mm_movemask_epi8(_mm_or_si128(_mm_or_si128(quote, backslash), control)) as u16 as u32
+        }
+    }
+
+    /// The stops of `chunk`.
+    #[inline(always)]
+    pub(super) fn stops(chunk: &[u8; LEN]) -> Mask {
+        // SAFETY: each load reads 16 bytes of `chunk`, unaligned.
+        let (lo, hi) = unsafe {
+            (
+                _mm_loadu_si128(chunk.as_ptr().cast()),
+                _mm_loadu_si128(chunk.as_ptr().add(16).cast()),
+            )
+        };
+        (stops16(lo) | stops16(hi) << 16) as Mask
+    }
+
+    /// The offset of the first stop, or [`LEN`].
+    #[inline(always)]
+    pub(super) fn first(mask: Mask) -> usize {
+        (mask | 1 << LEN).trailing_zeros() as usize
+    }
+
+    /// `mask` without the stops before offset `n` (`n < LEN`).
+    #[inline(always)]
+    pub(super) fn from(mask: Mask, n: usize) -> Mask {
+        mask & (!0 << n)
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod block {
+    pub(super) const LEN: usize = 8;
+
+    /// The high bit of each byte of a block, lowest first.
+    pub(super) type Mask = u64;
+
+    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+
+    /// The high bit of each zero byte of `x`, exactly (no borrow crosses bytes).
+    #[inline(always)]
+    fn zero_bytes(x: u64) -> u64 {
+        !(((x & LOW7).wrapping_add(LOW7)) | x | LOW7)
+    }
+
+    /// The stops of `chunk`.
+    #[inline(always)]
+    pub(super) fn stops(chunk: &[u8; LEN]) -> Mask {
+        let w = u64::from_le_bytes(*chunk);
+        let splat = |b: u8| u64::from_le_bytes([b; 8]);
+        // A control character has none of its top three bits set.
+        zero_bytes(w ^ splat(b'"')) | zero_bytes(w ^ splat(b'\\')) | zero_bytes(w & splat(0xe0))
+    }
+
+    /// The offset of the first stop, or [`LEN`].
+    #[inline(always)]
+    pub(super) fn first(mask: Mask) -> usize {
+        (mask.trailing_zeros() / 8) as usize
+    }
+
+    /// `mask` without the stops before offset `n` (`n < LEN`).
+    #[inline(always)]
+    pub(super) fn from(mask: Mask, n: usize) -> Mask {
+        mask & (!0 << (8 * n))
+    }
+}
+
+/// The block of `s` at `i`; past the end of `s` it holds `"`, which stops every scan (callers
+/// tell that stop from a real one by its position).
+#[inline(always)]
+fn load(s: &[u8], i: usize) -> [u8; block::LEN] {
+    match s.get(i..i + block::LEN) {
+        Some(whole) => whole.try_into().expect("a whole block"),
+        None => {
+            let mut padded = [b'"'; block::LEN];
+            let rest = &s[i.min(s.len())..];
+            padded[..rest.len()].copy_from_slice(rest);
+            padded
+        }
+    }
+}
+
+/// The stops of the block of `s` at `i`, read in place when the block is whole.
+#[inline(always)]
+fn stops_at(s: &[u8], i: usize) -> block::Mask {
+    match s.get(i..i + block::LEN) {
+        Some(whole) => block::stops(whole.try_into().expect("a whole block")),
+        None => block::stops(&load(s, i)),
+    }
+}
+
+/// The index of the first byte at or after `i` that is `"`, `\` or a control character,
+/// or `s.len()`.
+#[inline(always)]
+fn skip_plain(s: &[u8], mut i: usize) -> usize {
+    loop {
+        let k = block::first(stops_at(s, i));
+        i += k;
+        if k < block::LEN {
+            return i.min(s.len());
+        }
+    }
+}
+
+fn hex4(s: &[u8], i: usize) -> Option<u16> {
+    let digits = s.get(i..i + 4)?;
+    digits.iter().try_fold(0u16, |n, &c| {
+        let d = (c as char).to_digit(16)?;
+        Some(n << 4 | d as u16)
+    })
+}
+
+/// How surrogate escapes are judged: a string read as text needs them paired; a value only
+/// checked (serde_json's `ignore`) takes any four hex digits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Surrogates {
+    Paired,
+    Any,
+}
+
+/// The end of the escape at `s[i] == '\\'`: the index after it.
+#[inline(always)]
+fn escape_end(s: &[u8], i: usize, surrogates: Surrogates) -> Option<usize> {
+    match s.get(i + 1)? {
+        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some(i + 2),
+        b'u' => unicode_escape(s, i, surrogates).map(|(end, _)| end),
+        _ => None,
+    }
+}
+
+/// The `\u` escape at `s[i]`: the index after it (after both halves of a surrogate pair) and
+/// its code point, which is a lone surrogate only when `surrogates` lets it be.
+#[cold]
+#[inline(never)]
+fn unicode_escape(s: &[u8], i: usize, surrogates: Surrogates) -> Option<(usize, u32)> {
+    let unit = hex4(s, i + 2)? as u32;
+    if surrogates == Surrogates::Any {
+        return Some((i + 6, unit));
+    }
+    match unit {
+        0xD800..=0xDBFF => {
+            if s.get(i + 6..i + 8)? != b"\\u" {
+                return None;
+            }
+            let low = hex4(s, i + 8)? as u32;
+            if !(0xDC00..=0xDFFF).contains(&low) {
+                return None;
+            }
+            Some((i + 12, 0x1_0000 + ((unit - 0xD800) << 10) + (low - 0xDC00)))
+        }
+        0xDC00..=0xDFFF => None,
+        _ => Some((i + 6, unit)),
+    }
+}
+
+/// Where the string whose text starts at `start` (just after its opening quote) ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StringEnd {
+    /// The index of the closing quote.
+    pub quote: usize,
+    /// Whether the text holds escapes (so it is not its own value).
+    pub escaped: bool,
+}
+
+/// Finds the end of the JSON string whose text starts at `start`, checking it as serde_json
+/// does when it reads a string: no control characters, valid escapes, surrogates in pairs.
+/// `None` when it is not a valid string.
+pub fn string_end(s: &[u8], start: usize) -> Option<StringEnd> {
+    scan_string(s, start, Surrogates::Paired)
+}
+
+#[inline(always)]
+fn scan_string(s: &[u8], start: usize, surrogates: Surrogates) -> Option<StringEnd> {
+    let mut base = start;
+    let mut escaped = false;
+    loop {
+        let mut mask = stops_at(s, base);
+        loop {
+            let k = block::first(mask);
+            if k == block::LEN {
+                break;
+            }
+            let at = base + k;
+            match *s.get(at)? {
+                b'"' => return Some(StringEnd { quote: at, escaped }),
+                b'\\' => {
+                    escaped = true;
+                    let end = escape_end(s, at, surrogates)?;
+                    if end - base >= block::LEN {
+                        base = end - block::LEN;
+                        break;
+                    }
+                    mask = block::from(mask, end - base);
+                }
+                _ => return None,
+            }
+        }
+        base += block::LEN;
+    }
+}
+
+/// Reads the JSON string whose text starts at `start` (just after its opening quote) as
+/// serde_json reads a string, in one pass: where it ends, and, when it holds escapes, its text
+/// appended to `out` (when it holds none, its text is `s[start..quote]` and `out` is left as it
+/// was). `None`, with `out` as it was, when it is not a valid string.
+pub fn read_string(s: &[u8], start: usize, out: &mut Vec<u8>) -> Option<StringEnd> {
+    let first = skip_plain(s, start);
+    if s.get(first) == Some(&b'"') {
+        return Some(StringEnd {
+            quote: first,
+            escaped: false,
+        });
+    }
+    let base = out.len();
+    // Unescaping never lengthens: room for the rest of `s`, and a block for the last copy.
+    out.resize(base + (s.len() - start) + block::LEN, 0);
+    let read = unescape(s, start, &mut out[base..]);
+    let (quote, written) = read.unwrap_or((0, 0));
+    out.truncate(base + written);
+    read.map(|_| StringEnd {
+        quote,
+        escaped: true,
+    })
+}
+
+/// Appends the text of a JSON string, given as its escaped contents (without quotes), to `out`.
+/// False, with `out` as it was, when `escaped` is not such contents (an invalid escape, a lone
+/// surrogate, a raw `"` or control character).
+pub fn unescape_into(escaped: &str, out: &mut Vec<u8>) -> bool {
+    let s = escaped.as_bytes();
+    let base = out.len();
+    out.resize(base + s.len() + block::LEN, 0);
+    // Past its end the text reads as a closing quote: one found earlier is a raw `"`.
+    let read = unescape(s, 0, &mut out[base..]).filter(|&(quote, _)| quote == s.len());
+    out.truncate(base + read.map_or(0, |(_, written)| written));
+    read.is_some()
+}
+
+/// Unescapes the string text of `s` from `start` into `dst` (a block longer than the rest of
+/// `s`) up to its closing quote: the quote's index (`s.len()` when it is missing) and the
+/// length written.
+#[inline(always)]
+fn unescape(s: &[u8], start: usize, dst: &mut [u8]) -> Option<(usize, usize)> {
+    // `s[i..]` goes to `dst[o..]`; each copy is a whole block, kept up to the next stop (what
+    // follows is written over). `o <= i - start`, so a block always fits.
+    let (mut i, mut o) = (start, 0);
+    loop {
+        let base = i;
+        let c = load(s, base);
+        dst[o..o + block::LEN].copy_from_slice(&c);
+        let mut mask = block::stops(&c);
+        loop {
+            let k = block::first(mask);
+            let at = base + k;
+            o += at - i;
+            i = at;
+            if k == block::LEN {
+                break;
+            }
+            let byte = match s.get(at) {
+                // Past the end: the stop was the padding.
+                None => return Some((s.len(), o - (at - s.len()))),
+                Some(b'"') => return Some((at, o)),
+                Some(b'\\') => match *s.get(at + 1)? {
+                    quoted @ (b'"' | b'\\' | b'/') => quoted,
+                    b'n' => b'\n',
+                    b't' => b'\t',
+                    b'r' => b'\r',
+                    b'b' => 0x08,
+                    b'f' => 0x0c,
+                    b'u' => {
+                        let (end, point) = unicode_escape(s, at, Surrogates::Paired)?;
+                        let ch = char::from_u32(point)?;
+                        o += ch.encode_utf8(&mut dst[o..]).len();
+                        i = end;
+                        break;
+                    }
+                    _ => return None,
+                },
+                Some(_) => return None,
+            };
+            dst[o] = byte;
+            o += 1;
+            i = at + 2;
+            if i - base >= block::LEN {
+                break;
+            }
+            // The rest of the block again, one byte further down.
+            dst[o..o + block::LEN].copy_from_slice(&load(s, i));
+            mask = block::from(mask, i - base);
+        }
+    }
+}
+
+/// What [`check`] found in a JSON document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Document {
+    /// Whether the document is an object.
+    pub object: bool,
+    /// Where the value of the object's `usage` member is, when it has exactly one.
+    pub usage: Option<Range<usize>>,
+    /// Whether the object has `usage` more than once.
+    pub usage_repeated: bool,
+}
+
+/// The document is not JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotJson;
+
+/// The kinds of the open containers, innermost last: one bit each, 1 for an object. Any depth
+/// is JSON (serde_json reads a `RawValue` without a recursion limit).
+struct Open {
+    innermost: u128,
+    depth: u32,
+    outer: Vec<u128>,
+}
+
+impl Open {
+    fn push(&mut self, object: bool) {
+        if self.depth > 0 && self.depth & 127 == 0 {
+            self.outer.push(self.innermost);
+        }
+        self.innermost = self.innermost << 1 | object as u128;
+        self.depth += 1;
+    }
+
+    fn pop(&mut self) {
+        self.innermost >>= 1;
+        self.depth -= 1;
+        if self.depth > 0 && self.depth & 127 == 0 {
+            self.innermost = self.outer.pop().expect("a word per 128 levels");
+        }
+    }
+
+    fn in_object(&self) -> bool {
+        self.innermost & 1 == 1
+    }
+}
+
+/// Checks that `text` is one JSON value with nothing around it but JSON whitespace, exactly as
+/// serde_json does when it reads a `RawValue` (strings are checked as it ignores them: any
+/// `\u` escape of four hex digits), and finds the top-level `usage` member. `text` must be
+/// UTF-8 (it is not checked).
+pub fn check(text: &[u8]) -> Result<Document, NotJson> {
+    let s = text;
+    let mut open = Open {
+        innermost: 0,
+        depth: 0,
+        outer: Vec::new(),
+    };
+    let mut doc = Document {
+        object: false,
+        usage: None,
+        usage_repeated: false,
+    };
+    // Where the value of a top-level `usage` key starts, while it is being read.
+    let mut usage_start: Option<usize> = None;
+    let mut i = skip_ws(s, 0);
+    doc.object = s.get(i) == Some(&b'{');
+    'value: loop {
+        // A value starts at i.
+        match *s.get(i).ok_or(NotJson)? {
+            bracket @ (b'{' | b'[') => {
+                let object = bracket == b'{';
+                open.push(object);
+                i = skip_ws(s, i + 1);
+                let close = if object { b'}' } else { b']' };
+                if s.get(i) == Some(&close) {
+                    i += 1;
+                    open.pop();
+                } else {
+                    if object {
+                        i = member_key(s, i, open.depth, &mut doc, &mut usage_start)?;
+                    }
+                    continue 'value;
+                }
+            }
+            b'"' => i = scan_string(s, i + 1, Surrogates::Any).ok_or(NotJson)?.quote + 1,
+            b't' => i = literal(s, i, b"true")?,
+            b'f' => i = literal(s, i, b"false")?,
+            b'n' => i = literal(s, i, b"null")?,
+            b'-' | b'0'..=b'9' => i = number(s, i)?,
+            _ => return Err(NotJson),
+        }
+        // A value ended at i: close containers, or go on to the next element or member.
+        loop {
+            if open.depth == 1 {
+                if let Some(start) = usage_start.take() {
+                    doc.usage = Some(start..i);
+                }
+            }
+            i = skip_ws(s, i);
+            if open.depth == 0 {
+                return if i == s.len() { Ok(doc) } else { Err(NotJson) };
+            }
+            let object = open.in_object();
+            match (s.get(i), object) {
+                (Some(b','), _) => {
+                    i = skip_ws(s, i + 1);
+                    if object {
+                        i = member_key(s, i, open.depth, &mut doc, &mut usage_start)?;
+                    }
+                    continue 'value;
+                }
+                (Some(b'}'), true) | (Some(b']'), false) => {
+                    i += 1;
+                    open.pop();
+                }
+                _ => return Err(NotJson),
+            }
+        }
+    }
+}
+
+/// Reads `"key" :` at `i` and the whitespace after it; notes a top-level `usage`. Returns where
+/// the member's value starts.
+#[inline(always)]
+fn member_key(
+    s: &[u8],
+    i: usize,
+    depth: u32,
+    doc: &mut Document,
+    usage_start: &mut Option<usize>,
+) -> Result<usize, NotJson> {
+    if s.get(i) != Some(&b'"') {
+        return Err(NotJson);
+    }
+    let end = scan_string(s, i + 1, Surrogates::Any).ok_or(NotJson)?;
+    let key = &s[i + 1..end.quote];
+    let j = skip_ws(s, end.quote + 1);
+    if s.get(j) != Some(&b':') {
+        return Err(NotJson);
+    }
+    let value = skip_ws(s, j + 1);
+    if depth == 1 && (key == b"usage" || end.escaped && is_usage(key)) {
+        if doc.usage.is_some() || doc.usage_repeated {
+            doc.usage = None;
+            doc.usage_repeated = true;
+        } else {
+            *usage_start = Some(value);
+        }
+    }
+    Ok(value)
+}
+
+/// Whether a key spelled with escapes names `usage`, as serde reads it (a key that is not text,
+/// a lone surrogate, names no field).
+#[cold]
+fn is_usage(key: &[u8]) -> bool {
+    let mut text = Vec::new();
+    std::str::from_utf8(key).is_ok_and(|k| unescape_into(k, &mut text)) && text == b"usage"
+}
+
+#[inline(always)]
+fn skip_ws(s: &[u8], mut i: usize) -> usize {
+    // Most JSON is written without whitespace: one comparison to leave.
+    while let Some(&b) = s.get(i) {
+        if b > b' ' || !matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+            break;
+        }
+        i += 1;
+    }
+    i
+}
+
+#[inline(always)]
+fn literal(s: &[u8], i: usize, word: &[u8]) -> Result<usize, NotJson> {
+    match s.get(i..i + word.len()) {
+        Some(w) if w == word => Ok(i + word.len()),
+        _ => Err(NotJson),
+    }
+}
+
+/// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?` at `i`; the index after it.
+fn number(s: &[u8], mut i: usize) -> Result<usize, NotJson> {
+    let digits = |mut i: usize| {
+        let start = i;
+        while s.get(i).is_some_and(u8::is_ascii_digit) {
+            i += 1;
+        }
+        if i == start {
+            Err(NotJson)
+        } else {
+            Ok(i)
+        }
+    };
+    if s.get(i) == Some(&b'-') {
+        i += 1;
+    }
+    i = match s.get(i) {
+        Some(b'0') => i + 1,
+        _ => digits(i)?,
+    };
+    if s.get(i) == Some(&b'.') {
+        i = digits(i + 1)?;
+    }
+    if let Some(b'e' | b'E') = s.get(i) {
+        i += 1;
+        if let Some(b'+' | b'-') = s.get(i) {
+            i += 1;
+        }
+        i = digits(i)?;
+    }
+    Ok(i)
+}
+
+/// Appends `text` as a JSON string, byte for byte as serde_json writes it.
+pub fn write_str(out: &mut Vec<u8>, text: &str) {
+    let s = text.as_bytes();
+    if s.is_empty() || skip_plain(s, 0) == s.len() {
+        out.reserve(s.len() + 2);
+        out.push(b'"');
+        out.extend_from_slice(s);
+        out.push(b'"');
+    } else {
+        serde_json::to_writer(&mut *out, text).expect("writing to a Vec cannot fail");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::value::RawValue;
+
+    fn serde_accepts(text: &str) -> bool {
+        serde_json::from_str::<&RawValue>(text).is_ok()
+    }
+
+    #[test]
+    fn checks_as_serde_does() {
+        for text in [
+            "{}",
+            "[]",
+            " {\"a\" : [1, -2.5e+3, true, false, null, \"x\"]}\n",
+            "0",
+            "-0",
+            "01",
+            "1.",
+            ".5",
+            "1e",
+            "1E+",
+            "-",
+            "--1",
+            "+1",
+            "1.5e-7",
+            "\"\\u00e9\"",
+            "\"\\ud800\"",
+            "\"\\uDC00\\ud800x\"",
+            "\"\\uZZZZ\"",
+            "\"\\x\"",
+            "\"a\u{1}\"",
+            "\"a\u{7f}é\"",
+            "[1,]",
+            "{\"a\":1,}",
+            "{\"a\"}",
+            "{\"a\":}",
+            "{1:2}",
+            "[1 2]",
+            "{} {}",
+            "tru",
+            "truex",
+            "nul",
+            "[",
+            "]",
+            "{\"a\":[}]",
+            "\u{a0}{}",
+            "{}\u{a0}",
+            "\"unterminated",
+            "",
+            " ",
+            "\t[\r\n]\t",
+            "\u{c}[]",
+            "[\"a\\\"b\\\\\"]",
+        ] {
+            assert_eq!(
+                check(text.as_bytes()).is_ok(),
+                serde_accepts(text),
+                "{text:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn any_nesting_is_json() {
+        for depth in [1, 127, 128, 129, 255, 256, 257, 100_000] {
+            for (open, close) in [("[", "]"), ("{\"a\":", "}"), ("[{\"a\":", "}]")] {
+                let text = format!("{}1{}", open.repeat(depth), close.repeat(depth));
+                assert!(serde_accepts(&text));
+                assert!(check(text.as_bytes()).is_ok(), "depth {depth} of {open}");
+                // Closed in the wrong order, it is not.
+                let text = format!("{}1]}}{}", open.repeat(depth), close.repeat(depth));
+                assert!(check(text.as_bytes()).is_err(), "depth {depth} of {open}");
+            }
+        }
+    }
+
+    #[test]
+    fn finds_the_top_level_usage() {
+        let text = r#"{"id":"x","usage":{"prompt_tokens":3} ,"choices":[{"usage":1}]}"#;
+        let doc = check(text.as_bytes()).unwrap();
+        assert!(doc.object);
+        assert_eq!(&text[doc.usage.unwrap()], r#"{"prompt_tokens":3}"#);
+        let doc = check(br#"{"usage":1,"usage":2}"#).unwrap();
+        assert_eq!((doc.usage, doc.usage_repeated), (None, true));
+        let doc = check(br#"{"usage":1,"usage":2,"usage":3}"#).unwrap();
+        assert_eq!((doc.usage, doc.usage_repeated), (None, true));
+        let doc = check(br#"{"us\u0061ge":null}"#).unwrap();
+        assert_eq!(doc.usage, Some(14..18));
+        let doc = check(br#"[{"usage":1}]"#).unwrap();
+        assert_eq!((doc.object, doc.usage), (false, None));
+        let doc = check(br#"{"a":{"usage":1}}"#).unwrap();
+        assert_eq!(doc.usage, None);
+        let doc = check(br#" {"usage" : 12 } "#).unwrap();
+        assert_eq!(doc.usage, Some(12..14));
+    }
+
+    #[test]
+    fn unescapes_as_serde_reads_strings() {
+        for quoted in [
+            r#""plain""#,
+            r#""\"q\" \\ \/ \b\f\n\r\t""#,
+            r#""\u00e9\u20ac\ud83d\ude00 \u0000""#,
+            r#""\ud83d""#,
+            r#""\ude00""#,
+            r#""\ud83dx""#,
+            r#""\ud83d\u0041""#,
+            r#""\x""#,
+            r#""\u12""#,
+            "\"a\u{1}b\"",
+            r#""a"b""#,
+            r#""trailing\""#,
+            r#""0123456789abcdef\"0123456789abcdef""#,
+        ] {
+            let serde = serde_json::from_str::<String>(quoted).ok();
+            let inner = &quoted[1..quoted.len() - 1];
+            let mut out = b"keep".to_vec();
+            let ok = unescape_into(inner, &mut out);
+            let ours = ok.then(|| String::from_utf8(out[4..].to_vec()).unwrap());
+            assert_eq!(ours, serde, "{quoted}");
+            if !ok {
+                assert_eq!(out, b"keep");
+            }
+            let end = string_end(quoted.as_bytes(), 1);
+            assert_eq!(
+                end.is_some_and(|e| e.quote == quoted.len() - 1),
+                serde.is_some(),
+                "{quoted}"
+            );
+        }
+    }
+
+    fn json_text() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            Just("null".to_owned()),
+            any::<bool>().prop_map(|b| b.to_string()),
+            any::<i64>().prop_map(|n| n.to_string()),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(|f| f.to_string()),
+            any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap()),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6)
+                    .prop_map(|v| format!("[{}]", v.join(","))),
+                prop::collection::vec((any::<String>(), inner), 0..6).prop_map(|v| {
+                    let members: Vec<String> = v
+                        .iter()
+                        .map(|(k, v)| format!("{}: {v}", serde_json::to_string(k).unwrap()))
+                        .collect();
+                    format!("{{ {} }}", members.join(" ,"))
+                }),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn valid_documents_pass(text in json_text()) {
+            prop_assert!(check(text.as_bytes()).is_ok(), "{}", text);
+        }
+
+        /// Any damage to a document is judged as serde judges it.
+        #[test]
+        fn damaged_documents_are_judged_as_serde_judges_them(
+            text in json_text(),
+            at in any::<prop::sample::Index>(),
+            byte in prop::sample::select(vec![b'"', b'\\', b',', b':', b'[', b']', b'{', b'}', b'0', b'-', b'e', b'.', b' ', b'u', b'x', 1u8]),
+            mode in 0..3u8,
+        ) {
+            let mut bytes = text.into_bytes();
+            let at = at.index(bytes.len() + 1);
+            match mode {
+                0 => bytes.insert(at, byte),
+                1 if at < bytes.len() => { bytes.remove(at); }
+                _ if at < bytes.len() => bytes[at] = byte,
+                _ => bytes.push(byte),
+            }
+            // Only UTF-8 is ever checked.
+            if let Ok(text) = String::from_utf8(bytes) {
+                prop_assert_eq!(check(text.as_bytes()).is_ok(), serde_accepts(&text), "{}", text);
+            }
+        }
+
+        #[test]
+        fn any_text_round_trips(text in any::<String>()) {
+            let mut quoted = Vec::new();
+            write_str(&mut quoted, &text);
+            prop_assert_eq!(&quoted, &serde_json::to_vec(&text).unwrap());
+            let quoted = String::from_utf8(quoted).unwrap();
+            let end = string_end(quoted.as_bytes(), 1).unwrap();
+            prop_assert_eq!(end.quote, quoted.len() - 1);
+            let mut out = Vec::new();
+            prop_assert!(unescape_into(&quoted[1..end.quote], &mut out));
+            prop_assert_eq!(out, text.into_bytes());
+        }
+
+        /// Reading a string stops at its closing quote whatever follows, with its text.
+        #[test]
+        fn strings_read_to_their_closing_quote(text in any::<String>(), tail in ".{0,40}") {
+            let quoted = serde_json::to_string(&text).unwrap();
+            let doc = format!("{quoted}{tail}");
+            let mut out = b"keep".to_vec();
+            let end = read_string(doc.as_bytes(), 1, &mut out).unwrap();
+            prop_assert_eq!(end.quote, quoted.len() - 1);
+            prop_assert_eq!(Some(end), string_end(doc.as_bytes(), 1));
+            let read = match end.escaped {
+                true => out[4..].to_vec(),
+                false => {
+                    prop_assert_eq!(&out, b"keep");
+                    doc.as_bytes()[1..end.quote].to_vec()
+                }
+            };
+            prop_assert_eq!(read, text.into_bytes());
+        }
+
+        /// Escapes at every offset of a block, and runs across blocks, read as serde reads them.
+        #[test]
+        fn escapes_anywhere_in_a_block(
+            parts in prop::collection::vec((0usize..70, prop::sample::select(vec![r#"\""#, r"\\", r"\n", r"\u00e9", r"\ud83d\ude00", r"\ud83d", r"\x", "\u{1}", "\""])), 0..6),
+            tail in 0usize..40,
+        ) {
+            let mut inner = String::new();
+            for (run, escape) in &parts {
+                inner.push_str(&"a".repeat(*run));
+                inner.push_str(escape);
+            }
+            inner.push_str(&"b".repeat(tail));
+            let doc = format!("\"{inner}\" ,");
+            let serde = serde_json::from_str::<String>(&doc[..inner.len() + 2]).ok();
+            let mut out = Vec::new();
+            let read = read_string(doc.as_bytes(), 1, &mut out);
+            match &serde {
+                Some(text) => {
+                    let end = read.unwrap();
+                    prop_assert_eq!(end.quote, inner.len() + 1);
+                    let got = if end.escaped { out.clone() } else { inner.clone().into_bytes() };
+                    prop_assert_eq!(got, text.clone().into_bytes());
+                }
+                // Invalid text, or a raw quote that ends the string early: never a read that
+                // reaches the last quote.
+                None => prop_assert!(read.is_none_or(|e| e.quote < inner.len() + 1)),
+            }
+            let mut out = Vec::new();
+            let ok = unescape_into(&inner, &mut out);
+            prop_assert_eq!(ok.then(|| String::from_utf8(out).unwrap()), serde);
+        }
+
+        #[test]
+        fn unescaping_agrees_with_serde(inner in r#"([a-z"\\/]|\\[\\"/bfnrtx]|\\u[0-9a-fA-FdD]{4}|\\ud8[0-9a-f]{2}\\udc[0-9a-f]{2}|[\u{0}-\u{20}]|é){0,24}"#) {
+            let serde = serde_json::from_str::<String>(&format!("\"{inner}\"")).ok();
+            let mut out = Vec::new();
+            let ok = unescape_into(&inner, &mut out);
+            prop_assert_eq!(ok.then(|| String::from_utf8(out).unwrap()), serde);
+        }
+    }
+}
