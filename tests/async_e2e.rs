@@ -559,3 +559,81 @@ async fn one_process_runs_several_jobs_sharing_the_consumers() {
     }
     sim.shutdown().await;
 }
+
+/// Two jobs resumed one after the other whose result list another live process reads: each
+/// writes at once what that reader parked for it, while its setup waits for the list; the
+/// second does not wait for the first's setup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn resumed_jobs_on_a_list_read_elsewhere_write_their_parked_results_at_once() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let names = ["a", "b"];
+    let inputs: Vec<Vec<String>> = names
+        .iter()
+        .map(|n| write_input(&env.path(&format!("{n}.jsonl")), 20, &["llama-3"]))
+        .collect();
+    let run = |executor: &std::sync::Arc<Executor>, n: &str| {
+        let mut spec = spec(&env, &format!("{n}.jsonl"), n);
+        spec.job_id = Some(format!("job-{n}"));
+        let executor = executor.clone();
+        tokio::spawn(async move { executor.run(spec, CancellationToken::new()).await })
+    };
+    let written = |n: &str| Results::read(&env.path(n)).output.len() == 20;
+    // No dispatcher: the first run enqueues both jobs and is paused with them in progress.
+    let first = std::sync::Arc::new(Executor::new(load(&config)).await.unwrap());
+    let runs = [run(&first, "a"), run(&first, "b")];
+    eventually("both jobs enqueued", Duration::from_secs(30), || {
+        env.redis
+            .command(&["ZCARD", "llm-d-async:requests:pool-a"])
+            .ends_with("40")
+    })
+    .await;
+    first.pause();
+    for run in runs {
+        assert_eq!(run.await.unwrap().unwrap().status, BatchStatus::InProgress);
+    }
+    first.shutdown().await;
+    // Another process now reads the jobs' list, and parked every result of both for them.
+    let list = "llm-d-async:results:pool-a:$batch";
+    env.redis.command(&[
+        "SET",
+        &format!("{{{list}}}:lease"),
+        "elsewhere 1 space instance 0",
+        "PX",
+        "120000",
+    ]);
+    for n in names {
+        let job = format!("job-{n}");
+        for i in 0..20 {
+            let result = batch_wire::ResultMessage::http(
+                batch_wire::request_id(&job, i),
+                200,
+                r#"{"id":"chatcmpl-1","choices":[]}"#,
+            );
+            let parked = format!("{{{list}}}:parked:{job}");
+            env.redis.command(&["LPUSH", &parked, &result.to_json()]);
+        }
+    }
+    // A resumed job waits up to 20 s for the list's reader to drain it; its parked results
+    // are written meanwhile. The second job starts while the first waits.
+    let second = std::sync::Arc::new(Executor::new(load(&config)).await.unwrap());
+    let a = run(&second, "a");
+    eventually("a's parked results written", Duration::from_secs(8), || {
+        written("a")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let b = run(&second, "b");
+    eventually("b's parked results written", Duration::from_secs(8), || {
+        written("b")
+    })
+    .await;
+    second.pause();
+    for run in [a, b] {
+        assert_eq!(run.await.unwrap().unwrap().status, BatchStatus::InProgress);
+    }
+    for (n, lines) in names.iter().zip(&inputs) {
+        Results::read(&env.path(n)).assert_each_once(lines);
+    }
+    second.shutdown().await;
+}

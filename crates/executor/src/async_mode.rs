@@ -378,15 +378,21 @@ impl AsyncMode {
         if job.resumed {
             // Results that arrived while no process ran the job are written first, so what is
             // put back below is only what has no result.
-            let consumers = self.consumers.lock().await;
+            // Not under the consumers' lock: a list whose reader is another live process is
+            // not drained here for the whole wait, and other jobs start their consumers meanwhile.
+            let stats: Vec<_> = {
+                let consumers = self.consumers.lock().await;
+                lists
+                    .iter()
+                    .filter_map(|list| Some(consumers.get(list)?.stats().clone()))
+                    .collect()
+            };
             let ttl = self.consumer_options().lease_ttl;
             let wait = self.config.async_dispatch.result_poll_timeout + ttl * 2;
-            for list in &lists {
-                if let Some(c) = consumers.get(list) {
-                    tokio::select! {
-                        _ = setup.cancelled() => return Ok(stop.end().unwrap_or(End::Paused)),
-                        _ = tokio::time::timeout(wait, c.stats().drained()) => {}
-                    }
+            for stats in stats {
+                tokio::select! {
+                    _ = setup.cancelled() => return Ok(stop.end().unwrap_or(End::Paused)),
+                    _ = tokio::time::timeout(wait, stats.drained()) => {}
                 }
             }
         }
