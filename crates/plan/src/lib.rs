@@ -33,6 +33,7 @@
 
 mod custom_ids;
 mod records;
+mod scan;
 mod validate;
 
 use std::borrow::Cow;
@@ -472,6 +473,8 @@ struct Block {
     /// 1-based number of the first line.
     first_line: u64,
     bytes: Vec<u8>,
+    /// The offset just after each newline in `bytes`.
+    ends: Vec<usize>,
 }
 
 /// Cuts the input into [`Block`]s of whole lines (the last line may lack its newline).
@@ -512,7 +515,7 @@ impl BlockReader {
                     .read_to_end(&mut bytes)?;
                 self.eof = n == 0;
             }
-            match bytes.iter().rposition(|&b| b == b'\n') {
+            match memchr::memrchr(b'\n', &bytes) {
                 Some(i) if !self.eof || i + 1 == bytes.len() => break i + 1,
                 _ if self.eof => break bytes.len(),
                 _ => continue,
@@ -523,13 +526,14 @@ impl BlockReader {
         }
         self.carry = bytes[end..].to_vec();
         bytes.truncate(end);
-        let lines = bytes.iter().filter(|&&b| b == b'\n').count() as u64
-            + u64::from(bytes.last() != Some(&b'\n'));
+        let ends: Vec<usize> = memchr::memchr_iter(b'\n', &bytes).map(|i| i + 1).collect();
+        let lines = ends.len() as u64 + u64::from(bytes.last() != Some(&b'\n'));
         let block = Block {
             seq: self.seq,
             offset: self.offset,
             first_line: self.line,
             bytes,
+            ends,
         };
         self.seq += 1;
         self.offset += block.bytes.len() as u64;
@@ -582,7 +586,7 @@ fn check_block(block: Block, limits: &Limits) -> CheckedBlock {
         models: Vec::new(),
     };
     let (mut offset, mut line_no) = (block.offset, block.first_line);
-    for raw in block.bytes.split_inclusive(|&b| b == b'\n') {
+    for raw in lines_of(&block.bytes, &block.ends) {
         let mut text = raw;
         text = text.strip_suffix(b"\n").unwrap_or(text);
         text = text.strip_suffix(b"\r").unwrap_or(text);
@@ -641,6 +645,20 @@ fn check_block(block: Block, limits: &Limits) -> CheckedBlock {
         line_no += 1;
     }
     checked
+}
+
+/// The lines of `bytes`, each with its newline (the last may lack one), given the offset after
+/// each newline.
+fn lines_of<'a>(bytes: &'a [u8], ends: &'a [usize]) -> impl Iterator<Item = &'a [u8]> {
+    let mut start = 0;
+    ends.iter()
+        .copied()
+        .chain(std::iter::once(bytes.len()))
+        .filter_map(move |end| {
+            let line = (end > start).then(|| &bytes[start..end]);
+            start = end;
+            line
+        })
 }
 
 /// Hands checked blocks to the builder in file order, whatever order the workers finish in.

@@ -348,6 +348,18 @@ fn as_nonempty_str(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
 ///
 /// Returns every problem of the line, not just the first.
 pub fn check_line(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Vec<BatchError>> {
+    match crate::scan::valid_line(text) {
+        Some(line) => Ok(line),
+        None => check_line_with_serde(text, line_no),
+    }
+}
+
+/// [`check_line`] through serde's visitors: every line the hand reading does not take, and the
+/// reference the tests hold that reading to.
+pub(crate) fn check_line_with_serde(
+    text: &str,
+    line_no: u64,
+) -> Result<CheckedLine<'_>, Vec<BatchError>> {
     // serde would read a JSON array into the struct's fields in order: only objects are lines.
     let parsed = match text.trim_start().starts_with('{') {
         true => serde_json::from_str::<LineView>(text).map_err(|e| e.to_string()),
@@ -614,11 +626,87 @@ mod tests {
         }
     }
 
+    /// Where the hand reading takes a line, it says what serde says.
+    fn same_as_serde(line: &str) -> Result<bool, TestCaseError> {
+        let serde = check_line_with_serde(line, 3);
+        match crate::scan::valid_line(line) {
+            Some(hand) => {
+                prop_assert_eq!(Ok(hand), serde, "{}", line);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4000))]
+
+        #[test]
+        fn the_hand_reading_agrees_with_serde(line in line()) {
+            same_as_serde(&line)?;
+        }
+
+        /// Any damage to a line is judged as serde judges it.
+        #[test]
+        fn damaged_lines_are_judged_as_serde_judges_them(
+            line in line(),
+            at in any::<usize>(),
+            byte in prop::sample::select(b"\"\\,:[]{} untfe1-.\x01".to_vec()),
+            mode in 0..3u8,
+        ) {
+            let mut bytes = line.into_bytes();
+            batch_testkit::damage(&mut bytes, at, byte, mode);
+            if let Ok(line) = String::from_utf8(bytes) {
+                same_as_serde(&line)?;
+                prop_assert_eq!(check_line(&line, 3), check_line_with_serde(&line, 3));
+            }
+        }
+    }
+
+    #[test]
+    fn the_hand_reading_takes_the_usual_lines_and_leaves_the_odd_ones() {
+        let taken = [
+            r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"model":"m"}}"#,
+            r#" { "custom_id" : "a\u00e9" , "method" : "PO\u0053T" , "url" : "/v1/completions" , "body" : { "model" : "m" , "stream" : false } } "#,
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","x":"\ud800","messages":[]},"extra":[{"\ud800":1}]}"#,
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","messages":[{"role":null,"content":"x"},{"role":"system","content":null},{"role":"system","content":[{"type":"text","text":null},{"text":"be"}]}]}}"#,
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","messages":[{"role":"system","content":7},{"role":"system","content":"x"}]}}"#,
+        ];
+        let left = [
+            // An escaped key, a repeated field, a lone surrogate read as text.
+            r#"{"custom_\u0069d":"a","method":"POST","url":"/v1/completions","body":{"model":"m"}}"#,
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","model":"n"}}"#,
+            r#"{"custom_id":"\ud800","method":"POST","url":"/v1/completions","body":{"model":"m"}}"#,
+            // Odd messages: not a list, a role that is no string, a part that is no object.
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","messages":null}}"#,
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","messages":[{"role":1}]}}"#,
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","messages":[{"role":"system","content":["x"]}]}}"#,
+            // Invalid lines.
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","stream":true}}"#,
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m"}} x"#,
+            "\u{a0}{\"custom_id\":\"a\",\"method\":\"POST\",\"url\":\"/v1/completions\",\"body\":{\"model\":\"m\"}}",
+            r#"{"custom_id":" ","method":"POST","url":"/v1/completions","body":{"model":"m"}}"#,
+        ];
+        for line in taken {
+            assert!(crate::scan::valid_line(line).is_some(), "{line}");
+            assert!(same_as_serde(line).unwrap(), "{line}");
+        }
+        for line in left {
+            assert!(crate::scan::valid_line(line).is_none(), "{line}");
+            assert_eq!(
+                check_line(line, 3),
+                check_line_with_serde(line, 3),
+                "{line}"
+            );
+        }
+    }
+
     #[test]
     fn the_generated_lines_cover_both_answers_and_prefixes() {
         use proptest::strategy::ValueTree;
         let mut runner = proptest::test_runner::TestRunner::deterministic();
         let (mut ok, mut hashed, mut bad) = (0, 0, 0);
+        let (mut hand_ok, mut hand_hashed) = (0, 0);
         for _ in 0..2000 {
             let line = line().new_tree(&mut runner).unwrap().current();
             match check_line(&line, 1) {
@@ -626,8 +714,18 @@ mod tests {
                 Ok(_) => ok += 1,
                 Err(_) => bad += 1,
             }
+            match crate::scan::valid_line(&line) {
+                Some(c) if c.prefix_hash != NO_PREFIX => hand_hashed += 1,
+                Some(_) => hand_ok += 1,
+                None => {}
+            }
         }
         assert!(ok > 20 && hashed > 20 && bad > 20, "{ok} {hashed} {bad}");
+        // The hand reading takes most valid lines, with and without a prefix.
+        assert!(
+            hand_ok * 2 > ok && hand_hashed * 2 > hashed,
+            "{hand_ok} of {ok}, {hand_hashed} of {hashed}"
+        );
     }
 
     fn codes(text: &str) -> Vec<String> {

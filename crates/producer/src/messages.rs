@@ -1,6 +1,7 @@
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use batch_wire::{Envelope, InputLine, Internal, RequestKind, RequestMessage};
+use batch_wire::{json, Envelope, InputLine, Internal, RequestKind, RequestMessage};
 
 use crate::ProducerError;
 
@@ -63,6 +64,58 @@ impl JobMessages {
     /// `x-slo-ttft-ms` carries the job's whole window: the member must be the same bytes every
     /// time it is built, and how long it will wait in the queue is not known here anyway.
     pub fn member(&self, index: u64, line: &[u8]) -> Result<String, ProducerError> {
+        match line_parts(line) {
+            Some((url, body)) => Ok(self.write_member(index, &url, body)),
+            None => self.member_with_serde(index, line),
+        }
+    }
+
+    /// The envelope of [`JobMessages::member`] written field by field, in serde's order and
+    /// spelling: the same bytes, without reading the line into a struct or cloning the headers.
+    fn write_member(&self, index: u64, url: &str, body: &str) -> String {
+        let id = batch_wire::request_id(&self.job_id, index);
+        let token = request_token(&self.job_id, self.created, index);
+        let window_ms = ((self.deadline - self.created).max(0) * 1000).to_string();
+        let mut headers: Vec<(&str, &str)> = self
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .filter(|(k, _)| !matches!(*k, "X-Request-ID" | "x-slo-ttft-ms"))
+            .chain([("X-Request-ID", id.as_str()), ("x-slo-ttft-ms", &window_ms)])
+            .collect();
+        headers.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut out = Vec::with_capacity(body.len() + 512);
+        let field = |out: &mut Vec<u8>, before: &str, value: &str| {
+            out.extend_from_slice(before.as_bytes());
+            json::write_str(out, value);
+        };
+        field(&mut out, r#"{"internal":{"request_token":"#, &token);
+        field(&mut out, r#","request_queue_name":"#, &self.request_queue);
+        field(&mut out, r#","result_queue_name":"#, &self.result_queue);
+        field(&mut out, r#"},"request_kind":"plain","data":{"id":"#, &id);
+        let numbers = format!(
+            r#","created":{},"deadline":{},"payload":"#,
+            self.created, self.deadline
+        );
+        out.extend_from_slice(numbers.as_bytes());
+        out.extend_from_slice(body.as_bytes());
+        field(&mut out, r#","metadata":{"job_id":"#, &self.job_id);
+        field(&mut out, r#","request_index":"#, &index.to_string());
+        out.extend_from_slice(br#"},"headers":{"#);
+        for (n, (name, value)) in headers.into_iter().enumerate() {
+            if n > 0 {
+                out.push(b',');
+            }
+            json::write_str(&mut out, name);
+            field(&mut out, ":", value);
+        }
+        field(&mut out, r#"},"endpoint":"#, url);
+        out.extend_from_slice(b"}}");
+        String::from_utf8(out).expect("JSON written from text is text")
+    }
+
+    /// [`JobMessages::member`] through serde: for any line [`line_parts`] does not take.
+    fn member_with_serde(&self, index: u64, line: &[u8]) -> Result<String, ProducerError> {
         let input: InputLine = serde_json::from_slice(line)
             .map_err(|error| ProducerError::BadLine { index, error })?;
         let id = batch_wire::request_id(&self.job_id, index);
@@ -104,9 +157,48 @@ impl JobMessages {
     }
 }
 
+/// The `url` and the raw `body` of a line of the usual shape, found in one pass; `None` for
+/// anything serde should read (and perhaps refuse): not text, not an object, an escaped key, a
+/// field missing or repeated.
+fn line_parts(line: &[u8]) -> Option<(Cow<'_, str>, &str)> {
+    let text = std::str::from_utf8(line).ok()?;
+    let (mut seen, mut url, mut body) = ([false; 4], None, None);
+    let end = json::members(line, json::skip_ws(line, 0), |key, i| {
+        let field = match key {
+            b"custom_id" => 0,
+            b"method" => 1,
+            b"url" => 2,
+            b"body" => 3,
+            _ => return json::value_end(line, i).ok(),
+        };
+        if std::mem::replace(&mut seen[field], true) {
+            return None;
+        }
+        match field {
+            3 => {
+                let end = json::value_end(line, i).ok()?;
+                body = Some(&text[i..end]);
+                Some(end)
+            }
+            _ => {
+                let (value, end) = json::string(text, i)?;
+                if field == 2 {
+                    url = Some(value);
+                }
+                Some(end)
+            }
+        }
+    })?;
+    if json::skip_ws(line, end) != line.len() || !seen.iter().all(|&s| s) {
+        return None;
+    }
+    Some((url?, body?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn job() -> JobMessages {
         JobMessages {
@@ -190,6 +282,134 @@ mod tests {
         assert_ne!(a, request_token("j", 1, 1));
         assert_ne!(a, request_token("k", 1, 0));
         assert_ne!(a, request_token("j", 2, 0));
+    }
+
+    fn odd_job() -> impl Strategy<Value = JobMessages> {
+        let header = prop::sample::select(vec![
+            ("x-gateway-inference-objective", "batch"),
+            ("X-Request-ID", "theirs"),
+            ("x-slo-ttft-ms", "1"),
+            ("X-Request-Id", "case"),
+            ("A-first", "\"q\" \\"),
+            ("zz", "é\u{7f}\u{1}"),
+        ]);
+        (
+            prop::sample::select(vec!["batch_abc", "b\"q", "j\u{1}é", "x/y z"]),
+            prop::sample::select(vec![(1_700_000_000i64, 1_700_086_400i64), (5, 1), (-3, 10)]),
+            prop::sample::select(vec!["llm-d-async:requests:p", "q\"\\\u{2}"]),
+            prop::collection::vec(header, 0..4),
+        )
+            .prop_map(
+                |(job_id, (created, deadline), queue, headers)| JobMessages {
+                    job_id: job_id.into(),
+                    created,
+                    deadline,
+                    request_queue: queue.into(),
+                    result_queue: format!("{queue}:$batch"),
+                    headers: headers
+                        .into_iter()
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .collect(),
+                },
+            )
+    }
+
+    fn odd_line() -> impl Strategy<Value = String> {
+        let pick = |options: Vec<&'static str>| prop_oneof![3 => Just(options[0]), 1 => prop::sample::select(options)];
+        (
+            pick(vec![r#""r1""#, r#""r\u0031""#, "7", ""]),
+            pick(vec![r#""POST""#, r#""G\u0045T""#, "null", ""]),
+            pick(vec![
+                r#""/v1/chat/completions""#,
+                r#""/v1/compl\u0065tions""#,
+                r#""\ud800""#,
+                "1",
+                "",
+            ]),
+            pick(vec![
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+                r#"{ "model" : "m\u00e9", "messages":[{"content":"a\"b\ud800"}] }"#,
+                "[1]",
+                r#""x""#,
+                "null",
+                "",
+            ]),
+            pick(vec![
+                "",
+                r#""x":[{"\ud800":1}]"#,
+                r#""custom_id":"dup""#,
+                r#""body":{}"#,
+                r#""k\u0065y":1"#,
+            ]),
+            any::<prop::sample::Index>(),
+            any::<bool>(),
+        )
+            .prop_map(|(id, method, url, body, extra, order, spaced)| {
+                let mut fields: Vec<String> = [
+                    ("custom_id", id),
+                    ("method", method),
+                    ("url", url),
+                    ("body", body),
+                ]
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(k, v)| format!(r#""{k}":{v}"#))
+                .collect();
+                if !extra.is_empty() {
+                    fields.push(extra.to_owned());
+                }
+                let turn = order.index(fields.len().max(1));
+                fields.rotate_left(turn);
+                match spaced {
+                    true => format!(" {{ {} }}\t", fields.join(" , ")),
+                    false => format!("{{{}}}", fields.join(",")),
+                }
+            })
+    }
+
+    /// The member written by hand, when the line is taken, is serde's, byte for byte.
+    fn same_as_serde(job: &JobMessages, line: &[u8]) -> Result<bool, TestCaseError> {
+        let serde = job.member_with_serde(9, line).ok();
+        let ours = job.member(9, line).ok();
+        prop_assert_eq!(&ours, &serde, "{}", String::from_utf8_lossy(line));
+        match line_parts(line) {
+            Some((url, body)) => {
+                prop_assert_eq!(Some(job.write_member(9, &url, body)), serde);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
+        #[test]
+        fn members_written_by_hand_are_serde_s(job in odd_job(), line in odd_line()) {
+            same_as_serde(&job, line.as_bytes())?;
+        }
+
+        #[test]
+        fn damaged_lines_give_serde_s_answer(
+            job in odd_job(),
+            line in odd_line(),
+            at in any::<usize>(),
+            byte in prop::sample::select(b"\"\\,:[]{} un1\x01\xff".to_vec()),
+            mode in 0..3u8,
+        ) {
+            let mut bytes = line.into_bytes();
+            batch_testkit::damage(&mut bytes, at, byte, mode);
+            same_as_serde(&job, &bytes)?;
+        }
+    }
+
+    #[test]
+    fn the_usual_line_is_written_by_hand() {
+        assert!(same_as_serde(&job(), LINE).unwrap());
+        let escaped_key =
+            br#"{"custom_\u0069d":"r","method":"POST","url":"/v1/completions","body":{}}"#;
+        assert!(!same_as_serde(&job(), escaped_key).unwrap());
+        assert!(job().member(1, escaped_key).is_ok());
     }
 
     #[test]

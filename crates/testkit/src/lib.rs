@@ -28,6 +28,21 @@ use std::time::{Duration, Instant};
 
 pub use tempfile::{tempdir, TempDir};
 
+/// Damages `bytes` in one place, for tests that hold a hand-written reader to serde's answer on
+/// broken input: `how` 0 inserts `byte` before index `at`, 1 removes the byte at `at`, 2
+/// replaces it; past the end, `byte` is appended. `at` is taken modulo `bytes.len() + 1`.
+pub fn damage(bytes: &mut Vec<u8>, at: usize, byte: u8, how: u8) {
+    let at = at % (bytes.len() + 1);
+    match how {
+        0 => bytes.insert(at, byte),
+        1 if at < bytes.len() => {
+            bytes.remove(at);
+        }
+        _ if at < bytes.len() => bytes[at] = byte,
+        _ => bytes.push(byte),
+    }
+}
+
 mod cluster;
 mod s3;
 mod sentinel;

@@ -1,11 +1,13 @@
-//! Fast passes over JSON text for the result drain: where a string ends, its unescaped text,
-//! whether a document is JSON, and a string written as JSON.
+//! Fast passes over JSON text for the result drain and the input check: where a string or a
+//! value ends, a string's unescaped text, whether a document is JSON, and a string written as
+//! JSON.
 //!
-//! Each result's payload is a JSON document inside a JSON string, read once per result, so the
-//! drain's cost is mostly these passes. They look at string text 32 bytes at a time (two SSE2
-//! vectors; 8 bytes off x86-64) and call no general parser. Each accepts exactly what
-//! serde_json accepts (the tests hold them to it, input by input), so using them changes no
-//! result.
+//! Each result's payload is a JSON document inside a JSON string, read once per result, and
+//! each input line is mostly message text, so the drain's and the check's cost is mostly these
+//! passes. They look at string text 32 bytes at a time (two SSE2 vectors; 8 bytes off x86-64)
+//! and call no general parser. Each accepts exactly what serde_json accepts (the tests hold them
+//! to it, input by input), so using them changes no result; the walkers ([`members`],
+//! [`elements`], [`string`]) give `None` where serde would have to be asked.
 //!
 //! ```
 //! use batch_wire::json;
@@ -19,6 +21,7 @@
 //! assert_eq!(out, r#"{"n":"é"}"#.as_bytes());
 //! ```
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// String text is looked at a block at a time: 32 bytes as two SSE2 vectors (SSE2 is part of
@@ -341,7 +344,7 @@ fn unescape(s: &[u8], start: usize, dst: &mut [u8]) -> Option<(usize, usize)> {
 }
 
 /// What [`check`] found in a JSON document.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Document {
     /// Whether the document is an object.
     pub object: bool,
@@ -390,21 +393,33 @@ impl Open {
 /// `\u` escape of four hex digits), and finds the top-level `usage` member. `text` must be
 /// UTF-8 (it is not checked).
 pub fn check(text: &[u8]) -> Result<Document, NotJson> {
-    let s = text;
+    let mut doc = Document::default();
+    let start = skip_ws(text, 0);
+    doc.object = text.get(start) == Some(&b'{');
+    let end = walk::<true>(text, start, &mut doc)?;
+    match skip_ws(text, end) == text.len() {
+        true => Ok(doc),
+        false => Err(NotJson),
+    }
+}
+
+/// The index just after the JSON value that starts at `s[i]`, checked as serde_json checks a
+/// value it skips (`IgnoredAny`, `RawValue`: any `\u` escape of four hex digits, any depth).
+/// `s` must be UTF-8 (it is not checked).
+pub fn value_end(s: &[u8], i: usize) -> Result<usize, NotJson> {
+    walk::<false>(s, i, &mut Document::default())
+}
+
+/// The index after the value at `i`; with `USAGE`, notes the top-level `usage` in `doc`.
+#[inline(always)]
+fn walk<const USAGE: bool>(s: &[u8], mut i: usize, doc: &mut Document) -> Result<usize, NotJson> {
     let mut open = Open {
         innermost: 0,
         depth: 0,
         outer: Vec::new(),
     };
-    let mut doc = Document {
-        object: false,
-        usage: None,
-        usage_repeated: false,
-    };
     // Where the value of a top-level `usage` key starts, while it is being read.
     let mut usage_start: Option<usize> = None;
-    let mut i = skip_ws(s, 0);
-    doc.object = s.get(i) == Some(&b'{');
     'value: loop {
         // A value starts at i.
         match *s.get(i).ok_or(NotJson)? {
@@ -418,7 +433,7 @@ pub fn check(text: &[u8]) -> Result<Document, NotJson> {
                     open.pop();
                 } else {
                     if object {
-                        i = member_key(s, i, open.depth, &mut doc, &mut usage_start)?;
+                        i = member_key::<USAGE>(s, i, open.depth, doc, &mut usage_start)?;
                     }
                     continue 'value;
                 }
@@ -432,21 +447,21 @@ pub fn check(text: &[u8]) -> Result<Document, NotJson> {
         }
         // A value ended at i: close containers, or go on to the next element or member.
         loop {
-            if open.depth == 1 {
+            if open.depth == 0 {
+                return Ok(i);
+            }
+            if USAGE && open.depth == 1 {
                 if let Some(start) = usage_start.take() {
                     doc.usage = Some(start..i);
                 }
             }
             i = skip_ws(s, i);
-            if open.depth == 0 {
-                return if i == s.len() { Ok(doc) } else { Err(NotJson) };
-            }
             let object = open.in_object();
             match (s.get(i), object) {
                 (Some(b','), _) => {
                     i = skip_ws(s, i + 1);
                     if object {
-                        i = member_key(s, i, open.depth, &mut doc, &mut usage_start)?;
+                        i = member_key::<USAGE>(s, i, open.depth, doc, &mut usage_start)?;
                     }
                     continue 'value;
                 }
@@ -463,7 +478,7 @@ pub fn check(text: &[u8]) -> Result<Document, NotJson> {
 /// Reads `"key" :` at `i` and the whitespace after it; notes a top-level `usage`. Returns where
 /// the member's value starts.
 #[inline(always)]
-fn member_key(
+fn member_key<const USAGE: bool>(
     s: &[u8],
     i: usize,
     depth: u32,
@@ -480,7 +495,7 @@ fn member_key(
         return Err(NotJson);
     }
     let value = skip_ws(s, j + 1);
-    if depth == 1 && (key == b"usage" || end.escaped && is_usage(key)) {
+    if USAGE && depth == 1 && (key == b"usage" || end.escaped && is_usage(key)) {
         if doc.usage.is_some() || doc.usage_repeated {
             doc.usage = None;
             doc.usage_repeated = true;
@@ -499,8 +514,9 @@ fn is_usage(key: &[u8]) -> bool {
     std::str::from_utf8(key).is_ok_and(|k| unescape_into(k, &mut text)) && text == b"usage"
 }
 
+/// The index of the first byte at or after `i` that is not JSON whitespace, or `s.len()`.
 #[inline(always)]
-fn skip_ws(s: &[u8], mut i: usize) -> usize {
+pub fn skip_ws(s: &[u8], mut i: usize) -> usize {
     // Most JSON is written without whitespace: one comparison to leave.
     while let Some(&b) = s.get(i) {
         if b > b' ' || !matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
@@ -550,6 +566,88 @@ fn number(s: &[u8], mut i: usize) -> Result<usize, NotJson> {
         i = digits(i)?;
     }
     Ok(i)
+}
+
+/// Walks the object at `s[i]`: `member(key, value_start)` reads each member's value and returns
+/// the index after it, or `None` to stop. The index after the object; `None` when it is not an
+/// object, a key holds escapes (compare the key as text to read those), or `member` stopped.
+///
+/// With [`elements`], [`string`] and [`value_end`], a reader of a known document shape that
+/// leaves anything unusual to serde: each says `None` rather than guess.
+#[inline(always)]
+pub fn members(
+    s: &[u8],
+    i: usize,
+    mut member: impl FnMut(&[u8], usize) -> Option<usize>,
+) -> Option<usize> {
+    if s.get(i) != Some(&b'{') {
+        return None;
+    }
+    let mut i = skip_ws(s, i + 1);
+    if s.get(i) == Some(&b'}') {
+        return Some(i + 1);
+    }
+    loop {
+        if s.get(i) != Some(&b'"') {
+            return None;
+        }
+        let key = string_end(s, i + 1).filter(|k| !k.escaped)?;
+        let colon = skip_ws(s, key.quote + 1);
+        if s.get(colon) != Some(&b':') {
+            return None;
+        }
+        let end = member(&s[i + 1..key.quote], skip_ws(s, colon + 1))?;
+        i = skip_ws(s, end);
+        match s.get(i)? {
+            b',' => i = skip_ws(s, i + 1),
+            b'}' => return Some(i + 1),
+            _ => return None,
+        }
+    }
+}
+
+/// Walks the array at `s[i]`: `element(start)` reads each element and returns the index after
+/// it, or `None` to stop. The index after the array; `None` when it is not an array or
+/// `element` stopped.
+#[inline(always)]
+pub fn elements(
+    s: &[u8],
+    i: usize,
+    mut element: impl FnMut(usize) -> Option<usize>,
+) -> Option<usize> {
+    if s.get(i) != Some(&b'[') {
+        return None;
+    }
+    let mut i = skip_ws(s, i + 1);
+    if s.get(i) == Some(&b']') {
+        return Some(i + 1);
+    }
+    loop {
+        i = skip_ws(s, element(i)?);
+        match s.get(i)? {
+            b',' => i = skip_ws(s, i + 1),
+            b']' => return Some(i + 1),
+            _ => return None,
+        }
+    }
+}
+
+/// The string at `text[i]` (its opening quote) as serde_json reads it into a `Cow<str>`
+/// (borrowed when it has no escapes), and the index after it; `None` when there is no valid
+/// string there.
+pub fn string(text: &str, i: usize) -> Option<(Cow<'_, str>, usize)> {
+    let s = text.as_bytes();
+    if s.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut out = Vec::new();
+    let end = read_string(s, i + 1, &mut out)?;
+    let value = match end.escaped {
+        // Both ends are ASCII quotes, so char boundaries.
+        false => Cow::Borrowed(&text[i + 1..end.quote]),
+        true => Cow::Owned(String::from_utf8(out).ok()?),
+    };
+    Some((value, end.quote + 1))
 }
 
 /// Appends `text` as a JSON string, byte for byte as serde_json writes it.
@@ -733,22 +831,29 @@ mod tests {
         #[test]
         fn damaged_documents_are_judged_as_serde_judges_them(
             text in json_text(),
-            at in any::<prop::sample::Index>(),
+            at in any::<usize>(),
             byte in prop::sample::select(vec![b'"', b'\\', b',', b':', b'[', b']', b'{', b'}', b'0', b'-', b'e', b'.', b' ', b'u', b'x', 1u8]),
             mode in 0..3u8,
         ) {
             let mut bytes = text.into_bytes();
-            let at = at.index(bytes.len() + 1);
-            match mode {
-                0 => bytes.insert(at, byte),
-                1 if at < bytes.len() => { bytes.remove(at); }
-                _ if at < bytes.len() => bytes[at] = byte,
-                _ => bytes.push(byte),
-            }
+            batch_testkit::damage(&mut bytes, at, byte, mode);
             // Only UTF-8 is ever checked.
             if let Ok(text) = String::from_utf8(bytes) {
                 prop_assert_eq!(check(text.as_bytes()).is_ok(), serde_accepts(&text), "{}", text);
             }
+        }
+
+        /// A value followed by anything ends where serde's stream reader ends it, and is
+        /// refused where serde refuses it.
+        #[test]
+        fn values_end_where_serde_ends_them(
+            text in json_text(),
+            tail in prop::sample::select(vec!["", ",", "]", "}1", " x", ":\"a\"", "\""]),
+        ) {
+            let both = format!("{text}{tail}");
+            let mut stream = serde_json::Deserializer::from_str(&both).into_iter::<&RawValue>();
+            let serde_end = stream.next().and_then(|v| v.ok()).map(|_| stream.byte_offset());
+            prop_assert_eq!(value_end(both.as_bytes(), 0).ok(), serde_end, "{}", both);
         }
 
         #[test]

@@ -1,0 +1,158 @@
+//! The usual valid line, read by hand in one pass over its bytes.
+//!
+//! Most of a line is message text, which [`batch_wire::json`] skips 32 bytes at a time, where
+//! serde looks at each byte through its visitors. Anything this reading does not expect (an
+//! invalid line, an escaped key, a repeated field, a message of an odd shape) gives `None`, and
+//! the caller reads the line with serde as before: so every answer, and every error message, is
+//! serde's. The tests hold the two readings to the same answer, line by line.
+
+use std::borrow::Cow;
+
+use batch_wire::json::{self, elements, members, string};
+
+use crate::validate::{CheckedLine, NO_PREFIX};
+
+/// The line's check when it is valid and of the usual shape; `None` otherwise.
+pub(crate) fn valid_line(text: &str) -> Option<CheckedLine<'_>> {
+    let s = text.as_bytes();
+    let (mut custom_id, mut method, mut url, mut body) = (None, None, None, None);
+    let end = members(s, json::skip_ws(s, 0), |key, i| match key {
+        b"custom_id" if custom_id.is_none() => {
+            let (id, end) = string(text, i)?;
+            custom_id = Some(id);
+            Some(end)
+        }
+        b"method" if method.is_none() => {
+            let (m, end) = string(text, i)?;
+            method = Some(m);
+            Some(end)
+        }
+        b"url" if url.is_none() => {
+            let (u, end) = string(text, i)?;
+            url = Some(u);
+            Some(end)
+        }
+        b"body" if body.is_none() => {
+            let (b, end) = request_body(text, i)?;
+            body = Some(b);
+            Some(end)
+        }
+        b"custom_id" | b"method" | b"url" | b"body" => None,
+        _ => json::value_end(s, i).ok(),
+    })?;
+    if json::skip_ws(s, end) != s.len() {
+        return None;
+    }
+    let (custom_id, url, body) = (custom_id?, url?, body?);
+    let valid = !custom_id.trim().is_empty()
+        && method? == "POST"
+        && batch_wire::ALLOWED_URLS.contains(&url.as_ref());
+    valid.then_some(CheckedLine {
+        custom_id,
+        model: body.model,
+        url,
+        prefix_hash: body.prefix_hash,
+    })
+}
+
+/// A valid request body.
+struct RequestBody<'a> {
+    model: Cow<'a, str>,
+    prefix_hash: u32,
+}
+
+/// The body at `s[i]`: an object with a non-blank `model`, no `stream: true`, and `messages`
+/// (when there) a list of message objects.
+fn request_body(text: &str, i: usize) -> Option<(RequestBody<'_>, usize)> {
+    let s = text.as_bytes();
+    let (mut model, mut stream, mut prefix) = (None, false, None);
+    let end = members(s, i, |key, i| match key {
+        b"model" if model.is_none() => {
+            let (m, end) = string(text, i)?;
+            model = Some(m);
+            Some(end)
+        }
+        b"stream" if !stream => {
+            stream = true;
+            let end = json::value_end(s, i).ok()?;
+            (&s[i..end] != b"true").then_some(end)
+        }
+        b"messages" if prefix.is_none() => {
+            let (hash, end) = messages(text, i)?;
+            prefix = Some(hash);
+            Some(end)
+        }
+        b"model" | b"stream" | b"messages" => None,
+        _ => json::value_end(s, i).ok(),
+    })?;
+    let model = model.filter(|m| !m.trim().is_empty())?;
+    let prefix_hash = prefix.unwrap_or(NO_PREFIX);
+    Some((RequestBody { model, prefix_hash }, end))
+}
+
+/// The prefix hash of the message list at `s[i]`: of the first system message with text.
+fn messages(text: &str, i: usize) -> Option<(u32, usize)> {
+    let s = text.as_bytes();
+    let mut hash = None;
+    let end = elements(s, i, |i| {
+        let (mut role, mut content) = (None, None);
+        let end = members(s, i, |key, i| match key {
+            b"role" if role.is_none() => {
+                if s.get(i) == Some(&b'n') {
+                    let end = json::value_end(s, i).ok()?;
+                    role = Some(None);
+                    return (&s[i..end] == b"null").then_some(end);
+                }
+                let (r, end) = string(text, i)?;
+                role = Some(Some(r));
+                Some(end)
+            }
+            b"content" if content.is_none() => {
+                let end = json::value_end(s, i).ok()?;
+                content = Some(i..end);
+                Some(end)
+            }
+            b"role" | b"content" => None,
+            _ => json::value_end(s, i).ok(),
+        })?;
+        if hash.is_none() && role.flatten().as_deref() == Some("system") {
+            if let Some(content) = content {
+                hash = content_hash(text, content.start)?;
+            }
+        }
+        Some(end)
+    })?;
+    Some((hash.unwrap_or(NO_PREFIX), end))
+}
+
+/// The hash of a system message's `content` at `s[i]`: `Some(None)` when it has no text.
+fn content_hash(text: &str, i: usize) -> Option<Option<u32>> {
+    let s = text.as_bytes();
+    let prompt = match s.get(i) {
+        Some(b'"') => string(text, i)?.0,
+        Some(b'[') => {
+            let mut joined = String::new();
+            elements(s, i, |i| {
+                let mut seen = false;
+                members(s, i, |key, i| match key {
+                    b"text" if !seen => {
+                        seen = true;
+                        if s.get(i) == Some(&b'n') {
+                            let end = json::value_end(s, i).ok()?;
+                            return (&s[i..end] == b"null").then_some(end);
+                        }
+                        let (part, end) = string(text, i)?;
+                        joined.push_str(&part);
+                        Some(end)
+                    }
+                    b"text" => None,
+                    _ => json::value_end(s, i).ok(),
+                })
+            })?;
+            Cow::Owned(joined)
+        }
+        // `null` is no content; other values have no text.
+        _ => return Some(None),
+    };
+    Some((!prompt.is_empty()).then(|| batch_wire::hash::fnv1a_32(prompt.as_bytes())))
+}
