@@ -181,8 +181,7 @@ async fn store_file(
     let over = Arc::new(AtomicU8::new(0));
     let flag = over.clone();
     let mut bytes = 0u64;
-    let mut lines = 0u64;
-    let mut in_line = false;
+    let mut lines = LineCounter::default();
     let counted = field.map(move |chunk| {
         let chunk: Bytes = chunk.map_err(|e| e.to_string())?;
         bytes += chunk.len() as u64;
@@ -190,18 +189,8 @@ async fn store_file(
             flag.store(TOO_MANY_BYTES, Ordering::Relaxed);
             return Err("too large".to_owned());
         }
-        for &b in chunk.iter() {
-            match b {
-                b'\n' => in_line = false,
-                b' ' | b'\t' | b'\r' => {}
-                _ if !in_line => {
-                    in_line = true;
-                    lines += 1;
-                }
-                _ => {}
-            }
-        }
-        if lines > max_lines {
+        lines.feed(&chunk);
+        if lines.lines > max_lines {
             flag.store(TOO_MANY_LINES, Ordering::Relaxed);
             return Err("too many lines".to_owned());
         }
@@ -225,6 +214,35 @@ async fn store_file(
                 other => Err(other.into()),
             },
         },
+    }
+}
+
+/// Counts the request lines of a file given in chunks: lines holding anything but spaces, tabs
+/// and carriage returns.
+#[derive(Debug, Default)]
+struct LineCounter {
+    lines: u64,
+    /// Whether the line the last chunk ended in was already counted.
+    in_line: bool,
+}
+
+impl LineCounter {
+    fn feed(&mut self, chunk: &[u8]) {
+        // Line ends are found with SIMD; a line is looked at only until its first byte that is
+        // not blank, which is its first byte in any request line.
+        let mut start = 0;
+        let ends = memchr::memchr_iter(b'\n', chunk).chain(std::iter::once(chunk.len()));
+        for end in ends {
+            let line = &chunk[start..end];
+            if !self.in_line && line.iter().any(|&b| !matches!(b, b' ' | b'\t' | b'\r')) {
+                self.in_line = true;
+                self.lines += 1;
+            }
+            if end < chunk.len() {
+                self.in_line = false;
+            }
+            start = end + 1;
+        }
     }
 }
 
@@ -334,4 +352,53 @@ pub(crate) async fn list(
         .collect();
     let ids = files.iter().map(|f| f.id.clone()).collect();
     Ok(Json(list_body(files, ids, page.has_more)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The count a byte at a time, as a state machine.
+    fn lines_one_byte_at_a_time(text: &[u8]) -> u64 {
+        let (mut lines, mut in_line) = (0, false);
+        for &b in text {
+            match b {
+                b'\n' => in_line = false,
+                b' ' | b'\t' | b'\r' => {}
+                _ if !in_line => {
+                    in_line = true;
+                    lines += 1;
+                }
+                _ => {}
+            }
+        }
+        lines
+    }
+
+    proptest! {
+        #[test]
+        fn counts_lines_across_any_chunking(
+            text in prop::collection::vec(prop::sample::select(b"\n \t\rx{".to_vec()), 0..200),
+            cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..6),
+        ) {
+            let mut at: Vec<usize> = cuts.iter().map(|c| c.index(text.len() + 1)).collect();
+            at.sort_unstable();
+            let mut counter = LineCounter::default();
+            let mut start = 0;
+            for end in at.into_iter().chain([text.len()]) {
+                counter.feed(&text[start..end]);
+                start = end;
+            }
+            prop_assert_eq!(counter.lines, lines_one_byte_at_a_time(&text));
+        }
+    }
+
+    #[test]
+    fn counts_request_lines_only() {
+        let mut counter = LineCounter::default();
+        counter.feed(b"{\"a\":1}\n \r\n\t\n{\"b\"");
+        counter.feed(b":2}\n{}");
+        assert_eq!(counter.lines, 3);
+    }
 }
