@@ -16,29 +16,26 @@ use crate::validate::{CheckedLine, NO_PREFIX};
 pub(crate) fn valid_line(text: &str) -> Option<CheckedLine<'_>> {
     let s = text.as_bytes();
     let (mut custom_id, mut method, mut url, mut body) = (None, None, None, None);
-    let end = members(s, json::skip_ws(s, 0), |key, i| match key {
-        b"custom_id" if custom_id.is_none() => {
-            let (id, end) = string(text, i)?;
-            custom_id = Some(id);
-            Some(end)
+    let end = members(s, json::skip_ws(s, 0), |key, i| {
+        let slot = match key {
+            b"custom_id" => &mut custom_id,
+            b"method" => &mut method,
+            b"url" => &mut url,
+            b"body" if body.is_none() => {
+                let (b, end) = request_body(text, i)?;
+                body = Some(b);
+                return Some(end);
+            }
+            b"body" => return None,
+            _ => return json::value_end(s, i).ok(),
+        };
+        // A repeated field is serde's to refuse.
+        if slot.is_some() {
+            return None;
         }
-        b"method" if method.is_none() => {
-            let (m, end) = string(text, i)?;
-            method = Some(m);
-            Some(end)
-        }
-        b"url" if url.is_none() => {
-            let (u, end) = string(text, i)?;
-            url = Some(u);
-            Some(end)
-        }
-        b"body" if body.is_none() => {
-            let (b, end) = request_body(text, i)?;
-            body = Some(b);
-            Some(end)
-        }
-        b"custom_id" | b"method" | b"url" | b"body" => None,
-        _ => json::value_end(s, i).ok(),
+        let (value, end) = string(text, i)?;
+        *slot = Some(value);
+        Some(end)
     })?;
     if json::skip_ws(s, end) != s.len() {
         return None;
@@ -98,10 +95,9 @@ fn messages(text: &str, i: usize) -> Option<(u32, usize)> {
         let (mut role, mut content) = (None, None);
         let end = members(s, i, |key, i| match key {
             b"role" if role.is_none() => {
-                if s.get(i) == Some(&b'n') {
-                    let end = json::value_end(s, i).ok()?;
+                if let Some(end) = null(s, i) {
                     role = Some(None);
-                    return (&s[i..end] == b"null").then_some(end);
+                    return Some(end);
                 }
                 let (r, end) = string(text, i)?;
                 role = Some(Some(r));
@@ -137,9 +133,8 @@ fn content_hash(text: &str, i: usize) -> Option<Option<u32>> {
                 members(s, i, |key, i| match key {
                     b"text" if !seen => {
                         seen = true;
-                        if s.get(i) == Some(&b'n') {
-                            let end = json::value_end(s, i).ok()?;
-                            return (&s[i..end] == b"null").then_some(end);
+                        if let Some(end) = null(s, i) {
+                            return Some(end);
                         }
                         let (part, end) = string(text, i)?;
                         joined.push_str(&part);
@@ -155,4 +150,9 @@ fn content_hash(text: &str, i: usize) -> Option<Option<u32>> {
         _ => return Some(None),
     };
     Some((!prompt.is_empty()).then(|| batch_wire::hash::fnv1a_32(prompt.as_bytes())))
+}
+
+/// The index after a `null` at `s[i]` (the walker checks what follows it).
+fn null(s: &[u8], i: usize) -> Option<usize> {
+    (s.get(i..i + 4) == Some(b"null")).then_some(i + 4)
 }
