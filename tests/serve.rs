@@ -1217,7 +1217,12 @@ async fn a_freed_slot_takes_over_a_dead_replicas_job_before_a_queued_one() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Held until the dead replica's lease has lapsed, replica 2's own job cannot finish first
+    // and free its slot while the dead job still looks alive.
+    gate(&env, false);
     one.kill9();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    gate(&env, true);
     for (id, lines) in &batches {
         let batch = api.wait_final(id, FINISH).await;
         assert_eq!(batch["status"], "completed", "{batch}");
