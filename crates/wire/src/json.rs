@@ -580,14 +580,7 @@ pub fn members(
     i: usize,
     mut member: impl FnMut(&[u8], usize) -> Option<usize>,
 ) -> Option<usize> {
-    if s.get(i) != Some(&b'{') {
-        return None;
-    }
-    let mut i = skip_ws(s, i + 1);
-    if s.get(i) == Some(&b'}') {
-        return Some(i + 1);
-    }
-    loop {
+    delimited(s, i, b'{', b'}', |i| {
         if s.get(i) != Some(&b'"') {
             return None;
         }
@@ -596,37 +589,41 @@ pub fn members(
         if s.get(colon) != Some(&b':') {
             return None;
         }
-        let end = member(&s[i + 1..key.quote], skip_ws(s, colon + 1))?;
-        i = skip_ws(s, end);
-        match s.get(i)? {
-            b',' => i = skip_ws(s, i + 1),
-            b'}' => return Some(i + 1),
-            _ => return None,
-        }
-    }
+        member(&s[i + 1..key.quote], skip_ws(s, colon + 1))
+    })
 }
 
 /// Walks the array at `s[i]`: `element(start)` reads each element and returns the index after
 /// it, or `None` to stop. The index after the array; `None` when it is not an array or
 /// `element` stopped.
 #[inline(always)]
-pub fn elements(
+pub fn elements(s: &[u8], i: usize, element: impl FnMut(usize) -> Option<usize>) -> Option<usize> {
+    delimited(s, i, b'[', b']', element)
+}
+
+/// Walks the items between `open` at `s[i]` and its `close`, separated by commas: `item(start)`
+/// reads each and returns the index after it. The index after `close`; `None` when `s[i]` is
+/// not `open` or `item` stopped.
+#[inline(always)]
+fn delimited(
     s: &[u8],
     i: usize,
-    mut element: impl FnMut(usize) -> Option<usize>,
+    open: u8,
+    close: u8,
+    mut item: impl FnMut(usize) -> Option<usize>,
 ) -> Option<usize> {
-    if s.get(i) != Some(&b'[') {
+    if s.get(i) != Some(&open) {
         return None;
     }
     let mut i = skip_ws(s, i + 1);
-    if s.get(i) == Some(&b']') {
+    if s.get(i) == Some(&close) {
         return Some(i + 1);
     }
     loop {
-        i = skip_ws(s, element(i)?);
+        i = skip_ws(s, item(i)?);
         match s.get(i)? {
             b',' => i = skip_ws(s, i + 1),
-            b']' => return Some(i + 1),
+            &c if c == close => return Some(i + 1),
             _ => return None,
         }
     }
