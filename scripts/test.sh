@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 ensure_redis
 ensure_venv   # exports BATCH_VENV
 ensure_moto   # the same virtualenv
-cargo test --workspace "$@"
+cargo test --workspace --no-fail-fast "$@"

@@ -65,18 +65,12 @@ async fn processes_on_one_pool(n: usize) -> f64 {
         })
         .collect();
     let started = Instant::now();
-    let children: Vec<Child> = inputs
-        .iter()
-        .map(|(input, out, _)| {
-            Child(
-                run_cmd(&config, input, out)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap(),
-            )
-        })
-        .collect();
+    let children = spawn_runs(
+        &config,
+        inputs
+            .iter()
+            .map(|(input, out, _)| (input.as_path(), out.as_path())),
+    );
     for (mut child, (_, out, lines)) in children.into_iter().zip(&inputs) {
         let status = wait_exit(&mut child.0, Duration::from_secs(180));
         let stderr = stderr_of(&mut child.0);

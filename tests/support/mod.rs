@@ -299,6 +299,24 @@ pub fn run_cmd(config: &Path, input: &Path, out: &Path) -> std::process::Command
     cmd
 }
 
+/// Starts `processor run` on each (input, output dir) of `jobs`, stderr captured.
+pub fn spawn_runs<'a>(
+    config: &Path,
+    jobs: impl IntoIterator<Item = (&'a Path, &'a Path)>,
+) -> Vec<Child> {
+    jobs.into_iter()
+        .map(|(input, out)| {
+            Child(
+                run_cmd(config, input, out)
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect()
+}
+
 /// Every queue of the simulated dispatcher behind a `redis` gate whose budget key is unset (0):
 /// nothing is taken until a test sets it.
 pub fn closed_gate(config: &mut DispatcherConfig) {

@@ -23,6 +23,13 @@
 //!   but that is registered in `{<list>}:jobs` and not past its deadline, is moved to that job's
 //!   parked list (`{<list>}:parked:<job>`) for whoever runs the job; only results of jobs that exist
 //!   nowhere are dropped.
+//! - **Results that came to the wrong list are handed on**: a dispatcher whose queue entry names
+//!   its own result list sends every result of the pool there, whatever list each request
+//!   asked for. A result of a job that runs elsewhere and whose requests name another list (as
+//!   the pool's result routes say, [`ConsumerOptions::routes`]) is pushed onto that list before
+//!   it is acknowledged here, and the list is told where it came from (`{<list>}:handed-from`),
+//!   so its reader can read this one too once it is free. A crash between the two pushes it
+//!   again; the job's writer skips the duplicate.
 //! - Redis outages are waited out with backoff (one WARN per outage); malformed messages are
 //!   counted and dropped.
 //!
@@ -63,6 +70,7 @@ mod scripts;
 mod stats;
 
 use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -70,7 +78,7 @@ use batch_queue_names::ListKeys;
 use batch_wire::{split_request_id, RawResult};
 use fred::bytes_utils::Str;
 use fred::clients::Client;
-use fred::interfaces::{ClientLike, ListInterface};
+use fred::interfaces::{ClientLike, HashesInterface, ListInterface};
 use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio_util::sync::CancellationToken;
@@ -135,6 +143,13 @@ pub struct ConsumerOptions {
     /// round costs a few round trips and a file flush whatever it carries. Adds at most this
     /// to a result's latency; zero reads each result as soon as it comes.
     pub linger: Duration,
+    /// The pool's result routes ([`batch_queue_names::QueueNames::result_routes_name`]): a
+    /// result of a job that runs elsewhere and whose requests name another list is handed on
+    /// to that list. `None` for a parked list, which holds one job's results only.
+    pub routes: Option<String>,
+    /// Started to take over the list when its reader goes: waiting for the lease is expected,
+    /// not worth a warning.
+    pub standby: bool,
 }
 
 impl Default for ConsumerOptions {
@@ -147,6 +162,8 @@ impl Default for ConsumerOptions {
             max_backoff: Duration::from_secs(5),
             lease_ttl: Duration::from_secs(10),
             linger: Duration::from_millis(10),
+            routes: None,
+            standby: false,
         }
     }
 }
@@ -304,7 +321,11 @@ impl ResultConsumer {
                 Ok(Acquired::Held(holder)) if !logged => {
                     logged = true;
                     let who = holder.map_or_else(|raw| raw, |h| h.to_string());
-                    tracing::warn!(results = %self.keys.list, holder = %who, "another process reads this result list; waiting for it to stop");
+                    if self.options.standby {
+                        tracing::debug!(results = %self.keys.list, holder = %who, "another process reads this result list; reading it once that process stops");
+                    } else {
+                        tracing::warn!(results = %self.keys.list, holder = %who, "another process reads this result list; waiting for it to stop");
+                    }
                 }
                 Ok(Acquired::Held(_)) => {}
                 Err(e) => {
@@ -522,6 +543,14 @@ impl ResultConsumer {
         items: &[Str],
         not_here: &[(usize, String)],
     ) -> Result<(), Halt> {
+        let now = now_unix();
+        let handed;
+        let not_here = if not_here.is_empty() || self.options.routes.is_none() {
+            not_here
+        } else {
+            handed = self.hand_on(items, not_here, now).await?;
+            handed.as_slice()
+        };
         let acked = self
             .scripts
             .ack(
@@ -530,7 +559,7 @@ impl ResultConsumer {
                 lease.value(),
                 items,
                 not_here,
-                now_unix(),
+                now,
             )
             .await?;
         match acked {
@@ -547,6 +576,55 @@ impl ResultConsumer {
                 "the in-flight list changed under its reader".into(),
             )),
         }
+    }
+
+    /// Pushes the results of `not_here` whose jobs' requests name another list onto that list
+    /// (oldest first, as the dispatcher would have); returns the rest, for the acknowledgement
+    /// to park or drop.
+    async fn hand_on(
+        &self,
+        items: &[Str],
+        not_here: &[(usize, String)],
+        now: i64,
+    ) -> Result<Vec<(usize, String)>, Halt> {
+        let Some(routes) = &self.options.routes else {
+            return Ok(not_here.to_vec());
+        };
+        let mut jobs: Vec<&str> = not_here.iter().map(|(_, j)| j.as_str()).collect();
+        jobs.sort_unstable();
+        jobs.dedup();
+        let found: Vec<Option<String>> = self.client.hmget(routes, jobs.clone()).await?;
+        let mut to: HashMap<&str, String> = HashMap::new();
+        for (job, route) in jobs.iter().zip(found) {
+            let Some((deadline, list)) = route.as_deref().and_then(parse_route) else {
+                continue;
+            };
+            if deadline > now && list != self.keys.base() {
+                to.insert(job, list.to_owned());
+            }
+        }
+        if to.is_empty() {
+            return Ok(not_here.to_vec());
+        }
+        let mut rest = Vec::new();
+        let mut by_list: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (pos, job) in not_here {
+            match to.get(job.as_str()) {
+                Some(list) => by_list.entry(list).or_default().push(*pos),
+                None => rest.push((*pos, job.clone())),
+            }
+        }
+        for (list, mut positions) in by_list {
+            // Oldest (rightmost, highest position) first, so it ends rightmost there too.
+            positions.sort_unstable_by(|a, b| b.cmp(a));
+            let moved: Vec<&Str> = positions.iter().filter_map(|&p| items.get(p)).collect();
+            self.scripts
+                .hand_on(&self.client, &ListKeys::new(list), &self.keys.list, &moved)
+                .await?;
+            self.stats.handed_on(moved.len() as u64);
+            warn_lists_differ(list, &self.keys.list);
+        }
+        Ok(rest)
     }
 
     /// Writes a routed batch, retrying the handler until it succeeds. Returns the (list
@@ -599,6 +677,50 @@ impl ResultConsumer {
             backoff = (backoff * 2).min(self.options.max_backoff);
         }
     }
+}
+
+/// Ids starting with `prefix` of the results waiting anywhere a reader of `list` keeps them:
+/// the list, its in-flight list, and the parked list of `job` with its own in-flight list.
+///
+/// The lost-line search asks this before it puts a line back: a line whose result waits
+/// unread is not lost.
+pub async fn waiting_ids(
+    client: &Client,
+    list: &str,
+    job: &str,
+    prefix: &str,
+) -> Result<Vec<String>, fred::error::Error> {
+    let keys = ListKeys::new(list);
+    let parked = ListKeys::parked(list, job);
+    let mut out = Vec::new();
+    for key in [&keys.list, &keys.inflight, &parked.list, &parked.inflight] {
+        out.extend(scripts::ids_in_list(client, key, prefix, 1000).await?);
+    }
+    Ok(out)
+}
+
+/// Says, once per process, that the dispatcher sends results of requests that name
+/// `requested` to `actual`: its queue entry sets `result_queue_name`.
+pub fn warn_lists_differ(requested: &str, actual: &str) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            requested,
+            actual,
+            "the dispatcher sends results of requests that name {requested} to {actual}: its queue entry for the pool sets result_queue_name. Each result is handed on to the process that runs its job, one hop later, and waits while no process reads {actual}. Remove result_queue_name from the queue entry so that each process reads its own list, or run one process per pool with async_dispatch.consumer_id set to the list's last part"
+        );
+    }
+}
+
+/// A route's value: `<deadline> <list>`.
+fn parse_route(value: &str) -> Option<(i64, &str)> {
+    let (deadline, list) = value.split_once(' ')?;
+    Some((deadline.parse().ok()?, list))
+}
+
+/// The value of a job's route: its deadline and the result list its requests name.
+pub fn route_value(deadline: i64, list: &str) -> String {
+    format!("{deadline} {list}")
 }
 
 /// Batches read ahead of the one being written: each is about a megabyte per 1,000 results.

@@ -55,6 +55,27 @@ redis.call('SET', KEYS[3], ARGV[2], 'EX', 3600)
 return {1, parked}
 "#;
 
+// Hands results on to the list their requests named, and tells that list's reader where they
+// came from.
+// KEYS: list, its handed-from key. ARGV: the list they arrived on, then the results, oldest first.
+// Returns the list's length.
+const HAND_ON_LUA: &str = r#"
+redis.call('SET', KEYS[2], ARGV[1], 'EX', 86400)
+return redis.call('LPUSH', KEYS[1], unpack(ARGV, 2))
+"#;
+
+// The ids of the results at positions ARGV[2]..ARGV[3] of a list that start with ARGV[1]; a
+// range at a time, so a long list never holds Redis up for long.
+// KEYS: the list. Returns the matching ids.
+const IDS_LUA: &str = r#"
+local out = {}
+for _, item in ipairs(redis.call('LRANGE', KEYS[1], ARGV[2], ARGV[3])) do
+  local id = string.match(item, '"id"%s*:%s*"([^"]*)"')
+  if id and string.sub(id, 1, #ARGV[1]) == ARGV[1] then out[#out + 1] = id end
+end
+return out
+"#;
+
 /// What an acknowledgement did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ack {
@@ -69,6 +90,7 @@ pub(crate) enum Ack {
 pub(crate) struct Scripts {
     take: Script,
     ack: Script,
+    hand_on: Script,
 }
 
 impl Default for Scripts {
@@ -76,8 +98,39 @@ impl Default for Scripts {
         Self {
             take: Script::from_lua(TAKE_LUA),
             ack: Script::from_lua(ACK_LUA),
+            hand_on: Script::from_lua(HAND_ON_LUA),
         }
     }
+}
+
+/// Ids starting with `prefix` of the results waiting in `list`, read `chunk` at a time.
+pub(crate) async fn ids_in_list(
+    client: &Client,
+    list: &str,
+    prefix: &str,
+    chunk: i64,
+) -> Result<Vec<String>, fred::error::Error> {
+    use fred::interfaces::ListInterface;
+    let script = Script::from_lua(IDS_LUA);
+    let len: i64 = client.llen(list).await?;
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < len {
+        let ids: Vec<String> = script
+            .evalsha_with_reload(
+                client,
+                vec![list],
+                vec![
+                    prefix.to_owned(),
+                    start.to_string(),
+                    (start + chunk - 1).to_string(),
+                ],
+            )
+            .await?;
+        out.extend(ids);
+        start += chunk;
+    }
+    Ok(out)
 }
 
 fn nonce() -> String {
@@ -105,6 +158,29 @@ impl Scripts {
                     keys.lease.as_str(),
                 ],
                 vec![holder],
+            )
+            .await
+    }
+
+    /// Pushes `moved` (oldest first) onto `to`'s list, naming `from` as where they came from.
+    pub(crate) async fn hand_on(
+        &self,
+        client: &Client,
+        to: &ListKeys,
+        from: &str,
+        moved: &[&Str],
+    ) -> Result<i64, fred::error::Error> {
+        if moved.is_empty() {
+            return Ok(0);
+        }
+        let mut args: Vec<&str> = Vec::with_capacity(moved.len() + 1);
+        args.push(from);
+        args.extend(moved.iter().map(|s| &s[..]));
+        self.hand_on
+            .evalsha_with_reload(
+                client,
+                vec![to.list.as_str(), to.handed_from.as_str()],
+                args,
             )
             .await
     }

@@ -13,6 +13,7 @@ pub struct ConsumerStats {
     mismatched: AtomicU64,
     unknown_job: AtomicU64,
     parked: AtomicU64,
+    handed_on: AtomicU64,
     malformed: AtomicU64,
     recovered: AtomicU64,
     redis_errors: AtomicU64,
@@ -29,6 +30,7 @@ impl Default for ConsumerStats {
             mismatched: AtomicU64::new(0),
             unknown_job: AtomicU64::new(0),
             parked: AtomicU64::new(0),
+            handed_on: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
             recovered: AtomicU64::new(0),
             redis_errors: AtomicU64::new(0),
@@ -63,6 +65,11 @@ impl ConsumerStats {
         self.unknown_job.fetch_add(dropped, Relaxed);
         count("parked", parked);
         count("unknown_job", dropped);
+    }
+
+    pub(crate) fn handed_on(&self, n: u64) {
+        self.handed_on.fetch_add(n, Relaxed);
+        count("handed_on", n);
     }
 
     pub(crate) fn malformed(&self) {
@@ -109,6 +116,10 @@ impl ConsumerStats {
     /// Results of jobs registered but running elsewhere, kept in their jobs' parked lists.
     pub fn parked_total(&self) -> u64 {
         self.parked.load(Relaxed)
+    }
+    /// Results of jobs whose requests name another list, pushed onto that list.
+    pub fn handed_on_total(&self) -> u64 {
+        self.handed_on.load(Relaxed)
     }
     /// Messages that were not results, or named no job.
     pub fn malformed_total(&self) -> u64 {

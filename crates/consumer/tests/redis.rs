@@ -465,6 +465,84 @@ async fn results_of_jobs_registered_elsewhere_are_parked_not_dropped() {
     parked_reader.join().await;
 }
 
+/// A queue entry that names its own result list sends every result of the pool there: the
+/// reader hands the results of a job running elsewhere on to the list its requests named,
+/// oldest first, and tells that list where they came from; registered-only jobs are parked as
+/// before, routes past their deadline are not followed.
+#[tokio::test]
+async fn results_whose_requests_named_another_list_are_handed_on_to_it() {
+    let redis = RedisServer::start();
+    let routes = "llm-d-async:result-routes:pool-a";
+    let other = "llm-d-async:results:pool-a:$batch-2";
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let keys = ListKeys::new(RESULTS);
+    redis.command(&[
+        "HSET",
+        routes,
+        "moved",
+        &batch_consumer::route_value(now + 3600, other),
+        "expired",
+        &batch_consumer::route_value(now - 10, other),
+        "parked-here",
+        &batch_consumer::route_value(now + 3600, RESULTS),
+    ]);
+    redis.command(&["HSET", &keys.jobs, "parked-here", &(now + 3600).to_string()]);
+    let handler = Recorder::for_jobs(&["job"]);
+    let options = ConsumerOptions {
+        routes: Some(routes.into()),
+        ..options(10)
+    };
+    let (handle, shutdown) = spawn_with(&redis, handler.clone(), options).await;
+    push(&redis, "moved", [1, 2, 3]);
+    push(&redis, "job", [0]);
+    push(&redis, "expired", [7]);
+    push(&redis, "parked-here", [8]);
+    until("the local result", || handler.indexes() == [0]).await;
+    handle.stats().drained().await;
+    let ids = |key: &str| -> Vec<u64> {
+        redis
+            .command_list(&["LRANGE", key, "0", "-1"])
+            .iter()
+            .map(|raw| {
+                batch_wire::parse_request_id(&ResultMessage::parse(raw).unwrap().id)
+                    .unwrap()
+                    .1
+            })
+            .collect()
+    };
+    assert_eq!(ids(other), [3, 2, 1], "oldest on the right, as pushed");
+    assert_eq!(ids(&keys.parked_list("parked-here")), [8]);
+    assert_eq!(
+        redis.command(&["GET", &ListKeys::new(other).handed_from]),
+        RESULTS
+    );
+    assert_eq!(handle.stats().handed_on_total(), 3);
+    assert_eq!(handle.stats().parked_total(), 1);
+    assert_eq!(handle.stats().unknown_job_total(), 1, "the expired route");
+    assert_eq!(redis.command(&["LLEN", &keys.inflight]), ":0");
+    shutdown.cancel();
+    handle.join().await;
+
+    // The lost-line search sees what waits in a list, in flight and parked, by id prefix.
+    let client = batch_redis::connect(&redis.url(), &Default::default())
+        .await
+        .unwrap();
+    let prefix = &request_id("moved", 0)[..request_id("moved", 0).len() - 1];
+    let mut found = batch_consumer::waiting_ids(&client, other, "moved", prefix)
+        .await
+        .unwrap();
+    found.sort();
+    assert_eq!(found, [1, 2, 3].map(|i| request_id("moved", i)));
+    let parked_prefix = &request_id("parked-here", 0)[..request_id("parked-here", 0).len() - 1];
+    let parked = batch_consumer::waiting_ids(&client, RESULTS, "parked-here", parked_prefix)
+        .await
+        .unwrap();
+    assert_eq!(parked, [request_id("parked-here", 8)]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connections_killed_every_few_milliseconds_lose_and_double_nothing() {
     const N: u64 = 50_000;

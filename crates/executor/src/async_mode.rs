@@ -7,18 +7,18 @@
 //! resumes it reads that list too (waiting for its lease), and meanwhile takes the job's results
 //! that the list's reader parked for it.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use batch_config::ProcessorConfig;
 use batch_consumer::{Acquired, ConsumerHandle, ConsumerOptions, Lease, ResultConsumer};
 use batch_producer::{JobMessages, PendingMember, Producer, ProducerError, ProducerOptions};
-use batch_queue_names::{ListKeys, QueueNames};
+use batch_queue_names::{ListKeys, QueueNames, DEFAULT_CONSUMER_ID};
 use batch_redis::Retry;
 use batch_wire::Envelope;
 use fred::clients::Client;
-use fred::interfaces::HashesInterface;
+use fred::interfaces::{HashesInterface, KeysInterface};
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -31,6 +31,15 @@ use crate::{blocking, wait_for_end, Dispatch, ExecError};
 
 /// How many lists named `<consumer_id>`, `<consumer_id>-2`, ... a process tries by itself.
 const AUTO_LISTS: usize = 64;
+
+/// Looks at the head of the request and retry sets before a line is put back, how far apart,
+/// and how many members each reads.
+const HEAD_LOOKS: usize = 8;
+const HEAD_LOOK_EVERY: Duration = Duration::from_millis(40);
+const HEAD_MEMBERS: usize = 256;
+
+/// How often a running job looks whether its results were handed on from another list.
+const FOLLOW_EVERY: Duration = Duration::from_millis(500);
 
 pub(crate) struct AsyncMode {
     config: Arc<ProcessorConfig>,
@@ -49,6 +58,9 @@ pub(crate) struct AsyncMode {
     consumers: tokio::sync::Mutex<HashMap<String, ConsumerHandle>>,
     /// Consumers of jobs' parked lists, by job.
     parked: Mutex<HashMap<String, Vec<(CancellationToken, ConsumerHandle)>>>,
+    /// Lists of each pool where the dispatcher was seen to put our requests' results, other
+    /// than the ones the requests name (a queue entry with its own `result_queue_name`).
+    dispatcher_lists: Mutex<HashMap<String, BTreeSet<String>>>,
     shutdown: CancellationToken,
 }
 
@@ -110,6 +122,7 @@ impl AsyncMode {
             idle: Default::default(),
             consumers: Default::default(),
             parked: Default::default(),
+            dispatcher_lists: Default::default(),
             shutdown: CancellationToken::new(),
         };
         if mode.config.async_dispatch.consumer_id_set {
@@ -141,6 +154,19 @@ impl AsyncMode {
         }
     }
 
+    /// The pool's result routes: where each running job's requests ask for their results.
+    fn routes(&self, pool: &str) -> Result<String, ExecError> {
+        self.names.result_routes_name(pool).map_err(name_error)
+    }
+
+    /// The list the dispatcher's queue entries name when they name one: the seed's
+    /// `{prefix}:results:{pool}:$batch`.
+    fn base_list(&self, pool: &str) -> Result<String, ExecError> {
+        QueueNames::new(self.names.prefix(), DEFAULT_CONSUMER_ID)
+            .and_then(|n| n.result_queue_name(pool))
+            .map_err(name_error)
+    }
+
     /// This process's result list for `pool`, taking its lease the first time; with `start`,
     /// its consumer runs too.
     async fn own_list(
@@ -154,7 +180,7 @@ impl AsyncMode {
             if start {
                 let idle = self.idle.lock().await.remove(list);
                 if let Some(lease) = idle {
-                    self.start_consumer(list, Some(lease), stop).await?;
+                    self.start_consumer(pool, list, Some(lease), stop).await?;
                 }
             }
             return Ok(list.clone());
@@ -214,7 +240,14 @@ impl AsyncMode {
             tracing::info!(pool, list = %list, "using a free result list: another process reads the first one");
         }
         if start {
-            self.start_consumer(&list, Some(lease), stop).await?;
+            self.start_consumer(pool, &list, Some(lease), stop).await?;
+            let base = self.base_list(pool)?;
+            if !self.config.async_dispatch.consumer_id_set && list != base {
+                // A dispatcher whose queue entry names the seed's list sends every result
+                // there: once its reader stops, this process reads it, so no result waits
+                // there unread while a job of this process runs.
+                self.start_consumer(pool, &base, None, stop).await?;
+            }
         } else {
             self.idle.lock().await.insert(list.clone(), lease);
         }
@@ -222,10 +255,11 @@ impl AsyncMode {
         Ok(list)
     }
 
-    /// Starts a consumer of the whole list `list` unless one runs; without `lease` it waits for
-    /// the list's lease first.
+    /// Starts a consumer of the whole list `list` of `pool` unless one runs; without `lease` it
+    /// waits for the list's lease first.
     async fn start_consumer(
         &self,
+        pool: &str,
         list: &str,
         lease: Option<Lease>,
         stop: &CancellationToken,
@@ -250,7 +284,11 @@ impl AsyncMode {
             self.client.clone(),
             ListKeys::new(list),
             self.registry.clone(),
-            self.consumer_options(),
+            ConsumerOptions {
+                routes: Some(self.routes(pool)?),
+                standby: lease.is_none(),
+                ..self.consumer_options()
+            },
         );
         consumers.insert(
             list.to_owned(),
@@ -345,18 +383,25 @@ impl AsyncMode {
             }
             Err(e) => return Err(e),
         };
-        let lists: HashSet<String> = queues
+        let lists: BTreeMap<String, String> = queues
             .iter()
-            .map(|q| q.messages.result_queue.clone())
+            .map(|q| (q.messages.result_queue.clone(), q.pool.clone()))
             .collect();
         let producer = self.producer.with_stop(stop.halt.clone());
-        for list in &lists {
-            // Registered, its results are kept by whichever process reads the list.
+        for (list, pool) in &lists {
+            // Registered, its results are kept by whichever process reads the list, and
+            // handed on to it by the reader of any other list of the pool.
             let keys = ListKeys::new(list);
+            let routes = self.routes(pool)?;
+            let route = batch_consumer::route_value(job.expires_at(), list);
             let registered = Retry::new(format!("HSET {}", keys.jobs))
-                .run(&setup, || {
+                .run(&setup, || async {
                     self.client
                         .hset::<(), _, _>(&keys.jobs, (job.id.as_str(), job.expires_at()))
+                        .await?;
+                    self.client
+                        .hset::<(), _, _>(&routes, (job.id.as_str(), route.as_str()))
+                        .await
                 })
                 .await;
             if let Err(e) = registered {
@@ -369,7 +414,7 @@ impl AsyncMode {
             if !own {
                 // Another process's list (the job started there): read it once it is free,
                 // and meanwhile what its reader parks for this job.
-                self.start_consumer(list, None, &setup).await?;
+                self.start_consumer(pool, list, None, &setup).await?;
             }
             if job.resumed || !own {
                 self.start_parked_consumer(list, job);
@@ -383,7 +428,7 @@ impl AsyncMode {
             let stats: Vec<_> = {
                 let consumers = self.consumers.lock().await;
                 lists
-                    .iter()
+                    .keys()
                     .filter_map(|list| Some(consumers.get(list)?.stats().clone()))
                     .collect()
             };
@@ -417,6 +462,8 @@ impl AsyncMode {
             (lost_after / 4).clamp(Duration::from_millis(200), Duration::from_secs(30));
         let mut checks = tokio::time::interval(check_every);
         checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut follow = tokio::time::interval(FOLLOW_EVERY);
+        follow.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut progress = job.progress();
         job.touch();
         // Lines found missing by a look, and since when: a v0.9 dispatcher holds what it is
@@ -427,6 +474,10 @@ impl AsyncMode {
             let end = tokio::select! {
                 end = wait_for_end(&mut progress, stop) => end,
                 _ = checks.tick() => None,
+                _ = follow.tick() => {
+                    self.follow_handed_on(&lists, &stop.halt).await;
+                    continue;
+                }
             };
             if let Some(end) = end {
                 return Ok(end);
@@ -583,6 +634,7 @@ impl AsyncMode {
                     }
                     let line = j.read_line(&record)?;
                     out.push((
+                        record.line,
                         msgs.score_at(first + pos),
                         msgs.member(record.line as u64, &line)?,
                     ));
@@ -595,7 +647,17 @@ impl AsyncMode {
             .await?;
             known = known_back;
             left.extend(left_here);
-            let members: Vec<(f64, String)> = members;
+            let mut members: Vec<(u32, f64, String)> = members;
+            if !members.is_empty() {
+                let seen = self
+                    .seen_at_the_head(job, &q.messages.request_queue, producer)
+                    .await?;
+                members.retain(|(line, _, _)| !seen.contains(line));
+            }
+            let members: Vec<(f64, String)> = members
+                .into_iter()
+                .map(|(_, score, m)| (score, m))
+                .collect();
             let count = members.len() as u64;
             let added = producer
                 .enqueue_scored(&q.messages.request_queue, members)
@@ -608,6 +670,73 @@ impl AsyncMode {
             total += added;
         }
         Ok((total, left))
+    }
+
+    /// Reads, too, the lists where the readers of other lists found results of `lists`' requests
+    /// (the dispatcher's queue entry names its own list), once they are free: results that
+    /// land there then reach their jobs even when no other process reads that list any more.
+    async fn follow_handed_on(&self, lists: &BTreeMap<String, String>, stop: &CancellationToken) {
+        for (list, pool) in lists {
+            let key = ListKeys::new(list).handed_from;
+            // Bounded: a Redis that is down must not keep the job from seeing its end.
+            let read = tokio::select! {
+                _ = stop.cancelled() => return,
+                r = tokio::time::timeout(FOLLOW_EVERY, self.client.get::<Option<String>, _>(&key)) => r,
+            };
+            let from = match read {
+                Ok(Ok(from)) => from,
+                Ok(Err(e)) => {
+                    tracing::debug!(key, error = %e, "could not read where results were handed on from");
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            let Some(from) = from.filter(|f| f != list) else {
+                continue;
+            };
+            let new = self
+                .dispatcher_lists
+                .lock()
+                .expect("dispatcher lists lock")
+                .entry(pool.clone())
+                .or_default()
+                .insert(from.clone());
+            if new {
+                batch_consumer::warn_lists_differ(list, &from);
+                m::pool_counter("batch_result_lists_followed_total", pool, 1);
+                if let Err(e) = self.start_consumer(pool, &from, None, stop).await {
+                    tracing::debug!(list = %from, error = %e, "could not start reading the dispatcher's result list");
+                }
+            }
+        }
+    }
+
+    /// Lines of the job seen at the head of `queue` or of the retry set in a few looks spread
+    /// over a fraction of a second: a member a refusing gate keeps taking and putting back is
+    /// there most of the time, though any one scan may miss it.
+    async fn seen_at_the_head(
+        &self,
+        job: &Job,
+        queue: &str,
+        producer: &Producer,
+    ) -> Result<HashSet<u32>, ExecError> {
+        let prefix = job_id_prefix(&job.id);
+        let mut seen = HashSet::new();
+        for look in 0..HEAD_LOOKS {
+            if look > 0 {
+                tokio::time::sleep(HEAD_LOOK_EVERY).await;
+            }
+            for set in [queue, self.config.async_dispatch.retry_queue_name.as_str()] {
+                for id in producer.head_ids(set, &prefix, HEAD_MEMBERS).await? {
+                    if let Some((job_id, index)) = batch_wire::parse_request_id(&id) {
+                        if job_id == job.id {
+                            seen.insert(index as u32);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(seen)
     }
 
     /// Line indexes of the job whose requests the dispatcher holds in some form.
@@ -648,6 +777,37 @@ impl AsyncMode {
         for key in claimed {
             for field in producer.scan_fields(&key, &format!("{prefix}*")).await? {
                 keep(field.split('\0').next().unwrap_or_default());
+            }
+        }
+        // Results not yet written are no lost lines: the lists the dispatcher may use other
+        // than the job's first, since results only move from those to the job's.
+        let mut lists: Vec<String> = Vec::new();
+        for q in queues {
+            let mut others: Vec<String> = self
+                .dispatcher_lists
+                .lock()
+                .expect("dispatcher lists lock")
+                .get(&q.pool)
+                .map(|l| l.iter().cloned().collect())
+                .unwrap_or_default();
+            others.push(self.base_list(&q.pool)?);
+            for list in others {
+                if list != q.messages.result_queue && !lists.contains(&list) {
+                    lists.push(list);
+                }
+            }
+        }
+        for q in queues {
+            if !lists.contains(&q.messages.result_queue) {
+                lists.push(q.messages.result_queue.clone());
+            }
+        }
+        for list in lists {
+            let ids = batch_consumer::waiting_ids(&self.client, &list, &job.id, &prefix)
+                .await
+                .map_err(|e| ExecError::Redis(e.to_string()))?;
+            for id in ids {
+                keep(&id);
             }
         }
         Ok(Arc::new(present))
@@ -715,20 +875,26 @@ impl AsyncMode {
 
     /// Forgets the job in its lists' registries: later results of it are dropped.
     async fn close_job(&self, job: &Job) {
-        let lists: Vec<String> = job
+        let lists: Vec<(String, String)> = job
             .manifest
             .lock()
             .expect("manifest lock")
             .result_lists
-            .values()
-            .cloned()
+            .iter()
+            .map(|(pool, list)| (pool.clone(), list.clone()))
             .collect();
-        for list in lists {
+        for (pool, list) in lists {
             let keys = ListKeys::new(&list);
-            let done = tokio::time::timeout(
-                Duration::from_secs(5),
-                self.client.hdel::<i64, _, _>(&keys.jobs, job.id.as_str()),
-            )
+            let done = tokio::time::timeout(Duration::from_secs(5), async {
+                if let Ok(routes) = self.routes(&pool) {
+                    self.client
+                        .hdel::<i64, _, _>(&routes, job.id.as_str())
+                        .await?;
+                }
+                self.client
+                    .hdel::<i64, _, _>(&keys.jobs, job.id.as_str())
+                    .await
+            })
             .await;
             if !matches!(done, Ok(Ok(_))) {
                 tracing::debug!(job = %job.id, list, "could not unregister the job; its entry lapses at its deadline");

@@ -130,6 +130,17 @@ impl QueueNames {
         ))
     }
 
+    /// Where every running job of `pool` names the result list its requests ask for
+    /// (`{prefix}:result-routes:{pool}`, a hash: job id → `<deadline> <list>`).
+    ///
+    /// Not a dispatcher key. A dispatcher whose queue entry sets its own `result_queue_name`
+    /// sends every result of the pool to that one list, whatever each request asked for; its
+    /// reader finds here the list whose reader runs the job and hands the result on.
+    pub fn result_routes_name(&self, pool: &str) -> Result<String, NameError> {
+        validate_part("pool name", pool)?;
+        Ok(format!("{}:result-routes:{pool}", self.prefix))
+    }
+
     /// The list where results popped from `pool`'s result list wait until they are written.
     ///
     /// Not a dispatcher key: it belongs to the list's reader alone, which is what makes a crash
@@ -156,6 +167,9 @@ pub struct ListKeys {
     /// Jobs whose requests name the list (job id → deadline): their results are kept, never
     /// dropped, by whichever process reads the list.
     pub jobs: String,
+    /// Set by the reader of another list that handed results on to this one: that list's name.
+    /// Its reader learns from it where the dispatcher really sends its requests' results.
+    pub handed_from: String,
     /// The base list, whose slot every key shares.
     base: String,
 }
@@ -169,6 +183,7 @@ impl ListKeys {
             lease: format!("{{{list}}}:lease"),
             acked: format!("{{{list}}}:acked"),
             jobs: format!("{{{list}}}:jobs"),
+            handed_from: format!("{{{list}}}:handed-from"),
             base: list.to_owned(),
         }
     }
@@ -182,6 +197,7 @@ impl ListKeys {
             lease: format!("{parked}:lease"),
             acked: format!("{parked}:acked"),
             jobs: format!("{{{list}}}:jobs"),
+            handed_from: format!("{parked}:handed-from"),
             list: parked,
             base: list.to_owned(),
         }
@@ -277,7 +293,13 @@ mod tests {
     #[test]
     fn list_keys_share_the_lists_slot() {
         let keys = ListKeys::new("llm-d-async:results:p:$batch");
-        for k in [&keys.inflight, &keys.lease, &keys.acked, &keys.jobs] {
+        for k in [
+            &keys.inflight,
+            &keys.lease,
+            &keys.acked,
+            &keys.jobs,
+            &keys.handed_from,
+        ] {
             assert!(k.starts_with("{llm-d-async:results:p:$batch}:"), "{k}");
         }
         let parked = ListKeys::parked("llm-d-async:results:p:$batch", "batch_1");
@@ -287,6 +309,21 @@ mod tests {
         assert!(parked
             .inflight
             .starts_with("{llm-d-async:results:p:$batch}:"));
+    }
+
+    #[test]
+    fn result_routes_are_per_pool_and_not_a_result_list() {
+        let names = QueueNames::new("prod", "replica-7").unwrap();
+        assert_eq!(
+            names.result_routes_name("p").unwrap(),
+            "prod:result-routes:p"
+        );
+        assert!(names.result_routes_name("a:b").is_err());
+        // No consumer id makes a result list of the same name.
+        assert!(!names
+            .result_routes_name("p")
+            .unwrap()
+            .starts_with("prod:results:"));
     }
 
     #[test]
