@@ -552,6 +552,8 @@ async fn an_idle_job_logs_no_warning() {
     let warnings: Vec<&str> = stderr
         .lines()
         .filter(|l| (l.contains("WARN") || l.contains("ERROR")) && !l.contains("SIGTERM"))
+        // The test's Redis keeps nothing on disk, which is worth its warning at start.
+        .filter(|l| !l.contains("Redis has no persistence"))
         .collect();
     assert!(
         warnings.is_empty(),
@@ -610,4 +612,91 @@ async fn with_redis_down_a_cancel_and_a_deadline_still_end_the_job() {
         assert_eq!(results.error_codes().get(code), Some(&200));
         executor.shutdown().await;
     }
+}
+
+/// A Redis that may evict keys under memory pressure is refused at start, by `run` and by
+/// `serve`, naming the setting and the fix (exit 2); `redis_allow_eviction: true` runs anyway
+/// with a warning. A Redis without persistence is a warning, once, and a gauge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_that_may_evict_keys_is_refused_unless_the_config_accepts_it() {
+    let mut env = Env::start(GatewayConfig::default()).await;
+    env.redis = batch_testkit::RedisServer::builder()
+        .args(["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"])
+        .start();
+    env.redis_url_file = env.redis.write_url_file(env.dir.path());
+    let lines = write_input(&env.path("in.jsonl"), 20, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let refused = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("maxmemory-policy is allkeys-lru")
+            && stderr.contains("noeviction")
+            && stderr.contains("redis_allow_eviction"),
+        "{stderr}"
+    );
+    assert!(
+        !env.path("out").join("output.jsonl").exists(),
+        "nothing ran: {stderr}"
+    );
+    let serve_config = env.path("serve.yaml");
+    std::fs::copy(&config, &serve_config).unwrap();
+    support::serve::add_serve_section(&serve_config, &env.path("storage"), &[], "", "");
+    let served = std::process::Command::new(PROCESSOR)
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&serve_config)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&served.stderr);
+    assert_eq!(served.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("maxmemory-policy is allkeys-lru"),
+        "{stderr}"
+    );
+    let accepted_serve = env.path("accepted-serve.yaml");
+    std::fs::write(
+        &accepted_serve,
+        format!(
+            "redis_allow_eviction: true\n{}",
+            std::fs::read_to_string(&serve_config).unwrap()
+        ),
+    )
+    .unwrap();
+    let service = support::serve::Service::start(&accepted_serve);
+    let metrics = service.client(None).get("/metrics").await.text();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("batch_redis_persistence_enabled") && l.ends_with(" 0")),
+        "{metrics}"
+    );
+    drop(service);
+
+    // Accepted: the job runs, with one warning for each of the two settings.
+    let accepted = env.path("accepted.yaml");
+    std::fs::write(
+        &accepted,
+        format!(
+            "redis_allow_eviction: true\n{}",
+            std::fs::read_to_string(&config).unwrap()
+        ),
+    )
+    .unwrap();
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let ran = run_cmd(&accepted, &env.path("in.jsonl"), &env.path("out"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(ran.status.success(), "{stderr}");
+    Results::read(&env.path("out")).assert_each_once(&lines);
+    assert_eq!(stderr.matches("may evict keys").count(), 1, "{stderr}");
+    assert_eq!(
+        stderr.matches("Redis has no persistence").count(),
+        1,
+        "{stderr}"
+    );
+    sim.shutdown().await;
 }

@@ -27,6 +27,7 @@ const ROOT_KEYS: &[&str] = &[
     "concurrency",
     "redis_url_file",
     "redis_tls",
+    "redis_allow_eviction",
     "work_dir",
     "observability",
     "input",
@@ -222,6 +223,7 @@ fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
         false => None,
     };
     let redis_tls = redis_tls(c, &root, parsed_url.as_ref());
+    let redis_allow_eviction = c.boolean(&root, "redis_allow_eviction", false);
     let work_dir = c
         .path(&root, "work_dir")
         .unwrap_or_else(|| std::env::temp_dir().join("batch-processor"));
@@ -247,6 +249,7 @@ fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
         redis_url_file,
         redis_url,
         redis_tls,
+        redis_allow_eviction,
         work_dir,
         observability,
         input,

@@ -101,6 +101,8 @@ pub struct ProcessorConfig {
     pub redis_url: Option<Secret>,
     /// TLS towards Redis, for a `rediss…` URL; `None`: the system's roots, no client certificate.
     pub redis_tls: Option<RedisTlsConfig>,
+    /// Run on a Redis whose `maxmemory-policy` may evict keys (default false: refused at start).
+    pub redis_allow_eviction: bool,
     /// Where jobs keep their plan and output files (absolute).
     pub work_dir: PathBuf,
     /// The health and metrics endpoint.

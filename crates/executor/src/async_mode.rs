@@ -103,6 +103,7 @@ impl AsyncMode {
             .try_queue_names()
             .map_err(|e| ExecError::Config(e.to_string()))?;
         let client = batch_redis::connect(&redis_url, &connect).await?;
+        batch_redis::check_durability(&client, config.redis_allow_eviction).await?;
         let producer = Producer::new(
             client.clone(),
             ProducerOptions {

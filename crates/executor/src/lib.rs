@@ -91,6 +91,9 @@ pub enum ExecError {
     /// A gateway could not be set up.
     #[error(transparent)]
     Gateway(#[from] batch_sync_dispatch::DispatchError),
+    /// Redis may evict the processor's keys, and the config does not accept it.
+    #[error(transparent)]
+    UnsafeRedis(#[from] batch_redis::EvictionRefused),
     /// Redis answered an error that waiting will not cure.
     #[error("Redis: {0}")]
     Redis(String),

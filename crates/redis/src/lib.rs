@@ -31,6 +31,7 @@
 //! # Ok(()) }
 //! ```
 
+mod durability;
 mod fault;
 
 use std::time::Duration;
@@ -43,6 +44,7 @@ mod url;
 
 pub use crate::tls::{RedisTls, TlsSetupError};
 pub use crate::url::{parse_url, RedisUrl, Topology, UrlError};
+pub use durability::{check_durability, durability, Durability, EvictionRefused};
 pub use fault::{is_transient, Retry, RetryError};
 
 /// How [`connect`] connects and how hard it tries.

@@ -56,6 +56,9 @@ pub enum ServiceError {
     /// The executor could not be set up.
     #[error(transparent)]
     Executor(#[from] batch_executor::ExecError),
+    /// Redis may evict the service's keys, and the config does not accept it.
+    #[error(transparent)]
+    UnsafeRedis(#[from] batch_redis::EvictionRefused),
     /// The listen address cannot be bound.
     #[error("cannot listen on {addr}: {error}")]
     Listen {
@@ -130,13 +133,14 @@ impl Service {
             ..Default::default()
         };
         let client = batch_redis::connect(redis_url.expose(), &connect).await?;
-        let store = Store::new(client, &serve.state_prefix);
+        let store = Store::new(client.clone(), &serve.state_prefix);
         let metrics = match options.metrics {
             Some(m) => Some(m),
             None => batch_observability::install_recorder()
                 .map_err(|e| tracing::warn!(error = %e, "no /metrics: {e}"))
                 .ok(),
         };
+        batch_redis::check_durability(&client, config.redis_allow_eviction).await?;
         let work_dir: PathBuf = config.work_dir.clone();
         let executor = Arc::new(Executor::new(config).await?);
         let replica = options

@@ -151,7 +151,15 @@ async fn run_jobs(
     show_bars: bool,
 ) -> anyhow::Result<ExitCode> {
     let observability = super::observe::start(&config).await?;
-    let executor = Executor::new(config).await?;
+    let executor = match Executor::new(config).await {
+        Ok(e) => e,
+        Err(e @ batch_executor::ExecError::UnsafeRedis(_)) => {
+            eprintln!("processor: {e}");
+            observability.stop().await;
+            return Ok(ExitCode::from(EXIT_INVALID));
+        }
+        Err(e) => return Err(e.into()),
+    };
     let cancel = CancellationToken::new();
     tokio::spawn(super::observe::handle_signals(
         cancel.clone(),

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use batch_config::ProcessorConfig;
-use batch_service::{Service, ServiceOptions};
+use batch_service::{Service, ServiceError, ServiceOptions};
 use tokio::signal::unix::{signal, SignalKind};
 
 use super::report_invalid;
@@ -38,9 +38,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             listen: args.listen,
             ..Default::default()
         };
-        let service = Service::start(config, options)
-            .await
-            .context("starting the service")?;
+        let service = match Service::start(config, options).await {
+            Ok(s) => s,
+            Err(
+                e @ (ServiceError::UnsafeRedis(_)
+                | ServiceError::Executor(batch_executor::ExecError::UnsafeRedis(_))),
+            ) => {
+                eprintln!("processor: {e}");
+                return Ok(ExitCode::from(super::EXIT_INVALID));
+            }
+            Err(e) => return Err(anyhow::Error::new(e).context("starting the service")),
+        };
         let mut out = std::io::stdout();
         writeln!(out, "listening on http://{}", service.local_addr())?;
         out.flush()?;
