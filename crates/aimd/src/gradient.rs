@@ -35,7 +35,8 @@ pub struct GradientConfig {
     /// windows are forgotten, so a gateway that became slower is followed.
     pub floor_windows: usize,
     /// A window is `max(limit, min_window)` successes (in slow start, `limit`: one round
-    /// trip, so the limit doubles per round trip as TCP's does); at least 1.
+    /// trip, so the limit doubles per round trip as TCP's does, but not with `per_work`); at
+    /// least 1.
     pub min_window: usize,
     /// Windows without an overload before the limit may pass the concurrency that was last
     /// refused.
@@ -441,7 +442,9 @@ impl GradientLimiter {
 
     /// Successes that close the current window.
     fn window_size(&self) -> usize {
-        if self.slow_start {
+        // Per unit of work a window of a few answers says little: one short answer of a
+        // misjudged fixed cost would set the floor. So no shorter windows in slow start.
+        if self.slow_start && !self.config.per_work {
             self.limit
         } else {
             self.limit.max(self.config.min_window)
