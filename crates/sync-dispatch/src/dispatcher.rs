@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, Algorithm, Change, Limiter, Sample};
+use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, Change, Limiter, Sample};
+#[cfg(doc)]
+use batch_aimd::Algorithm;
 use batch_wire::{dispatcher_error_codes, error_codes};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
