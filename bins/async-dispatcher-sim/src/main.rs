@@ -50,9 +50,27 @@ struct GatewayModel {
     /// Fixed latency of every reply, e.g. 20ms.
     #[arg(long = "latency", value_parser = duration, default_value = "0s")]
     latency: Duration,
-    /// Extra latency per output token (max_tokens, default 16).
+    /// Extra latency per output token (of usage.completion_tokens: max_tokens, default 16,
+    /// or the drawn length with --length-median).
     #[arg(long = "per-token", value_parser = duration, default_value = "0s")]
     per_token: Duration,
+    /// Draw each answer's length (tokens) from a lognormal of this median, whatever the
+    /// request's max_tokens (seeded by --seed).
+    #[arg(long = "length-median")]
+    length_median: Option<u64>,
+    /// The lognormal's sigma (of ln tokens).
+    #[arg(long = "length-sigma", default_value_t = 0.8)]
+    length_sigma: f64,
+    /// Heavy tail: this share of answers (0 to 1) is --tail-factor times longer.
+    #[arg(long = "tail-share", default_value_t = 0.0)]
+    tail_share: f64,
+    /// How much longer a tail answer is.
+    #[arg(long = "tail-factor", default_value_t = 20.0)]
+    tail_factor: f64,
+    /// Model-server mode (needs --capacity C and --queue-limit): past C in flight the time per
+    /// output token grows by in-flight / C (continuous batching), 429 only past the queue limit.
+    #[arg(long = "batching")]
+    batching: bool,
     /// At most this many requests at once; more get 429 with Retry-After.
     #[arg(long = "capacity")]
     capacity: Option<usize>,
@@ -67,7 +85,7 @@ struct GatewayModel {
     /// connection-reset. Repeatable.
     #[arg(long = "fail")]
     fail: Vec<FailureRule>,
-    /// Seed for the failure dice.
+    /// Seed for the failure dice and the answer lengths.
     #[arg(long = "seed")]
     seed: Option<u64>,
     /// Prompt prefixes each endpoint keeps cached (LRU); 0 = no prefix-cache model.
@@ -83,6 +101,11 @@ impl GatewayModel {
         GatewayConfig {
             latency_fixed: self.latency,
             latency_per_token: self.per_token,
+            length_median: self.length_median,
+            length_sigma: self.length_sigma,
+            tail_share: self.tail_share,
+            tail_factor: self.tail_factor,
+            batching: self.batching,
             capacity: self.capacity,
             queue_limit: self.queue_limit,
             failures: self.fail.clone(),

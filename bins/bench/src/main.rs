@@ -12,8 +12,8 @@ use clap::Parser;
 ///
 /// Starts its own redis-server on a free loopback port (needs redis-server and
 /// redis-benchmark installed), runs every scenario several times and writes benchmarks.md,
-/// rates.svg, rss.svg and the limit plots (aimd-limit.svg, aimd-limit-changing.svg,
-/// aimd-limit-queueing.svg) into --out. Enqueue and drain run a second time on a Redis Cluster
+/// rates.svg, rss.svg and the limit plots (aimd-limit.svg, aimd-limit-lengths.svg,
+/// aimd-limit-tail.svg, aimd-limit-changing.svg, aimd-limit-model-server.svg) into --out. Enqueue and drain run a second time on a Redis Cluster
 /// of 3 primaries (needs redis-cli too), their rows labelled "(cluster, 3 primaries)" beside the
 /// single-server ones. The serve group starts `processor serve` (from --processor) against the
 /// same Redis and the dispatcher simulator; the replicas group starts 1 and 3 of them on one

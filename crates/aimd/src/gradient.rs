@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::limiter::{Algorithm, Limiter, Sample};
+use crate::work::WorkModel;
 use crate::{AimdError, Change};
 
 /// Parameters of a [`GradientLimiter`].
@@ -34,7 +35,8 @@ pub struct GradientConfig {
     /// windows are forgotten, so a gateway that became slower is followed.
     pub floor_windows: usize,
     /// A window is `max(limit, min_window)` successes (in slow start, `limit`: one round
-    /// trip, so the limit doubles per round trip as TCP's does); at least 1.
+    /// trip, so the limit doubles per round trip as TCP's does, but not with `per_work`); at
+    /// least 1.
     pub min_window: usize,
     /// Windows without an overload before the limit may pass the concurrency that was last
     /// refused.
@@ -45,6 +47,11 @@ pub struct GradientConfig {
     /// ProbeRTT, which also waits until its minimum is stale). At least 1; below
     /// `floor_windows` to be useful.
     pub probe_windows: usize,
+    /// Measure each window per unit of work rather than per answer: its latencies over its
+    /// answers' output tokens plus the fixed cost of an answer counted in tokens (learnt from
+    /// the answers, see [`Algorithm::Work`]). Answers of varied length then do not look like
+    /// queueing. Without lengths it is the plain mean latency.
+    pub per_work: bool,
 }
 
 impl Default for GradientConfig {
@@ -60,6 +67,7 @@ impl Default for GradientConfig {
             min_window: 16,
             hold_windows: 3,
             probe_windows: 40,
+            per_work: false,
         }
     }
 }
@@ -111,17 +119,28 @@ impl GradientConfig {
 struct Window {
     count: usize,
     latency_sum: f64,
+    tokens_sum: f64,
     in_flight_sum: f64,
     max_in_flight: usize,
 }
 
 impl Window {
-    fn add(&mut self, latency: f64, in_flight: usize) {
+    fn add(&mut self, latency: f64, tokens: f64, in_flight: usize) {
         self.count += 1;
         self.latency_sum += latency;
+        self.tokens_sum += tokens;
         self.in_flight_sum += in_flight as f64;
         self.max_in_flight = self.max_in_flight.max(in_flight);
     }
+}
+
+/// What a closed window keeps for the floor: its sums, so that its cost per unit of work can
+/// be measured again as the fixed cost in tokens is learnt better.
+#[derive(Debug, Clone, Copy)]
+struct Closed {
+    count: f64,
+    latency_sum: f64,
+    tokens_sum: f64,
 }
 
 /// A concurrency limit that fills the gateway without queueing in it.
@@ -191,7 +210,9 @@ pub struct GradientLimiter {
     /// While a restarted slow start runs, the limit it stops at.
     slow_start_cap: Option<usize>,
     window: Window,
-    floors: VecDeque<f64>,
+    floors: VecDeque<Closed>,
+    /// With `per_work`, the fit of latency against length.
+    work: Option<WorkModel>,
 }
 
 impl GradientLimiter {
@@ -212,6 +233,7 @@ impl GradientLimiter {
             slow_start_cap: None,
             window: Window::default(),
             floors: VecDeque::new(),
+            work: config.per_work.then(WorkModel::default),
         })
     }
 
@@ -225,9 +247,14 @@ impl GradientLimiter {
         &self.config
     }
 
-    /// The latency floor, once a window has closed.
+    /// The latency floor, once a window has closed: with `per_work`, of an answer of the
+    /// mean length seen.
     pub fn floor(&self) -> Option<Duration> {
-        self.floor_secs().map(Duration::from_secs_f64)
+        let per_answer = self.work.as_ref().map_or(1.0, |w| {
+            w.mean_tokens() + w.fixed_tokens()
+        });
+        self.floor_secs()
+            .map(|f| Duration::from_secs_f64(f * per_answer))
     }
 
     /// Overload cuts so far (see [`Limiter::epoch`]).
@@ -235,8 +262,24 @@ impl GradientLimiter {
         self.epoch
     }
 
+    /// The least cost of a remembered window (see [`Self::cost`]).
     fn floor_secs(&self) -> Option<f64> {
-        self.floors.iter().copied().reduce(f64::min)
+        let k = self.fixed_tokens();
+        self.floors.iter().map(|w| Self::cost(w, k)).reduce(f64::min)
+    }
+
+    /// The fixed cost of an answer in tokens, with `per_work`.
+    fn fixed_tokens(&self) -> Option<f64> {
+        self.work.as_ref().map(WorkModel::fixed_tokens)
+    }
+
+    /// A window's latency per answer, or with `per_work` (`k` known) per unit of work: one
+    /// output token, or the fixed cost of an answer, `k` tokens.
+    fn cost(w: &Closed, k: Option<f64>) -> f64 {
+        match k {
+            Some(k) => w.latency_sum / (w.tokens_sum + k * w.count),
+            None => w.latency_sum / w.count,
+        }
     }
 
     /// A 429/5xx met by a request sent at `epoch` with `in_flight` requests out.
@@ -263,11 +306,32 @@ impl GradientLimiter {
 
     /// A successful answer that took `latency`, sent with `in_flight` requests out.
     pub fn on_success(&mut self, latency: Duration, in_flight: usize) -> Option<Change> {
+        self.on_answer(latency, None, in_flight)
+    }
+
+    /// A successful answer of `tokens` output tokens (its `usage.completion_tokens`, when
+    /// known) that took `latency`, sent with `in_flight` requests out.
+    pub fn on_answer(
+        &mut self,
+        latency: Duration,
+        tokens: Option<u64>,
+        in_flight: usize,
+    ) -> Option<Change> {
         if self.probe.is_some() && in_flight > self.limit {
             // Sent before the probe's cut: it queued behind the old limit.
             return None;
         }
-        self.window.add(latency.as_secs_f64(), in_flight);
+        let latency = latency.as_secs_f64();
+        let tokens = match (&mut self.work, tokens) {
+            (Some(work), Some(t)) => {
+                work.add(t as f64, latency);
+                t as f64
+            }
+            // An answer without usage counts as one of the mean length.
+            (Some(work), None) => work.mean_tokens(),
+            (None, _) => 0.0,
+        };
+        self.window.add(latency, tokens, in_flight);
         if self.window.count < self.window_size() {
             return None;
         }
@@ -275,8 +339,14 @@ impl GradientLimiter {
         if self.floors.len() == self.config.floor_windows {
             self.floors.pop_front();
         }
-        let mean = window.latency_sum / window.count as f64;
-        self.floors.push_back(mean);
+        let closed = Closed {
+            count: window.count as f64,
+            latency_sum: window.latency_sum,
+            tokens_sum: window.tokens_sum,
+        };
+        self.floors.push_back(closed);
+        // From here on, "mean" is the window's cost: per answer, or per unit of work.
+        let mean = Self::cost(&closed, self.fixed_tokens());
         let floor = self.floor_secs().unwrap_or(mean);
         let mean_in_flight = window.in_flight_sum / window.count as f64;
         self.calm_windows += 1;
@@ -372,7 +442,9 @@ impl GradientLimiter {
 
     /// Successes that close the current window.
     fn window_size(&self) -> usize {
-        if self.slow_start {
+        // Per unit of work a window of a few answers says little: one short answer of a
+        // misjudged fixed cost would set the floor. So no shorter windows in slow start.
+        if self.slow_start && !self.config.per_work {
             self.limit
         } else {
             self.limit.max(self.config.min_window)
@@ -403,12 +475,16 @@ impl Limiter for GradientLimiter {
         if sample.overloaded {
             self.on_overload(sample.in_flight, sample.epoch)
         } else {
-            self.on_success(sample.latency, sample.in_flight)
+            self.on_answer(sample.latency, sample.tokens, sample.in_flight)
         }
     }
 
     fn algorithm(&self) -> Algorithm {
-        Algorithm::Gradient
+        if self.config.per_work {
+            Algorithm::Work
+        } else {
+            Algorithm::Gradient
+        }
     }
 }
 
@@ -784,6 +860,7 @@ mod tests {
                     overloaded,
                     in_flight,
                     epoch,
+                    tokens: None,
                 });
                 prop_assert!((min..=max).contains(&l.limit()));
                 if let Some(c) = change {

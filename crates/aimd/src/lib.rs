@@ -7,7 +7,10 @@
 //! - [`GradientLimiter`]: tracks the gateway's latency floor, grows while latency stays near
 //!   it, shrinks toward `in_flight × floor / latency` when it rises, and on a 429 cuts to the
 //!   concurrency that was refused instead of halving.
-//! - [`Limiter`]: what both implement; [`Algorithm`] picks one by its config name.
+//! - [`Algorithm::Work`]: the gradient limiter measuring latency per unit of work (each
+//!   answer's output tokens plus the fixed cost of an answer, learnt from the answers), so
+//!   that answers of varied length are not taken for queueing.
+//! - [`Limiter`]: what they implement; [`Algorithm`] picks one by its config name.
 //! - [`AdaptiveSemaphore`]: an async, FIFO semaphore whose limit can move while permits are held.
 //!   Lowering never interrupts holders (newcomers wait until `holders < limit`); raising wakes
 //!   waiters; a permit is released exactly once, when dropped.
@@ -42,6 +45,7 @@ mod controller;
 mod gradient;
 mod limiter;
 mod semaphore;
+mod work;
 
 pub use controller::{AimdConfig, AimdController, Change};
 pub use gradient::{GradientConfig, GradientLimiter};
@@ -61,7 +65,7 @@ pub enum AimdError {
     #[error("the semaphore is closed")]
     Closed,
     /// [`Algorithm`] names no such algorithm.
-    #[error("unknown limiter algorithm {0:?} (aimd, gradient)")]
+    #[error("unknown limiter algorithm {0:?} (aimd, gradient, work)")]
     UnknownAlgorithm(String),
 }
 

@@ -14,9 +14,11 @@
 //! 5. **Prefix cache**: a job with its system prompts shuffled through the input, scored in plan
 //!    order against all at one score (the original processor), through a gateway with an LRU of
 //!    prompt prefixes: hit rate and time when a miss costs latency;
-//! 6. **Sync AIMD**: each limiter (the reference AIMD, the gradient limiter) against a gateway
-//!    of capacity C and latency L in three behaviours (hard limit, a limit changing mid-run, a
-//!    queueing gateway): throughput as a share of what the gateway can serve, and 429s;
+//! 6. **Sync AIMD**: each limiter (the reference AIMD, the gradient limiter, the default work
+//!    limiter) against a gateway of capacity C in five shapes (a hard limit at a fixed latency;
+//!    with lognormal answer lengths; with a heavy tail; a limit changing mid-run; a model
+//!    server whose time per output token grows past C): throughput as a share of what the
+//!    gateway can serve, 429s, and the model server's time per token;
 //! 7. **Memory**: peak RSS of the `processor` binary by job size, in both modes;
 //! 8. **Serve**: `processor serve` through its HTTP API: a 200 MB upload against writing the
 //!    same bytes to the same disk, with the service's peak RSS; `GET /v1/batches/{id}` from 32

@@ -268,15 +268,23 @@ pub struct Report {
 }
 
 /// The limit plots, by gateway behaviour: what each shows and its file.
-pub const AIMD_PLOTS: [(&str, &str); 3] = [
-    ("Against a hard limit", "aimd-limit.svg"),
+pub const AIMD_PLOTS: [(&str, &str); 5] = [
+    ("(a) Against a hard limit, fixed latency", "aimd-limit.svg"),
     (
-        "Against a hard limit changing 64 → 16 → 64",
+        "(b) Against a hard limit, answers of lognormal length",
+        "aimd-limit-lengths.svg",
+    ),
+    (
+        "(c) Against a hard limit, lognormal lengths with 1 % of answers 20 × longer",
+        "aimd-limit-tail.svg",
+    ),
+    (
+        "(d) Against a hard limit changing 64 → 16 → 64, lognormal lengths",
         "aimd-limit-changing.svg",
     ),
     (
-        "Against a queueing gateway (latency grows past C, 429 only past Q)",
-        "aimd-limit-queueing.svg",
+        "(e) Against a model server (time per token grows past C, 429 only past Q)",
+        "aimd-limit-model-server.svg",
     ),
 ];
 
@@ -433,16 +441,16 @@ impl Report {
         );
         let _ = writeln!(
             md,
-            "Sync mode: the limit and the gateway's in-flight count, against a hard limit:\n\n![aimd](aimd-limit.svg)\n"
+            "Sync mode: the limit and the gateway's in-flight count, by gateway shape.\n"
         );
-        for (what, file) in AIMD_PLOTS.iter().skip(1) {
+        for (what, file) in AIMD_PLOTS {
             let _ = writeln!(md, "{what}:\n\n![aimd]({file})\n");
         }
         md
     }
 
-    /// Writes `benchmarks.md`, `rates.svg`, `rss.svg` and the limit plots (`aimd-limit.svg`,
-    /// `aimd-limit-changing.svg`, `aimd-limit-queueing.svg`) into `dir`.
+    /// Writes `benchmarks.md`, `rates.svg`, `rss.svg` and the limit plots ([`AIMD_PLOTS`])
+    /// into `dir`.
     pub fn write(&self, dir: &Path) -> Result<(), BenchError> {
         std::fs::create_dir_all(dir).map_err(|e| BenchError::io(dir, e))?;
         let md = dir.join("benchmarks.md");

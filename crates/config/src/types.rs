@@ -289,10 +289,12 @@ impl Default for ConcurrencyConfig {
 pub struct AimdConfig {
     /// Adapt the limit (default true); when false the limit stays at `per_endpoint`.
     pub enabled: bool,
-    /// `gradient` (default: latency floor and in-flight count, see `batch_aimd::GradientLimiter`;
-    /// it measured better than the reference in all three gateway behaviours of
-    /// docs/benchmarks.md) or `aimd` (the reference processor's additive increase,
-    /// multiplicative decrease).
+    /// `work` (default: the gradient limiter's rules on latency per unit of work, each answer
+    /// weighed by its `usage.completion_tokens`, see `batch_aimd::Algorithm::Work`; it holds
+    /// its targets whether answers are of one length or spread 10-100×, see
+    /// docs/benchmarks.md), `gradient` (latency floor and in-flight count on raw latency,
+    /// `batch_aimd::GradientLimiter`; taken in by answers of varied length) or `aimd` (the
+    /// reference processor's additive increase, multiplicative decrease).
     #[serde(serialize_with = "algorithm_name")]
     pub algorithm: LimiterAlgorithm,
     /// Lowest limit (default 5, between 1 and `per_endpoint`).
@@ -307,7 +309,7 @@ impl Default for AimdConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            algorithm: LimiterAlgorithm::Gradient,
+            algorithm: LimiterAlgorithm::Work,
             min: 5,
             backoff_factor: 0.5,
             additive_increase: 1,

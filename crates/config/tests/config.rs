@@ -85,7 +85,7 @@ fn defaults_fill_a_minimal_sync_config() {
     assert_eq!(c.concurrency.aimd.min, 5);
     assert_eq!(c.concurrency.aimd.backoff_factor, 0.5);
     assert_eq!(c.concurrency.aimd.additive_increase, 1);
-    assert_eq!(c.concurrency.aimd.algorithm, LimiterAlgorithm::Gradient);
+    assert_eq!(c.concurrency.aimd.algorithm, LimiterAlgorithm::Work);
 
     assert_eq!(c.redis_url_file, Path::new("/etc/.secrets/redis-url"));
     assert_eq!(
@@ -371,7 +371,7 @@ concurrency:
         format!("{f}: model_gateways.llama-3.url: missing (every model needs a url in sync mode)"),
         format!("{f}: model_gateways.mistral.max_backoff: must be at least initial_backoff (1s)"),
         format!("{f}: concurrency.global: must be at least 1, got 0"),
-        format!("{f}: concurrency.aimd.algorithm: unknown limiter algorithm \"vegas\" (expected aimd or gradient)"),
+        format!("{f}: concurrency.aimd.algorithm: unknown limiter algorithm \"vegas\" (expected aimd or gradient or work)"),
         format!("{f}: concurrency.aimd.backoff_factor: must be strictly between 0 and 1, got 1.5"),
     ];
     assert_eq!(errors, expected);

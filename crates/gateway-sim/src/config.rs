@@ -19,9 +19,25 @@ pub struct GatewayConfig {
     /// Latency of every inference reply.
     #[serde(with = "crate::duration_serde")]
     pub latency_fixed: Duration,
-    /// Extra latency per output token (`max_tokens` or `max_completion_tokens`).
+    /// Extra latency per output token (the answer's `completion_tokens`).
     #[serde(with = "crate::duration_serde")]
     pub latency_per_token: Duration,
+    /// Answer lengths drawn per request from a lognormal of this median (tokens), independent
+    /// of `max_tokens` as real answers stop early; reported in `usage.completion_tokens`.
+    /// Without it an answer has `max_tokens` (or `max_completion_tokens`, or
+    /// `default_max_tokens`) tokens.
+    pub length_median: Option<u64>,
+    /// The lognormal's sigma (of the natural log of the length); 0 gives the median always.
+    pub length_sigma: f64,
+    /// With `length_median`: the share of answers, in [0, 1], made `tail_factor` times longer.
+    pub tail_share: f64,
+    /// How much longer a tail answer is; at least 1.
+    pub tail_factor: f64,
+    /// Model-server mode, with `capacity` C and `queue_limit`: past C in flight the time per
+    /// output token grows by `in_flight / C` (re-read every 16 tokens, as a server's running
+    /// batch grows and shrinks: continuous batching) instead of the whole latency being
+    /// stretched at admission. The fixed latency (prompt processing) is not stretched.
+    pub batching: bool,
     /// Output tokens assumed when a request names none.
     pub default_max_tokens: u64,
     /// At most this many inference requests at once; more get 429 with `Retry-After` (unless
@@ -36,7 +52,8 @@ pub struct GatewayConfig {
     pub failures: Vec<FailureRule>,
     /// The `Retry-After` value (seconds) of every 429 the gateway sends.
     pub retry_after_secs: u64,
-    /// Seeds the failure dice so a run can be repeated; random when absent.
+    /// Seeds the failure dice and the answer lengths so a run can be repeated; random when
+    /// absent.
     pub seed: Option<u64>,
     /// Prompt prefixes each endpoint keeps cached (an LRU); 0 turns the prefix-cache model off.
     /// The prefix is the content of a chat request's first system message, else of its first
@@ -52,6 +69,11 @@ impl Default for GatewayConfig {
         Self {
             latency_fixed: Duration::ZERO,
             latency_per_token: Duration::ZERO,
+            length_median: None,
+            length_sigma: 0.8,
+            tail_share: 0.0,
+            tail_factor: 20.0,
+            batching: false,
             default_max_tokens: 16,
             capacity: None,
             queue_limit: None,
@@ -65,8 +87,32 @@ impl Default for GatewayConfig {
 }
 
 impl GatewayConfig {
-    /// Refuses rates outside [0, 1], and a queue limit without a capacity or below it.
+    /// Refuses rates outside [0, 1], a queue limit without a capacity or below it, and
+    /// batching without a queue limit.
     pub fn validate(&self) -> Result<(), SimError> {
+        if !(self.length_sigma >= 0.0 && self.length_sigma.is_finite()) {
+            return Err(SimError::Config(format!(
+                "length_sigma must be 0 or more, got {}",
+                self.length_sigma
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.tail_share) {
+            return Err(SimError::Config(format!(
+                "tail_share must be within [0, 1], got {}",
+                self.tail_share
+            )));
+        }
+        if !(self.tail_factor >= 1.0 && self.tail_factor.is_finite()) {
+            return Err(SimError::Config(format!(
+                "tail_factor must be at least 1, got {}",
+                self.tail_factor
+            )));
+        }
+        if self.batching && self.queue_limit.is_none() {
+            return Err(SimError::Config(
+                "batching needs a capacity and a queue_limit".into(),
+            ));
+        }
         if let Some(q) = self.queue_limit {
             match self.capacity {
                 None => {
@@ -108,14 +154,46 @@ impl GatewayConfig {
     }
 
     /// `latency` stretched for a request admitted with `in_flight` requests (itself
-    /// included): by `in_flight / capacity` past the capacity, in queueing mode only.
+    /// included): by `in_flight / capacity` past the capacity, in queueing mode only (not in
+    /// model-server mode, which stretches each token instead: [`Self::token_stretch`]).
     pub fn queued_latency(&self, latency: Duration, in_flight: usize) -> Duration {
-        match (self.queue_limit, self.capacity) {
-            (Some(_), Some(c)) if c > 0 && in_flight > c => {
-                latency.mul_f64(in_flight as f64 / c as f64)
-            }
-            _ => latency,
+        if self.batching {
+            return latency;
         }
+        latency.mul_f64(self.stretch(in_flight))
+    }
+
+    /// How much longer each output token takes with `in_flight` requests running, in
+    /// model-server mode: `max(1, in_flight / capacity)`; 1 otherwise.
+    pub fn token_stretch(&self, in_flight: usize) -> f64 {
+        if self.batching {
+            self.stretch(in_flight)
+        } else {
+            1.0
+        }
+    }
+
+    fn stretch(&self, in_flight: usize) -> f64 {
+        match (self.queue_limit, self.capacity) {
+            (Some(_), Some(c)) if c > 0 && in_flight > c => in_flight as f64 / c as f64,
+            _ => 1.0,
+        }
+    }
+
+    /// An answer's length in tokens: drawn with `rng` when `length_median` is set (lognormal,
+    /// and `tail_factor` times longer for a `tail_share` of answers), else `requested`.
+    pub fn answer_tokens(&self, requested: u64, rng: &mut impl rand::Rng) -> u64 {
+        let Some(median) = self.length_median else {
+            return requested;
+        };
+        // Box-Muller: one standard normal from two uniforms.
+        let (u1, u2): (f64, f64) = (rng.random(), rng.random());
+        let normal = (-2.0 * (1.0 - u1).ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let mut tokens = median as f64 * (self.length_sigma * normal).exp();
+        if self.tail_share > 0.0 && rng.random::<f64>() < self.tail_share {
+            tokens *= self.tail_factor;
+        }
+        (tokens.round() as u64).max(1)
     }
 }
 
@@ -346,6 +424,85 @@ mod tests {
                 .contains("queue_limit"));
         }
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn answer_lengths_are_lognormal_seeded_and_independent_of_max_tokens() {
+        use rand::SeedableRng;
+        let c = GatewayConfig {
+            length_median: Some(40),
+            ..GatewayConfig::default()
+        };
+        let draw = |c: &GatewayConfig, seed| {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            (0..20_000)
+                .map(|_| c.answer_tokens(16, &mut rng))
+                .collect::<Vec<u64>>()
+        };
+        let mut lengths = draw(&c, 7);
+        assert_eq!(lengths, draw(&c, 7), "the same seed draws the same lengths");
+        lengths.sort_unstable();
+        let median = lengths[lengths.len() / 2];
+        assert!((37..=43).contains(&median), "median {median}");
+        // ln-sigma 0.8: the 84th percentile is e^0.8 = 2.2 times the median.
+        let p84 = lengths[lengths.len() * 84 / 100] as f64;
+        assert!((80.0..=98.0).contains(&p84), "84th percentile {p84}");
+        assert!(lengths.iter().all(|&t| t >= 1));
+
+        let tail = GatewayConfig {
+            tail_share: 0.01,
+            length_sigma: 0.0,
+            ..c.clone()
+        };
+        let long = draw(&tail, 1).iter().filter(|&&t| t == 800).count();
+        assert!((140..=260).contains(&long), "{long} of 20,000 are 20 × 40");
+        assert_eq!(
+            GatewayConfig::default().answer_tokens(16, &mut rand::rng()),
+            16,
+            "without a length model the answer has the requested length"
+        );
+        for bad in [
+            GatewayConfig {
+                tail_share: 1.5,
+                ..c.clone()
+            },
+            GatewayConfig {
+                tail_factor: 0.5,
+                ..c.clone()
+            },
+            GatewayConfig {
+                length_sigma: -1.0,
+                ..c.clone()
+            },
+            GatewayConfig {
+                batching: true,
+                capacity: Some(4),
+                ..c.clone()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn batching_stretches_tokens_not_the_admission_latency() {
+        let c = GatewayConfig {
+            capacity: Some(4),
+            queue_limit: Some(8),
+            batching: true,
+            ..GatewayConfig::default()
+        };
+        assert!(c.validate().is_ok());
+        let l = Duration::from_millis(20);
+        assert_eq!(c.queued_latency(l, 8), l);
+        assert_eq!(c.token_stretch(2), 1.0);
+        assert_eq!(c.token_stretch(6), 1.5);
+        let queueing = GatewayConfig {
+            batching: false,
+            ..c.clone()
+        };
+        assert_eq!(queueing.token_stretch(8), 1.0);
+        assert_eq!(queueing.queued_latency(l, 8), 2 * l);
     }
 
     #[test]

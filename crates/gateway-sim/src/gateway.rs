@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -154,9 +154,38 @@ pub struct GatewayStats {
     pub prefix_cache_hits: u64,
     /// Requests with a prompt prefix that was not cached (each charged `prefix_miss_latency`).
     pub prefix_cache_misses: u64,
+    /// Inference answers served with 200 after their latency (the timed ones below).
+    pub answered: u64,
+    /// How long those answers took to serve, admission to reply, in microseconds.
+    pub latency_micros_total: u64,
+    /// What those answers would have taken unloaded (the latency model, not stretched).
+    pub unloaded_micros_total: u64,
+    /// Their `usage.completion_tokens`.
+    pub completion_tokens_total: u64,
+    /// The time spent producing their output tokens (the per-token part), in microseconds.
+    pub token_micros_total: u64,
 }
 
 impl GatewayStats {
+    /// The mean time an answer took to serve, if any was.
+    pub fn mean_latency(&self) -> Option<Duration> {
+        (self.answered > 0).then(|| micros(self.latency_micros_total / self.answered))
+    }
+
+    /// The mean time the answers would have taken unloaded, if any was served.
+    pub fn mean_unloaded_latency(&self) -> Option<Duration> {
+        (self.answered > 0).then(|| micros(self.unloaded_micros_total / self.answered))
+    }
+
+    /// The mean time per output token, if any token was produced.
+    pub fn mean_token_time(&self) -> Option<Duration> {
+        (self.completion_tokens_total > 0).then(|| {
+            Duration::from_secs_f64(
+                self.token_micros_total as f64 / 1e6 / self.completion_tokens_total as f64,
+            )
+        })
+    }
+
     /// Responses sent with `status`.
     pub fn responses(&self, status: u16) -> u64 {
         self.responses_by_status.get(&status).copied().unwrap_or(0)
@@ -209,6 +238,11 @@ struct GatewayState {
     prefixes: Mutex<[Lru; Endpoint::COUNT]>,
     prefix_hits: AtomicU64,
     prefix_misses: AtomicU64,
+    answered: AtomicU64,
+    latency_micros: AtomicU64,
+    unloaded_micros: AtomicU64,
+    completion_tokens: AtomicU64,
+    token_micros: AtomicU64,
 }
 
 /// Locks a mutex, shrugging off poisoning: the data are counters, still meaningful.
@@ -234,6 +268,11 @@ impl GatewayState {
             prefixes: Mutex::new(Default::default()),
             prefix_hits: AtomicU64::new(0),
             prefix_misses: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            latency_micros: AtomicU64::new(0),
+            unloaded_micros: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+            token_micros: AtomicU64::new(0),
         };
         // Validated by the caller.
         let _ = state.set_config(config);
@@ -271,6 +310,11 @@ impl GatewayState {
             resets: self.resets.load(Ordering::SeqCst),
             prefix_cache_hits: self.prefix_hits.load(Ordering::SeqCst),
             prefix_cache_misses: self.prefix_misses.load(Ordering::SeqCst),
+            answered: self.answered.load(Ordering::SeqCst),
+            latency_micros_total: self.latency_micros.load(Ordering::SeqCst),
+            unloaded_micros_total: self.unloaded_micros.load(Ordering::SeqCst),
+            completion_tokens_total: self.completion_tokens.load(Ordering::SeqCst),
+            token_micros_total: self.token_micros.load(Ordering::SeqCst),
         }
     }
 
@@ -428,6 +472,14 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+fn micros(n: u64) -> Duration {
+    Duration::from_micros(n)
+}
+
+fn as_micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 fn unix_ms() -> u64 {
@@ -634,15 +686,49 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
         };
     }
 
-    let tokens = reply::requested_tokens(request).unwrap_or(config.default_max_tokens);
-    let mut latency = config.latency(tokens);
+    let requested = reply::requested_tokens(request).unwrap_or(config.default_max_tokens);
+    let tokens = config.answer_tokens(requested, &mut *lock(&state.rng));
+    let admitted = Instant::now();
+    let mut fixed = config.latency_fixed;
     if state.prefix_miss(config, endpoint, request) {
-        latency = latency.saturating_add(config.prefix_miss_latency);
+        fixed = fixed.saturating_add(config.prefix_miss_latency);
     }
-    let latency = config.queued_latency(latency, in_flight);
-    crate::timer::sleep(latency).await;
+    let per_token = config.latency(tokens).saturating_sub(config.latency_fixed);
+    let unloaded = fixed.saturating_add(per_token);
+    let token_time = if config.batching {
+        crate::timer::sleep(fixed).await;
+        let started = Instant::now();
+        decode(&state, config, tokens).await;
+        started.elapsed()
+    } else {
+        let latency = config.queued_latency(unloaded, in_flight);
+        crate::timer::sleep(latency).await;
+        per_token.mul_f64(latency.as_secs_f64() / unloaded.as_secs_f64().max(1e-9))
+    };
+    state.answered.fetch_add(1, Ordering::SeqCst);
+    let add = |counter: &AtomicU64, d: Duration| counter.fetch_add(as_micros(d), Ordering::SeqCst);
+    add(&state.latency_micros, admitted.elapsed());
+    add(&state.unloaded_micros, unloaded);
+    add(&state.token_micros, token_time);
+    state.completion_tokens.fetch_add(tokens, Ordering::SeqCst);
     let text = reply::success(endpoint, model, request, &digest, tokens);
     state.count(http::json(StatusCode::OK, text))
+}
+
+/// Output tokens re-read between steps of the model-server mode's decode.
+const DECODE_STEP: u64 = 16;
+
+/// Produces `tokens` output tokens in model-server mode: each step of [`DECODE_STEP`] tokens
+/// takes the per-token time stretched by the requests running when it starts.
+async fn decode(state: &GatewayState, config: &GatewayConfig, tokens: u64) {
+    let mut left = tokens;
+    while left > 0 {
+        let step = left.min(DECODE_STEP);
+        let stretch = config.token_stretch(state.in_flight.load(Ordering::SeqCst));
+        let time = config.latency(step).saturating_sub(config.latency_fixed);
+        crate::timer::sleep(time.mul_f64(stretch)).await;
+        left -= step;
+    }
 }
 
 fn too_many_requests(config: &GatewayConfig, message: &str, dropped_reason: Option<&str>) -> Resp {

@@ -136,6 +136,97 @@ async fn latency_grows_with_requested_tokens() {
     }
 }
 
+/// With a length model, each answer's length is drawn (whatever max_tokens says), reported in
+/// usage.completion_tokens and charged per token; the stats add up what was served.
+#[tokio::test]
+async fn drawn_lengths_are_reported_in_usage_and_charged_per_token() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(2),
+        latency_per_token: Duration::from_micros(200),
+        length_median: Some(40),
+        seed: Some(3),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", gw.base_url());
+    let mut lengths = Vec::new();
+    for _ in 0..30 {
+        let started = Instant::now();
+        let (status, _, body) = post(&url, r#"{"model":"m","max_tokens":16,"messages":[]}"#, &[])
+            .await
+            .unwrap();
+        let took = started.elapsed();
+        assert_eq!(status, 200);
+        let reply: Value = serde_json::from_str(&body).unwrap();
+        let tokens = reply["usage"]["completion_tokens"].as_u64().unwrap();
+        let charged = Duration::from_millis(2) + Duration::from_micros(200) * tokens as u32;
+        assert!(took >= charged, "{tokens} tokens in {took:?}");
+        lengths.push(tokens);
+    }
+    lengths.sort_unstable();
+    lengths.dedup();
+    assert!(lengths.len() > 10, "lengths vary: {lengths:?}");
+    let stats = gw.stats();
+    assert_eq!(stats.answered, 30);
+    let mean_tokens = stats.completion_tokens_total as f64 / 30.0;
+    let unloaded = stats.mean_unloaded_latency().unwrap();
+    let expected = Duration::from_millis(2) + Duration::from_micros(200).mul_f64(mean_tokens);
+    assert!(unloaded.abs_diff(expected) < Duration::from_micros(20), "{unloaded:?} vs {expected:?}");
+    assert!(stats.mean_latency().unwrap() >= unloaded);
+    let per_token = stats.mean_token_time().unwrap();
+    assert!(per_token >= Duration::from_micros(199), "{per_token:?}");
+}
+
+/// Model-server mode: past C the time per output token grows with the requests running, the
+/// prompt part does not, and only past the queue limit the answer is 429.
+#[tokio::test]
+async fn model_server_mode_stretches_the_time_per_token_past_the_knee() {
+    let per_token = Duration::from_millis(5);
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(10),
+        latency_per_token: per_token,
+        capacity: Some(2),
+        queue_limit: Some(4),
+        batching: true,
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    let burst = |n: usize| {
+        let calls: Vec<_> = (0..n)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move {
+                    post(&url, r#"{"model":"m","max_tokens":32}"#, &[])
+                        .await
+                        .unwrap()
+                        .0
+                })
+            })
+            .collect();
+        async move {
+            let mut statuses = Vec::new();
+            for call in calls {
+                statuses.push(call.await.unwrap());
+            }
+            statuses.sort_unstable();
+            statuses
+        }
+    };
+    assert_eq!(burst(2).await, vec![200, 200]);
+    let unloaded = gw.stats().mean_token_time().unwrap();
+    assert!(unloaded < per_token.mul_f64(1.2), "{unloaded:?}");
+    // Four running, twice the knee: each token takes about twice as long; two refused.
+    assert_eq!(burst(6).await, vec![200, 200, 200, 200, 429, 429]);
+    let s = gw.stats();
+    let loaded = Duration::from_secs_f64(
+        (s.token_micros_total as f64 - unloaded.as_secs_f64() * 1e6 * 64.0) / 1e6 / 128.0,
+    );
+    assert!(loaded >= per_token.mul_f64(1.6), "{loaded:?} per token with 4 running");
+    assert_eq!(s.unloaded_micros_total, 6 * (10_000 + 32 * 5_000));
+}
+
 /// Capacity C: more than C in flight get 429 with Retry-After.
 #[tokio::test]
 async fn capacity_overflow_gets_429_with_retry_after() {

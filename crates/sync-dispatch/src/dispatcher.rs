@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, Algorithm, Change, Limiter, Sample};
+use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, Change, Limiter, Sample};
+#[cfg(doc)]
+use batch_aimd::Algorithm;
 use batch_wire::{dispatcher_error_codes, error_codes};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -51,8 +53,9 @@ const TRANSPORT_HEADERS: [&str; 8] = [
 /// - With [`Algorithm::Aimd`], the reference: both permits stay held during backoff sleeps (a
 ///   request waiting to retry still counts against an endpoint that is pushing back), and the
 ///   controller hears the final answer of each dispatch.
-/// - With [`Algorithm::Gradient`]: the limiter hears every attempt (its latency when 2xx, an
-///   overload when 429/5xx, with the number of attempts in flight when it was sent), and a
+/// - With [`Algorithm::Gradient`] and [`Algorithm::Work`]: the limiter hears every attempt
+///   (its latency and `usage.completion_tokens` when 2xx, an overload when 429/5xx, with the
+///   number of attempts in flight when it was sent), and a
 ///   request gives both permits back while it backs off and queues for them again before
 ///   retrying. A 429'd request holding its permit keeps one more attempt from the gateway
 ///   than the limit says, and would retry past a cut the limiter just made.
@@ -81,7 +84,7 @@ struct Endpoint {
     own_headers: HeaderMap,
     semaphore: AdaptiveSemaphore,
     limiter: Option<Mutex<Box<dyn Limiter>>>,
-    /// Hear every attempt and release the permits during backoff (the gradient limiter).
+    /// Hear every attempt and release the permits during backoff (all but the reference).
     per_attempt: bool,
     /// Attempts of this endpoint waiting for their HTTP answer.
     attempts: AtomicUsize,
@@ -206,7 +209,7 @@ impl SyncDispatcher {
         let initial = limiter.as_ref().map_or(limits.per_endpoint, |l| l.limit());
         let per_attempt = limiter
             .as_ref()
-            .is_some_and(|l| l.algorithm() == Algorithm::Gradient);
+            .is_some_and(|l| l.algorithm().per_attempt());
         let endpoint = Arc::new(Endpoint {
             name: name.to_owned(),
             base_url,
@@ -264,7 +267,7 @@ impl SyncDispatcher {
     /// Sends one request and returns its final outcome, after retries.
     ///
     /// Acquires the endpoint permit first, then the global one, and holds both until the final
-    /// answer (with [`Algorithm::Gradient`]: gives both up during each backoff and takes them
+    /// answer (with a per-attempt limiter, [`Algorithm::per_attempt`]: gives both up during each backoff and takes them
     /// again, in the same order, before the retry). Cancel-safe: dropping the future releases both permits and aborts the HTTP
     /// request (its connection is closed, not reused). Never panics on network errors.
     ///
@@ -433,7 +436,8 @@ impl Endpoint {
             if self.per_attempt {
                 if let Ok(answer) = &answer {
                     let seen = (in_flight, in_flight.max(in_flight_at_answer));
-                    self.observe(answer.status, sent.elapsed(), seen, epoch);
+                    let tokens = completion_tokens(&answer.body);
+                    self.observe(answer.status, sent.elapsed(), tokens, seen, epoch);
                 }
             }
             let (cause, retry_after) = match answer {
@@ -540,7 +544,7 @@ impl Endpoint {
     }
 
     /// The limiter's overload epoch now, noted by each request when admitted (per attempt
-    /// with the gradient limiter).
+    /// with a per-attempt limiter).
     fn epoch(&self) -> u64 {
         self.limiter.as_ref().map_or(0, |limiter| {
             limiter.lock().unwrap_or_else(|p| p.into_inner()).epoch()
@@ -548,27 +552,49 @@ impl Endpoint {
     }
 
     /// Feeds one attempt's answer to a per-attempt limiter: a 2xx is a latency sample (with
-    /// the attempts in flight when it was sent), a 429 or 5xx an overload (with the most in
-    /// flight from its send to its answer); other statuses say nothing about capacity (and
-    /// their quick answers must not lower the latency floor).
-    fn observe(&self, status: u16, latency: Duration, in_flight: (usize, usize), epoch: u64) {
+    /// its output tokens and the attempts in flight when it was sent), a 429 or 5xx an
+    /// overload (with the most in flight from its send to its answer); other statuses say
+    /// nothing about capacity (and their quick answers must not lower the latency floor).
+    fn observe(
+        &self,
+        status: u16,
+        latency: Duration,
+        tokens: Option<u64>,
+        in_flight: (usize, usize),
+        epoch: u64,
+    ) {
         let (feedback, in_flight) = match status {
             200..=299 => (Feedback::Success, in_flight.0),
             429 => (Feedback::Overload(signals::RATE_LIMITED), in_flight.1),
             500..=599 => (Feedback::Overload(signals::SERVER_ERROR), in_flight.1),
             _ => return,
         };
-        self.apply(feedback, latency, in_flight, epoch);
+        let sample = Sample {
+            latency,
+            overloaded: false,
+            in_flight,
+            epoch,
+            tokens,
+        };
+        self.apply(feedback, sample);
     }
 
     /// Feeds the controller and copies its limit into the semaphore under the controller's
     /// lock, so the semaphore goes through the controller's limits in order. An overload met
     /// by a request admitted before the last cut belongs to that cut's episode and is ignored.
     fn feed(&self, feedback: Feedback, epoch: u64) {
-        self.apply(feedback, Duration::ZERO, 0, epoch);
+        let sample = Sample {
+            latency: Duration::ZERO,
+            overloaded: false,
+            in_flight: 0,
+            epoch,
+            tokens: None,
+        };
+        self.apply(feedback, sample);
     }
 
-    fn apply(&self, feedback: Feedback, latency: Duration, in_flight: usize, epoch: u64) {
+    /// `sample` with `overloaded` set from `feedback`.
+    fn apply(&self, feedback: Feedback, mut sample: Sample) {
         let Some(limiter) = &self.limiter else {
             return;
         };
@@ -577,19 +603,15 @@ impl Endpoint {
         let overloaded = match feedback {
             Feedback::Silent => return,
             Feedback::Success => false,
-            Feedback::Overload(_) if controller.epoch() != epoch => return,
+            Feedback::Overload(_) if controller.epoch() != sample.epoch => return,
             Feedback::Overload(signal) => {
                 metrics::counter!(names::AIMD_DECREASES_TOTAL, "endpoint" => self.name.clone(), "signal" => signal)
                     .increment(1);
                 true
             }
         };
-        let change = controller.on_result(Sample {
-            latency,
-            overloaded,
-            in_flight,
-            epoch,
-        });
+        sample.overloaded = overloaded;
+        let change = controller.on_result(sample);
         if let Some(change) = change {
             if let Change::Increased { .. } = change {
                 metrics::counter!(names::AIMD_INCREASES_TOTAL, "endpoint" => self.name.clone())
@@ -611,6 +633,20 @@ fn final_feedback(status: u16, capacity_retry: bool) -> Feedback {
         _ if capacity_retry => Feedback::Overload(signals::CAPACITY_RETRY),
         _ => Feedback::Success,
     }
+}
+
+/// The answer's `usage.completion_tokens`: the number after the last `"completion_tokens"` key
+/// of the body, found by a byte search from the end (where OpenAI replies put `usage`)
+/// rather than a JSON parse of every answer. `None` when absent or not a whole number.
+fn completion_tokens(body: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"completion_tokens\"";
+    let at = memchr::memmem::rfind(body, KEY)? + KEY.len();
+    let rest = body[at..].trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 || digits > 19 {
+        return None;
+    }
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
 }
 
 /// Whole milliseconds left before `deadline`, or `None` when less than one is left.
@@ -669,6 +705,22 @@ mod tests {
             final_feedback(400, true),
             Feedback::Overload("capacity_retry")
         );
+    }
+
+    #[test]
+    fn completion_tokens_are_read_from_the_usage_of_the_answer() {
+        let chat = br#"{"id":"x","choices":[{"message":{"content":"\"completion_tokens\": 9"}}],"usage":{"prompt_tokens":5,"completion_tokens":42,"total_tokens":47}}"#;
+        assert_eq!(completion_tokens(chat), Some(42));
+        assert_eq!(completion_tokens(b"{\"completion_tokens\" :\n 7}"), Some(7));
+        for none in [
+            &b"{\"usage\":{\"prompt_tokens\":5}}"[..],
+            b"{\"completion_tokens\":null}",
+            b"{\"completion_tokens\":-3}",
+            b"{\"completion_tokens\"",
+            b"",
+        ] {
+            assert_eq!(completion_tokens(none), None, "{}", String::from_utf8_lossy(none));
+        }
     }
 
     #[test]

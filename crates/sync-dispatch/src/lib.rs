@@ -12,8 +12,9 @@
 //!   `x-llm-d-request-dropped-reason: rejected-ttl-expired` is final and becomes `batch_expired`.
 //! - AIMD ([`Algorithm::Aimd`], the reference): a final 429 or 5xx, or any other answer that
 //!   needed a 429/5xx retry, lowers the endpoint's limit; any other answer is a success; no
-//!   answer is no signal. [`Algorithm::Gradient`] hears every attempt instead (2xx latency,
-//!   429/5xx overload) and gives the permits back while a request backs off.
+//!   answer is no signal. [`Algorithm::Gradient`] and [`Algorithm::Work`] hear every attempt
+//!   instead (2xx latency and `usage.completion_tokens`, 429/5xx overload) and give the
+//!   permits back while a request backs off.
 //! - Headers: `Content-Type: application/json`, `X-Request-ID`, `x-slo-ttft-ms` (milliseconds
 //!   left to the SLO), `Authorization: Bearer` and `x-gateway-inference-objective` when
 //!   configured, and the job's pass-through headers (which cannot override these).

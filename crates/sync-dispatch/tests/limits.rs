@@ -289,6 +289,69 @@ async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
     assert!(d.cuts("m").unwrap() >= 1);
 }
 
+/// Answers of varied length (10 ms + 1 ms per output token, told in `usage`) under a hard
+/// limit: the work limiter weighs each latency by the answer's tokens, so the spread of
+/// lengths is not taken for queueing and the limit sits at the capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_work_limiter_reads_answer_lengths_and_fills_a_hard_limit() {
+    const CAPACITY: usize = 6;
+    // A lognormal-like spread: most answers short, some ten times longer.
+    const LENGTHS: [u64; 12] = [12, 40, 25, 160, 33, 8, 60, 18, 110, 45, 20, 240];
+    let counters = Arc::new(Counters::default());
+    let seen = counters.clone();
+    let gateway = Gateway::start_shared(counters.clone(), move |n, _| {
+        if seen.inflight.load(Ordering::SeqCst) > CAPACITY {
+            return Reply::status(429).header("retry-after", "0");
+        }
+        let tokens = LENGTHS[n % LENGTHS.len()];
+        Reply {
+            body: format!(
+                r#"{{"choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":{tokens},"total_tokens":{}}}}}"#,
+                tokens + 3
+            ),
+            ..Reply::ok()
+        }
+        .after(Duration::from_millis(10 + tokens))
+    })
+    .await;
+    let d = SyncDispatcher::new(LimitOptions {
+        algorithm: Algorithm::Work,
+        ..limits(100, 32, 1)
+    });
+    let mut options = fast_options(&gateway.url);
+    options.max_retries = 1000;
+    d.add_endpoint("m", options).unwrap();
+
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = tokio::spawn({
+        let (d, done) = (d.clone(), done.clone());
+        async move {
+            let mut samples = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                samples.push(d.limit("m").unwrap());
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            samples
+        }
+    });
+    let calls = join_all((0..500).map(|_| d.dispatch("m", request("r")))).await;
+    done.store(true, Ordering::SeqCst);
+    let samples = watch.await.unwrap();
+    assert!(calls
+        .iter()
+        .all(|o| matches!(o, SyncOutcome::Http { status: 200, .. })));
+    // The second half, after the slow start and the first cut.
+    let mut settled = samples[samples.len() / 2..].to_vec();
+    settled.sort_unstable();
+    let low = settled[settled.len() / 10];
+    assert!(
+        low >= CAPACITY - 1,
+        "the limit stays at the capacity, not cut by long answers: 10th percentile {low} of {settled:?}"
+    );
+    let refused = counters.requests() - 500;
+    assert!(refused < 125, "{refused} 429s for 500 requests");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_gradient_limiter_a_request_gives_its_permit_back_while_it_backs_off() {
     // The first request meets a 429 asking for a long wait; the second one, sent while the

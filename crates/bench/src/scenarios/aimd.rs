@@ -1,10 +1,10 @@
-//! Sync mode against a gateway of capacity C and latency L, in three behaviours: how much of
-//! what the gateway can serve each limiter gets, and how many 429s it costs.
+//! Sync mode against a gateway of capacity C in five shapes: how much of what the gateway can
+//! serve each limiter gets, and how many 429s it costs.
 
 use std::time::{Duration, Instant};
 
 use batch_executor::Executor;
-use dispatcher_sim::{Gateway, GatewayConfig};
+use dispatcher_sim::{Gateway, GatewayConfig, GatewayStats};
 use tokio_util::sync::CancellationToken;
 
 use super::{expect_completed, lines, ready, spec};
@@ -18,50 +18,117 @@ const AIMD: &str = "Sync AIMD";
 const CAPACITY: usize = 64;
 /// The capacity of the middle phase of the changing gateway.
 const LOW_CAPACITY: usize = 16;
-/// The queueing gateway's queue limit: 429 only past it.
-const QUEUE_LIMIT: usize = 96;
+/// The model server's queue limit: 429 only past it.
+const QUEUE_LIMIT: usize = 128;
+/// The fixed-latency gateway's latency.
 const LATENCY: Duration = Duration::from_millis(20);
+/// The other gateways: prompt processing, and time per output token.
+const PROMPT: Duration = Duration::from_millis(10);
+const PER_TOKEN: Duration = Duration::from_millis(1);
+/// Answer lengths: lognormal, median and sigma of ln(tokens).
+const LENGTH_MEDIAN: u64 = 40;
+const LENGTH_SIGMA: f64 = 0.8;
+/// The heavy tail: this share of answers is this many times longer.
+const TAIL_SHARE: f64 = 0.01;
+const TAIL_FACTOR: f64 = 20.0;
+/// The mean unloaded latency with lognormal lengths (10 ms + 1 ms × 40 × e^(σ²/2)), to size
+/// the runs and time the changing gateway's phases.
+const LENGTHS_LATENCY: Duration = Duration::from_micros(65_100);
 const PER_ENDPOINT: usize = 128;
 const GLOBAL: usize = 256;
 const SAMPLE_EVERY: Duration = Duration::from_millis(10);
+/// Throughput is measured until this share of the lines is answered: the job's last answers
+/// drain at a falling concurrency whatever the limiter, for as long as its longest answer.
+const MEASURED_SHARE: f64 = 0.95;
 
 /// How the simulated gateway behaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Behaviour {
-    /// (a) At most C at once, 429 above.
+    /// (a) At most C at once, 429 above, every answer L.
     Hard,
-    /// (b) Like `Hard`, C going 64 → 16 → 64 during the run.
+    /// (b) Like `Hard`, answers of lognormal length at 10 ms + 1 ms per token.
+    Lengths,
+    /// (c) Like `Lengths`, 1 % of the answers 20 × longer.
+    Tail,
+    /// (d) Like `Lengths`, C going 64 → 16 → 64 during the run.
     Changing,
-    /// (c) Latency L × max(1, n / C), 429 only past the queue limit.
-    Queueing,
+    /// (e) A model server with `Lengths`' answers: past C the time per output token grows
+    /// with the requests running, 429 only past the queue limit.
+    ModelServer,
 }
 
 impl Behaviour {
-    const ALL: [Behaviour; 3] = [Behaviour::Hard, Behaviour::Changing, Behaviour::Queueing];
+    const ALL: [Behaviour; 5] = [
+        Behaviour::Hard,
+        Behaviour::Lengths,
+        Behaviour::Tail,
+        Behaviour::Changing,
+        Behaviour::ModelServer,
+    ];
 
     fn label(self) -> &'static str {
         match self {
-            Behaviour::Hard => "hard limit",
-            Behaviour::Changing => "changing limit",
-            Behaviour::Queueing => "queueing",
+            Behaviour::Hard => "(a) hard limit, fixed 20 ms",
+            Behaviour::Lengths => "(b) hard limit, lognormal lengths",
+            Behaviour::Tail => "(c) hard limit, lognormal lengths, 1 % 20× longer",
+            Behaviour::Changing => "(d) changing limit, lognormal lengths",
+            Behaviour::ModelServer => "(e) model server, lognormal lengths",
         }
     }
 
     fn plot(self) -> &'static str {
         match self {
             Behaviour::Hard => "aimd-limit.svg",
+            Behaviour::Lengths => "aimd-limit-lengths.svg",
+            Behaviour::Tail => "aimd-limit-tail.svg",
             Behaviour::Changing => "aimd-limit-changing.svg",
-            Behaviour::Queueing => "aimd-limit-queueing.svg",
+            Behaviour::ModelServer => "aimd-limit-model-server.svg",
         }
     }
 
-    fn config(self) -> GatewayConfig {
-        GatewayConfig {
+    /// The mean unloaded latency, to size the run.
+    fn unloaded(self) -> Duration {
+        match self {
+            Behaviour::Hard => LATENCY,
+            _ => LENGTHS_LATENCY,
+        }
+    }
+
+    /// Lines of the run: about as long as `aimd_lines` at the fixed-latency gateway.
+    fn lines(self, aimd_lines: usize) -> usize {
+        let n = aimd_lines as f64 * LATENCY.as_secs_f64() / self.unloaded().as_secs_f64();
+        // A multiple of 20, so 95 % of it is a whole number.
+        ((n / 20.0).round() as usize).max(1) * 20
+    }
+
+    fn config(self, seed: u64) -> GatewayConfig {
+        let hard = GatewayConfig {
             latency_fixed: LATENCY,
             capacity: Some(CAPACITY),
-            queue_limit: (self == Behaviour::Queueing).then_some(QUEUE_LIMIT),
             retry_after_secs: 0,
+            seed: Some(seed),
             ..GatewayConfig::default()
+        };
+        let lengths = GatewayConfig {
+            latency_fixed: PROMPT,
+            latency_per_token: PER_TOKEN,
+            length_median: Some(LENGTH_MEDIAN),
+            length_sigma: LENGTH_SIGMA,
+            ..hard.clone()
+        };
+        match self {
+            Behaviour::Hard => hard,
+            Behaviour::Lengths | Behaviour::Changing => lengths,
+            Behaviour::Tail => GatewayConfig {
+                tail_share: TAIL_SHARE,
+                tail_factor: TAIL_FACTOR,
+                ..lengths
+            },
+            Behaviour::ModelServer => GatewayConfig {
+                queue_limit: Some(QUEUE_LIMIT),
+                batching: true,
+                ..lengths
+            },
         }
     }
 }
@@ -70,7 +137,6 @@ impl Behaviour {
 #[derive(Debug, Clone, Copy)]
 struct Candidate {
     algorithm: &'static str,
-    factor: f64,
     /// Its rows carry the targets.
     targeted: bool,
 }
@@ -78,8 +144,9 @@ struct Candidate {
 impl Candidate {
     fn label(&self) -> String {
         match self.algorithm {
-            "aimd" => format!("aimd, backoff_factor {}", self.factor),
+            "aimd" => "aimd, backoff_factor 0.5".to_owned(),
             FIXED => format!("no limiter, per_endpoint fixed at C = {CAPACITY}"),
+            "work" => "work (default)".to_owned(),
             other => other.to_owned(),
         }
     }
@@ -92,8 +159,8 @@ impl Candidate {
             );
         }
         format!(
-            "concurrency:\n  global: {GLOBAL}\n  per_endpoint: {PER_ENDPOINT}\n  aimd:\n    algorithm: {}\n    backoff_factor: {}\n",
-            self.algorithm, self.factor
+            "concurrency:\n  global: {GLOBAL}\n  per_endpoint: {PER_ENDPOINT}\n  aimd:\n    algorithm: {}\n",
+            self.algorithm
         )
     }
 }
@@ -105,46 +172,46 @@ const FIXED: &str = "fixed";
 const CANDIDATES: [Candidate; 4] = [
     Candidate {
         algorithm: FIXED,
-        factor: 0.5,
         targeted: false,
     },
     Candidate {
         algorithm: "aimd",
-        factor: 0.5,
-        targeted: false,
-    },
-    Candidate {
-        algorithm: "aimd",
-        factor: 0.9,
         targeted: false,
     },
     Candidate {
         algorithm: "gradient",
-        factor: 0.5,
+        targeted: false,
+    },
+    Candidate {
+        algorithm: "work",
         targeted: true,
     },
 ];
 
 /// What one run measured.
 struct Run {
+    /// Lines answered per second until [`MEASURED_SHARE`] of them were.
     throughput: f64,
-    /// What the gateway could serve over this run, req/s (time-weighted when C changes).
+    /// What the gateway could serve over that time, req/s: time-weighted C over the mean
+    /// latency it served, or for the model server C over its mean unloaded latency (the knee).
     ceiling: f64,
     share_429: f64,
+    /// The model server's mean time per output token over its unloaded one.
+    token_stretch: f64,
     mean_limit: f64,
     samples: Vec<AimdSample>,
 }
 
 /// When the changing gateway switches: C goes to 16 at the first instant, back to 64 at the
 /// second. Scaled to the job so the quick run changes too.
-fn phases(n: usize) -> (f64, f64) {
-    let full = n as f64 / (CAPACITY as f64 / LATENCY.as_secs_f64());
+fn phases(n: usize, latency: Duration) -> (f64, f64) {
+    let full = n as f64 / (CAPACITY as f64 / latency.as_secs_f64());
     (0.3 * full, 0.6 * full)
 }
 
 /// The capacity of `behaviour` at `t` seconds.
 fn capacity_at(behaviour: Behaviour, n: usize, t: f64) -> usize {
-    let (low, high) = phases(n);
+    let (low, high) = phases(n, behaviour.unloaded());
     if behaviour == Behaviour::Changing && t >= low && t < high {
         LOW_CAPACITY
     } else {
@@ -152,15 +219,14 @@ fn capacity_at(behaviour: Behaviour, n: usize, t: f64) -> usize {
     }
 }
 
-/// C/L averaged over `[0, elapsed]`.
-fn time_weighted_ceiling(behaviour: Behaviour, n: usize, elapsed: f64) -> f64 {
-    let per_second = |c: usize| c as f64 / LATENCY.as_secs_f64();
+/// C averaged over `[0, elapsed]`.
+fn time_weighted_capacity(behaviour: Behaviour, n: usize, elapsed: f64) -> f64 {
     if behaviour != Behaviour::Changing || elapsed <= 0.0 {
-        return per_second(CAPACITY);
+        return CAPACITY as f64;
     }
-    let (low, high) = phases(n);
+    let (low, high) = phases(n, behaviour.unloaded());
     let low_time = (elapsed.min(high) - low).max(0.0);
-    (per_second(LOW_CAPACITY) * low_time + per_second(CAPACITY) * (elapsed - low_time)) / elapsed
+    (LOW_CAPACITY as f64 * low_time + CAPACITY as f64 * (elapsed - low_time)) / elapsed
 }
 
 pub(crate) async fn run(
@@ -198,32 +264,40 @@ pub(crate) async fn run(
         .kind(Kind::Limit),
     );
     for behaviour in Behaviour::ALL {
+        let lines_here = behaviour.lines(n);
+        let input = lab.path(&format!("aimd-{lines_here}.jsonl"));
+        write_input(&input, lines_here, 1024)?;
         for candidate in CANDIDATES {
             let mut runs = Vec::new();
             for run in 0..s.long_runs {
-                let r = one_run(lab, &input, n, behaviour, candidate, run).await?;
+                let r = one_run(lab, &input, lines_here, behaviour, candidate, run).await?;
                 progress(&format!(
-                    "   {}, {}, run {run}: {:.0} req/s ({:.0} % of {:.0}), 429 responses {:.1} % of requests, mean limit {:.1}",
+                    "   {}, {}, run {run}: {:.0} req/s ({:.0} % of {:.0}), 429 responses {:.1} % of requests, time per token × {:.2}, mean limit {:.1}",
                     behaviour.label(),
                     candidate.label(),
                     r.throughput,
                     r.throughput / r.ceiling * 100.0,
                     r.ceiling,
                     r.share_429 * 100.0,
+                    r.token_stretch,
                     r.mean_limit
                 ));
                 runs.push(r);
             }
-            record(report, behaviour, candidate, n, &mut runs);
+            record(report, behaviour, candidate, lines_here, &mut runs);
         }
     }
     report.note(AIMD, format!(
-        "The simulated gateway answers each request in L = {} ms and 429 (`Retry-After: 0`) past its limit, in three behaviours: **hard limit**: at most C = {CAPACITY} at once; **changing limit**: the same, C going {CAPACITY} → {LOW_CAPACITY} → {CAPACITY} at 30 % and 60 % of the time {} lines take at C/L; **queueing**: like a model server past its knee, a request admitted with n in flight takes L × max(1, n / C), so at most C/L = {:.0} req/s whatever the concurrency, and only past Q = {QUEUE_LIMIT} in flight the answer is 429. The limit each throughput is compared with is C/L, time-weighted over the run for the changing gateway (of the run with the median throughput), and the knee's C/L for the queueing one.",
-        LATENCY.as_millis(), lines(n), CAPACITY as f64 / LATENCY.as_secs_f64()
+        "The simulated gateway (crates/gateway-sim) in five shapes, each answering 429 (`Retry-After: 0`) past its limit: **(a)** at most C = {CAPACITY} at once, every answer L = {} ms; **(b)** the same C, an answer taking {} ms + {} ms per output token, its length drawn per request from a lognormal of median {LENGTH_MEDIAN} tokens and sigma {LENGTH_SIGMA} (seeded, whatever the request's `max_tokens`, reported in `usage.completion_tokens`); **(c)** as (b), {:.0} % of the answers {TAIL_FACTOR:.0} × longer; **(d)** as (b), C going {CAPACITY} → {LOW_CAPACITY} → {CAPACITY} at 30 % and 60 % of the time the job takes at C; **(e)** a model server with (b)'s answers: past C = {CAPACITY} running, the time per output token grows by running / C (re-read every 16 tokens: continuous batching), and only past Q = {QUEUE_LIMIT} the answer is 429.",
+        LATENCY.as_millis(), PROMPT.as_millis(), PER_TOKEN.as_millis(), TAIL_SHARE * 100.0
     ));
     report.note(AIMD, format!(
-        "The processor runs in sync mode with `per_endpoint: {PER_ENDPOINT}` (above C, so the limiter must find C), `global: {GLOBAL}`, `aimd.min: 5`, `max_retries: 1000`, `initial_backoff: 1ms`, `max_backoff: 20ms`; requests are {} lines of 1 KiB. `aimd` is the reference processor's limiter (starts at `per_endpoint`, cuts by `backoff_factor` once per overload episode, a request keeps its permit while it retries); `gradient` is crates/aimd's `GradientLimiter` (starts at `aimd.min` and doubles; latency floor; a 429 cuts to the concurrency that was refused; hears every attempt; a request gives its permit back while it backs off). The targets apply to `gradient`.",
-        lines(n)
+        "Each throughput is the job's lines answered per second until {:.0} % of them were (the last answers of a job drain at a falling concurrency whatever the limiter, for as long as its longest answer takes: with (c)'s tail, seconds). The limit it is compared with is C / the mean latency the gateway itself served in that run (time-weighted C for (d)), of the run with the median throughput; for (e), C / the mean unloaded latency of its answers: the throughput at the knee. (e) also reports the gateway's mean time per output token over its unloaded value ({} ms), target ≤ 1.25.",
+        MEASURED_SHARE * 100.0, PER_TOKEN.as_millis()
+    ));
+    report.note(AIMD, format!(
+        "The processor runs in sync mode with `per_endpoint: {PER_ENDPOINT}` (above C, so the limiter must find C), `global: {GLOBAL}`, `aimd.min: 5`, `max_retries: 1000`, `initial_backoff: 1ms`, `max_backoff: 20ms`; requests are 1 KiB lines ({} for (a), {} for the others, about the same time at C). `aimd` is the reference processor's limiter (starts at `per_endpoint`, halves once per overload episode, a request keeps its permit while it retries); `gradient` is crates/aimd's `GradientLimiter` on raw latency (starts at `aimd.min` and doubles; latency floor; a 429 cuts to the concurrency that was refused; hears every attempt; a request gives its permit back while it backs off); `work`, the default, is the same rules on latency per unit of work (each answer's `completion_tokens` plus the fixed cost of an answer, learnt by a running fit; tolerance 1.2). The targets apply to `work`.",
+        lines(n), lines(Behaviour::Lengths.lines(n))
     ));
     report.note(AIMD, format!(
         "What a client on this machine can get from the hard-limit gateway at all: the bare HTTP client row is {CAPACITY} callers in the bench process, each POSTing the job's first request body again the moment its last answer came, over keep-alive HTTP/1 (hyper, no processor, no limiter, no 429), {:.0} req/s median, {:.0} % of C/L. It loses to C/L what every request's round trip outside the gateway's {} ms takes: all {CAPACITY} answers of a wave come within microseconds of each other and wait for the CPU, client and gateway sharing the 2 cores.",
@@ -232,7 +306,6 @@ pub(crate) async fn run(
         LATENCY.as_millis()
     ));
     report.note(AIMD, "The 429 share counts the gateway's 429 responses (retries included) against the job's requests, as counted at the gateway. The mean limit is the time average of the endpoint's limit sampled every 10 ms; the plots show the run with the median throughput.");
-    report.note(AIMD, "The reference AIMD with backoff_factor 0.5 saws between about C/2 and C (about 75 % of C on average); 0.9 cuts less but, since a request that meets a 429 keeps its permit and retries at once and a cut only comes with a final answer, it meets more 429s. Against the queueing gateway the reference sits above the knee (it starts at 128 and only a 429 past Q moves it), which costs latency, not throughput.");
     Ok(())
 }
 
@@ -249,7 +322,7 @@ async fn bare_client(input: &std::path::Path, n: usize) -> Result<f64, BenchErro
     let first: serde_json::Value = serde_json::from_str(&line)
         .map_err(|e| BenchError::Check(format!("the bench's input: {e}")))?;
     let body = bytes::Bytes::from(first["body"].to_string());
-    let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), Behaviour::Hard.config()).await?;
+    let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), Behaviour::Hard.config(0)).await?;
     let api = crate::service::Api::new(&gateway.base_url(), CAPACITY);
     let next = std::sync::Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
@@ -286,15 +359,18 @@ fn record(
     let throughput = Summary::new(runs.iter().map(|r| r.throughput).collect());
     let share = Summary::new(runs.iter().map(|r| r.share_429).collect());
     let limit = Summary::new(runs.iter().map(|r| r.mean_limit).collect());
+    let stretch = Summary::new(runs.iter().map(|r| r.token_stretch).collect());
     let median = throughput.median_run();
-    let ceiling = median.map_or(CAPACITY as f64 / LATENCY.as_secs_f64(), |i| runs[i].ceiling);
+    let ceiling = median.map_or(CAPACITY as f64 / behaviour.unloaded().as_secs_f64(), |i| {
+        runs[i].ceiling
+    });
     let label = format!("{}, {}", behaviour.label(), candidate.label());
     let ceiling_name = match behaviour {
-        Behaviour::Hard => format!("C/L = {CAPACITY} / {} ms", LATENCY.as_millis()),
-        Behaviour::Changing => {
-            format!("time-weighted C/L, C = {CAPACITY} → {LOW_CAPACITY} → {CAPACITY}")
-        }
-        Behaviour::Queueing => format!("knee C/L = {CAPACITY} / {} ms", LATENCY.as_millis()),
+        Behaviour::Changing => format!(
+            "time-weighted C / mean latency, C = {CAPACITY} → {LOW_CAPACITY} → {CAPACITY}"
+        ),
+        Behaviour::ModelServer => format!("knee: C / mean unloaded latency, C = {CAPACITY}"),
+        _ => format!("C / mean latency, C = {CAPACITY}"),
     };
     let mut rate_row = Row::new(
         AIMD,
@@ -311,10 +387,24 @@ fn record(
     );
     if candidate.targeted {
         rate_row = rate_row.target(Target::RatioAtLeast(0.9));
-        share_row = share_row.target(Target::AtMost(0.05));
+        if behaviour != Behaviour::ModelServer {
+            share_row = share_row.target(Target::AtMost(0.05));
+        }
     }
     report.rows.push(rate_row);
     report.rows.push(share_row);
+    if behaviour == Behaviour::ModelServer {
+        let mut row = Row::new(
+            AIMD,
+            format!("{label}: mean time per output token / unloaded"),
+            Unit::Factor,
+            stretch,
+        );
+        if candidate.targeted {
+            row = row.target(Target::AtMost(1.25));
+        }
+        report.rows.push(row);
+    }
     report.rows.push(Row::new(
         AIMD,
         format!("{label}: mean limit"),
@@ -339,7 +429,11 @@ async fn one_run(
     candidate: Candidate,
     run: usize,
 ) -> Result<Run, BenchError> {
-    let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), behaviour.config()).await?;
+    let gateway = Gateway::start(
+        ([127, 0, 0, 1], 0).into(),
+        behaviour.config(run as u64 + 1),
+    )
+    .await?;
     let config = lab.sync_config(
         "aimd.yaml",
         &gateway.base_url(),
@@ -348,11 +442,13 @@ async fn one_run(
     )?;
     let executor = Executor::new(load(&config)?).await?;
     let out = lab.fresh_dir(&format!(
-        "aimd-{:?}-{}-{}-{run}",
-        behaviour, candidate.algorithm, candidate.factor
+        "aimd-{:?}-{}-{run}",
+        behaviour, candidate.algorithm
     ))?;
     let mut samples = Vec::new();
     let mut capacity = CAPACITY;
+    // The gateway's counters when MEASURED_SHARE of the lines had been answered, and when.
+    let mut measured: Option<(f64, GatewayStats)> = None;
     let start = Instant::now();
     let job = ready(&executor, &spec(input, &out, None)).await?;
     let execute = executor.execute(job, CancellationToken::new());
@@ -370,8 +466,11 @@ async fn one_run(
                     gateway.set_config(GatewayConfig { capacity: Some(now), ..gateway.config() })?;
                 }
                 let limit = executor.endpoint_limit(MODEL).unwrap_or(0);
-                let in_flight = gateway.stats().in_flight;
-                samples.push(AimdSample { t, limit, in_flight, capacity });
+                let stats = gateway.stats();
+                if measured.is_none() && stats.answered as f64 >= n as f64 * MEASURED_SHARE {
+                    measured = Some((t, stats.clone()));
+                }
+                samples.push(AimdSample { t, limit, in_flight: stats.in_flight, capacity });
             }
         }
     };
@@ -379,12 +478,25 @@ async fn one_run(
     expect_completed(&batch, n)?;
     let stats = gateway.stats();
     gateway.shutdown().await;
+    let (until, at) = measured.unwrap_or((elapsed, stats.clone()));
     let mean_limit =
         samples.iter().map(|s| s.limit as f64).sum::<f64>() / samples.len().max(1) as f64;
+    let secs = |d: Option<Duration>| d.map_or(f64::NAN, |d| d.as_secs_f64());
+    let mean_capacity = time_weighted_capacity(behaviour, n, until);
+    let ceiling = if behaviour == Behaviour::ModelServer {
+        CAPACITY as f64 / secs(at.mean_unloaded_latency())
+    } else {
+        mean_capacity / secs(at.mean_latency())
+    };
+    let token_stretch = match behaviour {
+        Behaviour::Hard => 1.0,
+        _ => secs(stats.mean_token_time()) / PER_TOKEN.as_secs_f64(),
+    };
     Ok(Run {
-        throughput: n as f64 / elapsed,
-        ceiling: time_weighted_ceiling(behaviour, n, elapsed),
+        throughput: at.answered as f64 / until,
+        ceiling,
         share_429: stats.responses(429) as f64 / n as f64,
+        token_stretch,
         mean_limit,
         samples,
     })
@@ -395,15 +507,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_changing_ceiling_is_weighted_by_time() {
+    fn the_changing_capacity_is_weighted_by_time() {
         let n = 20_000; // 6.25 s at C/L: 16 from 1.875 s to 3.75 s
-        let full = 3200.0;
-        assert_eq!(time_weighted_ceiling(Behaviour::Hard, n, 10.0), full);
-        assert_eq!(time_weighted_ceiling(Behaviour::Changing, n, 1.0), full);
-        let at_5 = (full * (5.0 - 1.875) + 800.0 * 1.875) / 5.0;
-        assert!((time_weighted_ceiling(Behaviour::Changing, n, 5.0) - at_5).abs() < 1e-9);
-        assert_eq!(capacity_at(Behaviour::Changing, n, 2.0), LOW_CAPACITY);
-        assert_eq!(capacity_at(Behaviour::Changing, n, 4.0), CAPACITY);
-        assert_eq!(capacity_at(Behaviour::Queueing, n, 2.0), CAPACITY);
+        let b = Behaviour::Changing;
+        let (low, high) = phases(n, b.unloaded());
+        assert!((high - 2.0 * low).abs() < 1e-9);
+        assert_eq!(time_weighted_capacity(Behaviour::Hard, n, 10.0), 64.0);
+        assert_eq!(time_weighted_capacity(b, n, low), 64.0);
+        let at = high + 1.0;
+        let expected = (64.0 * (at - (high - low)) + 16.0 * (high - low)) / at;
+        assert!((time_weighted_capacity(b, n, at) - expected).abs() < 1e-9);
+        assert_eq!(capacity_at(b, n, (low + high) / 2.0), LOW_CAPACITY);
+        assert_eq!(capacity_at(b, n, high), CAPACITY);
+        assert_eq!(capacity_at(Behaviour::ModelServer, n, low), CAPACITY);
+    }
+
+    #[test]
+    fn runs_take_about_as_long_at_each_gateway() {
+        assert_eq!(Behaviour::Hard.lines(20_000), 20_000);
+        assert_eq!(Behaviour::Lengths.lines(20_000), 6_140);
+        assert_eq!(Behaviour::Tail.lines(1_000) % 20, 0);
     }
 }
