@@ -4,8 +4,9 @@
 //!
 //! - [`Dispatcher`]: takes envelopes from request sorted sets (lowest deadline first, `n =
 //!   floor(batch_size × budget)` per poll interval), drops the invalid, honours cancel markers,
-//!   POSTs payloads to the gateway, retries 429/5xx through `retry-sortedset`, and LPUSHes
-//!   results, as `dispatcher-contract.md` describes the real one. [`DispatcherVersion`] picks
+//!   applies the queue's gate message by message, POSTs payloads (re-encoded as Go does) to
+//!   the gateway, retries 429/5xx, and LPUSHes results, as the real one was observed to do
+//!   (`docs/architecture.md`, "The real dispatcher, as observed"). [`DispatcherVersion`] picks
 //!   the release: v0.9 ("M": ZPOPMIN, expired dropped silently) or v0.10 ("N", the default:
 //!   leased claims in `{<queue>}:claimed`, `{<queue>}:claim-owners` and `{<queue>}:claims-idx`,
 //!   `DEADLINE_EXCEEDED` for the expired, `request_token` in results).

@@ -38,7 +38,8 @@ pub struct QueueEntry {
     /// Sent as `x-gateway-inference-objective` when set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inference_objective: Option<String>,
-    /// `constant`, `redis` or `prometheus-budget`; no gate (budget 1) when absent.
+    /// `constant`, `redis`, `local-max-concurrency` or `prometheus-budget`; no gate (budget 1)
+    /// when absent or of a type the real dispatcher does not know.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gate_type: Option<String>,
     /// The gate's parameters.

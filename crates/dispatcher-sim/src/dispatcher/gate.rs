@@ -1,8 +1,11 @@
-//! Dispatch gates: each yields a budget in [0, 1]; `floor(batch_size × budget)` messages are
-//! taken per poll, and a budget of 0 just before sending refuses the message.
+//! Dispatch gates: each yields a budget in [0, 1], and `floor(batch_size × budget)` messages are
+//! taken per poll; then, in the poller, each message taken is put to the gate ([`Gate::apply`]):
+//! a budget gate whose budget reads 0 again refuses it, a `local-max-concurrency` gate refuses
+//! it once its slots are taken.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fred::prelude::{Client as RedisClient, KeysInterface};
@@ -14,16 +17,61 @@ use crate::GatewayLoad;
 use crate::{GatewayHandle, SimError};
 
 /// The gate types the simulator implements.
-pub const GATE_TYPES: [&str; 3] = ["constant", "redis", "prometheus-budget"];
+pub const GATE_TYPES: [&str; 4] = [
+    "constant",
+    "redis",
+    "prometheus-budget",
+    "local-max-concurrency",
+];
+
+/// Gate types the real dispatcher knows but the simulator does not model: refused at start
+/// rather than silently opened. Any other name opens the gate, as the real factory does.
+const REAL_UNSIMULATED: [&str; 7] = [
+    "composite",
+    "wait-on-refuse",
+    "tier-priority-admission",
+    "redis-quota",
+    "prometheus-saturation",
+    "prometheus-query",
+    "endpoint-scrape",
+];
+
+/// What a gate says about one message taken from its queue.
+pub enum Verdict {
+    /// Send it; the release (if any) frees the gate's slot once its result or retry is written.
+    Continue(Option<GateRelease>),
+    /// Put it back into its queue at its deadline score.
+    Refuse,
+}
+
+/// A slot of a `local-max-concurrency` gate, freed when dropped.
+pub struct GateRelease(Arc<AtomicUsize>);
+
+impl Drop for GateRelease {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// A queue's gate.
 pub enum Gate {
     /// A fixed budget.
     Constant(f64),
-    /// A budget read as a float from a Redis key; a missing key is 0.
+    /// A budget read as a float from a Redis key.
     Redis {
         /// The key.
         key: String,
+        /// With `address` (which the real factory requires) a missing or unreadable budget
+        /// reads as 1, as the real gate reads it. Without it, the simulator's older reading
+        /// (missing = 0) stays for configurations written before this was observed.
+        missing_open: bool,
+    },
+    /// At most `limit` messages between being taken and their result (or retry) written.
+    LocalMaxConcurrency {
+        /// `limit`.
+        limit: usize,
+        /// Slots taken now.
+        in_flight: Arc<AtomicUsize>,
     },
     /// `max(0, 1 − in_flight / max_concurrency − baseline)` of a gateway.
     PrometheusBudget {
@@ -117,14 +165,36 @@ impl Gate {
         let kind = entry.gate_type.as_deref().map(str::trim).unwrap_or("");
         match kind {
             "" => Ok(Gate::Constant(1.0)),
-            "constant" => Ok(Gate::Constant(param_f64(queue, params, "budget", 1.0)?)),
+            // The real `constant` gate is always open: its params are not read.
+            "constant" => Ok(Gate::Constant(1.0)),
             "redis" => Ok(Gate::Redis {
                 key: params
                     .get("budget_key")
                     .filter(|k| !k.is_empty())
                     .cloned()
                     .unwrap_or_else(|| DEFAULT_BUDGET_KEY.to_owned()),
+                missing_open: params.get("address").is_some_and(|a| !a.is_empty()),
             }),
+            "local-max-concurrency" => {
+                let limit = params
+                    .get("limit")
+                    .and_then(|l| l.trim().parse::<usize>().ok())
+                    .filter(|l| *l > 0)
+                    .ok_or_else(|| {
+                        SimError::Config(format!(
+                            "queue {queue}: local-max-concurrency needs an integer gate_params.limit > 0"
+                        ))
+                    })?;
+                if params.get("gating_mode").is_some_and(|m| m == "blocking") {
+                    return Err(SimError::Config(format!(
+                        "queue {queue}: local-max-concurrency gating_mode blocking is not simulated"
+                    )));
+                }
+                Ok(Gate::LocalMaxConcurrency {
+                    limit,
+                    in_flight: Arc::new(AtomicUsize::new(0)),
+                })
+            }
             "prometheus-budget" => {
                 let load = match (params.get("metrics_url"), embedded) {
                     (Some(url), _) => LoadSource::scrape(url.parse().map_err(|e| {
@@ -153,10 +223,14 @@ impl Gate {
                     fallback: param_f64(queue, params, "fallback", 0.0)?,
                 })
             }
-            other => Err(SimError::Config(format!(
-                "queue {queue}: unknown gate type {other:?} (the simulator knows {})",
+            other if REAL_UNSIMULATED.contains(&other) => Err(SimError::Config(format!(
+                "queue {queue}: gate type {other:?} is not simulated (the simulator knows {})",
                 GATE_TYPES.join(", ")
             ))),
+            other => {
+                tracing::warn!(queue = %queue, gate_type = %other, "unknown gate type: the gate is open, as in the real dispatcher");
+                Ok(Gate::Constant(1.0))
+            }
         }
     }
 
@@ -164,33 +238,58 @@ impl Gate {
     pub async fn budget(&self, redis: &RedisClient, http: &crate::http::Client) -> f64 {
         let raw = match self {
             Gate::Constant(b) => *b,
-            Gate::Redis { key } => match redis.get::<Option<String>, _>(key.as_str()).await {
-                Ok(None) => 0.0,
-                Ok(Some(v)) => v.trim().parse::<f64>().unwrap_or_else(|_| {
-                    tracing::warn!(key = %key, value = %v, "gate budget is not a number; gate closed");
-                    0.0
-                }),
-                Err(e) => {
-                    tracing::warn!(key = %key, error = %e, "reading the gate budget failed; gate closed");
-                    0.0
+            Gate::Redis { key, missing_open } => {
+                match redis.get::<Option<String>, _>(key.as_str()).await {
+                    Ok(None) => f64::from(u8::from(*missing_open)),
+                    Ok(Some(v)) => v.trim().parse::<f64>().unwrap_or_else(|_| {
+                        tracing::warn!(key = %key, value = %v, "gate budget is not a number");
+                        f64::from(u8::from(*missing_open))
+                    }),
+                    Err(e) => {
+                        tracing::warn!(key = %key, error = %e, "reading the gate budget failed; gate closed");
+                        0.0
+                    }
                 }
-            },
+            }
             Gate::PrometheusBudget {
                 load,
                 max_concurrency,
                 baseline,
                 fallback,
-            } => {
-                match load.in_flight(http).await {
-                    Some(n) => 1.0 - n / max_concurrency - baseline,
-                    None => *fallback,
-                }
+            } => match load.in_flight(http).await {
+                Some(n) => 1.0 - n / max_concurrency - baseline,
+                None => *fallback,
+            },
+            Gate::LocalMaxConcurrency { limit, in_flight } => {
+                let used = in_flight.load(Ordering::SeqCst).min(*limit);
+                (limit - used) as f64 / *limit as f64
             }
         };
         if raw.is_nan() {
             0.0
         } else {
             raw.clamp(0.0, 1.0)
+        }
+    }
+}
+
+impl Gate {
+    /// The per-message decision, made in the poller right after the cancel check (as the real
+    /// one does): budget gates refuse when their budget, read again, is 0; a
+    /// `local-max-concurrency` gate refuses when its slots are all taken.
+    pub async fn apply(&self, redis: &RedisClient, http: &crate::http::Client) -> Verdict {
+        match self {
+            Gate::LocalMaxConcurrency { limit, in_flight } => {
+                let taken = in_flight.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                    (n < *limit).then_some(n + 1)
+                });
+                match taken {
+                    Ok(_) => Verdict::Continue(Some(GateRelease(in_flight.clone()))),
+                    Err(_) => Verdict::Refuse,
+                }
+            }
+            _ if self.budget(redis, http).await <= 0.0 => Verdict::Refuse,
+            _ => Verdict::Continue(None),
         }
     }
 }
@@ -238,35 +337,75 @@ mod tests {
     }
 
     #[test]
-    fn unknown_gate_types_are_named() {
-        let err = Gate::from_entry(&entry("composite-ish", &[]), None, BASE)
+    fn unknown_gate_types_open_the_gate_and_unsimulated_real_ones_are_named() {
+        // The real factory falls back to an open gate for a name it does not know.
+        assert!(matches!(
+            Gate::from_entry(&entry("composite-ish", &[]), None, BASE),
+            Ok(Gate::Constant(b)) if b == 1.0
+        ));
+        let err = Gate::from_entry(&entry("redis-quota", &[]), None, BASE)
             .err()
             .unwrap()
             .to_string();
-        assert!(err.contains("composite-ish"), "{err}");
+        assert!(err.contains("redis-quota"), "{err}");
     }
 
     #[test]
-    fn constant_and_redis_parameters() {
-        assert!(
-            matches!(Gate::from_entry(&entry("constant", &[]), None, BASE), Ok(Gate::Constant(b)) if b == 1.0)
-        );
-        assert!(matches!(
-            Gate::from_entry(&entry("constant", &[("budget", "0.5")]), None, BASE),
-            Ok(Gate::Constant(b)) if b == 0.5
-        ));
-        let err = Gate::from_entry(&entry("constant", &[("budget", "half")]), None, BASE)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("gate_params.budget"), "{err}");
-        assert!(matches!(
-            Gate::from_entry(&entry("redis", &[]), None, BASE),
-            Ok(Gate::Redis { key }) if key == "dispatch-gate-budget"
-        ));
+    fn the_constant_gate_is_always_open_whatever_its_params() {
+        for params in [&[][..], &[("budget", "0.5")][..], &[("budget", "half")][..]] {
+            assert!(matches!(
+                Gate::from_entry(&entry("constant", params), None, BASE),
+                Ok(Gate::Constant(b)) if b == 1.0
+            ));
+        }
         assert!(matches!(
             Gate::from_entry(&QueueEntry::new("q"), None, BASE),
             Ok(Gate::Constant(b)) if b == 1.0
+        ));
+    }
+
+    #[test]
+    fn a_redis_gate_with_an_address_reads_a_missing_budget_as_open() {
+        assert!(matches!(
+            Gate::from_entry(&entry("redis", &[("address", "127.0.0.1:6379")]), None, BASE),
+            Ok(Gate::Redis { key, missing_open: true }) if key == "dispatch-gate-budget"
+        ));
+        assert!(matches!(
+            Gate::from_entry(&entry("redis", &[]), None, BASE),
+            Ok(Gate::Redis {
+                missing_open: false,
+                ..
+            })
+        ));
+    }
+
+    #[tokio::test]
+    async fn local_max_concurrency_refuses_past_its_limit_until_a_slot_is_released() {
+        let gate = Gate::from_entry(
+            &entry("local-max-concurrency", &[("limit", "2")]),
+            None,
+            BASE,
+        )
+        .unwrap();
+        assert!(Gate::from_entry(&entry("local-max-concurrency", &[]), None, BASE).is_err());
+        // apply() of this gate touches neither Redis nor HTTP.
+        let redis = fred::prelude::Builder::default_centralized()
+            .build()
+            .unwrap();
+        let http = crate::http::client();
+        let Verdict::Continue(Some(a)) = gate.apply(&redis, &http).await else {
+            panic!("first slot refused")
+        };
+        assert_eq!(gate.budget(&redis, &http).await, 0.5);
+        let Verdict::Continue(Some(_b)) = gate.apply(&redis, &http).await else {
+            panic!("second slot refused")
+        };
+        assert!(matches!(gate.apply(&redis, &http).await, Verdict::Refuse));
+        assert_eq!(gate.budget(&redis, &http).await, 0.0);
+        drop(a);
+        assert!(matches!(
+            gate.apply(&redis, &http).await,
+            Verdict::Continue(Some(_))
         ));
     }
 

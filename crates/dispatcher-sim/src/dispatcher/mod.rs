@@ -4,6 +4,7 @@ mod backoff;
 mod config;
 mod engine;
 mod gate;
+mod gojson;
 mod stats;
 mod wire;
 

@@ -82,7 +82,7 @@ pub struct Data {
     /// Integer Unix seconds, > 0; a string or a fraction does not parse.
     #[serde(default)]
     pub deadline: i64,
-    /// A JSON object, POSTed byte for byte.
+    /// A JSON object, POSTed as Go re-encodes it ([`Envelope::go_payload`]).
     pub payload: Box<RawValue>,
     /// Never sent back.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -108,12 +108,30 @@ impl Envelope {
         if !env.data.payload.get().trim_start().starts_with('{') {
             return Err("payload is not a JSON object".into());
         }
+        // The real dispatcher decodes the payload into Go values; what it cannot decode (a
+        // number beyond float64) makes the whole member undecodable.
+        super::gojson::reencode(env.data.payload.get())
+            .map_err(|e| format!("payload cannot be decoded: {e}"))?;
         Ok(env)
     }
 
-    /// The member bytes when the dispatcher re-adds it (re-serialised, as Go's encoder does).
+    /// The member bytes when the dispatcher re-adds it: re-serialised as Go's encoder does,
+    /// the payload included (keys sorted, numbers as float64, HTML characters escaped).
     pub fn to_member(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
+        let mut env = self.clone();
+        if let Some(raw) = self
+            .go_payload()
+            .and_then(|p| RawValue::from_string(p).ok())
+        {
+            env.data.payload = raw;
+        }
+        super::gojson::html_escape(&serde_json::to_string(&env).unwrap_or_default())
+    }
+
+    /// The payload as the real dispatcher POSTs it (Go's decode and encode); `None` only for
+    /// an envelope that did not come through [`Envelope::parse`].
+    pub fn go_payload(&self) -> Option<String> {
+        super::gojson::reencode(self.data.payload.get()).ok()
     }
 
     /// The score a member is (re-)added at: its deadline.
@@ -206,7 +224,7 @@ mod tests {
           "headers": {"x-example": "v"}}}"#;
 
     #[test]
-    fn reads_the_contract_example_keeping_the_payload_bytes() {
+    fn reads_the_contract_example_and_re_adds_it_as_go_encodes_it() {
         let e = Envelope::parse(EXAMPLE).unwrap();
         assert_eq!(e.request_kind, RequestKind::Plain);
         assert_eq!(e.token(), Some("9f2c..."));
@@ -217,8 +235,12 @@ mod tests {
             e.data.payload.get(),
             r#"{"model": "m", "messages": [], "max_tokens": 128}"#
         );
+        // Re-added members carry the payload as Go re-encodes it: keys sorted, compact.
         let again = Envelope::parse(&e.to_member()).unwrap();
-        assert_eq!(again.data.payload.get(), e.data.payload.get());
+        assert_eq!(
+            again.data.payload.get(),
+            r#"{"max_tokens":128,"messages":[],"model":"m"}"#
+        );
     }
 
     #[test]

@@ -38,9 +38,24 @@ pub fn envelope(id: &str, deadline: i64, payload: &str, internal: &str) -> Strin
     )
 }
 
-/// A chat payload with a distinct prompt.
+/// A chat payload with a distinct prompt, written as Go's encoder writes it (keys sorted,
+/// compact), so the gateway receives these very bytes after the dispatcher re-encodes them.
 pub fn chat(prompt: &str) -> String {
-    format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{prompt}"}}],"max_tokens":4}}"#)
+    format!(r#"{{"max_tokens":4,"messages":[{{"content":"{prompt}","role":"user"}}],"model":"m"}}"#)
+}
+
+/// A `redis` gate as the real dispatcher accepts it (with `address`), reading `key`.
+pub fn redis_gate(entry: &mut QueueEntry, redis_url: &str, key: &str) {
+    entry.gate_type = Some("redis".into());
+    let address = redis_url
+        .trim_start_matches("redis://")
+        .trim_end_matches('/');
+    entry
+        .gate_params
+        .insert("address".into(), address.to_owned());
+    entry
+        .gate_params
+        .insert("budget_key".into(), key.to_owned());
 }
 
 pub async fn zadd(client: &Client, key: &str, score: f64, member: &str) {

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fred::prelude::{
-    Client as RedisClient, ClientLike, KeysInterface, ReconnectPolicy, SortedSetsInterface, Value,
+    Client as RedisClient, ClientLike, KeysInterface, LuaInterface, ReconnectPolicy,
+    SortedSetsInterface, Value,
 };
 use hyper::Uri;
 use rand::rngs::StdRng;
@@ -27,7 +28,7 @@ use tokio_util::task::TaskTracker;
 pub use claims::ClaimKeys;
 
 use super::config::{DispatcherConfig, DispatcherVersion, ExpiredPolicy, SimOptions};
-use super::gate::Gate;
+use super::gate::{Gate, GateRelease, Verdict};
 use super::stats::{Counters, DispatcherStats};
 use super::wire::{self, codes, Envelope, ResultMessage};
 use crate::{http, GatewayHandle, SimError};
@@ -35,9 +36,6 @@ use claims::Scripts;
 
 /// The path used when neither the message nor the queue entry names one.
 const DEFAULT_PATH: &str = "/v1/completions";
-
-/// How many due retries one pass of the retry poller takes at most.
-const RETRY_BATCH: i64 = 100;
 
 /// How many expired claims one pass of the reclaimer returns per sorted set at most.
 const RECLAIM_BATCH: i64 = 100;
@@ -67,10 +65,12 @@ pub(crate) struct Claim {
 /// The claims in hand: (sorted set, claim key) → (its keys, the request's deadline).
 type Held = HashMap<(String, String), (Arc<ClaimKeys>, i64)>;
 
-/// A message in hand, with its claim in v0.10.
+/// A message in hand, with its claim in v0.10 and its gate slot.
 pub(crate) struct Taken {
     env: Envelope,
     claim: Option<Claim>,
+    /// Freed once its result or retry is written (a `local-max-concurrency` gate's slot).
+    release: Option<GateRelease>,
 }
 
 /// State shared by every task of one dispatcher.
@@ -101,7 +101,6 @@ pub(crate) struct Shared {
     version: DispatcherVersion,
     instance_id: String,
     scripts: Scripts,
-    retry_claims: Arc<ClaimKeys>,
     /// v0.10: the claims in hand, by (sorted set, claim key), with their deadline; the
     /// heartbeat renews them.
     held: Mutex<Held>,
@@ -254,7 +253,6 @@ impl Shared {
             version: config.version,
             instance_id: config.instance_id.clone(),
             scripts: Scripts::new(),
-            retry_claims: Arc::new(ClaimKeys::for_queue(&config.retry_queue)),
             held: Mutex::new(HashMap::new()),
         })
     }
@@ -266,8 +264,9 @@ impl Shared {
             .iter()
             .map(|q| tokio::spawn(self.guarded(self.clone().poll_queue(q.clone()))))
             .collect();
-        tasks.push(tokio::spawn(self.guarded(self.clone().poll_retries())));
         if self.version == DispatcherVersion::V0_10 {
+            // v0.9.0 has no retry set: its retries go straight back into the request queue.
+            tasks.push(tokio::spawn(self.guarded(self.clone().move_retries())));
             // Not ended by `stop`: leases in hand must be renewed until the last worker is
             // done, and only `kill` (or a crash) ends them.
             tokio::spawn(self.guarded(self.clone().heartbeat()));
@@ -440,7 +439,11 @@ impl Shared {
                     }
                     match Envelope::parse(&member) {
                         Ok(env) => {
-                            let taken = Taken { env, claim: None };
+                            let taken = Taken {
+                                env,
+                                claim: None,
+                                release: None,
+                            };
                             self.clone().take(q.clone(), taken, member, score).await;
                         }
                         Err(why) => self.drop_invalid(q, &why),
@@ -516,6 +519,7 @@ impl Shared {
                     let taken = Taken {
                         env,
                         claim: Some(claim),
+                        release: None,
                     };
                     self.clone().take(q.clone(), taken, member, score).await;
                 }
@@ -658,12 +662,11 @@ impl Shared {
     async fn reclaimer(self: Arc<Self>) {
         let mut ticker = tokio::time::interval(self.sim.scaled(self.sim.reclaim_interval));
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut sets: Vec<(Arc<ClaimKeys>, bool)> = self
+        let sets: Vec<(Arc<ClaimKeys>, bool)> = self
             .queues
             .iter()
             .map(|q| (q.claims.clone(), true))
             .collect();
-        sets.push((self.retry_claims.clone(), false));
         loop {
             ticker.tick().await;
             for (keys, request_queue) in &sets {
@@ -747,12 +750,24 @@ impl Shared {
             } else {
                 Counters::bump(&self.counters.dropped_expired);
                 tracing::info!(queue = %q.name, id = %env.data.id, deadline = env.data.deadline, "dropping an expired message");
+                // The real one still clears the request's active and cancel keys.
+                self.clear_request_state(env).await;
             }
             return;
         }
         if self.is_cancelled(env).await {
             self.deliver_cancelled(&q, taken);
             return;
+        }
+        // The gate decides here, in the poller, message by message: a refused member goes
+        // back at its bare deadline and the next ZPOPMIN of this same poll may take it again.
+        let mut taken = taken;
+        match q.gate.apply(&self.redis, &self.http).await {
+            Verdict::Refuse => {
+                self.refuse(&q, taken).await;
+                return;
+            }
+            Verdict::Continue(release) => taken.release = release,
         }
         // The real poller blocks here, message in hand, until a worker is free.
         let permit = tokio::select! {
@@ -800,7 +815,11 @@ impl Shared {
         }
     }
 
-    async fn poll_retries(self: Arc<Self>) {
+    /// v0.10 (and main after #390): every poll interval, up to `batch_size` retries whose time
+    /// has come (score up to now, in whole seconds) leave the retry set, each removed by
+    /// whoever wins its ZREM, and go back byte for byte into their request queue at their
+    /// deadline score, where the poller (and the gate) takes them like any other member.
+    async fn move_retries(self: Arc<Self>) {
         let mut ticker = tokio::time::interval(self.poll_interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
@@ -813,9 +832,9 @@ impl Shared {
                 .zrangebyscore(
                     self.retry_queue.as_str(),
                     "-inf",
-                    now_f64(),
+                    now_secs() as f64,
                     false,
-                    Some((0, RETRY_BATCH)),
+                    Some((0, i64::try_from(self.batch_size).unwrap_or(i64::MAX))),
                 )
                 .await
             {
@@ -826,81 +845,72 @@ impl Shared {
                 }
             };
             for member in due {
-                // A free worker first, so a retry is never held while shutting down.
-                let permit = tokio::select! {
-                    p = self.permits.clone().acquire_owned() => p,
-                    _ = self.stop.cancelled() => return,
+                match self
+                    .redis
+                    .zrem::<i64, _, _>(self.retry_queue.as_str(), member.as_str())
+                    .await
+                {
+                    Ok(1..) => {}
+                    Ok(_) => continue,
+                    Err(e) => {
+                        self.redis_error("ZREM (retries)", &e);
+                        continue;
+                    }
+                }
+                let env = match Envelope::parse(&member) {
+                    Ok(env) => env,
+                    Err(e) => {
+                        Counters::bump(&self.counters.dropped_invalid);
+                        tracing::warn!(error = %e, "dropping an invalid retry member");
+                        continue;
+                    }
                 };
-                let Ok(permit) = permit else { return };
-                let Some((q, taken)) = self.take_retry(&member).await else {
-                    continue;
-                };
-                self.workers
-                    .spawn(self.guarded(self.clone().work(q, taken, permit)));
+                let queue = non_empty(&env.internal.request_queue_name)
+                    .map(str::to_owned)
+                    .or_else(|| self.queues.first().map(|q| q.name.clone()));
+                let Some(queue) = queue else { continue };
+                self.redis_write("ZADD (due retry)", || {
+                    self.redis.zadd::<i64, _, _>(
+                        queue.as_str(),
+                        None,
+                        None,
+                        false,
+                        false,
+                        (env.score(), member.as_str()),
+                    )
+                })
+                .await;
             }
         }
     }
 
-    /// Takes one due retry: whoever removes (v0.9) or claims (v0.10) it owns it, since several
-    /// dispatchers may share the retry set.
-    async fn take_retry(&self, member: &str) -> Option<(Arc<Queue>, Taken)> {
-        let target = self.retry_target(member);
-        let claim = match (&target, self.version) {
-            (Some((_, env)), DispatcherVersion::V0_10) => {
-                match self.claim(&self.retry_claims, member, env).await {
-                    Ok(Some(claim)) => Some(claim),
-                    Ok(None) => return None,
-                    Err(e) => {
-                        self.redis_error("EVALSHA (claim retry)", &e);
-                        return None;
-                    }
-                }
-            }
-            _ => {
-                match self
-                    .redis
-                    .zrem::<i64, _, _>(self.retry_queue.as_str(), member)
-                    .await
-                {
-                    Ok(1..) => None,
-                    Ok(_) => return None,
-                    Err(e) => {
-                        self.redis_error("ZREM (retries)", &e);
-                        return None;
-                    }
-                }
-            }
-        };
-        let Some((q, env)) = target else {
-            Counters::bump(&self.counters.dropped_invalid);
-            return None;
-        };
-        Some((q, Taken { env, claim }))
-    }
-
-    fn retry_target(&self, member: &str) -> Option<(Arc<Queue>, Envelope)> {
-        let env = match Envelope::parse(member) {
-            Ok(env) => env,
-            Err(e) => {
-                tracing::warn!(error = %e, "dropping an invalid retry member");
-                return None;
-            }
-        };
-        let by_id = non_empty(&env.internal.queue_id)
-            .and_then(|id| self.queues.iter().find(|q| q.id == id));
-        let by_name = || {
-            non_empty(&env.internal.request_queue_name)
-                .and_then(|name| self.queues.iter().find(|q| q.name == name))
-        };
-        match by_id.or_else(by_name) {
-            Some(q) => Some((q.clone(), env)),
-            None => {
-                tracing::warn!(id = %env.data.id, "a retry names no queue this dispatcher serves; dropped");
-                None
-            }
+    /// The real dispatcher's clean-up once a request is answered (or dropped as expired):
+    /// `request-active:<id>` and `request-cancel:<id>` are deleted when they hold its token.
+    async fn clear_request_state(&self, env: &Envelope) {
+        let Some(token) = env.token() else { return };
+        let keys = vec![
+            format!("request-active:{}", env.data.id),
+            wire::cancel_marker_key(&env.data.id),
+        ];
+        let cleared: Result<Value, _> = self
+            .redis
+            .eval(CLEAR_REQUEST_STATE, keys, vec![token.to_owned()])
+            .await;
+        if let Err(e) = cleared {
+            self.redis_error("EVAL (clear request state)", &e);
         }
     }
 }
+
+/// Deletes the active and cancel keys of a request when they hold its token (KEYS[1], KEYS[2],
+/// ARGV[1]), as the real dispatcher's script does.
+const CLEAR_REQUEST_STATE: &str = r#"
+local token = ARGV[1]
+if token == "" then return 0 end
+if redis.call("GET", KEYS[1]) == token then redis.call("DEL", KEYS[1]) end
+if redis.call("GET", KEYS[2]) == token then redis.call("DEL", KEYS[2]) end
+return 1
+"#;
 
 /// Whether a poller goes on after one batch.
 enum Continue {

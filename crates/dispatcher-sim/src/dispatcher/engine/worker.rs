@@ -12,7 +12,7 @@ use hyper::{Request, Uri};
 use rand::Rng;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::{error_chain, non_empty, normalize_path, now_f64, Queue, Shared, Taken};
+use super::{error_chain, non_empty, normalize_path, Queue, Shared, Taken};
 use crate::dispatcher::backoff;
 use crate::dispatcher::config::DispatcherVersion;
 use crate::dispatcher::stats::Counters;
@@ -30,8 +30,12 @@ impl Shared {
             self.deliver_cancelled(&q, taken);
             return;
         }
-        if q.gate.budget(&self.redis, &self.http).await <= 0.0 {
-            self.refuse(&q, taken).await;
+        // The worker's own check: a deadline that passed while the message waited for a
+        // worker gets a result, in v0.9 too (only the dequeue side drops silently).
+        if super::expired(taken.env.data.deadline) {
+            let id = taken.env.data.id.clone();
+            let result = ResultMessage::failed(&id, codes::DEADLINE_EXCEEDED, "deadline exceeded");
+            self.deliver(&q, taken, result);
             return;
         }
         let env = &taken.env;
@@ -68,10 +72,17 @@ impl Shared {
         }
     }
 
-    /// The gate closed between taking and sending: back into the queue at the deadline score,
-    /// re-serialised (so the member's bytes may differ from what the producer wrote).
+    /// The gate refused the message: back into the queue at its bare deadline score (below
+    /// any fractional score of its job), re-serialised as Go does (so the member's bytes differ
+    /// from what the producer wrote: `queue_id` and `request_queue_name` are filled in and the
+    /// payload is re-encoded).
     pub(super) async fn refuse(&self, q: &Queue, taken: Taken) {
-        let Taken { mut env, claim } = taken;
+        let Taken {
+            mut env,
+            claim,
+            release,
+        } = taken;
+        drop(release);
         mark_queue(&mut env, q);
         let member = env.to_member();
         let score = env.score();
@@ -133,8 +144,11 @@ impl Shared {
         }
     }
 
-    /// 429/5xx: schedule a retry in the retry sorted set, unless it would fall after the
-    /// deadline, in which case the last response is the result.
+    /// 429/5xx: schedule a retry, unless its wait reaches the deadline, in which case the last
+    /// response is the result. v0.9.0 puts the retry back into its request queue at
+    /// now + backoff (far below every deadline score, so it is taken again at once: the
+    /// backoff is not enforced); v0.10 (main after #390) puts it into the retry set at that
+    /// score, and the mover brings it back to the request queue when due.
     async fn retry_or_finish(
         self: &Arc<Self>,
         q: &Queue,
@@ -150,8 +164,11 @@ impl Shared {
             backoff::delay(attempt, retry_after, &mut *rng)
         };
         let wait = wait.as_secs_f64() * self.sim.time_scale;
-        let due = now_f64() + wait;
-        if !due.is_finite() || due.floor() as i64 > env.data.deadline {
+        // As the real worker: seconds to the deadline counted from whole seconds now, and a
+        // wait that reaches them ends the request.
+        let now = super::now_secs();
+        let due = now as f64 + wait;
+        if !due.is_finite() || wait >= (env.data.deadline - now) as f64 {
             let result = ResultMessage::http(&env.data.id, status, body);
             self.deliver(q, taken, result);
             return;
@@ -159,10 +176,16 @@ impl Shared {
         env.internal.retry_count = Some(attempt.saturating_add(1));
         mark_queue(env, q);
         let member = env.to_member();
+        let target = match self.version {
+            DispatcherVersion::V0_9 => non_empty(&env.internal.request_queue_name)
+                .unwrap_or(q.name.as_str())
+                .to_owned(),
+            DispatcherVersion::V0_10 => self.retry_queue.clone(),
+        };
         let added = self
             .redis_write("ZADD (retry)", || {
                 self.redis.zadd::<i64, _, _>(
-                    self.retry_queue.as_str(),
+                    target.as_str(),
                     None,
                     None,
                     false,
@@ -175,6 +198,7 @@ impl Shared {
             Counters::bump(&self.counters.retried);
             tracing::debug!(id = %env.data.id, status, retry_count = attempt + 1, wait_secs = wait, "retry scheduled");
         }
+        drop(taken.release.take());
         if let Some(claim) = &taken.claim {
             self.release(claim).await;
         }
@@ -184,7 +208,11 @@ impl Shared {
     /// carries the request token, is written only while the claim is still ours, and the claim
     /// is released once it is.
     pub(super) fn deliver(self: &Arc<Self>, q: &Queue, taken: Taken, mut result: ResultMessage) {
-        let Taken { env, claim } = taken;
+        let Taken {
+            env,
+            claim,
+            release,
+        } = taken;
         if self.version == DispatcherVersion::V0_10 {
             result.request_token = env.token().map(str::to_owned);
         }
@@ -227,11 +255,14 @@ impl Shared {
                     this.redis.lpush::<i64, _, _>(list.as_str(), values.clone())
                 })
                 .await;
+            // The gate's slot is freed once the result is written, as the real one does.
+            drop(release);
             if pushed.is_some() {
                 this.counters.result(&outcome);
                 if copies == 2 {
                     Counters::bump(&this.counters.duplicated);
                 }
+                this.clear_request_state(&env).await;
             }
             if let Some(claim) = &claim {
                 this.release(claim).await;
@@ -240,9 +271,12 @@ impl Shared {
     }
 }
 
-/// Records which queue a re-added member belongs to.
+/// Records which queue a re-added member belongs to: the real poller fills `queue_id` and
+/// `request_queue_name` only where the member had none.
 fn mark_queue(env: &mut Envelope, q: &Queue) {
-    env.internal.queue_id = Some(q.id.clone());
+    if non_empty(&env.internal.queue_id).is_none() {
+        env.internal.queue_id = Some(q.id.clone());
+    }
     if non_empty(&env.internal.request_queue_name).is_none() {
         env.internal.request_queue_name = Some(q.name.clone());
     }
@@ -253,7 +287,11 @@ fn build_request(q: &Queue, env: &Envelope, path: &str) -> Result<Request<Full<B
     let uri: Uri = url
         .parse()
         .map_err(|e| format!("invalid request URL {url:?}: {e}"))?;
-    let body = Full::new(Bytes::copy_from_slice(env.data.payload.get().as_bytes()));
+    // Not the producer's bytes: the real one decodes the payload and encodes it again.
+    let payload = env
+        .go_payload()
+        .ok_or_else(|| "the payload cannot be decoded".to_owned())?;
+    let body = Full::new(Bytes::from(payload));
     let mut request = Request::post(uri)
         .body(body)
         .map_err(|e| format!("cannot build the request: {e}"))?;
