@@ -23,16 +23,6 @@ const TWO_TENANTS: &[(&str, &str)] = &[(KEY_A, "alpha"), (KEY_B, "beta")];
 /// How long a small batch may take to finish on a loaded 2-core machine.
 const FINISH: Duration = Duration::from_secs(120);
 
-/// An async-mode service config for `env` (model `llama-3` on pool `pool-a`, model `ghost`
-/// nowhere), storage in `<env>/storage`.
-fn async_service(env: &Env, keys: &[(&str, &str)], serve_extra: &str, top_extra: &str) -> PathBuf {
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
-    let storage = env.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    add_serve_section(&config, &storage, keys, serve_extra, top_extra);
-    config
-}
-
 /// A dispatcher on `pool-a` behind a `redis` gate, closed until [`gate`] opens it, taking one
 /// request per 20 ms poll: a job of a few hundred lines stays mid-way for seconds.
 async fn gated_dispatcher(env: &Env) -> DispatcherHandle {

@@ -53,6 +53,21 @@ pub fn add_serve_section(
     std::fs::write(config, yaml).expect("writing the processor config");
 }
 
+/// An async-mode service config for `env` (model `llama-3` on pool `pool-a`, model `ghost`
+/// nowhere), storage in `<env>/storage`.
+pub fn async_service(
+    env: &super::Env,
+    keys: &[(&str, &str)],
+    serve_extra: &str,
+    top_extra: &str,
+) -> PathBuf {
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, keys, serve_extra, top_extra);
+    config
+}
+
 /// How to start a [`Service`]: its config, a name for its logs and messages, its `work_dir`
 /// when a test needs it, and the environment of its process.
 pub struct Launch {

@@ -44,8 +44,7 @@ pub(crate) async fn create(
     tenant: Tenant,
     body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<BatchObject>, ApiError> {
-    let Json(body) =
-        body.map_err(|e| ApiError::invalid(format!("Invalid JSON body: {}", e.body_text()), None))?;
+    let Json(body) = body.map_err(json_rejection)?;
     let input_file_id = body.input_file_id.ok_or_else(|| {
         ApiError::invalid(
             "Missing the required parameter 'input_file_id'.",
@@ -108,12 +107,15 @@ pub(crate) async fn create(
     let id = new_id("batch_");
     let created_at = now_unix();
     let window_secs = window.as_secs().max(1);
+    // parse_window bounds the window, so this is only a second guard.
+    let expires_at =
+        batch_wire::deadline(created_at, window).ok_or_else(|| window_error(&window_text))?;
     let mut batch = Batch::new(
         id.clone(),
         input_file_id,
         window_text.trim(),
         created_at,
-        created_at + window_secs as i64,
+        expires_at,
     );
     batch.endpoint = Some(endpoint);
     batch.metadata = metadata;
@@ -134,16 +136,35 @@ pub(crate) async fn create(
     Ok(Json(stored.batch))
 }
 
+/// A body that is not the JSON expected: 413 when it is over `serve.max_json_body_bytes`.
+fn json_rejection(e: axum::extract::rejection::JsonRejection) -> ApiError {
+    if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError {
+            status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            message: "The request body is larger than this service's limit for JSON bodies (serve.max_json_body_bytes).".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+        };
+    }
+    ApiError::invalid(format!("Invalid JSON body: {}", e.body_text()), None)
+}
+
 fn parse_window(text: &str) -> Result<Duration, ApiError> {
     match humantime::parse_duration(text.trim()) {
-        Ok(d) if d >= Duration::from_secs(1) => Ok(d),
-        _ => Err(ApiError::invalid(
-            format!(
-                "Invalid completion_window {text:?}: expected a duration such as 24h, 30m or 90s."
-            ),
-            Some("completion_window"),
-        )),
+        Ok(d) if d >= Duration::from_secs(1) && d <= batch_wire::MAX_COMPLETION_WINDOW => Ok(d),
+        _ => Err(window_error(text)),
     }
+}
+
+fn window_error(text: &str) -> ApiError {
+    ApiError::invalid(
+        format!(
+            "Invalid completion_window {text:?}: expected a duration from 1s to {} days, such as 24h, 30m or 90s.",
+            batch_wire::MAX_COMPLETION_WINDOW.as_secs() / 86_400
+        ),
+        Some("completion_window"),
+    )
 }
 
 fn metadata(

@@ -19,8 +19,6 @@ use crate::{limit, list_body, Api, ApiError, Form, ListParams, Tenant};
 const DEFAULT_INPUT_EXPIRY_SECS: i64 = 30 * 24 * 3600;
 /// The longest `expires_after[seconds]` OpenAI allows.
 const MAX_EXPIRY_SECS: i64 = 30 * 24 * 3600;
-/// The most a form field other than `file` may hold.
-const MAX_FIELD_BYTES: usize = 64 * 1024;
 
 pub(crate) async fn upload(
     State(api): State<Api>,
@@ -33,6 +31,7 @@ pub(crate) async fn upload(
     let mut anchor: Option<String> = None;
     let mut seconds: Option<String> = None;
     let mut uploaded: Option<(String, u64)> = None;
+    let max_field = api.edge.max_form_field_bytes;
     let result = async {
         while let Some(field) = form.next_field().await.map_err(bad_form)? {
             let name = field.name().unwrap_or("").to_owned();
@@ -42,6 +41,13 @@ pub(crate) async fn upload(
                         return Err(ApiError::invalid("Only one file per upload.", Some("file")));
                     }
                     let filename = field.file_name().unwrap_or("upload.jsonl").to_owned();
+                    let max_name = api.edge.max_filename_bytes;
+                    if filename.len() > max_name {
+                        return Err(ApiError::invalid(
+                            format!("The file's name is longer than this service's limit of {max_name} bytes."),
+                            Some("file"),
+                        ));
+                    }
                     let bytes = match store_file(&api, &key, field).await {
                         Ok(bytes) => bytes,
                         Err(e) => {
@@ -53,12 +59,12 @@ pub(crate) async fn upload(
                     };
                     uploaded = Some((filename, bytes));
                 }
-                "purpose" => purpose = Some(small_text(field).await?),
-                "expires_after[anchor]" => anchor = Some(small_text(field).await?),
-                "expires_after[seconds]" => seconds = Some(small_text(field).await?),
+                "purpose" => purpose = Some(small_text(field, max_field).await?),
+                "expires_after[anchor]" => anchor = Some(small_text(field, max_field).await?),
+                "expires_after[seconds]" => seconds = Some(small_text(field, max_field).await?),
                 _ => {
                     // Unknown fields are read and ignored, as OpenAI does.
-                    small_text(field).await?;
+                    small_text(field, max_field).await?;
                 }
             }
         }
@@ -129,14 +135,19 @@ fn bad_form(e: axum::extract::multipart::MultipartError) -> ApiError {
     ApiError::invalid(format!("Invalid multipart body: {e}"), None)
 }
 
-async fn small_text(mut field: axum::extract::multipart::Field<'_>) -> Result<String, ApiError> {
+async fn small_text(
+    mut field: axum::extract::multipart::Field<'_>,
+    max: u64,
+) -> Result<String, ApiError> {
     let name = field.name().unwrap_or("").to_owned();
     let mut text = Vec::new();
     while let Some(chunk) = field.chunk().await.map_err(bad_form)? {
         text.extend_from_slice(&chunk);
-        if text.len() > MAX_FIELD_BYTES {
+        if text.len() as u64 > max {
             return Err(ApiError::invalid(
-                format!("The form field '{name}' is too long."),
+                format!(
+                    "The form field '{name}' is longer than this service's limit of {max} bytes."
+                ),
                 Some(&name),
             ));
         }

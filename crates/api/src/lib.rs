@@ -14,6 +14,7 @@
 //!     storage,
 //!     keys: batch_api::Keys::single_tenant(),
 //!     limits: batch_config::InputLimits::default(),
+//!     edge: batch_api::EdgeLimits::default(),
 //!     hooks,
 //! };
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
@@ -115,6 +116,31 @@ pub trait Hooks: Send + Sync + 'static {
     fn render_metrics(&self) -> BoxFuture<'_, String>;
 }
 
+/// Limits on what a request carries besides an uploaded file (the `serve.max_*` settings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EdgeLimits {
+    /// The largest JSON body; a larger one is a 413 before it is read whole.
+    pub max_json_body_bytes: u64,
+    /// The largest multipart field other than `file`.
+    pub max_form_field_bytes: u64,
+    /// The longest upload `filename`, in bytes.
+    pub max_filename_bytes: usize,
+    /// The longest segment of a request's path (an id), in bytes.
+    pub max_id_bytes: usize,
+}
+
+impl Default for EdgeLimits {
+    /// The defaults of `serve`.
+    fn default() -> Self {
+        Self {
+            max_json_body_bytes: 1 << 20,
+            max_form_field_bytes: 64 << 10,
+            max_filename_bytes: 255,
+            max_id_bytes: 128,
+        }
+    }
+}
+
 /// Everything the handlers share.
 #[derive(Clone)]
 pub struct Api {
@@ -126,6 +152,8 @@ pub struct Api {
     pub keys: Keys,
     /// Limits on uploads (and on a batch's input).
     pub limits: InputLimits,
+    /// Limits on the size of what a request carries besides a file.
+    pub edge: EdgeLimits,
     /// The job-running side.
     pub hooks: Arc<dyn Hooks>,
 }
@@ -185,8 +213,15 @@ impl<S: Send + Sync> axum::extract::FromRequest<S> for Form {
 
 /// The whole API.
 pub fn router(api: Api) -> Router {
+    let json_limit = usize::try_from(api.edge.max_json_body_bytes).unwrap_or(usize::MAX);
     Router::new()
-        .route("/v1/files", post(files::upload).get(files::list))
+        .route(
+            "/v1/files",
+            // An upload is streamed to storage under its own limit, `input.max_file_bytes`.
+            post(files::upload)
+                .layer(axum::extract::DefaultBodyLimit::disable())
+                .get(files::list),
+        )
         .route("/v1/files/{id}", get(files::retrieve).delete(files::delete))
         .route("/v1/files/{id}/content", get(files::content))
         .route("/v1/batches", post(batches::create).get(batches::list))
@@ -200,7 +235,11 @@ pub fn router(api: Api) -> Router {
         .route_layer(axum::middleware::from_fn(count))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::extract::DefaultBodyLimit::max(json_limit))
+        .layer(axum::middleware::from_fn_with_state(
+            api.edge.max_id_bytes,
+            path_limit,
+        ))
         .layer(axum::middleware::from_fn(request_id))
         .with_state(api)
 }
@@ -294,6 +333,19 @@ async fn request_id(request: Request, next: Next) -> Response {
     response
 }
 
+/// Refuses a path with a segment (an id) longer than `max` bytes before any handler or store
+/// sees it.
+async fn path_limit(State(max): State<usize>, request: Request, next: Next) -> Response {
+    if request.uri().path().split('/').any(|part| part.len() > max) {
+        return ApiError::invalid(
+            format!("A part of the request path is longer than the {max} bytes an id may have."),
+            Some("id"),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
 /// Counts requests by route (the pattern, not the ids in it) and status.
 async fn count(request: Request, next: Next) -> Response {
     let route = request
@@ -301,7 +353,11 @@ async fn count(request: Request, next: Next) -> Response {
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_owned())
         .unwrap_or_default();
-    let method = request.method().to_string();
+    // hyper takes any token as a method: only the standard ones become label values.
+    let method = match request.method().as_str() {
+        m @ ("GET" | "POST" | "PUT" | "PATCH" | "DELETE" | "HEAD" | "OPTIONS") => m.to_owned(),
+        _ => "other".to_owned(),
+    };
     let response = next.run(request).await;
     metrics::counter!(
         "batch_service_api_requests_total",

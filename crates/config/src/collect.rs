@@ -364,6 +364,59 @@ impl<'f> Collector<'f> {
         default
     }
 
+    /// A duration greater than zero and at most `max`; `default` when unset or invalid.
+    pub(crate) fn bounded_duration(
+        &mut self,
+        table: &Table<'_>,
+        key: &str,
+        default: Duration,
+        max: Duration,
+    ) -> Duration {
+        let value = self.positive_duration(table, key, default);
+        if value > max {
+            let problem = format!("must be at most {}", humantime::format_duration(max));
+            self.at(table, key, problem);
+            return default;
+        }
+        value
+    }
+
+    /// A whole number from `min` to `max`; `default` when unset or invalid.
+    pub(crate) fn bounded_count<T>(
+        &mut self,
+        table: &Table<'_>,
+        key: &str,
+        default: T,
+        min: u128,
+        max: u128,
+    ) -> T
+    where
+        T: TryFrom<u128> + PartialOrd + Copy,
+    {
+        let value = self.count(table, key, default, min);
+        if T::try_from(max).is_ok_and(|max| value > max) {
+            self.at(table, key, format!("must be at most {max}"));
+            return default;
+        }
+        value
+    }
+
+    /// A byte count from 1 to `max`; `default` when unset or invalid.
+    pub(crate) fn bounded_byte_size(
+        &mut self,
+        table: &Table<'_>,
+        key: &str,
+        default: u64,
+        max: u64,
+    ) -> u64 {
+        let value = self.byte_size(table, key, default);
+        if value > max {
+            self.at(table, key, format!("must be at most {max} bytes"));
+            return default;
+        }
+        value
+    }
+
     /// A socket address such as `127.0.0.1:9090`.
     pub(crate) fn socket_addr(&mut self, table: &Table<'_>, key: &str) -> Option<SocketAddr> {
         let text = self.string(table, key)?;

@@ -85,6 +85,13 @@ const SERVE_KEYS: &[&str] = &[
     "lease_ttl",
     "checkpoint_interval",
     "s3",
+    "header_read_timeout",
+    "idle_timeout",
+    "max_connections",
+    "max_json_body_bytes",
+    "max_form_field_bytes",
+    "max_filename_bytes",
+    "max_id_bytes",
 ];
 const S3_KEYS: &[&str] = &[
     "endpoint",
@@ -254,6 +261,9 @@ fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
     }
 }
 
+/// The longest an edge timeout may be set to.
+const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
+
 fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs) -> ServeConfig {
     let t = c.table(root, "serve", SERVE_KEYS);
     let d = ServeConfig::defaults(work_dir);
@@ -286,6 +296,34 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
         replica_id: name_part(c, &t, "replica_id", "replica id").unwrap_or(d.replica_id),
         lease_ttl: c.positive_duration(&t, "lease_ttl", d.lease_ttl),
         checkpoint_interval: c.positive_duration(&t, "checkpoint_interval", d.checkpoint_interval),
+        header_read_timeout: c.bounded_duration(
+            &t,
+            "header_read_timeout",
+            d.header_read_timeout,
+            HOUR,
+        ),
+        idle_timeout: c.bounded_duration(&t, "idle_timeout", d.idle_timeout, HOUR),
+        max_connections: c.bounded_count(&t, "max_connections", d.max_connections, 1, 1 << 20),
+        max_json_body_bytes: c.bounded_byte_size(
+            &t,
+            "max_json_body_bytes",
+            d.max_json_body_bytes,
+            1 << 30,
+        ),
+        max_form_field_bytes: c.bounded_byte_size(
+            &t,
+            "max_form_field_bytes",
+            d.max_form_field_bytes,
+            1 << 30,
+        ),
+        max_filename_bytes: c.bounded_count(
+            &t,
+            "max_filename_bytes",
+            d.max_filename_bytes,
+            1,
+            1 << 20,
+        ),
+        max_id_bytes: c.bounded_count(&t, "max_id_bytes", d.max_id_bytes, 16, 1 << 16),
     }
 }
 

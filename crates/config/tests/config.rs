@@ -1278,3 +1278,51 @@ fn bad_s3_settings_are_named() {
         );
     }
 }
+
+#[test]
+fn serve_edge_limits_have_defaults_and_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = service_config(dir.path(), "  listen: 127.0.0.1:9000\n");
+    let c = load_service_file(&file).unwrap();
+    assert_eq!(c.serve.header_read_timeout, Duration::from_secs(10));
+    assert_eq!(c.serve.idle_timeout, Duration::from_secs(60));
+    assert_eq!(c.serve.max_connections, 1024);
+    assert_eq!(c.serve.max_json_body_bytes, 1 << 20);
+    assert_eq!(c.serve.max_form_field_bytes, 64 << 10);
+    assert_eq!(c.serve.max_filename_bytes, 255);
+    assert_eq!(c.serve.max_id_bytes, 128);
+
+    let file = service_config(
+        dir.path(),
+        "  header_read_timeout: 500ms\n  idle_timeout: 2m\n  max_connections: 50\n  max_json_body_bytes: 64KiB\n  max_form_field_bytes: 1KiB\n  max_filename_bytes: 100\n  max_id_bytes: 64\n",
+    );
+    let c = load_service_file(&file).unwrap();
+    assert_eq!(c.serve.header_read_timeout, Duration::from_millis(500));
+    assert_eq!(c.serve.idle_timeout, Duration::from_secs(120));
+    assert_eq!(c.serve.max_connections, 50);
+    assert_eq!(c.serve.max_json_body_bytes, 64 << 10);
+    assert_eq!(c.serve.max_form_field_bytes, 1 << 10);
+    assert_eq!(c.serve.max_filename_bytes, 100);
+    assert_eq!(c.serve.max_id_bytes, 64);
+
+    let file = service_config(
+        dir.path(),
+        "  header_read_timeout: 2h\n  idle_timeout: 0s\n  max_connections: 0\n  max_json_body_bytes: 2GiB\n  max_filename_bytes: 99999999999\n  max_id_bytes: 8\n",
+    );
+    let errors: Vec<String> = match load_service_file(&file) {
+        Ok(c) => panic!("accepted: {c:?}"),
+        Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+    };
+    let all = errors.join("\n");
+    for field in [
+        "serve.header_read_timeout",
+        "serve.idle_timeout",
+        "serve.max_connections",
+        "serve.max_json_body_bytes",
+        "serve.max_filename_bytes",
+        "serve.max_id_bytes",
+    ] {
+        assert!(all.contains(field), "no error for {field}: {all}");
+    }
+    assert!(all.contains("at most 1h"), "{all}");
+}

@@ -19,6 +19,7 @@
 //! ```
 
 mod finalize;
+mod http;
 mod reaper;
 mod runner;
 
@@ -154,12 +155,10 @@ impl Service {
                 checkpoint_interval: serve.checkpoint_interval,
             },
         );
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|error| ServiceError::Listen {
-                addr: listen,
-                error,
-            })?;
+        let listener = http::bind(listen).map_err(|error| ServiceError::Listen {
+            addr: listen,
+            error,
+        })?;
         let addr = listener
             .local_addr()
             .map_err(|error| ServiceError::Listen {
@@ -176,22 +175,30 @@ impl Service {
             storage: storage.clone(),
             keys: Keys::new(&serve.api_keys),
             limits: executor.config().input.clone(),
+            edge: batch_api::EdgeLimits {
+                max_json_body_bytes: serve.max_json_body_bytes,
+                max_form_field_bytes: serve.max_form_field_bytes,
+                max_filename_bytes: serve.max_filename_bytes,
+                max_id_bytes: serve.max_id_bytes,
+            },
             hooks,
         };
         let stop_http = CancellationToken::new();
         let stop_reaper = CancellationToken::new();
         let mut tasks = Vec::new();
         {
-            let stop = stop_http.clone();
+            let limits = http::EdgeLimits {
+                header_read_timeout: serve.header_read_timeout,
+                idle_timeout: serve.idle_timeout,
+                max_connections: serve.max_connections,
+            };
             let app = batch_api::router(api);
-            tasks.push(tokio::spawn(async move {
-                let served = axum::serve(listener, app)
-                    .with_graceful_shutdown(async move { stop.cancelled().await })
-                    .await;
-                if let Err(e) = served {
-                    tracing::error!(error = %e, "the API server failed");
-                }
-            }));
+            tasks.push(tokio::spawn(http::serve(
+                listener,
+                app,
+                limits,
+                stop_http.clone(),
+            )));
         }
         tasks.push(tokio::spawn(runner.clone().run()));
         tasks.push(tokio::spawn(reaper::run(
