@@ -481,3 +481,122 @@ async fn a_thousand_unknown_model_names_add_at_most_one_metric_series() {
     assert!(errors[0].contains("model=\"other\""), "{errors:?}");
     assert!(!text.contains("FROBNICATE"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_a_bearer_scheme_in_any_case_carries_a_key() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, ONE_TENANT, "", "");
+    let service = Service::start(&config);
+    let anonymous = service.client(None);
+    let with = |value: String| {
+        let anonymous = anonymous.clone();
+        async move {
+            anonymous
+                .send(
+                    hyper::Method::GET,
+                    "/v1/batches",
+                    &[("authorization", &value)],
+                    bytes::Bytes::new(),
+                )
+                .await
+        }
+    };
+    for accepted in [
+        format!("Bearer {KEY_A}"),
+        format!("bearer {KEY_A}"),
+        format!("BEARER {KEY_A}"),
+    ] {
+        with(accepted.clone()).await.expect(200);
+    }
+    for refused in [
+        KEY_A.to_owned(),
+        format!("Basic {KEY_A}"),
+        format!("Bearer{KEY_A}"),
+        "Bearer ".to_owned(),
+    ] {
+        let error = with(refused).await.expect_error(401);
+        assert!(
+            error["message"].as_str().unwrap().contains("Bearer"),
+            "{error}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn request_ids_cannot_forge_log_fields_and_oversized_heads_get_json_answers() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, ONE_TENANT, "", "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let id_of = |resp: &Resp| {
+        resp.headers
+            .get("x-request-id")
+            .expect("an x-request-id")
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let given = a
+        .send(
+            hyper::Method::GET,
+            "/v1/batches",
+            &[("x-request-id", "client-7f3a.retry:2")],
+            bytes::Bytes::new(),
+        )
+        .await;
+    assert_eq!(id_of(&given), "client-7f3a.retry:2");
+    let forged = a
+        .send(
+            hyper::Method::GET,
+            "/v1/batches",
+            &[("x-request-id", "fake tenant=tenant-b status=200")],
+            bytes::Bytes::new(),
+        )
+        .await;
+    let id = id_of(&forged);
+    assert!(id.starts_with("req_") && !id.contains(' '), "{id}");
+
+    // A URL or headers over the service's limits: 414 and 431 in OpenAI's shape, with an id.
+    let long = a
+        .get(&format!("/v1/batches?after={}", "a".repeat(9000)))
+        .await;
+    long.expect_error(414);
+    assert!(id_of(&long).starts_with("req_"));
+    let big = "h".repeat(20_000);
+    let heavy = a
+        .send(
+            hyper::Method::GET,
+            "/v1/batches",
+            &[("x-one", &big), ("x-two", &big)],
+            bytes::Bytes::new(),
+        )
+        .await;
+    heavy.expect_error(431);
+    assert!(id_of(&heavy).starts_with("req_"));
+    // A path that is not UTF-8 once decoded is a 400 in the same shape.
+    a.get("/v1/files/%FF%FE").await.expect_error(400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn run_calls_a_too_large_file_file_too_large_as_serve_does() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = env.sync_config(&["llama-3"], "", "input:\n  max_file_bytes: 100\n");
+    let input = env.path("big.jsonl");
+    write_input(&input, 5, &["llama-3"]);
+    let out = env.path("out");
+    let ran = run_cmd(&config, &input, &out)
+        .arg("--no-progress")
+        .output()
+        .unwrap();
+    assert_eq!(
+        ran.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    let batch = batch_json(&out);
+    assert_eq!(
+        batch["errors"]["data"][0]["code"], "file_too_large",
+        "{batch}"
+    );
+}

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::files::owned_file;
-use crate::{limit, list_body, Api, ApiError, ListParams, Tenant};
+use crate::{limit, list_body, Api, ApiError, Id, ListParams, Tenant};
 
 /// OpenAI's metadata limits.
 const MAX_METADATA_PAIRS: usize = 16;
@@ -212,7 +212,7 @@ async fn owned_batch(api: &Api, tenant: &Tenant, id: &str) -> Result<StoredBatch
 pub(crate) async fn retrieve(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Json<BatchObject>, ApiError> {
     Ok(Json(owned_batch(&api, &tenant, &id).await?.batch))
 }
@@ -241,7 +241,7 @@ pub(crate) async fn list(
 pub(crate) async fn cancel(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Json<BatchObject>, ApiError> {
     let batch = owned_batch(&api, &tenant, &id).await?;
     match batch.batch.status() {
@@ -263,7 +263,7 @@ pub(crate) async fn cancel(
 pub(crate) async fn output(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Response, ApiError> {
     lines_so_far(&api, &tenant, &id, batch_sink::OUTPUT_FILE).await
 }
@@ -271,7 +271,7 @@ pub(crate) async fn output(
 pub(crate) async fn errors(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Response, ApiError> {
     lines_so_far(&api, &tenant, &id, batch_sink::ERROR_FILE).await
 }

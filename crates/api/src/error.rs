@@ -60,7 +60,7 @@ impl ApiError {
             message: message.into(),
             kind: "invalid_request_error",
             param: Some("file".into()),
-            code: Some("file_too_large"),
+            code: Some(batch_wire::error_codes::FILE_TOO_LARGE),
         }
     }
 

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Multipart, Path, State};
+use axum::extract::{Multipart, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
 
-use crate::{limit, list_body, Api, ApiError, Form, ListParams, Tenant};
+use crate::{limit, list_body, Api, ApiError, Form, Id, ListParams, Tenant};
 
 /// Batch input files expire after 30 days unless the upload says otherwise.
 const DEFAULT_INPUT_EXPIRY_SECS: i64 = 30 * 24 * 3600;
@@ -216,7 +216,7 @@ async fn store_file(
             TOO_MANY_LINES => Err(ApiError::too_large(format!(
                 "The file holds more than this service's limit of {max_lines} requests."
             ))
-            .with_code("too_many_requests_in_file")),
+            .with_code(batch_wire::error_codes::TOO_MANY_REQUESTS_IN_FILE)),
             _ => match e {
                 batch_storage::StorageError::Source { message, .. } => Err(ApiError::invalid(
                     format!("The upload stopped before its end: {message}"),
@@ -277,7 +277,7 @@ fn expired(file: &FileObject) -> bool {
 pub(crate) async fn retrieve(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Json<FileObject>, ApiError> {
     Ok(Json(owned_file(&api, &tenant, &id).await?.file))
 }
@@ -285,7 +285,7 @@ pub(crate) async fn retrieve(
 pub(crate) async fn content(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Response, ApiError> {
     let file = owned_file(&api, &tenant, &id).await?;
     let object = api.storage.get(&file.storage_key()).await?;
@@ -310,7 +310,7 @@ pub(crate) async fn content(
 pub(crate) async fn delete(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let file = owned_file(&api, &tenant, &id).await?;
     api.storage.delete(&file.storage_key()).await?;

@@ -87,11 +87,16 @@ impl Keys {
                 "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
             ));
         };
-        let key = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
-            .unwrap_or(value)
-            .trim();
+        // `<scheme> <key>`, the scheme `Bearer` in any case (RFC 9110 11.1); a bare key or
+        // another scheme is not a bearer token.
+        let key = match value.trim().split_once(' ') {
+            Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim(),
+            _ => {
+                return Err(ApiError::unauthorized(
+                    "Send the API key as 'Authorization: Bearer <key>'.",
+                ))
+            }
+        };
         match self.by_key.get(key) {
             Some(tenant) => Ok(Tenant(tenant.clone())),
             None => Err(ApiError::unauthorized("Incorrect API key provided.")),
@@ -186,6 +191,24 @@ where
             Err(e) => Err(ApiError::invalid(
                 format!("Invalid query parameters: {}", e.body_text()),
                 None,
+            )),
+        }
+    }
+}
+
+/// The `{id}` of a route, with its rejection (not UTF-8 once percent-decoded) in OpenAI's error
+/// shape instead of axum's plain text.
+pub(crate) struct Id(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for Id {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<String>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(id)) => Ok(Self(id)),
+            Err(e) => Err(ApiError::invalid(
+                format!("Invalid id in the path: {}", e.body_text()),
+                Some("id"),
             )),
         }
     }
@@ -306,7 +329,7 @@ async fn request_id(request: Request, next: Next) -> Response {
         .headers()
         .get(REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 200)
+        .filter(|v| plain_request_id(v))
         .map(str::to_owned)
         .unwrap_or_else(|| format!("req_{:032x}", rand::random::<u128>()));
     let (method, path) = (request.method().clone(), request.uri().path().to_owned());
@@ -317,7 +340,10 @@ async fn request_id(request: Request, next: Next) -> Response {
             .headers()
             .contains_key(axum::http::header::TRANSFER_ENCODING);
     let started = Instant::now();
-    let mut response = next.run(request).await;
+    let mut response = match head_too_large(&request) {
+        Some(refusal) => refusal.into_response(),
+        None => next.run(request).await,
+    };
     if has_body && !response.status().is_success() {
         // A refusal (a wrong key, a bad form) may leave the body unread, and then the server
         // drops the connection: say so, or the client reuses it and its next request fails.
@@ -344,6 +370,62 @@ async fn path_limit(State(max): State<usize>, request: Request, next: Next) -> R
         .into_response();
     }
     next.run(request).await
+}
+
+/// The longest caller's request id kept.
+const MAX_REQUEST_ID: usize = 128;
+
+/// Whether a caller's `x-request-id` is kept: up to [`MAX_REQUEST_ID`] letters, digits, `-`,
+/// `_`, `.` and `:`. Anything else (spaces, `=`, quotes) could forge fields of a log line, and is
+/// replaced by a new id.
+fn plain_request_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_REQUEST_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+}
+
+/// The longest request target answered (8 KiB); hyper itself cuts at 64 KiB, with no body.
+pub const MAX_URI_BYTES: usize = 8 << 10;
+/// The most header bytes (names and values) answered (32 KiB); hyper's buffer cuts at 64 KiB.
+pub const MAX_HEADER_BYTES: usize = 32 << 10;
+/// The most headers answered; hyper's own limit is set above it.
+pub const MAX_HEADERS: usize = 100;
+
+/// A 414 or 431 in OpenAI's shape for a request head over the limits hyper lets through.
+fn head_too_large(request: &Request) -> Option<ApiError> {
+    let refuse = |status, message: String, code| ApiError {
+        status,
+        message,
+        kind: "invalid_request_error",
+        param: None,
+        code: Some(code),
+    };
+    let uri = request.uri().to_string().len();
+    if uri > MAX_URI_BYTES {
+        return Some(refuse(
+            StatusCode::URI_TOO_LONG,
+            format!("The request URL has {uri} bytes; at most {MAX_URI_BYTES} are answered."),
+            "uri_too_long",
+        ));
+    }
+    let headers = request.headers();
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return Some(refuse(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "The request has {} headers of {bytes} bytes; at most {MAX_HEADERS} headers of {MAX_HEADER_BYTES} bytes are answered.",
+                headers.len()
+            ),
+            "headers_too_large",
+        ));
+    }
+    None
 }
 
 /// Counts requests by route (the pattern, not the ids in it) and status.

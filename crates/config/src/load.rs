@@ -413,6 +413,9 @@ fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKe
     };
     let mut keys: Vec<ApiKey> = Vec::new();
     let mut lines = 0;
+    // An editor's byte order mark would otherwise become part of the first key, which then
+    // never matches: the key file's first tenant would be locked out without a word.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     for (n, line) in text.lines().enumerate() {
         let line = line.split('#').next().unwrap_or("").trim();
         if line.is_empty() {
@@ -429,7 +432,7 @@ fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKe
             c.at(t, "api_keys_file", problem);
             continue;
         };
-        if let Err(problem) = validate_part("tenant", tenant) {
+        if let Err(problem) = check_tenant(tenant) {
             let problem = format!("{} line {}: {problem}", file.display(), n + 1);
             c.at(t, "api_keys_file", problem);
             continue;
@@ -449,6 +452,32 @@ fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKe
         c.at(t, "api_keys_file", problem);
     }
     keys
+}
+
+/// The longest tenant name.
+const MAX_TENANT: usize = 64;
+
+/// A tenant name: 1 to [`MAX_TENANT`] letters, digits, `-`, `_` and `.`, neither starting with
+/// `.` nor holding `..`.
+/// Tenants are parts of Redis keys and of log lines, where `/`, `..` or glob characters
+/// (`*`, `?`, `[`) would read as something else.
+fn check_tenant(tenant: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if tenant.is_empty() || tenant.len() > MAX_TENANT {
+        return Err(format!(
+            "a tenant name has 1 to {MAX_TENANT} characters, got {}",
+            tenant.len()
+        ));
+    }
+    if let Some(found) = tenant.chars().find(|c| !allowed(*c)) {
+        return Err(format!(
+            "tenant {tenant:?} contains {found:?}; use ASCII letters, digits, '-', '_' or '.'"
+        ));
+    }
+    if tenant.starts_with('.') || tenant.contains("..") {
+        return Err(format!("tenant {tenant:?} starts with '.' or holds '..'"));
+    }
+    Ok(())
 }
 
 fn dispatch_mode(c: &mut Collector<'_>, root: &Table<'_>) -> DispatchMode {

@@ -1326,3 +1326,45 @@ fn serve_edge_limits_have_defaults_and_bounds() {
     }
     assert!(all.contains("at most 1h"), "{all}");
 }
+
+#[test]
+fn a_byte_order_mark_does_not_hide_the_first_key_and_odd_tenants_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "keys",
+        "\u{feff}sk-first alice\nsk-second bob.team_2\n",
+    );
+    let file = service_config(dir.path(), "  api_keys_file: keys\n");
+    let c = load_service_file(&file).unwrap();
+    let keys: Vec<(&str, &str)> = c
+        .serve
+        .api_keys
+        .iter()
+        .map(|k| (k.key.expose(), k.tenant.as_str()))
+        .collect();
+    assert_eq!(keys, [("sk-first", "alice"), ("sk-second", "bob.team_2")]);
+
+    for tenant in [
+        "a*",
+        "b?",
+        "c[1]",
+        "d..e",
+        "..",
+        "f/g",
+        ".hidden",
+        &"t".repeat(65),
+    ] {
+        write(dir.path(), "keys", &format!("sk-x {tenant}\n"));
+        let errors: Vec<String> = match load_service_file(&file) {
+            Ok(c) => panic!("tenant {tenant:?} accepted: {:?}", c.serve.api_keys),
+            Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+        };
+        let all = errors.join("\n");
+        assert!(
+            all.contains("serve.api_keys_file") && all.contains("line 1"),
+            "{all}"
+        );
+        assert!(!all.contains("sk-x"), "a key leaked: {all}");
+    }
+}

@@ -63,8 +63,12 @@ pub(crate) async fn serve(
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let connections = TaskTracker::new();
     let mut http = hyper::server::conn::http1::Builder::new();
+    // The read buffer bounds a request head: at 64 KiB, hyper answers 431 itself; below that,
+    // the API answers over its own smaller limits with a body and a request id.
     http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout);
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(64 << 10)
+        .max_headers(2 * batch_api::MAX_HEADERS);
     let service = TowerToHyperService::new(app);
     tokio::spawn(give_memory_back(
         slots.clone(),

@@ -69,8 +69,10 @@ pub mod error_codes {
     pub const MISSING_MODEL: &str = "missing_model";
     /// Validation: `body.stream` is true.
     pub const STREAMING_NOT_SUPPORTED: &str = "invalid_request";
-    /// Validation: the file is over a limit.
-    pub const TOO_LARGE: &str = "too_many_requests";
+    /// Validation: the file has more bytes than allowed (the code of the service's 413 too).
+    pub const FILE_TOO_LARGE: &str = "file_too_large";
+    /// Validation: the file has more request lines than allowed (the service's 413 too).
+    pub const TOO_MANY_REQUESTS_IN_FILE: &str = "too_many_requests_in_file";
     /// Validation: the file has no request at all.
     pub const EMPTY_FILE: &str = "empty_file";
 }
