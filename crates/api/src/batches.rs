@@ -130,7 +130,13 @@ pub(crate) async fn create(
         window_secs,
         output_expires_after,
     };
-    api.store.create_batch(&stored).await?;
+    let max = api.quotas.max_unfinished_batches;
+    if api.store.create_batch_within(&stored, max).await?.is_err() {
+        return Err(ApiError::over_quota(
+            format!("This tenant already has {max} batches queued or running, its quota (serve.tenant_max_batches); wait for some to end or cancel some."),
+            None,
+        ));
+    }
     api.hooks.wake();
     tracing::info!(batch = %id, tenant = %tenant.0, window = %window_text, "batch created");
     Ok(Json(stored.batch))

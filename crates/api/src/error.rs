@@ -64,6 +64,18 @@ impl ApiError {
         }
     }
 
+    /// 429 for a tenant over one of its quotas, OpenAI's `insufficient_quota` shape; the message
+    /// names the quota. SDKs are told not to retry it: waiting alone does not cure it.
+    pub fn over_quota(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "insufficient_quota",
+            param: param.map(str::to_owned),
+            code: Some("insufficient_quota"),
+        }
+    }
+
     /// 503: a part the service needs (Redis, storage) is not answering; the SDK retries it.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {

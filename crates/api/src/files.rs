@@ -8,7 +8,7 @@ use axum::extract::{Multipart, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use batch_jobs::{new_id, now_unix, FileObject, Order, StoredFile};
+use batch_jobs::{new_id, now_unix, FileObject, Order, QuotaExceeded, StoredFile};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
@@ -25,6 +25,16 @@ pub(crate) async fn upload(
     tenant: Tenant,
     Form(mut form): Form,
 ) -> Result<Json<FileObject>, ApiError> {
+    // The quotas first: a tenant at one is refused before a byte of the file is read.
+    let (used_bytes, used_files) = api.store.usage(&tenant.0).await?;
+    let quotas = api.quotas;
+    if used_files >= quotas.max_files {
+        return Err(files_quota(quotas.max_files));
+    }
+    if used_bytes >= quotas.max_stored_bytes {
+        return Err(bytes_quota(quotas.max_stored_bytes));
+    }
+    let room = quotas.max_stored_bytes - used_bytes;
     let id = new_id("file-");
     let key = batch_jobs::storage_key(&id);
     let mut purpose: Option<String> = None;
@@ -48,10 +58,14 @@ pub(crate) async fn upload(
                             Some("file"),
                         ));
                     }
-                    let bytes = match store_file(&api, &key, field).await {
+                    let bytes = match store_file(&api, &key, field, room).await {
                         Ok(bytes) => bytes,
                         Err(e) => {
-                            if e.status == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                            if matches!(
+                                e.status,
+                                axum::http::StatusCode::PAYLOAD_TOO_LARGE
+                                    | axum::http::StatusCode::TOO_MANY_REQUESTS
+                            ) {
                                 drain(&mut form).await;
                             }
                             return Err(e);
@@ -111,9 +125,39 @@ pub(crate) async fn upload(
             return Err(e);
         }
     };
-    api.store.put_file(&stored).await?;
+    let quota = batch_jobs::FileQuota {
+        max_bytes: quotas.max_stored_bytes,
+        max_files: quotas.max_files,
+    };
+    // Checked again as it is counted: another upload of the tenant may have ended meanwhile.
+    let refused = match api.store.put_file_within(&stored, &quota).await {
+        Ok(Ok(())) => None,
+        Ok(Err(QuotaExceeded::Files)) => Some(files_quota(quotas.max_files)),
+        Ok(Err(_)) => Some(bytes_quota(quotas.max_stored_bytes)),
+        Err(e) => Some(e.into()),
+    };
+    if let Some(e) = refused {
+        if let Err(cleanup) = api.storage.delete(&key).await {
+            tracing::warn!(key, error = %cleanup, "could not remove a refused upload");
+        }
+        return Err(e);
+    }
     tracing::info!(file = %stored.file.id, tenant = %stored.tenant, bytes = stored.file.bytes, "file uploaded");
     Ok(Json(stored.file))
+}
+
+fn files_quota(max: u64) -> ApiError {
+    ApiError::over_quota(
+        format!("This tenant already stores {max} files, its quota (serve.tenant_max_files); delete some first."),
+        Some("file"),
+    )
+}
+
+fn bytes_quota(max: u64) -> ApiError {
+    ApiError::over_quota(
+        format!("This file would take the tenant's stored bytes over its quota of {max} (serve.tenant_max_stored_bytes); delete some files first."),
+        Some("file"),
+    )
 }
 
 /// Reads and drops the rest of a refused upload (up to a bound), so that the client, which is
@@ -181,14 +225,18 @@ fn expiry(anchor: Option<&str>, seconds: Option<&str>) -> Result<i64, ApiError> 
 
 const TOO_MANY_BYTES: u8 = 1;
 const TOO_MANY_LINES: u8 = 2;
+const OVER_QUOTA: u8 = 3;
 
-/// Streams the `file` field to storage, counting bytes and request lines against the limits.
+/// Streams the `file` field to storage, counting bytes and request lines against the limits
+/// and the `room` left in the tenant's quota of stored bytes.
 async fn store_file(
     api: &Api,
     key: &str,
     field: axum::extract::multipart::Field<'_>,
+    room: u64,
 ) -> Result<u64, ApiError> {
     let (max_bytes, max_lines) = (api.limits.max_file_bytes, api.limits.max_requests);
+    let quota = api.quotas.max_stored_bytes;
     let over = Arc::new(AtomicU8::new(0));
     let flag = over.clone();
     let mut bytes = 0u64;
@@ -199,6 +247,10 @@ async fn store_file(
         if bytes > max_bytes {
             flag.store(TOO_MANY_BYTES, Ordering::Relaxed);
             return Err("too large".to_owned());
+        }
+        if bytes > room {
+            flag.store(OVER_QUOTA, Ordering::Relaxed);
+            return Err("over the quota".to_owned());
         }
         lines.feed(&chunk);
         if lines.lines > max_lines {
@@ -217,6 +269,7 @@ async fn store_file(
                 "The file holds more than this service's limit of {max_lines} requests."
             ))
             .with_code(batch_wire::error_codes::TOO_MANY_REQUESTS_IN_FILE)),
+            OVER_QUOTA => Err(bytes_quota(quota)),
             _ => match e {
                 batch_storage::StorageError::Source { message, .. } => Err(ApiError::invalid(
                     format!("The upload stopped before its end: {message}"),

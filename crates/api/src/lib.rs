@@ -15,6 +15,7 @@
 //!     keys: batch_api::Keys::single_tenant(),
 //!     limits: batch_config::InputLimits::default(),
 //!     edge: batch_api::EdgeLimits::default(),
+//!     quotas: batch_api::Quotas::default(),
 //!     hooks,
 //! };
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
@@ -146,6 +147,28 @@ impl Default for EdgeLimits {
     }
 }
 
+/// What one tenant may hold (the `serve.tenant_max_*` settings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quotas {
+    /// Batches queued or running.
+    pub max_unfinished_batches: u64,
+    /// Bytes of stored files.
+    pub max_stored_bytes: u64,
+    /// Stored files.
+    pub max_files: u64,
+}
+
+impl Default for Quotas {
+    /// The defaults of `serve`.
+    fn default() -> Self {
+        Self {
+            max_unfinished_batches: 1_000,
+            max_stored_bytes: 100 << 30,
+            max_files: 10_000,
+        }
+    }
+}
+
 /// Everything the handlers share.
 #[derive(Clone)]
 pub struct Api {
@@ -159,6 +182,8 @@ pub struct Api {
     pub limits: InputLimits,
     /// Limits on the size of what a request carries besides a file.
     pub edge: EdgeLimits,
+    /// Each tenant's quotas.
+    pub quotas: Quotas,
     /// The job-running side.
     pub hooks: Arc<dyn Hooks>,
 }

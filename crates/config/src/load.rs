@@ -92,6 +92,10 @@ const SERVE_KEYS: &[&str] = &[
     "max_form_field_bytes",
     "max_filename_bytes",
     "max_id_bytes",
+    "tenant_max_batches",
+    "tenant_max_stored_bytes",
+    "tenant_max_files",
+    "tenant_max_running_batches",
 ];
 const S3_KEYS: &[&str] = &[
     "endpoint",
@@ -324,6 +328,27 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
             1 << 20,
         ),
         max_id_bytes: c.bounded_count(&t, "max_id_bytes", d.max_id_bytes, 16, 1 << 16),
+        tenant_max_batches: c.bounded_count(
+            &t,
+            "tenant_max_batches",
+            d.tenant_max_batches,
+            1,
+            1 << 30,
+        ),
+        tenant_max_stored_bytes: c.bounded_byte_size(
+            &t,
+            "tenant_max_stored_bytes",
+            d.tenant_max_stored_bytes,
+            1 << 50,
+        ),
+        tenant_max_files: c.bounded_count(&t, "tenant_max_files", d.tenant_max_files, 1, 1 << 30),
+        tenant_max_running_batches: c.bounded_count(
+            &t,
+            "tenant_max_running_batches",
+            d.tenant_max_running_batches,
+            1,
+            1 << 20,
+        ),
     }
 }
 

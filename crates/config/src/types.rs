@@ -425,6 +425,17 @@ pub struct ServeConfig {
     pub max_filename_bytes: usize,
     /// The longest segment of a request path, such as an id (default 128 bytes).
     pub max_id_bytes: usize,
+    /// Batches one tenant may have queued or running (default 1,000); over it, creating one
+    /// is a 429.
+    pub tenant_max_batches: u64,
+    /// Bytes of files one tenant may store, its uploads and its batches' results (default
+    /// 100 GiB); an upload over it is a 429.
+    pub tenant_max_stored_bytes: u64,
+    /// Files one tenant may store (default 10,000); an upload over it is a 429.
+    pub tenant_max_files: u64,
+    /// Batches of one tenant running at once on all replicas beyond which a free slot goes to
+    /// another tenant's queued batch first, when one waits (default 8).
+    pub tenant_max_running_batches: usize,
 }
 
 impl ServeConfig {
@@ -449,6 +460,10 @@ impl ServeConfig {
             max_form_field_bytes: 64 << 10,
             max_filename_bytes: 255,
             max_id_bytes: 128,
+            tenant_max_batches: 1_000,
+            tenant_max_stored_bytes: 100 << 30,
+            tenant_max_files: 10_000,
+            tenant_max_running_batches: 8,
         }
     }
 }

@@ -153,6 +153,7 @@ impl Service {
                 max_active_jobs: serve.max_active_jobs,
                 lease_ttl: serve.lease_ttl,
                 checkpoint_interval: serve.checkpoint_interval,
+                tenant_share: serve.tenant_max_running_batches,
             },
         );
         let listener = http::bind(listen).map_err(|error| ServiceError::Listen {
@@ -180,6 +181,11 @@ impl Service {
                 max_form_field_bytes: serve.max_form_field_bytes,
                 max_filename_bytes: serve.max_filename_bytes,
                 max_id_bytes: serve.max_id_bytes,
+            },
+            quotas: batch_api::Quotas {
+                max_unfinished_batches: serve.tenant_max_batches,
+                max_stored_bytes: serve.tenant_max_stored_bytes,
+                max_files: serve.tenant_max_files,
             },
             hooks,
         };
