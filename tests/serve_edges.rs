@@ -451,7 +451,7 @@ async fn a_thousand_unknown_model_names_add_at_most_one_metric_series() {
         .await;
     let batch = a.create_batch(&file, "24h").await.expect(200);
     let done = a
-        .wait_final(&batch["id"].as_str().unwrap(), Duration::from_secs(120))
+        .wait_final(batch["id"].as_str().unwrap(), Duration::from_secs(120))
         .await;
     assert_eq!(done["request_counts"]["failed"], 1000, "{done}");
     // Unusual methods are one label value too.
