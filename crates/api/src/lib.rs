@@ -280,6 +280,7 @@ pub fn router(api: Api) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi))
         .route_layer(axum::middleware::from_fn(count))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -290,6 +291,18 @@ pub fn router(api: Api) -> Router {
         ))
         .layer(axum::middleware::from_fn(request_id))
         .with_state(api)
+}
+
+/// The OpenAPI document of the routes served: the subset of OpenAI's that the service
+/// implements, and its own routes.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+async fn openapi() -> Response {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        OPENAPI,
+    )
+        .into_response()
 }
 
 async fn health() -> &'static str {
@@ -501,4 +514,49 @@ pub(crate) fn list_body<T: serde::Serialize>(
         "last_id": ids.last(),
         "has_more": has_more,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The document describes exactly the routes of [`router`], and parses.
+    #[test]
+    fn the_openapi_document_lists_every_route_served() {
+        let doc: serde_json::Value = serde_json::from_str(OPENAPI).expect("valid JSON");
+        let paths: Vec<&str> = doc["paths"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut served = vec![
+            "/v1/files",
+            "/v1/files/{file_id}",
+            "/v1/files/{file_id}/content",
+            "/v1/batches",
+            "/v1/batches/{batch_id}",
+            "/v1/batches/{batch_id}/cancel",
+            "/v1/batches/{batch_id}/output",
+            "/v1/batches/{batch_id}/errors",
+            "/health",
+            "/ready",
+            "/metrics",
+            "/openapi.json",
+        ];
+        served.sort_unstable();
+        let mut paths = paths;
+        paths.sort_unstable();
+        assert_eq!(paths, served);
+        assert_eq!(doc["openapi"], "3.0.3");
+    }
+
+    #[test]
+    fn only_plain_request_ids_are_kept() {
+        assert!(plain_request_id("req_0af3"));
+        assert!(plain_request_id("client-1.retry:2"));
+        for forged in ["", "a b", "x=1", "a\"b", &"x".repeat(129)] {
+            assert!(!plain_request_id(forged), "{forged:?}");
+        }
+    }
 }
