@@ -17,15 +17,6 @@ use tokio::net::TcpStream;
 const KEY_A: &str = "sk-edge-alpha-0001";
 const ONE_TENANT: &[(&str, &str)] = &[(KEY_A, "alpha")];
 
-/// A field of `/proc/<pid>/status` in kB (`VmRSS`, `VmHWM`).
-fn status_kb(pid: i32, field: &str) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
-    text.lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
-}
-
 /// `host:port` of the service.
 fn authority(service: &Service) -> String {
     service.base.trim_start_matches("http://").to_owned()

@@ -32,15 +32,6 @@ fn schemathesis() -> PathBuf {
     bin
 }
 
-/// A field of `/proc/<pid>/status` in kB.
-fn status_kb(pid: i32, field: &str) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
-    text.lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
-}
-
 /// The sum of `batch_service_api_requests_total` over its series.
 fn requests_counted(metrics: &str) -> f64 {
     metrics

@@ -68,6 +68,15 @@ pub fn async_service(
     config
 }
 
+/// A field of `/proc/<pid>/status` in kB (`VmRSS`, `VmHWM`).
+pub fn status_kb(pid: i32, field: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
 /// How to start a [`Service`]: its config, a name for its logs and messages, its `work_dir`
 /// when a test needs it, and the environment of its process.
 pub struct Launch {

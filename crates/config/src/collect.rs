@@ -13,6 +13,10 @@ use figment::value::{Dict, Num, Tag, Value};
 use figment::{Figment, Source};
 
 use crate::error::ConfigError;
+
+/// The longest duration any setting takes: a deadline or timer computed from it (an `Instant`
+/// plus it) can then never overflow.
+pub(crate) const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 use crate::values::{closest, parse_byte_size, parse_duration};
 
 /// One mapping of the tree (possibly absent), with where it sits.
@@ -237,7 +241,7 @@ impl<'f> Collector<'f> {
         Some(text)
     }
 
-    /// A duration with a unit; `default` when unset or invalid.
+    /// A duration with a unit, at most [`MAX_DURATION`]; `default` when unset or invalid.
     pub(crate) fn duration(&mut self, table: &Table<'_>, key: &str, default: Duration) -> Duration {
         let parsed = match table.get(key) {
             None => return default,
@@ -248,7 +252,11 @@ impl<'f> Collector<'f> {
                 describe(other)
             )),
         };
-        parsed.unwrap_or_else(|problem| {
+        let bounded = parsed.and_then(|d| match d <= MAX_DURATION {
+            true => Ok(d),
+            false => Err("must be at most 365d".to_owned()),
+        });
+        bounded.unwrap_or_else(|problem| {
             self.at(table, key, problem);
             default
         })

@@ -294,7 +294,7 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
         api_keys,
         storage,
         s3,
-        max_active_jobs: c.count(&t, "max_active_jobs", d.max_active_jobs, 1),
+        max_active_jobs: c.bounded_count(&t, "max_active_jobs", d.max_active_jobs, 1, 10_000),
         state_prefix,
         reaper_interval: c.positive_duration(&t, "reaper_interval", d.reaper_interval),
         replica_id: name_part(c, &t, "replica_id", "replica id").unwrap_or(d.replica_id),
@@ -613,7 +613,7 @@ fn model(c: &mut Collector<'_>, t: &Table<'_>, mode: DispatchMode) -> ModelGatew
     }
 
     let request_timeout = c.positive_duration(t, "request_timeout", d.request_timeout);
-    let max_retries = c.count(t, "max_retries", d.max_retries, 0);
+    let max_retries = c.bounded_count(t, "max_retries", d.max_retries, 0, 1_000);
     let initial_backoff = c.duration(t, "initial_backoff", d.initial_backoff);
     let max_backoff = c.duration(t, "max_backoff", d.max_backoff);
     if max_backoff < initial_backoff {
@@ -761,8 +761,8 @@ fn redis_tls(
 fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {
     let t = c.table(root, "concurrency", CONCURRENCY_KEYS);
     let d = ConcurrencyConfig::default();
-    let global = c.count(&t, "global", d.global, 1);
-    let per_endpoint = c.count(&t, "per_endpoint", d.per_endpoint, 1);
+    let global = c.bounded_count(&t, "global", d.global, 1, 1_000_000);
+    let per_endpoint = c.bounded_count(&t, "per_endpoint", d.per_endpoint, 1, 1_000_000);
 
     let a = c.table(&t, "aimd", AIMD_KEYS);
     let enabled = c.boolean(&a, "enabled", d.aimd.enabled);

@@ -1325,6 +1325,27 @@ fn serve_edge_limits_have_defaults_and_bounds() {
         assert!(all.contains(field), "no error for {field}: {all}");
     }
     assert!(all.contains("at most 1h"), "{all}");
+
+    // Every duration of the config is bounded, and the count of jobs.
+    let file = service_config(
+        dir.path(),
+        "  lease_ttl: 9223372036854775807s
+  reaper_interval: 400d
+  max_active_jobs: 99999999
+",
+    );
+    let errors: Vec<String> = match load_service_file(&file) {
+        Ok(c) => panic!("accepted: {c:?}"),
+        Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+    };
+    let all = errors.join("\n");
+    for field in [
+        "serve.lease_ttl",
+        "serve.reaper_interval",
+        "serve.max_active_jobs",
+    ] {
+        assert!(all.contains(field), "no error for {field}: {all}");
+    }
 }
 
 #[test]
