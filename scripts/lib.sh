@@ -44,6 +44,21 @@ ensure_moto() {
   touch "$stamp"
 }
 
+# The fuzz of the running service (tests/serve_fuzz.rs): schemathesis, pinned with the
+# hypothesis it works with (newer ones dropped an internal it calls).
+SCHEMATHESIS_PACKAGES=("schemathesis==3.39.16" "hypothesis==6.135.0")
+
+# Installs schemathesis into the virtualenv $BATCH_VENV (made by ensure_venv). Fast when there.
+ensure_schemathesis() {
+  export BATCH_VENV="${BATCH_VENV:-$PWD/target/venv}"
+  local stamp="$BATCH_VENV/.schemathesis-${SCHEMATHESIS_PACKAGES[0]#*==}"
+  if [ -e "$stamp" ] && [ -x "$BATCH_VENV/bin/schemathesis" ]; then return; fi
+  echo "installing ${SCHEMATHESIS_PACKAGES[*]} into $BATCH_VENV..." >&2
+  "$BATCH_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "${SCHEMATHESIS_PACKAGES[@]}"
+  touch "$stamp"
+}
+
 # Prints a loopback TCP port nobody listens on.
 free_port() {
   local port

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace. The tests start their own redis-server on free loopback
 # ports, so only the binary is needed: it is installed with apt-get when missing. The OpenAI SDK
-# suite (tests/serve_sdk.rs) and the S3 tests (moto_server) run from a virtualenv made here once.
+# suite (tests/serve_sdk.rs), the S3 tests (moto_server) and the fuzz of the service
+# (tests/serve_fuzz.rs, schemathesis) run from a virtualenv made here once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 ensure_redis
 ensure_venv   # exports BATCH_VENV
 ensure_moto   # the same virtualenv
+ensure_schemathesis   # the same virtualenv: the fuzz of the running service
 cargo test --workspace --no-fail-fast "$@"

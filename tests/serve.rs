@@ -23,16 +23,6 @@ const TWO_TENANTS: &[(&str, &str)] = &[(KEY_A, "alpha"), (KEY_B, "beta")];
 /// How long a small batch may take to finish on a loaded 2-core machine.
 const FINISH: Duration = Duration::from_secs(120);
 
-/// An async-mode service config for `env` (model `llama-3` on pool `pool-a`, model `ghost`
-/// nowhere), storage in `<env>/storage`.
-fn async_service(env: &Env, keys: &[(&str, &str)], serve_extra: &str, top_extra: &str) -> PathBuf {
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
-    let storage = env.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    add_serve_section(&config, &storage, keys, serve_extra, top_extra);
-    config
-}
-
 /// A dispatcher on `pool-a` behind a `redis` gate, closed until [`gate`] opens it, taking one
 /// request per 20 ms poll: a job of a few hundred lines stays mid-way for seconds.
 async fn gated_dispatcher(env: &Env) -> DispatcherHandle {
@@ -1660,4 +1650,70 @@ async fn in_sync_mode_without_keys_a_batch_completes_for_the_default_tenant() {
         ids(&keyed.list_all("/v1/batches", "", 10).await),
         vec![id2, id]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_over_its_quotas_is_refused_while_another_tenants_batch_starts() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let (small, _) = input_jsonl("small", 10, "llama-3");
+    let (big, _) = input_jsonl("big", 60, "llama-3");
+    let bytes_quota = small.len() + big.len() - 1;
+    let config = async_service(
+        &env,
+        TWO_TENANTS,
+        &format!(
+            "  max_active_jobs: 2\n  tenant_max_running_batches: 1\n  tenant_max_batches: 3\n  tenant_max_files: 2\n  tenant_max_stored_bytes: {bytes_quota}\n"
+        ),
+        "",
+    );
+    let sim = gated_dispatcher(&env).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+    let says = |error: &Value, quota: &str| {
+        assert!(
+            error["message"].as_str().unwrap().contains(quota),
+            "{error}"
+        );
+        assert_eq!(error["code"], "insufficient_quota", "{error}");
+    };
+
+    // Files: two, then a 429 naming the quota.
+    let file = a.upload_ok("a1.jsonl", small.as_bytes()).await;
+    a.upload_ok("a2.jsonl", small.as_bytes()).await;
+    let over = a.upload("a3.jsonl", small.as_bytes(), None).await;
+    says(&over.expect_error(429), "tenant_max_files");
+    // Stored bytes: B's second file would pass them.
+    let b_file = b.upload_ok("b1.jsonl", small.as_bytes()).await;
+    let over = b.upload("b2.jsonl", big.as_bytes(), None).await;
+    says(&over.expect_error(429), "tenant_max_stored_bytes");
+    assert_eq!(b.list_all("/v1/files", "", 100).await.len(), 1);
+
+    // Batches: A runs two (no other tenant waits), queues a third, and is refused a fourth.
+    let a1 = id_of(&a.create_batch_ok(&file).await);
+    let a2 = id_of(&a.create_batch_ok(&file).await);
+    for id in [&a1, &a2] {
+        a.wait_batch(id, FINISH, "in_progress", |b| b["status"] == "in_progress")
+            .await;
+    }
+    let a3 = id_of(&a.create_batch_ok(&file).await);
+    let over = a.create_batch(&file, "24h").await;
+    says(&over.expect_error(429), "tenant_max_batches");
+
+    // B's batch, queued after A's third, takes the next free slot: A already runs its share.
+    let b1 = id_of(&b.create_batch_ok(&b_file).await);
+    a.cancel(&a1).await;
+    b.wait_batch(&b1, FINISH, "in_progress", |b| b["status"] == "in_progress")
+        .await;
+    assert_ne!(a.batch(&a3).await["status"], "in_progress");
+
+    // Ended batches leave the quota: A may create again.
+    gate(&env, true);
+    for id in [&a2, &a3] {
+        assert_eq!(a.wait_final(id, FINISH).await["status"], "completed");
+    }
+    assert_eq!(b.wait_final(&b1, FINISH).await["status"], "completed");
+    let again = id_of(&a.create_batch_ok(&file).await);
+    assert_eq!(a.wait_final(&again, FINISH).await["status"], "completed");
+    sim.shutdown().await;
 }

@@ -53,6 +53,30 @@ pub fn add_serve_section(
     std::fs::write(config, yaml).expect("writing the processor config");
 }
 
+/// An async-mode service config for `env` (model `llama-3` on pool `pool-a`, model `ghost`
+/// nowhere), storage in `<env>/storage`.
+pub fn async_service(
+    env: &super::Env,
+    keys: &[(&str, &str)],
+    serve_extra: &str,
+    top_extra: &str,
+) -> PathBuf {
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, keys, serve_extra, top_extra);
+    config
+}
+
+/// A field of `/proc/<pid>/status` in kB (`VmRSS`, `VmHWM`).
+pub fn status_kb(pid: i32, field: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
 /// How to start a [`Service`]: its config, a name for its logs and messages, its `work_dir`
 /// when a test needs it, and the environment of its process.
 pub struct Launch {

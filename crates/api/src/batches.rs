@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::files::owned_file;
-use crate::{limit, list_body, Api, ApiError, ListParams, Tenant};
+use crate::{limit, list_body, Api, ApiError, Id, ListParams, Tenant};
 
 /// OpenAI's metadata limits.
 const MAX_METADATA_PAIRS: usize = 16;
@@ -44,8 +44,7 @@ pub(crate) async fn create(
     tenant: Tenant,
     body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<BatchObject>, ApiError> {
-    let Json(body) =
-        body.map_err(|e| ApiError::invalid(format!("Invalid JSON body: {}", e.body_text()), None))?;
+    let Json(body) = body.map_err(json_rejection)?;
     let input_file_id = body.input_file_id.ok_or_else(|| {
         ApiError::invalid(
             "Missing the required parameter 'input_file_id'.",
@@ -108,12 +107,15 @@ pub(crate) async fn create(
     let id = new_id("batch_");
     let created_at = now_unix();
     let window_secs = window.as_secs().max(1);
+    // parse_window bounds the window, so this is only a second guard.
+    let expires_at =
+        batch_wire::deadline(created_at, window).ok_or_else(|| window_error(&window_text))?;
     let mut batch = Batch::new(
         id.clone(),
         input_file_id,
         window_text.trim(),
         created_at,
-        created_at + window_secs as i64,
+        expires_at,
     );
     batch.endpoint = Some(endpoint);
     batch.metadata = metadata;
@@ -128,22 +130,47 @@ pub(crate) async fn create(
         window_secs,
         output_expires_after,
     };
-    api.store.create_batch(&stored).await?;
+    let max = api.quotas.max_unfinished_batches;
+    if api.store.create_batch_within(&stored, max).await?.is_err() {
+        return Err(ApiError::over_quota(
+            format!("This tenant already has {max} batches queued or running, its quota (serve.tenant_max_batches); wait for some to end or cancel some."),
+            None,
+        ));
+    }
     api.hooks.wake();
     tracing::info!(batch = %id, tenant = %tenant.0, window = %window_text, "batch created");
     Ok(Json(stored.batch))
 }
 
+/// A body that is not the JSON expected: 413 when it is over `serve.max_json_body_bytes`.
+fn json_rejection(e: axum::extract::rejection::JsonRejection) -> ApiError {
+    if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError {
+            status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            message: "The request body is larger than this service's limit for JSON bodies (serve.max_json_body_bytes).".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+        };
+    }
+    ApiError::invalid(format!("Invalid JSON body: {}", e.body_text()), None)
+}
+
 fn parse_window(text: &str) -> Result<Duration, ApiError> {
     match humantime::parse_duration(text.trim()) {
-        Ok(d) if d >= Duration::from_secs(1) => Ok(d),
-        _ => Err(ApiError::invalid(
-            format!(
-                "Invalid completion_window {text:?}: expected a duration such as 24h, 30m or 90s."
-            ),
-            Some("completion_window"),
-        )),
+        Ok(d) if d >= Duration::from_secs(1) && d <= batch_wire::MAX_COMPLETION_WINDOW => Ok(d),
+        _ => Err(window_error(text)),
     }
+}
+
+fn window_error(text: &str) -> ApiError {
+    ApiError::invalid(
+        format!(
+            "Invalid completion_window {text:?}: expected a duration from 1s to {} days, such as 24h, 30m or 90s.",
+            batch_wire::MAX_COMPLETION_WINDOW.as_secs() / 86_400
+        ),
+        Some("completion_window"),
+    )
 }
 
 fn metadata(
@@ -191,7 +218,7 @@ async fn owned_batch(api: &Api, tenant: &Tenant, id: &str) -> Result<StoredBatch
 pub(crate) async fn retrieve(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Json<BatchObject>, ApiError> {
     Ok(Json(owned_batch(&api, &tenant, &id).await?.batch))
 }
@@ -220,7 +247,7 @@ pub(crate) async fn list(
 pub(crate) async fn cancel(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Json<BatchObject>, ApiError> {
     let batch = owned_batch(&api, &tenant, &id).await?;
     match batch.batch.status() {
@@ -242,7 +269,7 @@ pub(crate) async fn cancel(
 pub(crate) async fn output(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Response, ApiError> {
     lines_so_far(&api, &tenant, &id, batch_sink::OUTPUT_FILE).await
 }
@@ -250,7 +277,7 @@ pub(crate) async fn output(
 pub(crate) async fn errors(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Response, ApiError> {
     lines_so_far(&api, &tenant, &id, batch_sink::ERROR_FILE).await
 }

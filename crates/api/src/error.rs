@@ -60,7 +60,19 @@ impl ApiError {
             message: message.into(),
             kind: "invalid_request_error",
             param: Some("file".into()),
-            code: Some("file_too_large"),
+            code: Some(batch_wire::error_codes::FILE_TOO_LARGE),
+        }
+    }
+
+    /// 429 for a tenant over one of its quotas, OpenAI's `insufficient_quota` shape; the message
+    /// names the quota. SDKs are told not to retry it: waiting alone does not cure it.
+    pub fn over_quota(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "insufficient_quota",
+            param: param.map(str::to_owned),
+            code: Some("insufficient_quota"),
         }
     }
 

@@ -4,35 +4,44 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Multipart, Path, State};
+use axum::extract::{Multipart, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use batch_jobs::{new_id, now_unix, FileObject, Order, StoredFile};
+use batch_jobs::{new_id, now_unix, FileObject, Order, QuotaExceeded, StoredFile};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
 
-use crate::{limit, list_body, Api, ApiError, Form, ListParams, Tenant};
+use crate::{limit, list_body, Api, ApiError, Form, Id, ListParams, Tenant};
 
 /// Batch input files expire after 30 days unless the upload says otherwise.
 const DEFAULT_INPUT_EXPIRY_SECS: i64 = 30 * 24 * 3600;
 /// The longest `expires_after[seconds]` OpenAI allows.
 const MAX_EXPIRY_SECS: i64 = 30 * 24 * 3600;
-/// The most a form field other than `file` may hold.
-const MAX_FIELD_BYTES: usize = 64 * 1024;
 
 pub(crate) async fn upload(
     State(api): State<Api>,
     tenant: Tenant,
     Form(mut form): Form,
 ) -> Result<Json<FileObject>, ApiError> {
+    // The quotas first: a tenant at one is refused before a byte of the file is read.
+    let (used_bytes, used_files) = api.store.usage(&tenant.0).await?;
+    let quotas = api.quotas;
+    if used_files >= quotas.max_files {
+        return Err(files_quota(quotas.max_files));
+    }
+    if used_bytes >= quotas.max_stored_bytes {
+        return Err(bytes_quota(quotas.max_stored_bytes));
+    }
+    let room = quotas.max_stored_bytes - used_bytes;
     let id = new_id("file-");
     let key = batch_jobs::storage_key(&id);
     let mut purpose: Option<String> = None;
     let mut anchor: Option<String> = None;
     let mut seconds: Option<String> = None;
     let mut uploaded: Option<(String, u64)> = None;
+    let max_field = api.edge.max_form_field_bytes;
     let result = async {
         while let Some(field) = form.next_field().await.map_err(bad_form)? {
             let name = field.name().unwrap_or("").to_owned();
@@ -42,10 +51,21 @@ pub(crate) async fn upload(
                         return Err(ApiError::invalid("Only one file per upload.", Some("file")));
                     }
                     let filename = field.file_name().unwrap_or("upload.jsonl").to_owned();
-                    let bytes = match store_file(&api, &key, field).await {
+                    let max_name = api.edge.max_filename_bytes;
+                    if filename.len() > max_name {
+                        return Err(ApiError::invalid(
+                            format!("The file's name is longer than this service's limit of {max_name} bytes."),
+                            Some("file"),
+                        ));
+                    }
+                    let bytes = match store_file(&api, &key, field, room).await {
                         Ok(bytes) => bytes,
                         Err(e) => {
-                            if e.status == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                            if matches!(
+                                e.status,
+                                axum::http::StatusCode::PAYLOAD_TOO_LARGE
+                                    | axum::http::StatusCode::TOO_MANY_REQUESTS
+                            ) {
                                 drain(&mut form).await;
                             }
                             return Err(e);
@@ -53,12 +73,12 @@ pub(crate) async fn upload(
                     };
                     uploaded = Some((filename, bytes));
                 }
-                "purpose" => purpose = Some(small_text(field).await?),
-                "expires_after[anchor]" => anchor = Some(small_text(field).await?),
-                "expires_after[seconds]" => seconds = Some(small_text(field).await?),
+                "purpose" => purpose = Some(small_text(field, max_field).await?),
+                "expires_after[anchor]" => anchor = Some(small_text(field, max_field).await?),
+                "expires_after[seconds]" => seconds = Some(small_text(field, max_field).await?),
                 _ => {
                     // Unknown fields are read and ignored, as OpenAI does.
-                    small_text(field).await?;
+                    small_text(field, max_field).await?;
                 }
             }
         }
@@ -105,9 +125,39 @@ pub(crate) async fn upload(
             return Err(e);
         }
     };
-    api.store.put_file(&stored).await?;
+    let quota = batch_jobs::FileQuota {
+        max_bytes: quotas.max_stored_bytes,
+        max_files: quotas.max_files,
+    };
+    // Checked again as it is counted: another upload of the tenant may have ended meanwhile.
+    let refused = match api.store.put_file_within(&stored, &quota).await {
+        Ok(Ok(())) => None,
+        Ok(Err(QuotaExceeded::Files)) => Some(files_quota(quotas.max_files)),
+        Ok(Err(_)) => Some(bytes_quota(quotas.max_stored_bytes)),
+        Err(e) => Some(e.into()),
+    };
+    if let Some(e) = refused {
+        if let Err(cleanup) = api.storage.delete(&key).await {
+            tracing::warn!(key, error = %cleanup, "could not remove a refused upload");
+        }
+        return Err(e);
+    }
     tracing::info!(file = %stored.file.id, tenant = %stored.tenant, bytes = stored.file.bytes, "file uploaded");
     Ok(Json(stored.file))
+}
+
+fn files_quota(max: u64) -> ApiError {
+    ApiError::over_quota(
+        format!("This tenant already stores {max} files, its quota (serve.tenant_max_files); delete some first."),
+        Some("file"),
+    )
+}
+
+fn bytes_quota(max: u64) -> ApiError {
+    ApiError::over_quota(
+        format!("This file would take the tenant's stored bytes over its quota of {max} (serve.tenant_max_stored_bytes); delete some files first."),
+        Some("file"),
+    )
 }
 
 /// Reads and drops the rest of a refused upload (up to a bound), so that the client, which is
@@ -129,14 +179,19 @@ fn bad_form(e: axum::extract::multipart::MultipartError) -> ApiError {
     ApiError::invalid(format!("Invalid multipart body: {e}"), None)
 }
 
-async fn small_text(mut field: axum::extract::multipart::Field<'_>) -> Result<String, ApiError> {
+async fn small_text(
+    mut field: axum::extract::multipart::Field<'_>,
+    max: u64,
+) -> Result<String, ApiError> {
     let name = field.name().unwrap_or("").to_owned();
     let mut text = Vec::new();
     while let Some(chunk) = field.chunk().await.map_err(bad_form)? {
         text.extend_from_slice(&chunk);
-        if text.len() > MAX_FIELD_BYTES {
+        if text.len() as u64 > max {
             return Err(ApiError::invalid(
-                format!("The form field '{name}' is too long."),
+                format!(
+                    "The form field '{name}' is longer than this service's limit of {max} bytes."
+                ),
                 Some(&name),
             ));
         }
@@ -170,14 +225,18 @@ fn expiry(anchor: Option<&str>, seconds: Option<&str>) -> Result<i64, ApiError> 
 
 const TOO_MANY_BYTES: u8 = 1;
 const TOO_MANY_LINES: u8 = 2;
+const OVER_QUOTA: u8 = 3;
 
-/// Streams the `file` field to storage, counting bytes and request lines against the limits.
+/// Streams the `file` field to storage, counting bytes and request lines against the limits
+/// and the `room` left in the tenant's quota of stored bytes.
 async fn store_file(
     api: &Api,
     key: &str,
     field: axum::extract::multipart::Field<'_>,
+    room: u64,
 ) -> Result<u64, ApiError> {
     let (max_bytes, max_lines) = (api.limits.max_file_bytes, api.limits.max_requests);
+    let quota = api.quotas.max_stored_bytes;
     let over = Arc::new(AtomicU8::new(0));
     let flag = over.clone();
     let mut bytes = 0u64;
@@ -188,6 +247,10 @@ async fn store_file(
         if bytes > max_bytes {
             flag.store(TOO_MANY_BYTES, Ordering::Relaxed);
             return Err("too large".to_owned());
+        }
+        if bytes > room {
+            flag.store(OVER_QUOTA, Ordering::Relaxed);
+            return Err("over the quota".to_owned());
         }
         lines.feed(&chunk);
         if lines.lines > max_lines {
@@ -205,7 +268,8 @@ async fn store_file(
             TOO_MANY_LINES => Err(ApiError::too_large(format!(
                 "The file holds more than this service's limit of {max_lines} requests."
             ))
-            .with_code("too_many_requests_in_file")),
+            .with_code(batch_wire::error_codes::TOO_MANY_REQUESTS_IN_FILE)),
+            OVER_QUOTA => Err(bytes_quota(quota)),
             _ => match e {
                 batch_storage::StorageError::Source { message, .. } => Err(ApiError::invalid(
                     format!("The upload stopped before its end: {message}"),
@@ -266,7 +330,7 @@ fn expired(file: &FileObject) -> bool {
 pub(crate) async fn retrieve(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Json<FileObject>, ApiError> {
     Ok(Json(owned_file(&api, &tenant, &id).await?.file))
 }
@@ -274,7 +338,7 @@ pub(crate) async fn retrieve(
 pub(crate) async fn content(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Response, ApiError> {
     let file = owned_file(&api, &tenant, &id).await?;
     let object = api.storage.get(&file.storage_key()).await?;
@@ -299,7 +363,7 @@ pub(crate) async fn content(
 pub(crate) async fn delete(
     State(api): State<Api>,
     tenant: Tenant,
-    Path(id): Path<String>,
+    Id(id): Id,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let file = owned_file(&api, &tenant, &id).await?;
     api.storage.delete(&file.storage_key()).await?;

@@ -14,6 +14,8 @@
 //!     storage,
 //!     keys: batch_api::Keys::single_tenant(),
 //!     limits: batch_config::InputLimits::default(),
+//!     edge: batch_api::EdgeLimits::default(),
+//!     quotas: batch_api::Quotas::default(),
 //!     hooks,
 //! };
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
@@ -86,11 +88,16 @@ impl Keys {
                 "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
             ));
         };
-        let key = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
-            .unwrap_or(value)
-            .trim();
+        // `<scheme> <key>`, the scheme `Bearer` in any case (RFC 9110 11.1); a bare key or
+        // another scheme is not a bearer token.
+        let key = match value.trim().split_once(' ') {
+            Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim(),
+            _ => {
+                return Err(ApiError::unauthorized(
+                    "Send the API key as 'Authorization: Bearer <key>'.",
+                ))
+            }
+        };
         match self.by_key.get(key) {
             Some(tenant) => Ok(Tenant(tenant.clone())),
             None => Err(ApiError::unauthorized("Incorrect API key provided.")),
@@ -115,6 +122,53 @@ pub trait Hooks: Send + Sync + 'static {
     fn render_metrics(&self) -> BoxFuture<'_, String>;
 }
 
+/// Limits on what a request carries besides an uploaded file (the `serve.max_*` settings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EdgeLimits {
+    /// The largest JSON body; a larger one is a 413 before it is read whole.
+    pub max_json_body_bytes: u64,
+    /// The largest multipart field other than `file`.
+    pub max_form_field_bytes: u64,
+    /// The longest upload `filename`, in bytes.
+    pub max_filename_bytes: usize,
+    /// The longest segment of a request's path (an id), in bytes.
+    pub max_id_bytes: usize,
+}
+
+impl Default for EdgeLimits {
+    /// The defaults of `serve`.
+    fn default() -> Self {
+        Self {
+            max_json_body_bytes: 1 << 20,
+            max_form_field_bytes: 64 << 10,
+            max_filename_bytes: 255,
+            max_id_bytes: 128,
+        }
+    }
+}
+
+/// What one tenant may hold (the `serve.tenant_max_*` settings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quotas {
+    /// Batches queued or running.
+    pub max_unfinished_batches: u64,
+    /// Bytes of stored files.
+    pub max_stored_bytes: u64,
+    /// Stored files.
+    pub max_files: u64,
+}
+
+impl Default for Quotas {
+    /// The defaults of `serve`.
+    fn default() -> Self {
+        Self {
+            max_unfinished_batches: 1_000,
+            max_stored_bytes: 100 << 30,
+            max_files: 10_000,
+        }
+    }
+}
+
 /// Everything the handlers share.
 #[derive(Clone)]
 pub struct Api {
@@ -126,6 +180,10 @@ pub struct Api {
     pub keys: Keys,
     /// Limits on uploads (and on a batch's input).
     pub limits: InputLimits,
+    /// Limits on the size of what a request carries besides a file.
+    pub edge: EdgeLimits,
+    /// Each tenant's quotas.
+    pub quotas: Quotas,
     /// The job-running side.
     pub hooks: Arc<dyn Hooks>,
 }
@@ -163,6 +221,24 @@ where
     }
 }
 
+/// The `{id}` of a route, with its rejection (not UTF-8 once percent-decoded) in OpenAI's error
+/// shape instead of axum's plain text.
+pub(crate) struct Id(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for Id {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<String>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(id)) => Ok(Self(id)),
+            Err(e) => Err(ApiError::invalid(
+                format!("Invalid id in the path: {}", e.body_text()),
+                Some("id"),
+            )),
+        }
+    }
+}
+
 /// `Multipart`, with its rejections (not a form, no boundary) in OpenAI's error shape.
 pub(crate) struct Form(pub axum::extract::Multipart);
 
@@ -185,8 +261,15 @@ impl<S: Send + Sync> axum::extract::FromRequest<S> for Form {
 
 /// The whole API.
 pub fn router(api: Api) -> Router {
+    let json_limit = usize::try_from(api.edge.max_json_body_bytes).unwrap_or(usize::MAX);
     Router::new()
-        .route("/v1/files", post(files::upload).get(files::list))
+        .route(
+            "/v1/files",
+            // An upload is streamed to storage under its own limit, `input.max_file_bytes`.
+            post(files::upload)
+                .layer(axum::extract::DefaultBodyLimit::disable())
+                .get(files::list),
+        )
         .route("/v1/files/{id}", get(files::retrieve).delete(files::delete))
         .route("/v1/files/{id}/content", get(files::content))
         .route("/v1/batches", post(batches::create).get(batches::list))
@@ -197,12 +280,29 @@ pub fn router(api: Api) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi))
         .route_layer(axum::middleware::from_fn(count))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::extract::DefaultBodyLimit::max(json_limit))
+        .layer(axum::middleware::from_fn_with_state(
+            api.edge.max_id_bytes,
+            path_limit,
+        ))
         .layer(axum::middleware::from_fn(request_id))
         .with_state(api)
+}
+
+/// The OpenAPI document of the routes served: the subset of OpenAI's that the service
+/// implements, and its own routes.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+async fn openapi() -> Response {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        OPENAPI,
+    )
+        .into_response()
 }
 
 async fn health() -> &'static str {
@@ -267,7 +367,7 @@ async fn request_id(request: Request, next: Next) -> Response {
         .headers()
         .get(REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 200)
+        .filter(|v| plain_request_id(v))
         .map(str::to_owned)
         .unwrap_or_else(|| format!("req_{:032x}", rand::random::<u128>()));
     let (method, path) = (request.method().clone(), request.uri().path().to_owned());
@@ -278,7 +378,10 @@ async fn request_id(request: Request, next: Next) -> Response {
             .headers()
             .contains_key(axum::http::header::TRANSFER_ENCODING);
     let started = Instant::now();
-    let mut response = next.run(request).await;
+    let mut response = match head_too_large(&request) {
+        Some(refusal) => refusal.into_response(),
+        None => next.run(request).await,
+    };
     if has_body && !response.status().is_success() {
         // A refusal (a wrong key, a bad form) may leave the body unread, and then the server
         // drops the connection: say so, or the client reuses it and its next request fails.
@@ -294,6 +397,75 @@ async fn request_id(request: Request, next: Next) -> Response {
     response
 }
 
+/// Refuses a path with a segment (an id) longer than `max` bytes before any handler or store
+/// sees it.
+async fn path_limit(State(max): State<usize>, request: Request, next: Next) -> Response {
+    if request.uri().path().split('/').any(|part| part.len() > max) {
+        return ApiError::invalid(
+            format!("A part of the request path is longer than the {max} bytes an id may have."),
+            Some("id"),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+/// The longest caller's request id kept.
+const MAX_REQUEST_ID: usize = 128;
+
+/// Whether a caller's `x-request-id` is kept: up to [`MAX_REQUEST_ID`] letters, digits, `-`,
+/// `_`, `.` and `:`. Anything else (spaces, `=`, quotes) could forge fields of a log line, and is
+/// replaced by a new id.
+fn plain_request_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_REQUEST_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+}
+
+/// The longest request target answered (8 KiB); hyper itself cuts at 64 KiB, with no body.
+pub const MAX_URI_BYTES: usize = 8 << 10;
+/// The most header bytes (names and values) answered (32 KiB); hyper's buffer cuts at 64 KiB.
+pub const MAX_HEADER_BYTES: usize = 32 << 10;
+/// The most headers answered; hyper's own limit is set above it.
+pub const MAX_HEADERS: usize = 100;
+
+/// A 414 or 431 in OpenAI's shape for a request head over the limits hyper lets through.
+fn head_too_large(request: &Request) -> Option<ApiError> {
+    let refuse = |status, message: String, code| ApiError {
+        status,
+        message,
+        kind: "invalid_request_error",
+        param: None,
+        code: Some(code),
+    };
+    let uri = request.uri().to_string().len();
+    if uri > MAX_URI_BYTES {
+        return Some(refuse(
+            StatusCode::URI_TOO_LONG,
+            format!("The request URL has {uri} bytes; at most {MAX_URI_BYTES} are answered."),
+            "uri_too_long",
+        ));
+    }
+    let headers = request.headers();
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return Some(refuse(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "The request has {} headers of {bytes} bytes; at most {MAX_HEADERS} headers of {MAX_HEADER_BYTES} bytes are answered.",
+                headers.len()
+            ),
+            "headers_too_large",
+        ));
+    }
+    None
+}
+
 /// Counts requests by route (the pattern, not the ids in it) and status.
 async fn count(request: Request, next: Next) -> Response {
     let route = request
@@ -301,7 +473,11 @@ async fn count(request: Request, next: Next) -> Response {
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_owned())
         .unwrap_or_default();
-    let method = request.method().to_string();
+    // hyper takes any token as a method: only the standard ones become label values.
+    let method = match request.method().as_str() {
+        m @ ("GET" | "POST" | "PUT" | "PATCH" | "DELETE" | "HEAD" | "OPTIONS") => m.to_owned(),
+        _ => "other".to_owned(),
+    };
     let response = next.run(request).await;
     metrics::counter!(
         "batch_service_api_requests_total",
@@ -338,4 +514,49 @@ pub(crate) fn list_body<T: serde::Serialize>(
         "last_id": ids.last(),
         "has_more": has_more,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The document describes exactly the routes of [`router`], and parses.
+    #[test]
+    fn the_openapi_document_lists_every_route_served() {
+        let doc: serde_json::Value = serde_json::from_str(OPENAPI).expect("valid JSON");
+        let paths: Vec<&str> = doc["paths"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut served = vec![
+            "/v1/files",
+            "/v1/files/{file_id}",
+            "/v1/files/{file_id}/content",
+            "/v1/batches",
+            "/v1/batches/{batch_id}",
+            "/v1/batches/{batch_id}/cancel",
+            "/v1/batches/{batch_id}/output",
+            "/v1/batches/{batch_id}/errors",
+            "/health",
+            "/ready",
+            "/metrics",
+            "/openapi.json",
+        ];
+        served.sort_unstable();
+        let mut paths = paths;
+        paths.sort_unstable();
+        assert_eq!(paths, served);
+        assert_eq!(doc["openapi"], "3.0.3");
+    }
+
+    #[test]
+    fn only_plain_request_ids_are_kept() {
+        assert!(plain_request_id("req_0af3"));
+        assert!(plain_request_id("client-1.retry:2"));
+        for forged in ["", "a b", "x=1", "a\"b", &"x".repeat(129)] {
+            assert!(!plain_request_id(forged), "{forged:?}");
+        }
+    }
 }

@@ -13,6 +13,10 @@ use figment::value::{Dict, Num, Tag, Value};
 use figment::{Figment, Source};
 
 use crate::error::ConfigError;
+
+/// The longest duration any setting takes: a deadline or timer computed from it (an `Instant`
+/// plus it) can then never overflow.
+pub(crate) const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 use crate::values::{closest, parse_byte_size, parse_duration};
 
 /// One mapping of the tree (possibly absent), with where it sits.
@@ -237,7 +241,7 @@ impl<'f> Collector<'f> {
         Some(text)
     }
 
-    /// A duration with a unit; `default` when unset or invalid.
+    /// A duration with a unit, at most [`MAX_DURATION`]; `default` when unset or invalid.
     pub(crate) fn duration(&mut self, table: &Table<'_>, key: &str, default: Duration) -> Duration {
         let parsed = match table.get(key) {
             None => return default,
@@ -248,7 +252,11 @@ impl<'f> Collector<'f> {
                 describe(other)
             )),
         };
-        parsed.unwrap_or_else(|problem| {
+        let bounded = parsed.and_then(|d| match d <= MAX_DURATION {
+            true => Ok(d),
+            false => Err("must be at most 365d".to_owned()),
+        });
+        bounded.unwrap_or_else(|problem| {
             self.at(table, key, problem);
             default
         })
@@ -362,6 +370,59 @@ impl<'f> Collector<'f> {
             Err(problem) => self.at(table, key, problem),
         }
         default
+    }
+
+    /// A duration greater than zero and at most `max`; `default` when unset or invalid.
+    pub(crate) fn bounded_duration(
+        &mut self,
+        table: &Table<'_>,
+        key: &str,
+        default: Duration,
+        max: Duration,
+    ) -> Duration {
+        let value = self.positive_duration(table, key, default);
+        if value > max {
+            let problem = format!("must be at most {}", humantime::format_duration(max));
+            self.at(table, key, problem);
+            return default;
+        }
+        value
+    }
+
+    /// A whole number from `min` to `max`; `default` when unset or invalid.
+    pub(crate) fn bounded_count<T>(
+        &mut self,
+        table: &Table<'_>,
+        key: &str,
+        default: T,
+        min: u128,
+        max: u128,
+    ) -> T
+    where
+        T: TryFrom<u128> + PartialOrd + Copy,
+    {
+        let value = self.count(table, key, default, min);
+        if T::try_from(max).is_ok_and(|max| value > max) {
+            self.at(table, key, format!("must be at most {max}"));
+            return default;
+        }
+        value
+    }
+
+    /// A byte count from 1 to `max`; `default` when unset or invalid.
+    pub(crate) fn bounded_byte_size(
+        &mut self,
+        table: &Table<'_>,
+        key: &str,
+        default: u64,
+        max: u64,
+    ) -> u64 {
+        let value = self.byte_size(table, key, default);
+        if value > max {
+            self.at(table, key, format!("must be at most {max} bytes"));
+            return default;
+        }
+        value
     }
 
     /// A socket address such as `127.0.0.1:9090`.

@@ -86,6 +86,17 @@ const SERVE_KEYS: &[&str] = &[
     "lease_ttl",
     "checkpoint_interval",
     "s3",
+    "header_read_timeout",
+    "idle_timeout",
+    "max_connections",
+    "max_json_body_bytes",
+    "max_form_field_bytes",
+    "max_filename_bytes",
+    "max_id_bytes",
+    "tenant_max_batches",
+    "tenant_max_stored_bytes",
+    "tenant_max_files",
+    "tenant_max_running_batches",
 ];
 const S3_KEYS: &[&str] = &[
     "endpoint",
@@ -257,6 +268,9 @@ fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
     }
 }
 
+/// The longest an edge timeout may be set to.
+const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
+
 fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs) -> ServeConfig {
     let t = c.table(root, "serve", SERVE_KEYS);
     let d = ServeConfig::defaults(work_dir);
@@ -283,12 +297,61 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
         api_keys,
         storage,
         s3,
-        max_active_jobs: c.count(&t, "max_active_jobs", d.max_active_jobs, 1),
+        max_active_jobs: c.bounded_count(&t, "max_active_jobs", d.max_active_jobs, 1, 10_000),
         state_prefix,
         reaper_interval: c.positive_duration(&t, "reaper_interval", d.reaper_interval),
         replica_id: name_part(c, &t, "replica_id", "replica id").unwrap_or(d.replica_id),
         lease_ttl: c.positive_duration(&t, "lease_ttl", d.lease_ttl),
         checkpoint_interval: c.positive_duration(&t, "checkpoint_interval", d.checkpoint_interval),
+        header_read_timeout: c.bounded_duration(
+            &t,
+            "header_read_timeout",
+            d.header_read_timeout,
+            HOUR,
+        ),
+        idle_timeout: c.bounded_duration(&t, "idle_timeout", d.idle_timeout, HOUR),
+        max_connections: c.bounded_count(&t, "max_connections", d.max_connections, 1, 1 << 20),
+        max_json_body_bytes: c.bounded_byte_size(
+            &t,
+            "max_json_body_bytes",
+            d.max_json_body_bytes,
+            1 << 30,
+        ),
+        max_form_field_bytes: c.bounded_byte_size(
+            &t,
+            "max_form_field_bytes",
+            d.max_form_field_bytes,
+            1 << 30,
+        ),
+        max_filename_bytes: c.bounded_count(
+            &t,
+            "max_filename_bytes",
+            d.max_filename_bytes,
+            1,
+            1 << 20,
+        ),
+        max_id_bytes: c.bounded_count(&t, "max_id_bytes", d.max_id_bytes, 16, 1 << 16),
+        tenant_max_batches: c.bounded_count(
+            &t,
+            "tenant_max_batches",
+            d.tenant_max_batches,
+            1,
+            1 << 30,
+        ),
+        tenant_max_stored_bytes: c.bounded_byte_size(
+            &t,
+            "tenant_max_stored_bytes",
+            d.tenant_max_stored_bytes,
+            1 << 50,
+        ),
+        tenant_max_files: c.bounded_count(&t, "tenant_max_files", d.tenant_max_files, 1, 1 << 30),
+        tenant_max_running_batches: c.bounded_count(
+            &t,
+            "tenant_max_running_batches",
+            d.tenant_max_running_batches,
+            1,
+            1 << 20,
+        ),
     }
 }
 
@@ -378,6 +441,9 @@ fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKe
     };
     let mut keys: Vec<ApiKey> = Vec::new();
     let mut lines = 0;
+    // An editor's byte order mark would otherwise become part of the first key, which then
+    // never matches: the key file's first tenant would be locked out without a word.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     for (n, line) in text.lines().enumerate() {
         let line = line.split('#').next().unwrap_or("").trim();
         if line.is_empty() {
@@ -394,7 +460,7 @@ fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKe
             c.at(t, "api_keys_file", problem);
             continue;
         };
-        if let Err(problem) = validate_part("tenant", tenant) {
+        if let Err(problem) = check_tenant(tenant) {
             let problem = format!("{} line {}: {problem}", file.display(), n + 1);
             c.at(t, "api_keys_file", problem);
             continue;
@@ -414,6 +480,32 @@ fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKe
         c.at(t, "api_keys_file", problem);
     }
     keys
+}
+
+/// The longest tenant name.
+const MAX_TENANT: usize = 64;
+
+/// A tenant name: 1 to [`MAX_TENANT`] letters, digits, `-`, `_` and `.`, neither starting with
+/// `.` nor holding `..`.
+/// Tenants are parts of Redis keys and of log lines, where `/`, `..` or glob characters
+/// (`*`, `?`, `[`) would read as something else.
+fn check_tenant(tenant: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if tenant.is_empty() || tenant.len() > MAX_TENANT {
+        return Err(format!(
+            "a tenant name has 1 to {MAX_TENANT} characters, got {}",
+            tenant.len()
+        ));
+    }
+    if let Some(found) = tenant.chars().find(|c| !allowed(*c)) {
+        return Err(format!(
+            "tenant {tenant:?} contains {found:?}; use ASCII letters, digits, '-', '_' or '.'"
+        ));
+    }
+    if tenant.starts_with('.') || tenant.contains("..") {
+        return Err(format!("tenant {tenant:?} starts with '.' or holds '..'"));
+    }
+    Ok(())
 }
 
 fn dispatch_mode(c: &mut Collector<'_>, root: &Table<'_>) -> DispatchMode {
@@ -524,7 +616,7 @@ fn model(c: &mut Collector<'_>, t: &Table<'_>, mode: DispatchMode) -> ModelGatew
     }
 
     let request_timeout = c.positive_duration(t, "request_timeout", d.request_timeout);
-    let max_retries = c.count(t, "max_retries", d.max_retries, 0);
+    let max_retries = c.bounded_count(t, "max_retries", d.max_retries, 0, 1_000);
     let initial_backoff = c.duration(t, "initial_backoff", d.initial_backoff);
     let max_backoff = c.duration(t, "max_backoff", d.max_backoff);
     if max_backoff < initial_backoff {
@@ -672,8 +764,8 @@ fn redis_tls(
 fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {
     let t = c.table(root, "concurrency", CONCURRENCY_KEYS);
     let d = ConcurrencyConfig::default();
-    let global = c.count(&t, "global", d.global, 1);
-    let per_endpoint = c.count(&t, "per_endpoint", d.per_endpoint, 1);
+    let global = c.bounded_count(&t, "global", d.global, 1, 1_000_000);
+    let per_endpoint = c.bounded_count(&t, "per_endpoint", d.per_endpoint, 1, 1_000_000);
 
     let a = c.table(&t, "aimd", AIMD_KEYS);
     let enabled = c.boolean(&a, "enabled", d.aimd.enabled);

@@ -408,6 +408,38 @@ pub struct ServeConfig {
     /// How often a running job's partial results are copied to storage (default 30s).
     #[serde(serialize_with = "ser_duration")]
     pub checkpoint_interval: Duration,
+    /// How long a client has to send a request's headers, from its connection's opening or the
+    /// end of its previous answer (default 10s): a slow or silent client is then closed. It also
+    /// bounds how long a kept-alive connection waits for its next request.
+    #[serde(serialize_with = "ser_duration")]
+    pub header_read_timeout: Duration,
+    /// How long a connection may carry no byte either way (a stalled body, a client that does
+    /// not read its answer) before it is closed, a request in progress first answered
+    /// (default 60s).
+    #[serde(serialize_with = "ser_duration")]
+    pub idle_timeout: Duration,
+    /// Connections served at once (default 1024); further ones wait in the listen backlog until
+    /// one closes, while the open ones keep being served.
+    pub max_connections: usize,
+    /// The largest JSON request body (default 1 MiB); a larger one is a 413 before it is read.
+    pub max_json_body_bytes: u64,
+    /// The largest multipart form field other than `file` (default 64 KiB).
+    pub max_form_field_bytes: u64,
+    /// The longest `filename` of an upload, in bytes (default 255).
+    pub max_filename_bytes: usize,
+    /// The longest segment of a request path, such as an id (default 128 bytes).
+    pub max_id_bytes: usize,
+    /// Batches one tenant may have queued or running (default 1,000); over it, creating one
+    /// is a 429.
+    pub tenant_max_batches: u64,
+    /// Bytes of files one tenant may store, its uploads and its batches' results (default
+    /// 100 GiB); an upload over it is a 429.
+    pub tenant_max_stored_bytes: u64,
+    /// Files one tenant may store (default 10,000); an upload over it is a 429.
+    pub tenant_max_files: u64,
+    /// Batches of one tenant running at once on all replicas beyond which a free slot goes to
+    /// another tenant's queued batch first, when one waits (default 8).
+    pub tenant_max_running_batches: usize,
 }
 
 impl ServeConfig {
@@ -425,6 +457,17 @@ impl ServeConfig {
             replica_id: host_name(),
             lease_ttl: Duration::from_secs(30),
             checkpoint_interval: Duration::from_secs(30),
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 1024,
+            max_json_body_bytes: 1 << 20,
+            max_form_field_bytes: 64 << 10,
+            max_filename_bytes: 255,
+            max_id_bytes: 128,
+            tenant_max_batches: 1_000,
+            tenant_max_stored_bytes: 100 << 30,
+            tenant_max_files: 10_000,
+            tenant_max_running_batches: 8,
         }
     }
 }

@@ -1278,3 +1278,114 @@ fn bad_s3_settings_are_named() {
         );
     }
 }
+
+#[test]
+fn serve_edge_limits_have_defaults_and_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = service_config(dir.path(), "  listen: 127.0.0.1:9000\n");
+    let c = load_service_file(&file).unwrap();
+    assert_eq!(c.serve.header_read_timeout, Duration::from_secs(10));
+    assert_eq!(c.serve.idle_timeout, Duration::from_secs(60));
+    assert_eq!(c.serve.max_connections, 1024);
+    assert_eq!(c.serve.max_json_body_bytes, 1 << 20);
+    assert_eq!(c.serve.max_form_field_bytes, 64 << 10);
+    assert_eq!(c.serve.max_filename_bytes, 255);
+    assert_eq!(c.serve.max_id_bytes, 128);
+
+    let file = service_config(
+        dir.path(),
+        "  header_read_timeout: 500ms\n  idle_timeout: 2m\n  max_connections: 50\n  max_json_body_bytes: 64KiB\n  max_form_field_bytes: 1KiB\n  max_filename_bytes: 100\n  max_id_bytes: 64\n",
+    );
+    let c = load_service_file(&file).unwrap();
+    assert_eq!(c.serve.header_read_timeout, Duration::from_millis(500));
+    assert_eq!(c.serve.idle_timeout, Duration::from_secs(120));
+    assert_eq!(c.serve.max_connections, 50);
+    assert_eq!(c.serve.max_json_body_bytes, 64 << 10);
+    assert_eq!(c.serve.max_form_field_bytes, 1 << 10);
+    assert_eq!(c.serve.max_filename_bytes, 100);
+    assert_eq!(c.serve.max_id_bytes, 64);
+
+    let file = service_config(
+        dir.path(),
+        "  header_read_timeout: 2h\n  idle_timeout: 0s\n  max_connections: 0\n  max_json_body_bytes: 2GiB\n  max_filename_bytes: 99999999999\n  max_id_bytes: 8\n",
+    );
+    let errors: Vec<String> = match load_service_file(&file) {
+        Ok(c) => panic!("accepted: {c:?}"),
+        Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+    };
+    let all = errors.join("\n");
+    for field in [
+        "serve.header_read_timeout",
+        "serve.idle_timeout",
+        "serve.max_connections",
+        "serve.max_json_body_bytes",
+        "serve.max_filename_bytes",
+        "serve.max_id_bytes",
+    ] {
+        assert!(all.contains(field), "no error for {field}: {all}");
+    }
+    assert!(all.contains("at most 1h"), "{all}");
+
+    // Every duration of the config is bounded, and the count of jobs.
+    let file = service_config(
+        dir.path(),
+        "  lease_ttl: 9223372036854775807s
+  reaper_interval: 400d
+  max_active_jobs: 99999999
+",
+    );
+    let errors: Vec<String> = match load_service_file(&file) {
+        Ok(c) => panic!("accepted: {c:?}"),
+        Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+    };
+    let all = errors.join("\n");
+    for field in [
+        "serve.lease_ttl",
+        "serve.reaper_interval",
+        "serve.max_active_jobs",
+    ] {
+        assert!(all.contains(field), "no error for {field}: {all}");
+    }
+}
+
+#[test]
+fn a_byte_order_mark_does_not_hide_the_first_key_and_odd_tenants_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "keys",
+        "\u{feff}sk-first alice\nsk-second bob.team_2\n",
+    );
+    let file = service_config(dir.path(), "  api_keys_file: keys\n");
+    let c = load_service_file(&file).unwrap();
+    let keys: Vec<(&str, &str)> = c
+        .serve
+        .api_keys
+        .iter()
+        .map(|k| (k.key.expose(), k.tenant.as_str()))
+        .collect();
+    assert_eq!(keys, [("sk-first", "alice"), ("sk-second", "bob.team_2")]);
+
+    for tenant in [
+        "a*",
+        "b?",
+        "c[1]",
+        "d..e",
+        "..",
+        "f/g",
+        ".hidden",
+        &"t".repeat(65),
+    ] {
+        write(dir.path(), "keys", &format!("sk-x {tenant}\n"));
+        let errors: Vec<String> = match load_service_file(&file) {
+            Ok(c) => panic!("tenant {tenant:?} accepted: {:?}", c.serve.api_keys),
+            Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+        };
+        let all = errors.join("\n");
+        assert!(
+            all.contains("serve.api_keys_file") && all.contains("line 1"),
+            "{all}"
+        );
+        assert!(!all.contains("sk-x"), "a key leaked: {all}");
+    }
+}

@@ -187,7 +187,14 @@ impl Job {
                 let id = spec.job_id.clone().unwrap_or_else(new_job_id);
                 let created = spec.created_at.unwrap_or_else(now_unix);
                 let window = humantime_window(spec.completion_window);
-                let expires = created + spec.completion_window.as_secs().max(1) as i64;
+                let expires =
+                    batch_wire::deadline(created, spec.completion_window).ok_or_else(|| {
+                        ExecError::Config(format!(
+                            "the completion window {:?} is longer than the {}-day limit",
+                            spec.completion_window,
+                            batch_wire::MAX_COMPLETION_WINDOW.as_secs() / 86_400
+                        ))
+                    })?;
                 let b = Batch::new(
                     id,
                     spec.input.display().to_string(),

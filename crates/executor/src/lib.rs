@@ -204,6 +204,7 @@ impl Executor {
         connect: batch_redis::ConnectOptions,
     ) -> Result<Self, ExecError> {
         let config = Arc::new(config);
+        metrics::know_models(config.model_gateways.keys());
         let dispatch: Box<dyn Dispatch> = match config.dispatch_mode {
             DispatchMode::Sync => Box::new(SyncMode::new(config.clone())?),
             DispatchMode::Async => Box::new(AsyncMode::new(config.clone(), connect).await?),

@@ -1,9 +1,33 @@
 //! The executor's metrics, with the original processor's names.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::RwLock;
 
 use batch_sink::Written;
 use batch_wire::BatchStatus;
+
+/// The label of every model a client names that no config of this process serves: an input
+/// file chooses its model names, and each label value is a series kept for good.
+pub(crate) const OTHER_MODEL: &str = "other";
+
+/// The models of every executor of this process: the only `model` label values besides
+/// [`OTHER_MODEL`].
+static KNOWN_MODELS: RwLock<BTreeSet<String>> = RwLock::new(BTreeSet::new());
+
+/// Adds configured models to the label values.
+pub(crate) fn know_models<'a>(models: impl Iterator<Item = &'a String>) {
+    let mut known = KNOWN_MODELS.write().unwrap_or_else(|e| e.into_inner());
+    known.extend(models.cloned());
+}
+
+/// `model` as a label value: itself when configured, else [`OTHER_MODEL`].
+pub(crate) fn model_label(model: &str) -> String {
+    let known = KNOWN_MODELS.read().unwrap_or_else(|e| e.into_inner());
+    match known.contains(model) {
+        true => model.to_owned(),
+        false => OTHER_MODEL.to_owned(),
+    }
+}
 
 pub(crate) fn job_processed(status: BatchStatus, reason: &'static str, duration: Option<f64>) {
     metrics::counter!("jobs_processed_total", "result" => status.as_str(), "reason" => reason)
@@ -52,7 +76,7 @@ impl Tally {
     /// written (results of requests that were counted in flight).
     pub(crate) fn emit(self, model_name: impl Fn(u16) -> String, settle_inflight: bool) {
         for (model, t) in self.models {
-            let model = model_name(model);
+            let model = model_label(&model_name(model));
             if t.errors > 0 {
                 metrics::counter!("request_errors_by_model_total", "model" => model.clone())
                     .increment(t.errors);
@@ -71,7 +95,7 @@ impl Tally {
 }
 
 pub(crate) fn model_inflight(model: &str, delta: f64) {
-    metrics::gauge!("model_inflight_requests", "model" => model.to_owned()).increment(delta);
+    metrics::gauge!("model_inflight_requests", "model" => model_label(model)).increment(delta);
 }
 
 pub(crate) fn pool_counter(name: &'static str, pool: &str, n: u64) {

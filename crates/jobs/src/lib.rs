@@ -146,36 +146,69 @@ struct Scripts {
     cancel: Script,
 }
 
-/// KEYS: record, index, purpose index, expiry. ARGV: id, json, expires_at or "".
+/// KEYS: record, index, purpose index, expiry, usage bytes, usage files. ARGV: id, json,
+/// expires_at or "", tenant, bytes, most bytes, most files (each "0": no quota). Counts the
+/// tenant's stored bytes and files (a record stored again counts once, at its new size);
+/// refused with -1 over the bytes, -2 over the files.
 const PUT_FILE_LUA: &str = r#"
+local old = redis.call('GET', KEYS[1])
+local old_bytes = 0
+if old then old_bytes = tonumber(cjson.decode(old)['file']['bytes']) or 0 end
+local bytes = tonumber(redis.call('HGET', KEYS[5], ARGV[4]) or '0') - old_bytes + tonumber(ARGV[5])
+if ARGV[6] ~= '0' and bytes > tonumber(ARGV[6]) then return -1 end
+local files = tonumber(redis.call('HGET', KEYS[6], ARGV[4]) or '0')
+if not old and ARGV[7] ~= '0' and files + 1 > tonumber(ARGV[7]) then return -2 end
 redis.call('SET', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[5], ARGV[4], math.max(bytes, 0))
+if not old then redis.call('HINCRBY', KEYS[6], ARGV[4], 1) end
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 redis.call('ZADD', KEYS[3], 0, ARGV[1])
 if ARGV[3] ~= '' then redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1]) end
 return 1
 "#;
 
-/// KEYS: record, index, purpose index, expiry. ARGV: id. Returns whether it existed.
+/// KEYS: record, index, purpose index, expiry, usage bytes, usage files. ARGV: id, tenant.
+/// Returns whether it existed; its bytes and the file leave the tenant's usage.
 const DELETE_FILE_LUA: &str = r#"
+local old = redis.call('GET', KEYS[1])
 local n = redis.call('DEL', KEYS[1])
+if old then
+  local bytes = tonumber(cjson.decode(old)['file']['bytes']) or 0
+  local left = tonumber(redis.call('HGET', KEYS[5], ARGV[2]) or '0') - bytes
+  redis.call('HSET', KEYS[5], ARGV[2], math.max(left, 0))
+  local files = tonumber(redis.call('HGET', KEYS[6], ARGV[2]) or '0') - 1
+  redis.call('HSET', KEYS[6], ARGV[2], math.max(files, 0))
+end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 return n
 "#;
 
-/// KEYS: record, index, queue, status counts. ARGV: id, json, deadline, status.
+/// KEYS: record, index, queue, status counts, active, tenant_of, the tenant's queue, queued
+/// tenants. ARGV: id, json, deadline, status, tenant, most unfinished batches ("0": no quota).
+/// Refused with -1 when the tenant already has that many unfinished batches.
 const CREATE_BATCH_LUA: &str = r#"
+if ARGV[6] ~= '0' and tonumber(redis.call('HGET', KEYS[5], ARGV[5]) or '0') >= tonumber(ARGV[6]) then
+  return -1
+end
 if redis.call('SET', KEYS[1], ARGV[2], 'NX') == false then return 0 end
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
+redis.call('HINCRBY', KEYS[5], ARGV[5], 1)
+redis.call('HSET', KEYS[6], ARGV[1], ARGV[5])
+redis.call('ZADD', KEYS[7], ARGV[3], ARGV[1])
+redis.call('SADD', KEYS[8], ARGV[5])
 return 1
 "#;
 
 /// KEYS: record, status counts, lease. ARGV: json, new status, the lease it needs ("" for none).
 /// Moves the status count along with the record, reading the old status from the stored record
 /// itself. Refused (0) when the writer no longer holds the job's lease.
+///
+/// KEYS also: active, tenant_of. A batch reaching a final status leaves its tenant's count of
+/// unfinished batches, once: only while `tenant_of` still names it.
 const SAVE_BATCH_LUA: &str = r#"
 if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then return 0 end
 local old = redis.call('GET', KEYS[1])
@@ -189,16 +222,54 @@ if old then
 else
   redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
 end
+local s = ARGV[2]
+if s == 'completed' or s == 'failed' or s == 'expired' or s == 'cancelled' then
+  local tenant = redis.call('HGET', KEYS[5], ARGV[4])
+  if tenant and redis.call('HDEL', KEYS[5], ARGV[4]) == 1 then
+    local left = redis.call('HINCRBY', KEYS[4], tenant, -1)
+    if left < 0 then redis.call('HSET', KEYS[4], tenant, 0) end
+  end
+end
 return 1
 "#;
 
-/// KEYS: a queue, running. ARGV: replica, key prefix, lease ms. The most urgent job of the
-/// queue, now the replica's under a new lease: `{id, epoch}`.
+/// KEYS: a queue, running, tenant_of, queued tenants. ARGV: replica, key prefix, lease ms,
+/// share ("0": none). The most urgent job of the queue, now the replica's under a new lease:
+/// `{id, epoch}`. When its tenant already runs `share` jobs (on all replicas), the most urgent
+/// job of a tenant running fewer goes first, if one waits: one tenant's many queued batches do
+/// not keep the others from every slot, and no slot stays idle while any batch waits.
 const CLAIM_LUA: &str = r#"
 local first = redis.call('ZRANGE', KEYS[1], 0, 0)
 if #first == 0 then return false end
 local id = first[1]
+local share = tonumber(ARGV[4])
+local tenant = redis.call('HGET', KEYS[3], id)
+if share > 0 and tenant then
+  local counts = {}
+  for _, r in ipairs(redis.call('HKEYS', KEYS[2])) do
+    local t = redis.call('HGET', KEYS[3], r)
+    if t then counts[t] = (counts[t] or 0) + 1 end
+  end
+  if (counts[tenant] or 0) >= share then
+    local best, best_at = nil, nil
+    for _, t in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+      if (counts[t] or 0) < share then
+        local head = redis.call('ZRANGE', ARGV[2] .. ':tqueue:' .. t, 0, 0, 'WITHSCORES')
+        if #head > 0 and (best_at == nil or tonumber(head[2]) < best_at) then
+          best, best_at = head[1], tonumber(head[2])
+        end
+      end
+    end
+    if best then id = best end
+  end
+end
 redis.call('ZREM', KEYS[1], id)
+local t = redis.call('HGET', KEYS[3], id)
+if t then
+  local tq = ARGV[2] .. ':tqueue:' .. t
+  redis.call('ZREM', tq, id)
+  if redis.call('ZCARD', tq) == 0 then redis.call('SREM', KEYS[4], t) end
+end
 local epoch = redis.call('INCR', ARGV[2] .. ':epoch:' .. id)
 redis.call('SET', ARGV[2] .. ':lease:' .. id, ARGV[1] .. '#' .. epoch, 'PX', ARGV[3])
 redis.call('HSET', KEYS[2], id, ARGV[1])
@@ -263,15 +334,42 @@ redis.call('SET', KEYS[1], ARGV[1])
 return 1
 "#;
 
-/// KEYS: cancel marker, queue, cancel queue. ARGV: id, now.
+/// KEYS: cancel marker, queue, cancel queue, tenant_of, queued tenants. ARGV: id, now, key
+/// prefix.
 const CANCEL_LUA: &str = r#"
 if redis.call('SET', KEYS[1], ARGV[2], 'NX') == false then return 0 end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   redis.call('ZADD', KEYS[3], 0, ARGV[1])
+  local t = redis.call('HGET', KEYS[4], ARGV[1])
+  if t then
+    local tq = ARGV[3] .. ':tqueue:' .. t
+    redis.call('ZREM', tq, ARGV[1])
+    if redis.call('ZCARD', tq) == 0 then redis.call('SREM', KEYS[5], t) end
+  end
   return 1
 end
 return 2
 "#;
+
+/// A tenant's limits on stored files; 0 is no limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FileQuota {
+    /// The most bytes of files the tenant may store.
+    pub max_bytes: u64,
+    /// The most files the tenant may store.
+    pub max_files: u64,
+}
+
+/// Which of a tenant's quotas a write would exceed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaExceeded {
+    /// Queued and running batches.
+    Batches,
+    /// Bytes of stored files.
+    StoredBytes,
+    /// Stored files.
+    Files,
+}
 
 impl Store {
     /// The state under `{prefix}:` in the Redis `client` talks to.
@@ -316,14 +414,29 @@ impl Store {
 
     // ---- files ----
 
-    /// Stores a new file record and lists it.
+    /// Stores a file record and lists it, counting it in its tenant's usage whatever the quota
+    /// (the service's own result files).
     pub async fn put_file(&self, file: &StoredFile) -> Result<(), StoreError> {
+        // Without a quota it is never refused.
+        let _ = self.put_file_within(file, &FileQuota::default()).await?;
+        Ok(())
+    }
+
+    /// Stores a file record and lists it unless its tenant would then be over `quota`, which
+    /// is checked and counted in one step (two uploads cannot both pass the last bytes).
+    pub async fn put_file_within(
+        &self,
+        file: &StoredFile,
+        quota: &FileQuota,
+    ) -> Result<Result<(), QuotaExceeded>, StoreError> {
         let id = &file.file.id;
         let keys = vec![
             self.key(&["file", id]),
             self.key(&["files", &file.tenant]),
             self.key(&["files", &file.tenant, &file.file.purpose]),
             self.key(&["expiry"]),
+            self.key(&["usage_bytes"]),
+            self.key(&["usage_files"]),
         ];
         let expires = file
             .file
@@ -331,12 +444,42 @@ impl Store {
             .map(|t| t.to_string())
             .unwrap_or_default();
         let json = serde_json::to_string(file).expect("a file record serializes");
-        let _: i64 = self
+        let args = vec![
+            id.clone(),
+            json,
+            expires,
+            file.tenant.clone(),
+            file.file.bytes.to_string(),
+            quota.max_bytes.to_string(),
+            quota.max_files.to_string(),
+        ];
+        let n: i64 = self
             .scripts
             .put_file
-            .evalsha_with_reload(&self.client, keys, vec![id.clone(), json, expires])
+            .evalsha_with_reload(&self.client, keys, args)
             .await?;
-        Ok(())
+        Ok(match n {
+            -1 => Err(QuotaExceeded::StoredBytes),
+            -2 => Err(QuotaExceeded::Files),
+            _ => Ok(()),
+        })
+    }
+
+    /// The bytes and files `tenant` has stored.
+    pub async fn usage(&self, tenant: &str) -> Result<(u64, u64), StoreError> {
+        let bytes: Option<u64> = fred::interfaces::HashesInterface::hget(
+            &self.client,
+            self.key(&["usage_bytes"]),
+            tenant,
+        )
+        .await?;
+        let files: Option<u64> = fred::interfaces::HashesInterface::hget(
+            &self.client,
+            self.key(&["usage_files"]),
+            tenant,
+        )
+        .await?;
+        Ok((bytes.unwrap_or(0), files.unwrap_or(0)))
     }
 
     /// The file `id`, whoever owns it.
@@ -354,11 +497,13 @@ impl Store {
             self.key(&["files", &file.tenant]),
             self.key(&["files", &file.tenant, &file.file.purpose]),
             self.key(&["expiry"]),
+            self.key(&["usage_bytes"]),
+            self.key(&["usage_files"]),
         ];
         let n: i64 = self
             .scripts
             .delete_file
-            .evalsha_with_reload(&self.client, keys, vec![id.clone()])
+            .evalsha_with_reload(&self.client, keys, vec![id.clone(), file.tenant.clone()])
             .await?;
         Ok(n == 1)
     }
@@ -416,12 +561,28 @@ impl Store {
 
     /// Stores a new batch, lists it and queues it by its deadline (`expires_at`).
     pub async fn create_batch(&self, batch: &StoredBatch) -> Result<(), StoreError> {
+        // Without a quota it is never refused.
+        let _ = self.create_batch_within(batch, 0).await?;
+        Ok(())
+    }
+
+    /// Like [`Store::create_batch`], unless the tenant already has `max_unfinished` batches
+    /// queued or running (0: no quota), checked and counted in one step.
+    pub async fn create_batch_within(
+        &self,
+        batch: &StoredBatch,
+        max_unfinished: u64,
+    ) -> Result<Result<(), QuotaExceeded>, StoreError> {
         let b = &batch.batch.batch;
         let keys = vec![
             self.key(&["batch", &b.id]),
             self.key(&["batches", &batch.tenant]),
             self.key(&["queue"]),
             self.key(&["status_counts"]),
+            self.key(&["active"]),
+            self.key(&["tenant_of"]),
+            self.key(&["tqueue", &batch.tenant]),
+            self.key(&["tenants_queued"]),
         ];
         let json = serde_json::to_string(batch).expect("a batch record serializes");
         let args = vec![
@@ -429,13 +590,26 @@ impl Store {
             json,
             b.expires_at.to_string(),
             b.status.as_str().to_owned(),
+            batch.tenant.clone(),
+            max_unfinished.to_string(),
         ];
-        let _: i64 = self
+        let n: i64 = self
             .scripts
             .create_batch
             .evalsha_with_reload(&self.client, keys, args)
             .await?;
-        Ok(())
+        Ok(match n {
+            -1 => Err(QuotaExceeded::Batches),
+            _ => Ok(()),
+        })
+    }
+
+    /// How many batches `tenant` has queued or running.
+    pub async fn unfinished(&self, tenant: &str) -> Result<u64, StoreError> {
+        let n: Option<u64> =
+            fred::interfaces::HashesInterface::hget(&self.client, self.key(&["active"]), tenant)
+                .await?;
+        Ok(n.unwrap_or(0))
     }
 
     /// Replaces a batch's record, as the holder of `lease` (`None`: unfenced, for tools).
@@ -450,6 +624,8 @@ impl Store {
             self.key(&["batch", &b.id]),
             self.key(&["status_counts"]),
             self.key(&["lease", &b.id]),
+            self.key(&["active"]),
+            self.key(&["tenant_of"]),
         ];
         let json = serde_json::to_string(batch).expect("a batch record serializes");
         let expected = lease.map(Lease::value).unwrap_or_default();
@@ -459,7 +635,7 @@ impl Store {
             .evalsha_with_reload(
                 &self.client,
                 keys,
-                vec![json, b.status.as_str().to_owned(), expected],
+                vec![json, b.status.as_str().to_owned(), expected, b.id.clone()],
             )
             .await?;
         Ok(n == 1)
@@ -518,6 +694,8 @@ impl Store {
             self.key(&["cancel", id]),
             self.key(&["queue"]),
             self.key(&["cancelq"]),
+            self.key(&["tenant_of"]),
+            self.key(&["tenants_queued"]),
         ];
         let n: i64 = self
             .scripts
@@ -525,7 +703,7 @@ impl Store {
             .evalsha_with_reload(
                 &self.client,
                 keys,
-                vec![id.to_owned(), now_unix().to_string()],
+                vec![id.to_owned(), now_unix().to_string(), self.prefix.clone()],
             )
             .await?;
         Ok(match n {
@@ -541,13 +719,16 @@ impl Store {
         Ok(n == 1)
     }
 
-    /// Takes the most urgent queued job (earliest deadline) for `replica` under a new lease.
+    /// Takes the most urgent queued job (earliest deadline) for `replica` under a new lease;
+    /// when its tenant already runs `share` jobs (0: no share), the most urgent job of a tenant
+    /// running fewer, if one waits.
     pub async fn claim_queued(
         &self,
         replica: &str,
         ttl: Duration,
+        share: usize,
     ) -> Result<Option<Lease>, StoreError> {
-        self.claim("queue", replica, ttl).await
+        self.claim("queue", replica, ttl, share).await
     }
 
     /// Takes a job whose cancel was asked while it waited in the queue.
@@ -556,7 +737,7 @@ impl Store {
         replica: &str,
         ttl: Duration,
     ) -> Result<Option<Lease>, StoreError> {
-        self.claim("cancelq", replica, ttl).await
+        self.claim("cancelq", replica, ttl, 0).await
     }
 
     async fn claim(
@@ -564,9 +745,20 @@ impl Store {
         queue: &str,
         replica: &str,
         ttl: Duration,
+        share: usize,
     ) -> Result<Option<Lease>, StoreError> {
-        let keys = vec![self.key(&[queue]), self.key(&["running"])];
-        let args = vec![replica.to_owned(), self.prefix.clone(), millis(ttl)];
+        let keys = vec![
+            self.key(&[queue]),
+            self.key(&["running"]),
+            self.key(&["tenant_of"]),
+            self.key(&["tenants_queued"]),
+        ];
+        let args = vec![
+            replica.to_owned(),
+            self.prefix.clone(),
+            millis(ttl),
+            share.to_string(),
+        ];
         let got: Option<(String, u64)> = self
             .scripts
             .claim

@@ -133,7 +133,7 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     s.create_batch(&batch("a", "batch_mid", 200)).await.unwrap();
     assert_eq!(s.queued().await.unwrap(), 3);
 
-    let soon = s.claim_queued("r1", TTL).await.unwrap().unwrap();
+    let soon = s.claim_queued("r1", TTL, 0).await.unwrap().unwrap();
     assert_eq!((soon.job.as_str(), soon.epoch), ("batch_soon", 1));
     assert_eq!(
         s.request_cancel("batch_late").await.unwrap(),
@@ -158,10 +158,10 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     );
     assert_eq!(s.claim_cancelled("r1", TTL).await.unwrap(), None);
     assert_eq!(
-        job_of(s.claim_queued("r2", TTL).await.unwrap()).as_deref(),
+        job_of(s.claim_queued("r2", TTL, 0).await.unwrap()).as_deref(),
         Some("batch_mid")
     );
-    assert_eq!(s.claim_queued("r2", TTL).await.unwrap(), None);
+    assert_eq!(s.claim_queued("r2", TTL, 0).await.unwrap(), None);
     let running = s.running().await.unwrap();
     assert_eq!(running.get("batch_soon").map(String::as_str), Some("r1"));
     assert_eq!(running.get("batch_mid").map(String::as_str), Some("r2"));
@@ -175,7 +175,7 @@ async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder()
     let s = store(&redis).await;
     s.create_batch(&batch("a", "batch_1", 100)).await.unwrap();
     let short = std::time::Duration::from_millis(300);
-    let first = s.claim_queued("r1", short).await.unwrap().unwrap();
+    let first = s.claim_queued("r1", short, 0).await.unwrap().unwrap();
     let record = s.batch("batch_1").await.unwrap().unwrap();
     assert!(s.save_batch(&record, Some(&first)).await.unwrap());
 
@@ -227,7 +227,7 @@ async fn a_lapsed_lease_nobody_took_is_held_again_by_its_replica() {
     let short = std::time::Duration::from_millis(200);
     let mut leases = Vec::new();
     for _ in 0..3 {
-        leases.push(s.claim_queued("r1", short).await.unwrap().unwrap());
+        leases.push(s.claim_queued("r1", short, 0).await.unwrap().unwrap());
     }
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     let record = s.batch("batch_1").await.unwrap().unwrap();
@@ -290,4 +290,82 @@ fn ids_sort_by_creation_time() {
     let b = new_id("batch_");
     assert!(a < b, "{a} {b}");
     assert_eq!(a.len(), "batch_".len() + 24);
+}
+
+#[tokio::test]
+async fn a_tenant_at_its_share_yields_a_slot_to_another_tenants_queued_batch() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    // Tenant a's batches are all more urgent than tenant b's.
+    for i in 0..5 {
+        s.create_batch(&batch("a", &format!("batch_a{i}"), 100 + i))
+            .await
+            .unwrap();
+    }
+    s.create_batch(&batch("b", "batch_b0", 500)).await.unwrap();
+    s.create_batch(&batch("b", "batch_b1", 600)).await.unwrap();
+    let mut order = Vec::new();
+    for _ in 0..7 {
+        order.push(job_of(s.claim_queued("r1", TTL, 2).await.unwrap()).unwrap());
+    }
+    // a runs 2, then b's most urgent goes first, then b again (b under 2), then a's rest.
+    assert_eq!(
+        order,
+        ["batch_a0", "batch_a1", "batch_b0", "batch_b1", "batch_a2", "batch_a3", "batch_a4"]
+    );
+    assert_eq!(s.claim_queued("r1", TTL, 2).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn unfinished_batches_and_stored_files_are_counted_against_quotas() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    for i in 0..2 {
+        let b = batch("a", &format!("batch_{i}"), 100);
+        assert_eq!(s.create_batch_within(&b, 2).await.unwrap(), Ok(()));
+    }
+    let third = batch("a", "batch_2", 100);
+    assert_eq!(
+        s.create_batch_within(&third, 2).await.unwrap(),
+        Err(QuotaExceeded::Batches)
+    );
+    // Another tenant is not held back; a batch ending frees its tenant's place, once.
+    let other = batch("b", "batch_b", 100);
+    assert_eq!(s.create_batch_within(&other, 2).await.unwrap(), Ok(()));
+    let mut ended = s.batch("batch_0").await.unwrap().unwrap();
+    ended.batch.batch.status = BatchStatus::Completed;
+    assert!(s.save_batch(&ended, None).await.unwrap());
+    assert!(s.save_batch(&ended, None).await.unwrap());
+    assert_eq!(s.unfinished("a").await.unwrap(), 1);
+    assert_eq!(s.create_batch_within(&third, 2).await.unwrap(), Ok(()));
+    assert_eq!(s.unfinished("a").await.unwrap(), 2);
+
+    let quota = FileQuota {
+        max_bytes: 25,
+        max_files: 3,
+    };
+    for i in 0..2 {
+        let f = file("a", &format!("file-{i}"), "batch", None);
+        assert_eq!(s.put_file_within(&f, &quota).await.unwrap(), Ok(()));
+    }
+    let f = file("a", "file-2", "batch", None);
+    assert_eq!(
+        s.put_file_within(&f, &quota).await.unwrap(),
+        Err(QuotaExceeded::StoredBytes)
+    );
+    assert_eq!(s.usage("a").await.unwrap(), (20, 2));
+    // Stored again, a record counts once.
+    let again = file("a", "file-1", "batch", None);
+    assert_eq!(s.put_file_within(&again, &quota).await.unwrap(), Ok(()));
+    assert_eq!(s.usage("a").await.unwrap(), (20, 2));
+    assert!(s.delete_file(&again).await.unwrap());
+    assert_eq!(s.usage("a").await.unwrap(), (10, 1));
+    let few = FileQuota {
+        max_bytes: 0,
+        max_files: 1,
+    };
+    assert_eq!(
+        s.put_file_within(&f, &few).await.unwrap(),
+        Err(QuotaExceeded::Files)
+    );
 }

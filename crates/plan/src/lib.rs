@@ -161,7 +161,7 @@ impl Plan {
         let size = file.metadata().map_err(io_error(READ_INPUT, input))?.len();
         if size > limits.max_file_bytes {
             return Err(PlanError::Invalid(vec![BatchError {
-                code: error_codes::TOO_LARGE.into(),
+                code: error_codes::FILE_TOO_LARGE.into(),
                 message: format!(
                     "the file has {size} bytes; at most {} are allowed",
                     limits.max_file_bytes
@@ -313,7 +313,7 @@ impl Builder {
         if line_no > self.limits.max_requests {
             if line_no == self.limits.max_requests + 1 {
                 self.error(BatchError {
-                    code: error_codes::TOO_LARGE.into(),
+                    code: error_codes::TOO_MANY_REQUESTS_IN_FILE.into(),
                     message: format!(
                         "the file has more than {} requests",
                         self.limits.max_requests

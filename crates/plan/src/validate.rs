@@ -339,6 +339,26 @@ fn error(code: &str, message: impl Into<String>, param: Option<&str>, line: u64)
     }
 }
 
+/// Why a line that does not start with `{` is not one: a byte order mark is named, since an
+/// editor adds it unseen and "expected a JSON object" would not say what to remove.
+pub(crate) fn not_an_object(text: &str) -> String {
+    match text.starts_with('\u{feff}') {
+        true => "expected a JSON object, found a UTF-8 byte order mark (U+FEFF) first: save the file without one".to_owned(),
+        false => "expected a JSON object".to_owned(),
+    }
+}
+
+/// Why `custom_id` cannot be used: absent, empty or not a string, or a string no JSON reader
+/// can decode (an escaped lone surrogate such as `\ud800`), which is not a missing one.
+pub(crate) fn custom_id_problem(raw: Option<&RawValue>) -> &'static str {
+    match raw.map(|r| r.get().trim_start()) {
+        Some(t) if t.starts_with('"') && serde_json::from_str::<Cow<str>>(t).is_err() => {
+            "custom_id is not valid Unicode: it holds an escaped lone surrogate such as \\ud800"
+        }
+        _ => "custom_id is required and must be a non-empty string",
+    }
+}
+
 fn as_nonempty_str(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
     let s: Cow<str> = serde_json::from_str(raw?.get()).ok()?;
     (!s.trim().is_empty()).then_some(s)
@@ -363,7 +383,7 @@ pub(crate) fn check_line_with_serde(
     // serde would read a JSON array into the struct's fields in order: only objects are lines.
     let parsed = match text.trim_start().starts_with('{') {
         true => serde_json::from_str::<LineView>(text).map_err(|e| e.to_string()),
-        false => Err("expected a JSON object".to_owned()),
+        false => Err(not_an_object(text)),
     };
     let view = match parsed {
         Ok(v) => v,
@@ -386,7 +406,7 @@ pub(crate) fn check_line_with_serde(
     if custom_id.is_none() {
         errors.push(error(
             error_codes::MISSING_CUSTOM_ID,
-            "custom_id is required and must be a non-empty string",
+            custom_id_problem(view.custom_id),
             Some("custom_id"),
             line_no,
         ));
@@ -808,5 +828,28 @@ mod tests {
     fn errors_carry_the_line_number() {
         let errs = check_line("{", 17).unwrap_err();
         assert_eq!(errs[0].line, Some(17));
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_named() {
+        let line = "\u{feff}{\"custom_id\":\"a\",\"method\":\"POST\",\"url\":\"/v1/completions\",\"body\":{\"model\":\"m\"}}";
+        let errs = check_line(line, 1).unwrap_err();
+        assert!(errs[0].message.contains("byte order mark"), "{errs:?}");
+        assert_eq!(errs, reference::check_line(line, 1).unwrap_err());
+    }
+
+    #[test]
+    fn a_custom_id_with_a_lone_surrogate_is_not_called_missing() {
+        let line = r#"{"custom_id":"x\ud800","method":"POST","url":"/v1/completions","body":{"model":"m"}}"#;
+        let errs = check_line(line, 3).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert!(errs[0].message.contains("lone surrogate"), "{errs:?}");
+        assert_eq!(errs[0].param.as_deref(), Some("custom_id"));
+        let missing = check_line(
+            r#"{"method":"POST","url":"/v1/completions","body":{"model":"m"}}"#,
+            3,
+        )
+        .unwrap_err();
+        assert!(missing[0].message.contains("is required"), "{missing:?}");
     }
 }

@@ -72,7 +72,7 @@ pub(super) fn check_line(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Ve
     // serde would read a JSON array into the struct's fields in order: only objects are lines.
     let parsed = match text.trim_start().starts_with('{') {
         true => serde_json::from_str::<LineView>(text).map_err(|e| e.to_string()),
-        false => Err("expected a JSON object".to_owned()),
+        false => Err(super::not_an_object(text)),
     };
     let view = match parsed {
         Ok(v) => v,
@@ -95,7 +95,7 @@ pub(super) fn check_line(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Ve
     if custom_id.is_none() {
         errors.push(error(
             error_codes::MISSING_CUSTOM_ID,
-            "custom_id is required and must be a non-empty string",
+            super::custom_id_problem(view.custom_id),
             Some("custom_id"),
             line_no,
         ));

@@ -154,7 +154,7 @@ fn enforces_limits_and_refuses_empty_files() {
     };
     assert_eq!(
         invalid(Plan::build(&input, &dir.path().join("p"), few)),
-        [(Some(4), "too_many_requests".to_owned())]
+        [(Some(4), "too_many_requests_in_file".to_owned())]
     );
     let small = Limits {
         max_file_bytes: 10,
@@ -162,7 +162,7 @@ fn enforces_limits_and_refuses_empty_files() {
     };
     assert_eq!(
         invalid(Plan::build(&input, &dir.path().join("p"), small)),
-        [(None, "too_many_requests".to_owned())]
+        [(None, "file_too_large".to_owned())]
     );
     let empty = dir.path().join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();

@@ -75,7 +75,9 @@ impl JobMessages {
     fn write_member(&self, index: u64, url: &str, body: &str) -> String {
         let id = batch_wire::request_id(&self.job_id, index);
         let token = request_token(&self.job_id, self.created, index);
-        let window_ms = ((self.deadline - self.created).max(0) * 1000).to_string();
+        let window_ms = (self.deadline.saturating_sub(self.created).max(0))
+            .saturating_mul(1000)
+            .to_string();
         let mut headers: Vec<(&str, &str)> = self
             .headers
             .iter()
@@ -121,7 +123,11 @@ impl JobMessages {
         let id = batch_wire::request_id(&self.job_id, index);
         let mut headers = self.headers.clone();
         headers.insert("X-Request-ID".into(), id.clone());
-        let window_ms = (self.deadline - self.created).max(0) * 1000;
+        let window_ms = self
+            .deadline
+            .saturating_sub(self.created)
+            .max(0)
+            .saturating_mul(1000);
         headers.insert("x-slo-ttft-ms".into(), window_ms.to_string());
         let envelope = Envelope {
             internal: Internal {

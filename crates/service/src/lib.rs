@@ -19,6 +19,7 @@
 //! ```
 
 mod finalize;
+mod http;
 mod reaper;
 mod runner;
 
@@ -156,14 +157,13 @@ impl Service {
                 max_active_jobs: serve.max_active_jobs,
                 lease_ttl: serve.lease_ttl,
                 checkpoint_interval: serve.checkpoint_interval,
+                tenant_share: serve.tenant_max_running_batches,
             },
         );
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|error| ServiceError::Listen {
-                addr: listen,
-                error,
-            })?;
+        let listener = http::bind(listen).map_err(|error| ServiceError::Listen {
+            addr: listen,
+            error,
+        })?;
         let addr = listener
             .local_addr()
             .map_err(|error| ServiceError::Listen {
@@ -180,22 +180,35 @@ impl Service {
             storage: storage.clone(),
             keys: Keys::new(&serve.api_keys),
             limits: executor.config().input.clone(),
+            edge: batch_api::EdgeLimits {
+                max_json_body_bytes: serve.max_json_body_bytes,
+                max_form_field_bytes: serve.max_form_field_bytes,
+                max_filename_bytes: serve.max_filename_bytes,
+                max_id_bytes: serve.max_id_bytes,
+            },
+            quotas: batch_api::Quotas {
+                max_unfinished_batches: serve.tenant_max_batches,
+                max_stored_bytes: serve.tenant_max_stored_bytes,
+                max_files: serve.tenant_max_files,
+            },
             hooks,
         };
         let stop_http = CancellationToken::new();
         let stop_reaper = CancellationToken::new();
         let mut tasks = Vec::new();
         {
-            let stop = stop_http.clone();
+            let limits = http::EdgeLimits {
+                header_read_timeout: serve.header_read_timeout,
+                idle_timeout: serve.idle_timeout,
+                max_connections: serve.max_connections,
+            };
             let app = batch_api::router(api);
-            tasks.push(tokio::spawn(async move {
-                let served = axum::serve(listener, app)
-                    .with_graceful_shutdown(async move { stop.cancelled().await })
-                    .await;
-                if let Err(e) = served {
-                    tracing::error!(error = %e, "the API server failed");
-                }
-            }));
+            tasks.push(tokio::spawn(http::serve(
+                listener,
+                app,
+                limits,
+                stop_http.clone(),
+            )));
         }
         tasks.push(tokio::spawn(runner.clone().run()));
         tasks.push(tokio::spawn(reaper::run(

@@ -34,6 +34,9 @@ pub(crate) struct RunnerConfig {
     pub max_active_jobs: usize,
     pub lease_ttl: Duration,
     pub checkpoint_interval: Duration,
+    /// `serve.tenant_max_running_batches`: a tenant running this many jobs yields a free slot
+    /// to another tenant's queued batch.
+    pub tenant_share: usize,
 }
 
 /// A job this replica runs now.
@@ -181,7 +184,11 @@ impl Runner {
             let Some(permit) = self.take_over_one(permit).await else {
                 continue;
             };
-            match self.store.claim_queued(me, self.config.lease_ttl).await {
+            match self
+                .store
+                .claim_queued(me, self.config.lease_ttl, self.config.tenant_share)
+                .await
+            {
                 Ok(Some(lease)) => {
                     self.spawn_job(lease, Some(permit), false);
                     continue;

@@ -278,8 +278,8 @@ impl SyncDispatcher {
     /// error or timeout on the last attempt: the same code the async dispatcher writes).
     pub async fn dispatch(&self, endpoint: &str, request: SyncRequest<'_>) -> SyncOutcome {
         let Some(endpoint) = self.endpoint(endpoint) else {
-            metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => endpoint.to_owned())
-                .increment(1);
+            // The name is the input's: counted under one label, not one series per name.
+            metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => "other").increment(1);
             return SyncOutcome::failed(
                 error_codes::MODEL_NOT_FOUND,
                 format!("no inference gateway is configured for {endpoint:?}"),

@@ -6,6 +6,27 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+/// The longest completion window a job may have (10 years of 365 days): a deadline, its
+/// creation time plus the window, then stays far inside `i64` seconds, and milliseconds.
+pub const MAX_COMPLETION_WINDOW: std::time::Duration =
+    std::time::Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// The SLO deadline (Unix seconds) of a job created at `created_at` with `window` (at least 1 s
+/// counted); `None` when the window is over [`MAX_COMPLETION_WINDOW`] or the sum overflows.
+///
+/// ```
+/// use std::time::Duration;
+/// assert_eq!(batch_wire::deadline(1_000, Duration::from_secs(60)), Some(1_060));
+/// assert_eq!(batch_wire::deadline(1_000, Duration::from_secs(u64::MAX)), None);
+/// ```
+pub fn deadline(created_at: i64, window: std::time::Duration) -> Option<i64> {
+    if window > MAX_COMPLETION_WINDOW {
+        return None;
+    }
+    let secs = i64::try_from(window.as_secs().max(1)).ok()?;
+    created_at.checked_add(secs)
+}
+
 /// The endpoints a batch input line may target.
 pub const ALLOWED_URLS: [&str; 5] = [
     "/v1/chat/completions",
@@ -48,8 +69,10 @@ pub mod error_codes {
     pub const MISSING_MODEL: &str = "missing_model";
     /// Validation: `body.stream` is true.
     pub const STREAMING_NOT_SUPPORTED: &str = "invalid_request";
-    /// Validation: the file is over a limit.
-    pub const TOO_LARGE: &str = "too_many_requests";
+    /// Validation: the file has more bytes than allowed (the code of the service's 413 too).
+    pub const FILE_TOO_LARGE: &str = "file_too_large";
+    /// Validation: the file has more request lines than allowed (the service's 413 too).
+    pub const TOO_MANY_REQUESTS_IN_FILE: &str = "too_many_requests_in_file";
     /// Validation: the file has no request at all.
     pub const EMPTY_FILE: &str = "empty_file";
 }

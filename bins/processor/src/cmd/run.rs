@@ -66,6 +66,10 @@ impl Args {
 fn parse_window(text: &str) -> Result<Duration, String> {
     match batch_config::parse_duration(text)? {
         d if d.as_secs() == 0 => Err("the window must be at least 1s".into()),
+        d if d > batch_wire::MAX_COMPLETION_WINDOW => Err(format!(
+            "the window may be at most {} days",
+            batch_wire::MAX_COMPLETION_WINDOW.as_secs() / 86_400
+        )),
         d => Ok(d),
     }
 }
