@@ -121,3 +121,46 @@ async fn two_then_four_processes_get_their_results_from_the_one_list_the_entry_n
 async fn the_same_on_a_three_primary_cluster() {
     processes_on_a_pool_whose_entry_names_one_list(4, Redis::Cluster(RedisCluster::start(3))).await;
 }
+
+/// The list the queue entry names is held by a process that reads nothing (frozen) while the
+/// job's results pile up there: they are not lost lines, so the lost-line search, run every
+/// second, sends nothing again; once the frozen holder's lease lapses, the process waiting on
+/// that list reads it and the job completes with one request per line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn results_waiting_on_a_frozen_readers_list_are_not_sent_again() {
+    let redis = RedisServer::start();
+    let dir = batch_testkit::tempdir().unwrap();
+    let gateway = Gateway::start("127.0.0.1:0".parse().unwrap(), GatewayConfig::default())
+        .await
+        .unwrap();
+    let lease = format!("{{{LIST}}}:lease");
+    redis.command(&["SET", &lease, "elsewhere 1 space instance 0", "PX", "8000"]);
+    let mut entry = QueueEntry::new("llm-d-async:requests:pool-p");
+    entry.igw_base_url = Some(gateway.base_url());
+    entry.request_path_url = Some("/v1/chat/completions".into());
+    entry.result_queue_name = Some(LIST.into());
+    let mut sim_config = DispatcherConfig::new(redis.url(), vec![entry]);
+    sim_config.poll_interval = Duration::from_millis(20);
+    sim_config.batch_size = 100;
+    let sim = Dispatcher::start(sim_config, None).await.unwrap();
+    let config = config(&dir, &redis.url());
+    let input = dir.path().join("in.jsonl");
+    let out = dir.path().join("out");
+    let lines = write_input(&input, 200, &["llama-3"]);
+    let started = Instant::now();
+    let status = run_cmd(&config, &input, &out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(
+        started.elapsed() > Duration::from_secs(5),
+        "the job ended before the frozen lease lapsed"
+    );
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    assert_eq!(gateway.stats().total, 200, "lines were sent again");
+    sim.shutdown().await;
+}

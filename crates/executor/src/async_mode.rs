@@ -32,12 +32,6 @@ use crate::{blocking, wait_for_end, Dispatch, ExecError};
 /// How many lists named `<consumer_id>`, `<consumer_id>-2`, ... a process tries by itself.
 const AUTO_LISTS: usize = 64;
 
-/// Looks at the head of the request and retry sets before a line is put back, how far apart,
-/// and how many members each reads.
-const HEAD_LOOKS: usize = 8;
-const HEAD_LOOK_EVERY: Duration = Duration::from_millis(40);
-const HEAD_MEMBERS: usize = 256;
-
 /// How often a running job looks whether its results were handed on from another list.
 const FOLLOW_EVERY: Duration = Duration::from_millis(500);
 
@@ -635,7 +629,6 @@ impl AsyncMode {
                     }
                     let line = j.read_line(&record)?;
                     out.push((
-                        record.line,
                         msgs.score_at(first + pos),
                         msgs.member(record.line as u64, &line)?,
                     ));
@@ -648,17 +641,7 @@ impl AsyncMode {
             .await?;
             known = known_back;
             left.extend(left_here);
-            let mut members: Vec<(u32, f64, String)> = members;
-            if !members.is_empty() {
-                let seen = self
-                    .seen_at_the_head(job, &q.messages.request_queue, producer)
-                    .await?;
-                members.retain(|(line, _, _)| !seen.contains(line));
-            }
-            let members: Vec<(f64, String)> = members
-                .into_iter()
-                .map(|(_, score, m)| (score, m))
-                .collect();
+            let members: Vec<(f64, String)> = members;
             let count = members.len() as u64;
             let added = producer
                 .enqueue_scored(&q.messages.request_queue, members)
@@ -710,34 +693,6 @@ impl AsyncMode {
                 }
             }
         }
-    }
-
-    /// Lines of the job seen at the head of `queue` or of the retry set in a few looks spread
-    /// over a fraction of a second: a member a refusing gate keeps taking and putting back is
-    /// there most of the time, though any one scan may miss it.
-    async fn seen_at_the_head(
-        &self,
-        job: &Job,
-        queue: &str,
-        producer: &Producer,
-    ) -> Result<HashSet<u32>, ExecError> {
-        let prefix = job_id_prefix(&job.id);
-        let mut seen = HashSet::new();
-        for look in 0..HEAD_LOOKS {
-            if look > 0 {
-                tokio::time::sleep(HEAD_LOOK_EVERY).await;
-            }
-            for set in [queue, self.config.async_dispatch.retry_queue_name.as_str()] {
-                for id in producer.head_ids(set, &prefix, HEAD_MEMBERS).await? {
-                    if let Some((job_id, index)) = batch_wire::parse_request_id(&id) {
-                        if job_id == job.id {
-                            seen.insert(index as u32);
-                        }
-                    }
-                }
-            }
-        }
-        Ok(seen)
     }
 
     /// Line indexes of the job whose requests the dispatcher holds in some form.

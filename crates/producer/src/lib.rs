@@ -117,18 +117,6 @@ end
 return missing
 "#;
 
-// The request ids starting with ARGV[1] among the ARGV[2] lowest-scored members of KEYS[1]:
-// where a dispatcher that pops, is refused and puts back keeps a member.
-const HEAD_IDS_LUA: &str = r#"
-local out = {}
-for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)) do
-  for id in string.gmatch(member, '"id"%s*:%s*"([^"]*)"') do
-    if string.sub(id, 1, #ARGV[1]) == ARGV[1] then out[#out + 1] = id end
-  end
-end
-return out
-"#;
-
 /// Writes and removes members of the dispatcher's request sorted sets.
 ///
 /// Every operation waits out Redis outages (restarts, failovers, `LOADING`, `READONLY`, `OOM`)
@@ -139,7 +127,6 @@ pub struct Producer {
     client: Client,
     options: ProducerOptions,
     remove_script: Script,
-    head_ids_script: Script,
     stop: CancellationToken,
 }
 
@@ -150,7 +137,6 @@ impl Producer {
             client,
             options,
             remove_script: Script::from_lua(REMOVE_LUA),
-            head_ids_script: Script::from_lua(HEAD_IDS_LUA),
             stop: CancellationToken::new(),
         }
     }
@@ -352,29 +338,6 @@ impl Producer {
             }
             cursor = reply.0;
         }
-    }
-
-    /// The request ids starting with `prefix` among the `count` lowest-scored members of `key`.
-    ///
-    /// A v0.9 dispatcher whose gate refuses puts the member back at its bare deadline, the
-    /// lowest score of its job, and takes it again at the next pop: such a member spends much
-    /// of its time out of the set, where a scan can miss it, but it comes back to the head.
-    pub async fn head_ids(
-        &self,
-        key: &str,
-        prefix: &str,
-        count: usize,
-    ) -> Result<Vec<String>, ProducerError> {
-        let count = count.to_string();
-        self.retry("EVALSHA", key, || {
-            self.head_ids_script
-                .evalsha_with_reload::<Vec<String>, _, _>(
-                    &self.client,
-                    vec![key],
-                    vec![prefix, count.as_str()],
-                )
-        })
-        .await
     }
 
     /// For each member, whether it is still in `queue`.

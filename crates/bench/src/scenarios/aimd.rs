@@ -366,9 +366,9 @@ fn record(
     });
     let label = format!("{}, {}", behaviour.label(), candidate.label());
     let ceiling_name = match behaviour {
-        Behaviour::Changing => format!(
-            "time-weighted C / mean latency, C = {CAPACITY} → {LOW_CAPACITY} → {CAPACITY}"
-        ),
+        Behaviour::Changing => {
+            format!("time-weighted C / mean latency, C = {CAPACITY} → {LOW_CAPACITY} → {CAPACITY}")
+        }
         Behaviour::ModelServer => format!("knee: C / mean unloaded latency, C = {CAPACITY}"),
         _ => format!("C / mean latency, C = {CAPACITY}"),
     };
@@ -429,11 +429,8 @@ async fn one_run(
     candidate: Candidate,
     run: usize,
 ) -> Result<Run, BenchError> {
-    let gateway = Gateway::start(
-        ([127, 0, 0, 1], 0).into(),
-        behaviour.config(run as u64 + 1),
-    )
-    .await?;
+    let gateway =
+        Gateway::start(([127, 0, 0, 1], 0).into(), behaviour.config(run as u64 + 1)).await?;
     let config = lab.sync_config(
         "aimd.yaml",
         &gateway.base_url(),
