@@ -366,6 +366,55 @@ async fn a_processor_killed_mid_job_and_run_again_writes_each_line_once() {
     sim.shutdown().await;
 }
 
+/// A v0.9 dispatcher keeps the requests it is sending in no Redis key. A processor killed with
+/// every request enqueued and run again must not take those for lost: it looks twice, a few
+/// seconds apart, before it puts a line back, and the gateway gets each line once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resume_does_not_send_again_what_the_dispatcher_is_sending() {
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(1500),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let sim = env.dispatcher(&["pool-a"], |c| c.batch_size = 20).await;
+    let out = env.path("out");
+    let mut first = Child(
+        processor(&env, &config, "in.jsonl", "out")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let manifest = || std::fs::read_to_string(out.join("job-state.json")).unwrap_or_default();
+    let output_lines = || {
+        std::fs::read_to_string(out.join("output.jsonl"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    eventually(
+        "every request enqueued and some answered",
+        Duration::from_secs(60),
+        || manifest().contains("\"enqueued\": true") && output_lines() >= 20,
+    )
+    .await;
+    first.0.kill().unwrap(); // SIGKILL, with requests at the gateway
+    first.0.wait().unwrap();
+    assert!(output_lines() < 200, "killed too late to prove anything");
+    let second = processor(&env, &config, "in.jsonl", "out")
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{stderr}");
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    assert_eq!(env.gateway.stats().total, 200, "lines were sent twice");
+    sim.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigint_cancels_the_job_and_empties_its_queue() {
     let env = Env::start(GatewayConfig::default()).await;

@@ -32,6 +32,12 @@ use crate::{blocking, wait_for_end, Dispatch, ExecError};
 /// How many lists named `<consumer_id>`, `<consumer_id>-2`, ... a process tries by itself.
 const AUTO_LISTS: usize = 64;
 
+/// The real dispatcher's default `--request-timeout`: how long it may hold a request it sends.
+const DISPATCHER_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How far apart the two looks of a resume are (at most half of `lost_request_timeout`).
+const RESUME_CONFIRM: Duration = Duration::from_secs(5);
+
 /// How often a running job looks whether its results were handed on from another list.
 const FOLLOW_EVERY: Duration = Duration::from_millis(500);
 
@@ -98,6 +104,13 @@ impl AsyncMode {
             .map_err(|e| ExecError::Config(e.to_string()))?;
         let client = batch_redis::connect(&redis_url, &connect).await?;
         batch_redis::check_durability(&client, config.redis_allow_eviction).await?;
+        let lost_after = config.async_dispatch.lost_request_timeout;
+        if lost_after < DISPATCHER_REQUEST_TIMEOUT {
+            tracing::warn!(
+                lost_request_timeout = ?lost_after,
+                "async_dispatch.lost_request_timeout is shorter than the dispatcher's default --request-timeout (5m): a v0.9 dispatcher keeps a request it is sending in no Redis key, so a line the gateway takes longer than that to answer is sent again"
+            );
+        }
         let producer = Producer::new(
             client.clone(),
             ProducerOptions {
@@ -439,13 +452,19 @@ impl AsyncMode {
         if stop.halt.is_cancelled() {
             return Ok(stop.end().unwrap_or(End::Paused));
         }
-        let enqueued = if job.resumed {
+        let enqueued = if job.resumed && job.was_enqueued() {
+            self.put_back_confirmed(job, &queues, &producer, stop).await
+        } else if job.resumed {
             self.put_back_missing(job, &queues, &producer, None)
                 .await
                 .map(|(n, _)| n)
         } else {
             self.enqueue_all(job, &queues, &producer).await
         };
+        if enqueued.is_ok() && !stop.halt.is_cancelled() {
+            let j = job.clone();
+            blocking(move || j.mark_enqueued()).await?;
+        }
         let enqueued = match enqueued {
             Ok(n) => n,
             Err(ExecError::Producer(e)) => return producer_error(e, stop),
@@ -575,6 +594,33 @@ impl AsyncMode {
             total += added;
         }
         Ok(total)
+    }
+
+    /// At the resume of a job whose requests were all enqueued once: puts back what two looks,
+    /// [`RESUME_CONFIRM`] apart, both find nowhere. A v0.9 dispatcher keeps what it is sending
+    /// in no Redis key, so one look at a resume would send those lines a second time.
+    async fn put_back_confirmed(
+        &self,
+        job: &Arc<Job>,
+        queues: &[ModelQueue],
+        producer: &Producer,
+        stop: &Stop,
+    ) -> Result<u64, ExecError> {
+        let after = RESUME_CONFIRM.min(self.config.async_dispatch.lost_request_timeout / 2);
+        let (_, suspects) = self
+            .put_back_missing(job, queues, producer, Some((HashMap::new(), after)))
+            .await?;
+        if suspects.is_empty() {
+            return Ok(0);
+        }
+        tokio::select! {
+            _ = stop.halt.cancelled() => return Ok(0),
+            _ = tokio::time::sleep(after) => {}
+        }
+        let (n, _) = self
+            .put_back_missing(job, queues, producer, Some((suspects, after)))
+            .await?;
+        Ok(n)
     }
 
     /// Puts back the unresolved lines whose requests are nowhere in the dispatcher's hands: not

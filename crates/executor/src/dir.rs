@@ -72,6 +72,10 @@ pub(crate) struct Manifest {
     /// The result list named by the job's requests, by pool (async mode).
     #[serde(default)]
     pub result_lists: BTreeMap<String, String>,
+    /// Every request of the job reached the request queues once (async mode): a line missing
+    /// at a resume is then in the dispatcher's hands or lost, not one never sent.
+    #[serde(default)]
+    pub enqueued: bool,
 }
 
 /// Where the input was and what it held.

@@ -285,6 +285,7 @@ impl Job {
                     job_id: job_id.to_owned(),
                     input: record,
                     result_lists: BTreeMap::new(),
+                    enqueued: false,
                 };
                 m.write(&spec.output_dir)?;
                 Ok(m)
@@ -303,6 +304,21 @@ impl Job {
             .insert(pool.to_owned(), list.to_owned());
         manifest.write(&self.dir)?;
         Ok(list.to_owned())
+    }
+
+    /// Records that every request reached the request queues once.
+    pub(crate) fn mark_enqueued(&self) -> Result<(), ExecError> {
+        let mut manifest = self.manifest.lock().expect("manifest lock");
+        if !manifest.enqueued {
+            manifest.enqueued = true;
+            manifest.write(&self.dir)?;
+        }
+        Ok(())
+    }
+
+    /// Whether every request reached the request queues once, in this run or an earlier one.
+    pub(crate) fn was_enqueued(&self) -> bool {
+        self.manifest.lock().expect("manifest lock").enqueued
     }
 
     /// The job id.
