@@ -667,6 +667,42 @@ async fn results_go_to_the_routed_list_and_carry_no_metadata() {
     d.shutdown().await;
 }
 
+/// Read in the real v0.9.0 and main (`flushResultBatch`): the entry whose `result_queue_name`
+/// applies is looked up by the member's own `internal.queue_id` when it carries one, not by the
+/// queue it was taken from; an id naming no entry falls through to the envelope's list.
+#[tokio::test]
+async fn the_result_list_follows_the_members_own_queue_id() {
+    let rig = Rig::new(GatewayConfig::default()).await;
+    let pinned = QueueEntry {
+        result_queue_name: Some("entry-results".into()),
+        ..entry("q-pinned", &rig.gw.base_url())
+    };
+    let other = QueueEntry {
+        id: Some("other".into()),
+        result_queue_name: Some("other-results".into()),
+        ..entry("q-other", &rig.gw.base_url())
+    };
+    let deadline = now() + 600;
+    for (id, queue_id) in [("named", "other"), ("stranger", "nobody")] {
+        enqueue(
+            &rig.client,
+            "q-pinned",
+            id,
+            deadline,
+            &chat(id),
+            &format!(r#"{{"queue_id":"{queue_id}","result_queue_name":"envelope-results"}}"#),
+        )
+        .await;
+    }
+    let d = rig.start(fast(&rig.redis.url(), vec![pinned, other])).await;
+    let got = results(&rig.client, "other-results", 1, WAIT).await;
+    assert_eq!(got[0].id, "named");
+    let got = results(&rig.client, "envelope-results", 1, WAIT).await;
+    assert_eq!(got[0].id, "stranger");
+    assert_eq!(llen(&rig.client, "entry-results").await, 0);
+    d.shutdown().await;
+}
+
 /// "it is POSTed to `igw_base_url + (endpoint or request_path_url)` …, `Content-Type:
 /// application/json`, plus the message's `headers`"; "`payload` is a JSON object sent as the
 /// POST body" (byte for byte).

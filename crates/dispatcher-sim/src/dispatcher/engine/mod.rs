@@ -405,6 +405,11 @@ impl Shared {
             let budget = q.gate.budget(&self.redis, &self.http).await;
             let n = (self.batch_size as f64 * budget).floor() as usize;
             if n == 0 {
+                // The real poller reads the depth of a queue its gate keeps shut (for a
+                // metric); the same command keeps MONITOR traces alike.
+                if let Err(e) = self.redis.zcard::<i64, _>(q.name.as_str()).await {
+                    self.redis_error("ZCARD", &e);
+                }
                 continue;
             }
             let outcome = match self.version {
@@ -888,28 +893,29 @@ impl Shared {
     /// `request-active:<id>` and `request-cancel:<id>` are deleted when they hold its token.
     async fn clear_request_state(&self, env: &Envelope) {
         let Some(token) = env.token() else { return };
-        let keys = vec![
+        // One key per script: the two keys may live in different slots of a cluster.
+        for key in [
             format!("request-active:{}", env.data.id),
             wire::cancel_marker_key(&env.data.id),
-        ];
-        let cleared: Result<Value, _> = self
-            .redis
-            .eval(CLEAR_REQUEST_STATE, keys, vec![token.to_owned()])
-            .await;
-        if let Err(e) = cleared {
-            self.redis_error("EVAL (clear request state)", &e);
+        ] {
+            let cleared: Result<Value, _> = self
+                .redis
+                .eval(CLEAR_REQUEST_STATE, vec![key], vec![token.to_owned()])
+                .await;
+            if let Err(e) = cleared {
+                self.redis_error("EVAL (clear request state)", &e);
+            }
         }
     }
 }
 
-/// Deletes the active and cancel keys of a request when they hold its token (KEYS[1], KEYS[2],
-/// ARGV[1]), as the real dispatcher's script does.
+/// Deletes each key given (a request's active or cancel key) that holds the token ARGV[1]; the
+/// caller never passes an empty token.
 const CLEAR_REQUEST_STATE: &str = r#"
-local token = ARGV[1]
-if token == "" then return 0 end
-if redis.call("GET", KEYS[1]) == token then redis.call("DEL", KEYS[1]) end
-if redis.call("GET", KEYS[2]) == token then redis.call("DEL", KEYS[2]) end
-return 1
+for _, key in ipairs(KEYS) do
+  if redis.call("GET", key) == ARGV[1] then redis.call("DEL", key) end
+end
+return #KEYS
 "#;
 
 /// Whether a poller goes on after one batch.

@@ -216,9 +216,18 @@ impl Shared {
         if self.version == DispatcherVersion::V0_10 {
             result.request_token = env.token().map(str::to_owned);
         }
-        let list = q
-            .result_queue
-            .clone()
+        // The real one looks the entry up by the member's own `internal.queue_id` when it has
+        // one (else by the queue it was taken from): an id naming no entry skips the entries'
+        // `result_queue_name` altogether.
+        let entry_list = match non_empty(&env.internal.queue_id) {
+            Some(id) => self
+                .queues
+                .iter()
+                .find(|e| e.id == id)
+                .and_then(|e| e.result_queue.clone()),
+            None => q.result_queue.clone(),
+        };
+        let list = entry_list
             .or_else(|| non_empty(&env.internal.result_queue_name).map(str::to_owned))
             .unwrap_or_else(|| self.default_result_queue.clone());
         let copies = if self.sim.duplicate_rate > 0.0
