@@ -116,10 +116,10 @@ async fn http_errors_go_to_output_and_failures_to_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicated_results_never_double_a_line() {
     let env = Env::start(GatewayConfig::default()).await;
-    let lines = write_input(&env.path("in.jsonl"), 500, &["llama-3"]);
+    let lines = write_input(&env.path("in.jsonl"), 3000, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env
-        .dispatcher(&["pool-a"], |c| c.sim.duplicate_rate = 0.2)
+        .dispatcher(&["pool-a"], |c| c.sim.duplicate_rate = 0.1)
         .await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let batch = executor
@@ -130,8 +130,10 @@ async fn duplicated_results_never_double_a_line() {
     Results::read(&env.path("out")).assert_each_once(&lines);
     // The doubles did arrive, and were recognised as such (some may come after the job ended).
     let stats = &executor.consumer_stats().await["pool-a"];
-    assert!(sim.stats().duplicated > 50, "{:?}", sim.stats());
+    assert!(sim.stats().duplicated > 150, "{:?}", sim.stats());
     assert!(stats.duplicates_total() + stats.unknown_job_total() > 0);
+    Results::read(&env.path("out")).assert_answers_match(&lines);
+    assert_eq!(env.gateway.stats().total, 3000, "a line was sent twice");
     executor.shutdown().await;
     sim.shutdown().await;
 }

@@ -81,6 +81,11 @@ async fn processes_on_one_pool(n: usize) -> f64 {
         assert_eq!(batch_json(out)["status"], "completed");
     }
     let took = started.elapsed().as_secs_f64();
+    assert_eq!(
+        env.gateway.stats().total,
+        2000 * n as u64,
+        "lines sent more than once"
+    );
     // The same work in one process, for comparison.
     let mut one = Command::new(PROCESSOR);
     one.args(["run", "--config"]).arg(&config);

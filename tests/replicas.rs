@@ -588,6 +588,14 @@ async fn a_rolling_restart_fails_no_job_and_idles_none() {
     for (b, batch) in batches.iter().zip(&finals) {
         cluster.check_completed(b, batch, 1).await;
     }
+    // Each line reached the gateway once: what the dispatcher was sending when a replica
+    // stopped was not taken for lost by the replica that took its job over.
+    let lines: usize = batches.iter().map(|b| b.lines.len()).sum();
+    assert_eq!(
+        cluster.env.gateway.stats().total,
+        lines as u64,
+        "lines sent more than once"
+    );
     let seen = monitor.finish().await;
     assert_never_stopped(&seen);
     for b in &batches {
