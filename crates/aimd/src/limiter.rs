@@ -115,6 +115,7 @@ impl Algorithm {
             Algorithm::Work => Box::new(GradientLimiter::new(GradientConfig {
                 per_work: true,
                 tolerance: WORK_TOLERANCE,
+                confirm_windows: 2,
                 ..gradient
             })?),
         })
