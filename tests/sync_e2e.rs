@@ -104,6 +104,65 @@ async fn reference_aimd_settles_near_the_gateways_capacity() {
     assert!(stats.max_in_flight_seen <= 32);
 }
 
+/// The default limiter against answers of lognormal length (10 ms + 1 ms per output token,
+/// median 40 tokens, sigma 0.8, as the simulator reports in `usage`) under a hard limit: the
+/// spread of answer times is not taken for queueing, so the limit sits at the capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_default_limiter_fills_a_hard_limit_with_answers_of_varied_length() {
+    let _alone = TIMING.lock().await;
+    const CAPACITY: usize = 32;
+    const LINES: usize = 2000;
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(10),
+        latency_per_token: Duration::from_millis(1),
+        length_median: Some(40),
+        length_sigma: 0.8,
+        seed: Some(28),
+        capacity: Some(CAPACITY),
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), LINES, &["llama-3"]);
+    let config = env.sync_config(
+        &["llama-3"],
+        FAST_RETRIES,
+        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    min: 4\n",
+    );
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let (batch, samples) = sampling_limits(
+        &executor,
+        "llama-3",
+        executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new()),
+    )
+    .await;
+    let batch = batch.unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    assert_eq!(batch.request_counts.completed, LINES as u64);
+    Results::read(&env.path("out")).assert_each_once(&lines);
+
+    let stats = env.gateway.stats();
+    let settled = &samples[samples.len() / 3..];
+    let mut sorted = settled.to_vec();
+    sorted.sort_unstable();
+    let (low, median) = (sorted[sorted.len() / 10], sorted[sorted.len() / 2]);
+    eprintln!(
+        "work: 429s {}, limit 10th percentile {low}, median {median}, max {:?}",
+        stats.responses(429),
+        sorted.last()
+    );
+    // The gradient limiter on raw latency sits near `min` here (issue #28).
+    assert!(
+        low >= CAPACITY * 3 / 4 && (CAPACITY - 2..=CAPACITY + 8).contains(&median),
+        "the limit sits at the capacity: 10th percentile {low}, median {median}"
+    );
+    assert!(
+        stats.responses(429) < (LINES / 10) as u64,
+        "{} 429s for {LINES} lines",
+        stats.responses(429)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gradient_limiter_fills_a_hard_limit_with_few_429s() {
     let _alone = TIMING.lock().await;

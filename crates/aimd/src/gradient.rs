@@ -52,6 +52,10 @@ pub struct GradientConfig {
     /// the answers, see [`Algorithm::Work`]). Answers of varied length then do not look like
     /// queueing. Without lengths it is the plain mean latency.
     pub per_work: bool,
+    /// Consecutive windows above the tolerance before the limit shrinks on latency; at least
+    /// 1. The windows between neither grow nor shrink it: one window slowed by a scheduling
+    /// hiccup of the machine is not queueing, several in a row are.
+    pub confirm_windows: usize,
 }
 
 impl Default for GradientConfig {
@@ -68,6 +72,7 @@ impl Default for GradientConfig {
             hold_windows: 3,
             probe_windows: 40,
             per_work: false,
+            confirm_windows: 1,
         }
     }
 }
@@ -105,9 +110,13 @@ impl GradientConfig {
                 self.smoothing
             )));
         }
-        if self.floor_windows == 0 || self.min_window == 0 || self.probe_windows == 0 {
+        if self.floor_windows == 0
+            || self.min_window == 0
+            || self.probe_windows == 0
+            || self.confirm_windows == 0
+        {
             return Err(AimdError::invalid(
-                "floor_windows, min_window and probe_windows must be at least 1",
+                "floor_windows, min_window, probe_windows and confirm_windows must be at least 1",
             ));
         }
         Ok(())
@@ -198,6 +207,8 @@ pub struct GradientLimiter {
     /// The in-flight count of the last refused request; `usize::MAX` before any.
     refused_at: usize,
     calm_windows: usize,
+    /// Consecutive windows above the tolerance.
+    queued_windows: usize,
     /// Windows since one whose mean came near the floor.
     windows_off_floor: usize,
     /// While probing, the limit to go back to.
@@ -226,6 +237,7 @@ impl GradientLimiter {
             epoch: 0,
             refused_at: usize::MAX,
             calm_windows: 0,
+            queued_windows: 0,
             windows_off_floor: 0,
             probe: None,
             slow_start: true,
@@ -296,6 +308,7 @@ impl GradientLimiter {
         self.slow_start_cap = None;
         self.step = self.config.initial_step;
         self.calm_windows = 0;
+        self.queued_windows = 0;
         self.refused_at = in_flight.max(1);
         self.probe = None;
         // Latencies gathered across the cut describe neither limit.
@@ -361,6 +374,10 @@ impl GradientLimiter {
             self.windows_off_floor + 1
         };
         let queued = mean > floor * self.config.tolerance;
+        self.queued_windows = if queued { self.queued_windows + 1 } else { 0 };
+        if queued && self.queued_windows < self.config.confirm_windows && self.probe.is_none() {
+            return None;
+        }
         if let Some(before) = self.probe.take() {
             if !queued {
                 // The floor was seen again: back to where the probe started.
@@ -675,6 +692,27 @@ mod tests {
             smooth.on_success(2 * L, 100);
         }
         assert_eq!(smooth.limit(), 75, "halfway from 100 to 50");
+    }
+
+    #[test]
+    fn with_confirm_windows_one_slow_window_is_not_queueing() {
+        let mut l = GradientLimiter::new(GradientConfig {
+            max: 100,
+            initial: 100,
+            confirm_windows: 2,
+            ..GradientConfig::default()
+        })
+        .unwrap();
+        window(&mut l, L);
+        window(&mut l, 2 * L);
+        assert_eq!(l.limit(), 100, "one window at twice the floor: a hiccup");
+        window(&mut l, L);
+        window(&mut l, 2 * L);
+        assert_eq!(l.limit(), 100, "the run restarted");
+        for _ in 0..100 {
+            l.on_success(2 * L, 100);
+        }
+        assert_eq!(l.limit(), 50, "two in a row: queueing");
     }
 
     /// At 100 out of slow start (refused at 101, at max), probing after 3 windows off the floor.

@@ -9,7 +9,7 @@ use crate::{AimdConfig, AimdController, AimdError, Change, GradientConfig, Gradi
 /// The work limiter's tolerance: per unit of work a window's cost varies little with the mix
 /// of lengths, so queueing is taken for what it is sooner than by the plain gradient (1.3);
 /// a model server past its knee is held near a fifth above its unloaded time per token.
-const WORK_TOLERANCE: f64 = 1.2;
+const WORK_TOLERANCE: f64 = 1.15;
 
 /// What one answer tells a limiter.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -115,6 +115,7 @@ impl Algorithm {
             Algorithm::Work => Box::new(GradientLimiter::new(GradientConfig {
                 per_work: true,
                 tolerance: WORK_TOLERANCE,
+                confirm_windows: 2,
                 ..gradient
             })?),
         })

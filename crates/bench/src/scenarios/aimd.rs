@@ -1,5 +1,7 @@
 //! Sync mode against a gateway of capacity C in five shapes: how much of what the gateway can
-//! serve each limiter gets, and how many 429s it costs.
+//! serve each limiter gets, and how many 429s it costs. `BENCH_AIMD_ONLY=TEXT` runs only the
+//! pairs whose label (`(b) hard limit, lognormal lengths, work (default)`) contains TEXT, to
+//! look at one limiter closely.
 
 use std::time::{Duration, Instant};
 
@@ -236,6 +238,7 @@ pub(crate) async fn run(
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(), BenchError> {
     let n = s.aimd_lines;
+    let only = std::env::var("BENCH_AIMD_ONLY").ok();
     let input = lab.path("aimd.jsonl");
     write_input(&input, n, 1024)?;
     let mut bare = Vec::new();
@@ -268,6 +271,10 @@ pub(crate) async fn run(
         let input = lab.path(&format!("aimd-{lines_here}.jsonl"));
         write_input(&input, lines_here, 1024)?;
         for candidate in CANDIDATES {
+            let label = format!("{}, {}", behaviour.label(), candidate.label());
+            if only.as_ref().is_some_and(|text| !label.contains(text.as_str())) {
+                continue;
+            }
             let mut runs = Vec::new();
             for run in 0..s.long_runs {
                 let r = one_run(lab, &input, lines_here, behaviour, candidate, run).await?;
