@@ -272,7 +272,10 @@ pub(crate) async fn run(
         write_input(&input, lines_here, 1024)?;
         for candidate in CANDIDATES {
             let label = format!("{}, {}", behaviour.label(), candidate.label());
-            if only.as_ref().is_some_and(|text| !label.contains(text.as_str())) {
+            if only
+                .as_ref()
+                .is_some_and(|text| !label.contains(text.as_str()))
+            {
                 continue;
             }
             let mut runs = Vec::new();
