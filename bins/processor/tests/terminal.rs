@@ -192,11 +192,15 @@ fn check_screen(parser: &vt100::Parser, totals: &[u64], info_allowed: bool, when
 
 /// Two jobs through the simulator, paced so that the bars are visible for a few seconds.
 async fn two_jobs(log: Option<&str>) -> (Env, Vec<String>) {
-    let env = Env::start(GatewayConfig {
+    let mut env = Env::start(GatewayConfig {
         latency_fixed: Duration::from_millis(40),
         ..GatewayConfig::default()
     })
     .await;
+    // A Redis that keeps its data, as in production: one without is worth a warning at start,
+    // which this test would count as a stray line.
+    env.redis = batch_testkit::RedisServer::builder().aof(true).start();
+    env.redis_url_file = env.redis.write_url_file(env.dir.path());
     write_input(&env.path("small.jsonl"), 600, &["llama-3"]);
     // A quarter of the big job names a model nobody serves: those lines fail at once.
     write_input(
