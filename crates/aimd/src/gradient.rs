@@ -262,9 +262,10 @@ impl GradientLimiter {
     /// The latency floor, once a window has closed: with `per_work`, of an answer of the
     /// mean length seen.
     pub fn floor(&self) -> Option<Duration> {
-        let per_answer = self.work.as_ref().map_or(1.0, |w| {
-            w.mean_tokens() + w.fixed_tokens()
-        });
+        let per_answer = self
+            .work
+            .as_ref()
+            .map_or(1.0, |w| w.mean_tokens() + w.fixed_tokens());
         self.floor_secs()
             .map(|f| Duration::from_secs_f64(f * per_answer))
     }
@@ -277,7 +278,10 @@ impl GradientLimiter {
     /// The least cost of a remembered window (see [`Self::cost`]).
     fn floor_secs(&self) -> Option<f64> {
         let k = self.fixed_tokens();
-        self.floors.iter().map(|w| Self::cost(w, k)).reduce(f64::min)
+        self.floors
+            .iter()
+            .map(|w| Self::cost(w, k))
+            .reduce(f64::min)
     }
 
     /// The fixed cost of an answer in tokens, with `per_work`.

@@ -77,7 +77,11 @@ mod tests {
         for t in [3.0, 40.0, 17.0, 120.0, 55.0, 8.0] {
             m.add(t, 0.010 + 0.001 * t);
         }
-        assert!((m.fixed_tokens() - 10.0).abs() < 1e-6, "{}", m.fixed_tokens());
+        assert!(
+            (m.fixed_tokens() - 10.0).abs() < 1e-6,
+            "{}",
+            m.fixed_tokens()
+        );
         assert!((m.mean_tokens() - 40.5).abs() < 0.1);
     }
 

@@ -107,9 +107,11 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
     let (mut capacity_time, mut t95) = (0.0, 0.0);
     let mut limits = Vec::new();
     // The run's length at full capacity, for the changing gateway's phases.
-    let mean_tokens = shape.lengths.map_or(16.0, |(m, s): (f64, f64)| m * (s * s / 2.0).exp());
-    let full = n as f64 * (shape.fixed_ms + shape.per_token_ms * mean_tokens)
-        / shape.capacity as f64;
+    let mean_tokens = shape
+        .lengths
+        .map_or(16.0, |(m, s): (f64, f64)| m * (s * s / 2.0).exp());
+    let full =
+        n as f64 * (shape.fixed_ms + shape.per_token_ms * mean_tokens) / shape.capacity as f64;
     let capacity_at = |t: f64| match shape.low_capacity {
         Some(low) if t >= 0.3 * full && t < 0.6 * full => low,
         _ => shape.capacity,
@@ -174,7 +176,10 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
             }));
         }
         let Some(Reverse(event)) = events.pop() else {
-            panic!("nothing in flight and nothing sent: limit {}", limiter.limit());
+            panic!(
+                "nothing in flight and nothing sent: limit {}",
+                limiter.limit()
+            );
         };
         if t95 == 0.0 {
             capacity_time += capacity_at(now) as f64 * (event.at - now);
@@ -311,4 +316,3 @@ fn the_plain_gradient_is_fooled_by_the_spread_of_lengths() {
     let o = run(Algorithm::Gradient, LENGTHS, 30_000, 1);
     assert!(o.share_of_ceiling < 0.8, "{o:?}");
 }
-

@@ -171,7 +171,10 @@ async fn drawn_lengths_are_reported_in_usage_and_charged_per_token() {
     let mean_tokens = stats.completion_tokens_total as f64 / 30.0;
     let unloaded = stats.mean_unloaded_latency().unwrap();
     let expected = Duration::from_millis(2) + Duration::from_micros(200).mul_f64(mean_tokens);
-    assert!(unloaded.abs_diff(expected) < Duration::from_micros(20), "{unloaded:?} vs {expected:?}");
+    assert!(
+        unloaded.abs_diff(expected) < Duration::from_micros(20),
+        "{unloaded:?} vs {expected:?}"
+    );
     assert!(stats.mean_latency().unwrap() >= unloaded);
     let per_token = stats.mean_token_time().unwrap();
     assert!(per_token >= Duration::from_micros(199), "{per_token:?}");
@@ -223,7 +226,10 @@ async fn model_server_mode_stretches_the_time_per_token_past_the_knee() {
     let loaded = Duration::from_secs_f64(
         (s.token_micros_total as f64 - unloaded.as_secs_f64() * 1e6 * 64.0) / 1e6 / 128.0,
     );
-    assert!(loaded >= per_token.mul_f64(1.6), "{loaded:?} per token with 4 running");
+    assert!(
+        loaded >= per_token.mul_f64(1.6),
+        "{loaded:?} per token with 4 running"
+    );
     assert_eq!(s.unloaded_micros_total, 6 * (10_000 + 32 * 5_000));
 }
 

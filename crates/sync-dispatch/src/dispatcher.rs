@@ -6,9 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, Change, Limiter, Sample};
 #[cfg(doc)]
 use batch_aimd::Algorithm;
+use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, Change, Limiter, Sample};
 use batch_wire::{dispatcher_error_codes, error_codes};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -641,7 +641,10 @@ fn final_feedback(status: u16, capacity_retry: bool) -> Feedback {
 fn completion_tokens(body: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"completion_tokens\"";
     let at = memchr::memmem::rfind(body, KEY)? + KEY.len();
-    let rest = body[at..].trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
+    let rest = body[at..]
+        .trim_ascii_start()
+        .strip_prefix(b":")?
+        .trim_ascii_start();
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
     if digits == 0 || digits > 19 {
         return None;
@@ -719,7 +722,12 @@ mod tests {
             b"{\"completion_tokens\"",
             b"",
         ] {
-            assert_eq!(completion_tokens(none), None, "{}", String::from_utf8_lossy(none));
+            assert_eq!(
+                completion_tokens(none),
+                None,
+                "{}",
+                String::from_utf8_lossy(none)
+            );
         }
     }
 

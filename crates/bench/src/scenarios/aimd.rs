@@ -272,7 +272,10 @@ pub(crate) async fn run(
         write_input(&input, lines_here, 1024)?;
         for candidate in CANDIDATES {
             let label = format!("{}, {}", behaviour.label(), candidate.label());
-            if only.as_ref().is_some_and(|text| !label.contains(text.as_str())) {
+            if only
+                .as_ref()
+                .is_some_and(|text| !label.contains(text.as_str()))
+            {
                 continue;
             }
             let mut runs = Vec::new();
@@ -303,7 +306,7 @@ pub(crate) async fn run(
         MEASURED_SHARE * 100.0, PER_TOKEN.as_millis()
     ));
     report.note(AIMD, format!(
-        "The processor runs in sync mode with `per_endpoint: {PER_ENDPOINT}` (above C, so the limiter must find C), `global: {GLOBAL}`, `aimd.min: 5`, `max_retries: 1000`, `initial_backoff: 1ms`, `max_backoff: 20ms`; requests are 1 KiB lines ({} for (a), {} for the others, about the same time at C). `aimd` is the reference processor's limiter (starts at `per_endpoint`, halves once per overload episode, a request keeps its permit while it retries); `gradient` is crates/aimd's `GradientLimiter` on raw latency (starts at `aimd.min` and doubles; latency floor; a 429 cuts to the concurrency that was refused; hears every attempt; a request gives its permit back while it backs off); `work`, the default, is the same rules on latency per unit of work (each answer's `completion_tokens` plus the fixed cost of an answer, learnt by a running fit; tolerance 1.2). The targets apply to `work`.",
+        "The processor runs in sync mode with `per_endpoint: {PER_ENDPOINT}` (above C, so the limiter must find C), `global: {GLOBAL}`, `aimd.min: 5`, `max_retries: 1000`, `initial_backoff: 1ms`, `max_backoff: 20ms`; requests are 1 KiB lines ({} for (a), {} for the others, about the same time at C). `aimd` is the reference processor's limiter (starts at `per_endpoint`, halves once per overload episode, a request keeps its permit while it retries); `gradient` is crates/aimd's `GradientLimiter` on raw latency (starts at `aimd.min` and doubles; latency floor; a 429 cuts to the concurrency that was refused; hears every attempt; a request gives its permit back while it backs off); `work`, the default, is the same rules on latency per unit of work (each answer's `completion_tokens` plus the fixed cost of an answer, learnt by a running fit; tolerance 1.15, two queued windows in a row before a cut on latency). The targets apply to `work`.",
         lines(n), lines(Behaviour::Lengths.lines(n))
     ));
     report.note(AIMD, format!(
@@ -373,9 +376,9 @@ fn record(
     });
     let label = format!("{}, {}", behaviour.label(), candidate.label());
     let ceiling_name = match behaviour {
-        Behaviour::Changing => format!(
-            "time-weighted C / mean latency, C = {CAPACITY} → {LOW_CAPACITY} → {CAPACITY}"
-        ),
+        Behaviour::Changing => {
+            format!("time-weighted C / mean latency, C = {CAPACITY} → {LOW_CAPACITY} → {CAPACITY}")
+        }
         Behaviour::ModelServer => format!("knee: C / mean unloaded latency, C = {CAPACITY}"),
         _ => format!("C / mean latency, C = {CAPACITY}"),
     };
@@ -436,11 +439,8 @@ async fn one_run(
     candidate: Candidate,
     run: usize,
 ) -> Result<Run, BenchError> {
-    let gateway = Gateway::start(
-        ([127, 0, 0, 1], 0).into(),
-        behaviour.config(run as u64 + 1),
-    )
-    .await?;
+    let gateway =
+        Gateway::start(([127, 0, 0, 1], 0).into(), behaviour.config(run as u64 + 1)).await?;
     let config = lab.sync_config(
         "aimd.yaml",
         &gateway.base_url(),
