@@ -57,13 +57,13 @@ struct Outcome {
     limits: Vec<usize>,
 }
 
-#[derive(Debug, PartialEq, PartialOrd)]
+#[derive(Debug, PartialEq)]
 struct Event {
     at: f64,
     kind: Kind,
 }
 
-#[derive(Debug, PartialEq, PartialOrd)]
+#[derive(Debug, PartialEq)]
 enum Kind {
     /// An attempt's answer: sent at, in flight at send, epoch, tokens, refused.
     Answer {
@@ -78,6 +78,11 @@ enum Kind {
 }
 
 impl Eq for Event {}
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
 impl Ord for Event {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         self.at.total_cmp(&other.at)
