@@ -154,8 +154,10 @@ async fn the_default_limiter_fills_a_hard_limit_with_answers_of_varied_length() 
         low >= CAPACITY * 3 / 4 && (CAPACITY - 2..=CAPACITY + 8).contains(&median),
         "the limit sits at the capacity: 10th percentile {low}, median {median}"
     );
+    // Probing one above the last refusal with 1 ms retries costs 429s (about 11 % of the
+    // lines at C = 32 in a debug build); a limit running past C would cost several per line.
     assert!(
-        stats.responses(429) < (LINES / 10) as u64,
+        stats.responses(429) < (LINES / 5) as u64,
         "{} 429s for {LINES} lines",
         stats.responses(429)
     );
