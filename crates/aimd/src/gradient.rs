@@ -52,8 +52,8 @@ pub struct GradientConfig {
     /// the answers, see [`Algorithm::Work`]). Answers of varied length then do not look like
     /// queueing. Without lengths it is the plain mean latency.
     pub per_work: bool,
-    /// Consecutive windows above the tolerance before the limit shrinks on latency (one or
-    /// more). The windows between neither grow nor shrink it: one window slowed by a
+    /// Consecutive windows above the tolerance before the limit shrinks on latency (at least
+    /// one). The windows between neither grow nor shrink it: one window slowed by a
     /// scheduling hiccup of the machine is not queueing, several in a row are.
     pub confirm_windows: usize,
 }

@@ -8,7 +8,9 @@ use crate::{AimdConfig, AimdController, AimdError, Change, GradientConfig, Gradi
 
 /// The work limiter's tolerance: per unit of work a window's cost varies little with the mix
 /// of lengths, so queueing is taken for what it is sooner than by the plain gradient (1.3);
-/// a model server past its knee is held near a fifth above its unloaded time per token.
+/// a model server past its knee is held within about a fifth of its unloaded time per token
+/// (measured: 1.20 × in docs/benchmarks.md). Two queued windows in a row are needed, so the
+/// machine's own hiccups are not taken for queueing.
 const WORK_TOLERANCE: f64 = 1.15;
 
 /// What one answer tells a limiter.

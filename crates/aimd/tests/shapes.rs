@@ -63,7 +63,7 @@ struct Event {
     kind: Kind,
 }
 
-#[derive(Debug, PartialEq, PartialOrd)]
+#[derive(Debug, PartialEq)]
 enum Kind {
     /// An attempt's answer: sent at, in flight at send, epoch, tokens, refused.
     Answer {

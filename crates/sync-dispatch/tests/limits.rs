@@ -227,6 +227,28 @@ async fn dropping_a_dispatch_during_backoff_releases_its_permits() {
     assert_eq!(d.global_in_use(), 0);
 }
 
+/// Runs `work` while sampling endpoint "m"'s limit every 5 ms.
+async fn sampling_limit<T>(
+    d: &SyncDispatcher,
+    work: impl std::future::Future<Output = T>,
+) -> (T, Vec<usize>) {
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = tokio::spawn({
+        let (d, done) = (d.clone(), done.clone());
+        async move {
+            let mut samples = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                samples.push(d.limit("m").unwrap());
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            samples
+        }
+    });
+    let out = work.await;
+    done.store(true, Ordering::SeqCst);
+    (out, watch.await.unwrap())
+}
+
 fn gradient(global: usize, per_endpoint: usize, aimd_min: usize) -> LimitOptions {
     LimitOptions {
         algorithm: Algorithm::Gradient,
@@ -255,21 +277,11 @@ async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
     d.add_endpoint("m", options).unwrap();
     assert_eq!(d.limit("m"), Some(1), "it slow-starts from aimd.min");
 
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watch = tokio::spawn({
-        let (d, done) = (d.clone(), done.clone());
-        async move {
-            let mut samples = Vec::new();
-            while !done.load(Ordering::SeqCst) {
-                samples.push(d.limit("m").unwrap());
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            samples
-        }
-    });
-    let calls = join_all((0..400).map(|_| d.dispatch("m", request("r")))).await;
-    done.store(true, Ordering::SeqCst);
-    let mut samples = watch.await.unwrap();
+    let (calls, mut samples) = sampling_limit(
+        &d,
+        join_all((0..400).map(|_| d.dispatch("m", request("r")))),
+    )
+    .await;
     let ok = calls
         .iter()
         .filter(|o| matches!(o, SyncOutcome::Http { status: 200, .. }))
@@ -322,21 +334,11 @@ async fn the_work_limiter_reads_answer_lengths_and_fills_a_hard_limit() {
     options.max_retries = 1000;
     d.add_endpoint("m", options).unwrap();
 
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watch = tokio::spawn({
-        let (d, done) = (d.clone(), done.clone());
-        async move {
-            let mut samples = Vec::new();
-            while !done.load(Ordering::SeqCst) {
-                samples.push(d.limit("m").unwrap());
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            samples
-        }
-    });
-    let calls = join_all((0..500).map(|_| d.dispatch("m", request("r")))).await;
-    done.store(true, Ordering::SeqCst);
-    let samples = watch.await.unwrap();
+    let (calls, samples) = sampling_limit(
+        &d,
+        join_all((0..500).map(|_| d.dispatch("m", request("r")))),
+    )
+    .await;
     assert!(calls
         .iter()
         .all(|o| matches!(o, SyncOutcome::Http { status: 200, .. })));
