@@ -58,6 +58,10 @@ pub(crate) struct Runner {
     /// Fired on shutdown: stop taking jobs (the executor's pause stops the running ones).
     pub(crate) stop: CancellationToken,
     active: Mutex<HashMap<String, Active>>,
+    /// Held while this replica looks for jobs to take over and adopts one: the take-over task
+    /// and a freed slot look at once, and the adoption script lets a replica take again a job
+    /// it holds itself, so two unguarded looks adopted one job twice.
+    adopting: tokio::sync::Mutex<()>,
     pub(crate) tasks: TaskTracker,
 }
 
@@ -106,6 +110,7 @@ impl Runner {
             wake: Notify::new(),
             stop: CancellationToken::new(),
             active: Mutex::new(HashMap::new()),
+            adopting: tokio::sync::Mutex::new(()),
             tasks: TaskTracker::new(),
         })
     }
@@ -333,6 +338,8 @@ impl Runner {
         self: &Arc<Self>,
         permit: OwnedSemaphorePermit,
     ) -> Option<OwnedSemaphorePermit> {
+        // Until the adopted job is in `active`, where the next look no longer sees it.
+        let _adopting = self.adopting.lock().await;
         let orphans = match self.orphans().await {
             Ok(ids) => ids,
             Err(e) => {
@@ -404,7 +411,12 @@ impl Runner {
                 }
                 Err(e) => tracing::error!(job = %id, error = %e, "job bookkeeping failed; it resumes at the next start"),
             }
-            me.active.lock().expect("active lock").remove(&id);
+            // Only its own entry: a later run of the job here (a new epoch) keeps its own.
+            let mut active = me.active.lock().expect("active lock");
+            if active.get(&id).is_some_and(|a| a.lease.epoch == lease.epoch) {
+                active.remove(&id);
+            }
+            drop(active);
             // A freed slot may let a queued job start at once.
             me.wake.notify_one();
         });
