@@ -1717,3 +1717,246 @@ async fn a_tenant_over_its_quotas_is_refused_while_another_tenants_batch_starts(
     assert_eq!(a.wait_final(&again, FINISH).await["status"], "completed");
     sim.shutdown().await;
 }
+
+/// The header an authenticating proxy sets in the tests of `serve.tenant_header`.
+const USER_HEADER: &str = "X-MaaS-Username";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tenants_from_a_trusted_header_stay_apart_and_the_last_value_wins() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, &[], "  tenant_header: X-MaaS-Username\n", "");
+    let service = Service::start(&config);
+    assert!(
+        service
+            .stderr_text()
+            .contains("must only be reachable through the authenticating proxy"),
+        "{}",
+        service.stderr_tail(20)
+    );
+    let anon = service.client(None);
+    let alice = anon.with_header(USER_HEADER, "alice");
+    let bob = anon.with_header(USER_HEADER, "bob@example.com");
+
+    let (text, _) = input_jsonl("hdr", 2, "llama-3");
+    let file = alice.upload_ok("alice.jsonl", text.as_bytes()).await;
+    let batch = id_of(&alice.create_batch_ok(&file).await);
+    // Another tenant sees none of it.
+    bob.get(&format!("/v1/files/{file}"))
+        .await
+        .expect_error(404);
+    bob.get(&format!("/v1/batches/{batch}"))
+        .await
+        .expect_error(404);
+    bob.delete(&format!("/v1/files/{file}"))
+        .await
+        .expect_error(404);
+    assert!(bob.list_all("/v1/files", "", 10).await.is_empty());
+    assert!(bob.list_all("/v1/batches", "", 10).await.is_empty());
+    let bobs = bob.upload_ok("bob.jsonl", text.as_bytes()).await;
+    assert_eq!(
+        ids(&alice.list_all("/v1/files", "", 10).await),
+        vec![file.clone()]
+    );
+    assert_eq!(
+        ids(&bob.list_all("/v1/files", "", 10).await),
+        vec![bobs.clone()]
+    );
+
+    // No header: 401; an empty one as well; a bad value: 400, without echoing it.
+    let e = anon.get("/v1/files").await.expect_error(401);
+    assert!(
+        e["message"].as_str().unwrap().contains("x-maas-username"),
+        "{e}"
+    );
+    anon.with_header(USER_HEADER, " ")
+        .get("/v1/files")
+        .await
+        .expect_error(401);
+    for bad in ["a b", "../etc", "x*", &"u".repeat(65)] {
+        let e = anon
+            .with_header(USER_HEADER, bad)
+            .get("/v1/files")
+            .await
+            .expect_error(400);
+        assert!(!e["message"].as_str().unwrap().contains(bad), "{e}");
+    }
+
+    // The proxy appends the user it checked after what the client sent: a spoofed first value
+    // (as another line, or before a comma) is ignored, the last one counts.
+    let spoofing = anon
+        .with_header(USER_HEADER, "bob@example.com")
+        .with_header(USER_HEADER, "alice");
+    spoofing.get(&format!("/v1/files/{file}")).await.expect(200);
+    spoofing
+        .get(&format!("/v1/files/{bobs}"))
+        .await
+        .expect_error(404);
+    assert_eq!(
+        ids(&spoofing.list_all("/v1/files", "", 10).await),
+        vec![file.clone()]
+    );
+    let joined = anon.with_header(USER_HEADER, "alice, bob@example.com");
+    joined.get(&format!("/v1/files/{bobs}")).await.expect(200);
+    joined
+        .get(&format!("/v1/files/{file}"))
+        .await
+        .expect_error(404);
+    // A bearer key means nothing in this mode.
+    service
+        .client(Some(KEY_A))
+        .get("/v1/files")
+        .await
+        .expect_error(401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn downloads_are_named_as_the_batch_gateway_names_them_and_cancel_follows_openai() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (mut text, _) = input_jsonl("named", 3, "llama-3");
+    text.push_str(&input_jsonl("ghost", 1, "ghost").0);
+    let upload = a
+        .upload("named input.jsonl", text.as_bytes(), None)
+        .await
+        .expect(200);
+    // A new upload is `processed`: it was checked line by line before the answer.
+    assert_eq!(upload["status"], "processed", "{upload}");
+    let file = id_of(&upload);
+    let content = a.get(&format!("/v1/files/{file}/content")).await;
+    assert_eq!(content.status, 200);
+    assert_eq!(
+        content.headers["content-disposition"],
+        "attachment; filename=\"named input.jsonl\""
+    );
+
+    let id = id_of(&a.create_batch_ok(&file).await);
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    for (field, name) in [
+        ("output_file_id", format!("batch_output_{id}.jsonl")),
+        ("error_file_id", format!("batch_error_{id}.jsonl")),
+    ] {
+        let fid = batch[field].as_str().expect(field);
+        let meta = a.get(&format!("/v1/files/{fid}")).await.expect(200);
+        assert_eq!(meta["filename"], name.as_str(), "{meta}");
+        assert_eq!(meta["status"], "processed", "{meta}");
+        let content = a.get(&format!("/v1/files/{fid}/content")).await;
+        assert_eq!(content.status, 200);
+        assert_eq!(
+            content.headers["content-disposition"],
+            format!("attachment; filename=\"{name}\"").as_str()
+        );
+    }
+
+    // A batch that already ended cannot be cancelled: OpenAI's 400.
+    let e = a
+        .post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect_error(400);
+    assert_eq!(e["type"], "invalid_request_error", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("completed"), "{e}");
+    // Another tenant's batch is a 404, not a 400.
+    service
+        .client(Some(KEY_B))
+        .post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect_error(404);
+    sim.shutdown().await;
+}
+
+/// The pass-through headers of the tests, as `serve.pass_through_headers` lists them.
+const PASS_THROUGH: &str = "  pass_through_headers: [x-gateway-inference-fairness-id, Baggage]\n";
+
+/// Runs batch A created with pass-through headers and batch B created without, kills the
+/// service with SIGKILL once A is under way and restarts it; then every inference request the
+/// gateway saw carries both of A's headers (A's, before and after the restart) or neither (B's).
+async fn pass_through_survives_a_restart(
+    env: &Env,
+    service: &mut Service,
+    mid_job: u64,
+    gate: impl Fn(bool),
+) {
+    let a = service.client(Some(KEY_A));
+    let (text_a, lines_a) = input_jsonl("pass-a", 150, "llama-3");
+    let (text_b, lines_b) = input_jsonl("pass-b", 40, "llama-3");
+    let file_a = a.upload_ok("a.jsonl", text_a.as_bytes()).await;
+    let file_b = a.upload_ok("b.jsonl", text_b.as_bytes()).await;
+    let with_headers = a
+        .with_header("x-gateway-inference-fairness-id", "spoofed")
+        .with_header("x-gateway-inference-fairness-id", "team-a")
+        .with_header("baggage", "run=7")
+        .with_header("x-not-listed", "dropped");
+    let id_a = id_of(&with_headers.create_batch_ok(&file_a).await);
+    let id_b = id_of(&a.create_batch_ok(&file_b).await);
+    gate(true);
+    let mid = a
+        .wait_batch(&id_a, FINISH, "lines of A done", |b| {
+            count(b, "completed") >= mid_job
+        })
+        .await;
+    gate(false);
+    assert!(count(&mid, "completed") < 150, "{mid}");
+    service.kill9();
+    service.restart();
+    gate(true);
+    let a = service.client(Some(KEY_A));
+    for (id, lines) in [(&id_a, &lines_a), (&id_b, &lines_b)] {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        a.results(&batch).await.assert_each_once(lines);
+    }
+    let seen = env.gateway.recent_requests();
+    let (mut tagged, mut plain) = (0, 0);
+    for r in &seen {
+        assert_eq!(r.header("x-not-listed"), None);
+        match (
+            r.header("x-gateway-inference-fairness-id"),
+            r.header("baggage"),
+        ) {
+            (Some("team-a"), Some("run=7")) => tagged += 1,
+            (None, None) => plain += 1,
+            other => panic!("a request with {other:?}"),
+        }
+    }
+    // At least once each: a line sent again after the kill counts twice.
+    assert!(
+        tagged >= lines_a.len(),
+        "{tagged} requests of A with its headers"
+    );
+    assert!(plain >= lines_b.len(), "{plain} requests of B without");
+    assert!(
+        tagged + plain < 1000,
+        "the gateway's memory of requests overflowed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pass_through_headers_reach_every_request_of_their_batch_in_async_mode() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, PASS_THROUGH, "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    pass_through_survives_a_restart(&env, &mut service, 20, |open| gate(&env, open)).await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pass_through_headers_reach_every_request_of_their_batch_in_sync_mode() {
+    let env = Env::start(slow_gateway()).await;
+    let config = env.sync_config(
+        &["llama-3"],
+        "",
+        &format!(
+            "redis_url_file: {}\nconcurrency:\n  global: 4\n  per_endpoint: 4\n  aimd:\n    enabled: false\n",
+            env.redis_url_file.display()
+        ),
+    );
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, TWO_TENANTS, PASS_THROUGH, "");
+    let mut service = Service::start(&config);
+    pass_through_survives_a_restart(&env, &mut service, 20, |_| {}).await;
+}
