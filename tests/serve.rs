@@ -1960,3 +1960,296 @@ async fn pass_through_headers_reach_every_request_of_their_batch_in_sync_mode() 
     let mut service = Service::start(&config);
     pass_through_survives_a_restart(&env, &mut service, 20, |_| {}).await;
 }
+
+/// One webhook delivery a [`Receiver`] got.
+#[derive(Debug, Clone)]
+struct Delivered {
+    headers: hyper::HeaderMap,
+    body: String,
+    /// The status the receiver answered.
+    status: u16,
+}
+
+/// A webhook receiver: a real HTTP server on 127.0.0.1 recording every request, answering 500
+/// to the first `fail_first` and while `down` is set, 200 otherwise.
+struct Receiver {
+    url: String,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Delivered>>>,
+    down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Receiver {
+    async fn start(fail_first: usize) -> Receiver {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Delivered>::new()));
+        let down = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (seen2, down2) = (seen.clone(), down.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (seen, down) = (seen2.clone(), down2.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            let (seen, down) = (seen.clone(), down.clone());
+                            async move {
+                                use http_body_util::BodyExt;
+                                let (parts, body) = req.into_parts();
+                                let body = body.collect().await.unwrap().to_bytes();
+                                let mut seen = seen.lock().unwrap();
+                                let status =
+                                    if seen.len() < fail_first || down.load(Ordering::SeqCst) {
+                                        500
+                                    } else {
+                                        200
+                                    };
+                                seen.push(Delivered {
+                                    headers: parts.headers,
+                                    body: String::from_utf8_lossy(&body).into_owned(),
+                                    status,
+                                });
+                                Ok::<_, std::convert::Infallible>(
+                                    hyper::Response::builder()
+                                        .status(status)
+                                        .body(http_body_util::Full::new(bytes::Bytes::new()))
+                                        .unwrap(),
+                                )
+                            }
+                        },
+                    );
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, service)
+                        .await;
+                });
+            }
+        });
+        Receiver {
+            url,
+            seen,
+            down,
+            task,
+        }
+    }
+
+    fn seen(&self) -> Vec<Delivered> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    async fn wait_for(&self, what: &str, n: usize) -> Vec<Delivered> {
+        eventually(what, Duration::from_secs(60), || self.seen().len() >= n).await;
+        self.seen()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Checks a delivery as a Standard Webhooks receiver does: the `v1` HMAC-SHA256 of
+/// `<webhook-id>.<webhook-timestamp>.<body>` keyed with the base64 part of `secret`.
+fn verify(d: &Delivered, secret: &str) -> bool {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let h = |n: &str| d.headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let key = b64.decode(secret.strip_prefix("whsec_").unwrap()).unwrap();
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key);
+    let signed = format!("{}.{}.{}", h("webhook-id"), h("webhook-timestamp"), d.body);
+    h("webhook-signature").split(' ').any(|s| {
+        s.strip_prefix("v1,")
+            .and_then(|sig| b64.decode(sig).ok())
+            .is_some_and(|sig| ring::hmac::verify(&key, signed.as_bytes(), &sig).is_ok())
+    })
+}
+
+/// The `serve.webhooks` section of the tests: loopback receivers over plain http, fast retries.
+const WEBHOOKS: &str = "  webhooks:\n    allowed_hosts: [127.0.0.1, hooks.example.com]\n    allow_http: true\n    retry_initial_backoff: 200ms\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn webhook_endpoints_are_per_tenant_signed_retried_with_one_id_and_allow_listed() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, WEBHOOKS, "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+    let flaky = Receiver::start(3).await;
+    let steady = Receiver::start(0).await;
+
+    // Refused URLs name the rule.
+    for (url, rule) in [
+        ("http://10.1.2.3/hook", "allowed_hosts"),
+        ("https://evil.example.org/hook", "allowed_hosts"),
+        ("http://127.0.0.2/hook", "allowed_hosts"),
+        ("ftp://127.0.0.1/hook", "scheme"),
+        ("not a url", "not a URL"),
+    ] {
+        let e = a
+            .post_json("/v1/webhook_endpoints", &json!({"url": url}))
+            .await
+            .expect_error(400);
+        assert_eq!(e["param"], "url", "{e}");
+        assert!(e["message"].as_str().unwrap().contains(rule), "{url}: {e}");
+    }
+
+    let created = a
+        .post_json(
+            "/v1/webhook_endpoints",
+            &json!({"url": flaky.url, "name": "ends", "event_types": ["batch.completed", "batch.failed"]}),
+        )
+        .await
+        .expect(200);
+    let we = id_of(&created);
+    assert!(we.starts_with("we_"), "{created}");
+    assert_eq!(created["object"], "webhook_endpoint");
+    assert_eq!(created["status"], "enabled");
+    let secret = created["signing_secret"].as_str().unwrap().to_owned();
+    assert!(secret.starts_with("whsec_"), "{created}");
+    let hint = created["signing_secret_hint"].as_str().unwrap();
+    assert!(!hint.contains(&secret[6..16]), "{hint}");
+    // The secret is shown only then: not by retrieve, list or update, nor in the log.
+    for shown in [
+        a.get(&format!("/v1/webhook_endpoints/{we}")).await.text(),
+        a.get("/v1/webhook_endpoints").await.text(),
+        a.post_json(
+            &format!("/v1/webhook_endpoints/{we}"),
+            &json!({"name": "renamed"}),
+        )
+        .await
+        .text(),
+    ] {
+        assert!(!shown.contains(&secret[6..]), "{shown}");
+        assert!(shown.contains(&we), "{shown}");
+    }
+    // Another tenant sees none of it.
+    assert!(b.list_all("/v1/webhook_endpoints", "", 10).await.is_empty());
+    b.get(&format!("/v1/webhook_endpoints/{we}"))
+        .await
+        .expect_error(404);
+    b.delete(&format!("/v1/webhook_endpoints/{we}"))
+        .await
+        .expect_error(404);
+    b.post_empty(&format!("/v1/webhook_endpoints/{we}/rotate_secret"))
+        .await
+        .expect_error(404);
+
+    // A batch that ends: the receiver fails three times, gets it the fourth, one id throughout.
+    let (text, _) = input_jsonl("hooked", 3, "llama-3");
+    let file = a.upload_ok("hooked.jsonl", text.as_bytes()).await;
+    let batch = id_of(&a.create_batch_ok(&file).await);
+    assert_eq!(a.wait_final(&batch, FINISH).await["status"], "completed");
+    let got = flaky.wait_for("four attempts", 4).await;
+    let statuses: Vec<u16> = got.iter().map(|d| d.status).collect();
+    assert_eq!(statuses, [500, 500, 500, 200]);
+    let ids: BTreeSet<&str> = got
+        .iter()
+        .map(|d| d.headers["webhook-id"].to_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    for d in &got {
+        assert!(verify(d, &secret), "a bad signature: {d:?}");
+        let event: Value = serde_json::from_str(&d.body).unwrap();
+        assert_eq!(event["object"], "event");
+        assert_eq!(event["type"], "batch.completed");
+        assert_eq!(event["data"]["id"], batch.as_str());
+        assert_eq!(event["id"], *ids.iter().next().unwrap());
+    }
+    // Delivered: nothing more comes.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(flaky.seen().len(), 4);
+    let metrics = a.get("/metrics").await.text();
+    assert!(
+        metrics.contains("batch_service_webhook_deliveries_total{result=\"retried\"} 3"),
+        "{metrics}"
+    );
+
+    // Rotation: a new secret, which the next deliveries use; then a test delivery.
+    a.post_json(
+        &format!("/v1/webhook_endpoints/{we}"),
+        &json!({"url": steady.url}),
+    )
+    .await
+    .expect(200);
+    let rotated = a
+        .post_empty(&format!("/v1/webhook_endpoints/{we}/rotate_secret"))
+        .await
+        .expect(200);
+    let new_secret = rotated["signing_secret"].as_str().unwrap().to_owned();
+    assert_ne!(new_secret, secret);
+    let test = a
+        .post_json(
+            &format!("/v1/webhook_endpoints/{we}/test"),
+            &json!({"event_type": "batch.failed"}),
+        )
+        .await
+        .expect(200);
+    assert_eq!(
+        test,
+        json!({"object": "webhook_endpoint.test", "event_type": "batch.failed", "status_code": 200, "success": true})
+    );
+    let sample = &steady.wait_for("the test delivery", 1).await[0];
+    assert!(verify(sample, &new_secret) && !verify(sample, &secret));
+    assert_eq!(
+        serde_json::from_str::<Value>(&sample.body).unwrap()["type"],
+        "batch.failed"
+    );
+
+    let deleted = a
+        .delete(&format!("/v1/webhook_endpoints/{we}"))
+        .await
+        .expect(200);
+    assert_eq!(deleted["deleted"], true);
+    assert!(a.list_all("/v1/webhook_endpoints", "", 10).await.is_empty());
+    assert!(!service.all_stderr().contains(&secret[6..]));
+    assert!(!service.all_stderr().contains(&new_secret[6..]));
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_webhook_survives_the_death_of_the_replica_that_ended_the_batch() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, WEBHOOKS, "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let receiver = Receiver::start(0).await;
+    receiver
+        .down
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let created = a
+        .post_json("/v1/webhook_endpoints", &json!({"url": receiver.url}))
+        .await
+        .expect(200);
+    let secret = created["signing_secret"].as_str().unwrap().to_owned();
+    let (text, _) = input_jsonl("survive", 3, "llama-3");
+    let file = a.upload_ok("survive.jsonl", text.as_bytes()).await;
+    let batch = id_of(&a.create_batch_ok(&file).await);
+    assert_eq!(a.wait_final(&batch, FINISH).await["status"], "completed");
+    let first = receiver.wait_for("a failed attempt", 1).await[0].clone();
+    service.kill9();
+    receiver
+        .down
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let tried = receiver.seen().len();
+    service.restart();
+    eventually(
+        "a delivery after the restart",
+        Duration::from_secs(60),
+        || receiver.seen().iter().any(|d| d.status == 200),
+    )
+    .await;
+    let got = receiver.seen();
+    assert!(got.len() > tried);
+    let last = got.last().unwrap();
+    assert_eq!(last.status, 200);
+    assert_eq!(last.headers["webhook-id"], first.headers["webhook-id"]);
+    assert!(verify(last, &secret));
+    sim.shutdown().await;
+}

@@ -122,7 +122,7 @@ fn backoff(initial: Duration, attempt: u32) -> Duration {
 pub(crate) async fn run(store: Store, sender: Arc<Sender>, stop: CancellationToken) {
     let mut in_flight = JoinSet::new();
     // A claim outlives the longest attempt, so that no other replica sends it meanwhile.
-    let lease = sender.config.timeout + Duration::from_secs(30);
+    let lease = sender.config.timeout + Duration::from_secs(5);
     loop {
         let mut idle = true;
         match store.fan_out_webhook_events(now_ms()).await {
