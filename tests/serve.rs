@@ -2192,7 +2192,7 @@ async fn webhook_endpoints_are_per_tenant_signed_retried_with_one_id_and_allow_l
         .expect(200);
     assert_eq!(
         test,
-        json!({"object": "webhook_endpoint.test", "event_type": "batch.failed", "status_code": 200, "success": true})
+        json!({"object": "webhook_endpoint.test", "webhook_endpoint_id": we, "event_type": "batch.failed", "status_code": 200, "success": true})
     );
     let sample = &steady.wait_for("the test delivery", 1).await[0];
     assert!(verify(sample, &new_secret) && !verify(sample, &secret));

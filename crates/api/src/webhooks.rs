@@ -136,6 +136,7 @@ pub(crate) async fn create(
         id: new_id("we_"),
         object: "webhook_endpoint".into(),
         created_at: now_unix(),
+        updated_at: None,
         name: check_name(body.name)?,
         url,
         event_types,
@@ -212,6 +213,7 @@ pub(crate) async fn update(
             ))
         }
     }
+    stored.endpoint.updated_at = Some(now_unix());
     api.store.put_webhook(&stored, None).await?;
     Ok(Json(stored.endpoint))
 }
@@ -236,6 +238,7 @@ pub(crate) async fn rotate_secret(
     let mut stored = owned(&api, &tenant, &id).await?;
     let secret = new_secret();
     stored.endpoint.signing_secret_hint = hint(&secret);
+    stored.endpoint.updated_at = Some(now_unix());
     api.store.put_webhook(&stored, Some(&secret)).await?;
     tracing::info!(webhook = %id, tenant = %tenant.0, "webhook secret rotated");
     Ok(Json(with_secret(&stored.endpoint, &secret)))
@@ -263,6 +266,7 @@ pub(crate) async fn test(
         .await;
     Ok(Json(json!({
         "object": "webhook_endpoint.test",
+        "webhook_endpoint_id": id,
         "event_type": event_type,
         "status_code": status,
         "success": status.is_some_and(|s| (200..300).contains(&s)),

@@ -34,6 +34,9 @@ pub struct WebhookEndpoint {
     pub object: String,
     /// Unix seconds.
     pub created_at: i64,
+    /// Unix seconds of the last change (url, name, events, status, secret).
+    #[serde(default)]
+    pub updated_at: Option<i64>,
     /// The tenant's name for it.
     pub name: Option<String>,
     /// Where events are sent.
