@@ -1717,3 +1717,539 @@ async fn a_tenant_over_its_quotas_is_refused_while_another_tenants_batch_starts(
     assert_eq!(a.wait_final(&again, FINISH).await["status"], "completed");
     sim.shutdown().await;
 }
+
+/// The header an authenticating proxy sets in the tests of `serve.tenant_header`.
+const USER_HEADER: &str = "X-MaaS-Username";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tenants_from_a_trusted_header_stay_apart_and_the_last_value_wins() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, &[], "  tenant_header: X-MaaS-Username\n", "");
+    let service = Service::start(&config);
+    assert!(
+        service
+            .stderr_text()
+            .contains("must only be reachable through the authenticating proxy"),
+        "{}",
+        service.stderr_tail(20)
+    );
+    let anon = service.client(None);
+    let alice = anon.with_header(USER_HEADER, "alice");
+    let bob = anon.with_header(USER_HEADER, "bob@example.com");
+
+    let (text, _) = input_jsonl("hdr", 2, "llama-3");
+    let file = alice.upload_ok("alice.jsonl", text.as_bytes()).await;
+    let batch = id_of(&alice.create_batch_ok(&file).await);
+    // Another tenant sees none of it.
+    bob.get(&format!("/v1/files/{file}"))
+        .await
+        .expect_error(404);
+    bob.get(&format!("/v1/batches/{batch}"))
+        .await
+        .expect_error(404);
+    bob.delete(&format!("/v1/files/{file}"))
+        .await
+        .expect_error(404);
+    assert!(bob.list_all("/v1/files", "", 10).await.is_empty());
+    assert!(bob.list_all("/v1/batches", "", 10).await.is_empty());
+    let bobs = bob.upload_ok("bob.jsonl", text.as_bytes()).await;
+    assert_eq!(
+        ids(&alice.list_all("/v1/files", "", 10).await),
+        vec![file.clone()]
+    );
+    assert_eq!(
+        ids(&bob.list_all("/v1/files", "", 10).await),
+        vec![bobs.clone()]
+    );
+
+    // No header: 401; an empty one as well; a bad value: 400, without echoing it.
+    let e = anon.get("/v1/files").await.expect_error(401);
+    assert!(
+        e["message"].as_str().unwrap().contains("x-maas-username"),
+        "{e}"
+    );
+    anon.with_header(USER_HEADER, " ")
+        .get("/v1/files")
+        .await
+        .expect_error(401);
+    for bad in ["a b", "../etc", "x*", &"u".repeat(65)] {
+        let e = anon
+            .with_header(USER_HEADER, bad)
+            .get("/v1/files")
+            .await
+            .expect_error(400);
+        assert!(!e["message"].as_str().unwrap().contains(bad), "{e}");
+    }
+
+    // The proxy appends the user it checked after what the client sent: a spoofed first value
+    // (as another line, or before a comma) is ignored, the last one counts.
+    let spoofing = anon
+        .with_header(USER_HEADER, "bob@example.com")
+        .with_header(USER_HEADER, "alice");
+    spoofing.get(&format!("/v1/files/{file}")).await.expect(200);
+    spoofing
+        .get(&format!("/v1/files/{bobs}"))
+        .await
+        .expect_error(404);
+    assert_eq!(
+        ids(&spoofing.list_all("/v1/files", "", 10).await),
+        vec![file.clone()]
+    );
+    let joined = anon.with_header(USER_HEADER, "alice, bob@example.com");
+    joined.get(&format!("/v1/files/{bobs}")).await.expect(200);
+    joined
+        .get(&format!("/v1/files/{file}"))
+        .await
+        .expect_error(404);
+    // A bearer key means nothing in this mode.
+    service
+        .client(Some(KEY_A))
+        .get("/v1/files")
+        .await
+        .expect_error(401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn downloads_are_named_as_the_batch_gateway_names_them_and_cancel_follows_openai() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (mut text, _) = input_jsonl("named", 3, "llama-3");
+    text.push_str(&input_jsonl("ghost", 1, "ghost").0);
+    let upload = a
+        .upload("named input.jsonl", text.as_bytes(), None)
+        .await
+        .expect(200);
+    // A new upload is `processed`: it was checked line by line before the answer.
+    assert_eq!(upload["status"], "processed", "{upload}");
+    let file = id_of(&upload);
+    let content = a.get(&format!("/v1/files/{file}/content")).await;
+    assert_eq!(content.status, 200);
+    assert_eq!(
+        content.headers["content-disposition"],
+        "attachment; filename=\"named input.jsonl\""
+    );
+
+    let id = id_of(&a.create_batch_ok(&file).await);
+    let batch = a.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    for (field, name) in [
+        ("output_file_id", format!("batch_output_{id}.jsonl")),
+        ("error_file_id", format!("batch_error_{id}.jsonl")),
+    ] {
+        let fid = batch[field].as_str().expect(field);
+        let meta = a.get(&format!("/v1/files/{fid}")).await.expect(200);
+        assert_eq!(meta["filename"], name.as_str(), "{meta}");
+        assert_eq!(meta["status"], "processed", "{meta}");
+        let content = a.get(&format!("/v1/files/{fid}/content")).await;
+        assert_eq!(content.status, 200);
+        assert_eq!(
+            content.headers["content-disposition"],
+            format!("attachment; filename=\"{name}\"").as_str()
+        );
+    }
+
+    // A batch that already ended cannot be cancelled: OpenAI's 400.
+    let e = a
+        .post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect_error(400);
+    assert_eq!(e["type"], "invalid_request_error", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("completed"), "{e}");
+    // Another tenant's batch is a 404, not a 400.
+    service
+        .client(Some(KEY_B))
+        .post_empty(&format!("/v1/batches/{id}/cancel"))
+        .await
+        .expect_error(404);
+    sim.shutdown().await;
+}
+
+/// The pass-through headers of the tests, as `serve.pass_through_headers` lists them.
+const PASS_THROUGH: &str = "  pass_through_headers: [x-gateway-inference-fairness-id, Baggage]\n";
+
+/// Runs batch A created with pass-through headers and batch B created without, kills the
+/// service with SIGKILL once A is under way and restarts it; then every inference request the
+/// gateway saw carries both of A's headers (A's, before and after the restart) or neither (B's).
+async fn pass_through_survives_a_restart(
+    env: &Env,
+    service: &mut Service,
+    mid_job: u64,
+    gate: impl Fn(bool),
+) {
+    let a = service.client(Some(KEY_A));
+    let (text_a, lines_a) = input_jsonl("pass-a", 150, "llama-3");
+    let (text_b, lines_b) = input_jsonl("pass-b", 40, "llama-3");
+    let file_a = a.upload_ok("a.jsonl", text_a.as_bytes()).await;
+    let file_b = a.upload_ok("b.jsonl", text_b.as_bytes()).await;
+    let with_headers = a
+        .with_header("x-gateway-inference-fairness-id", "spoofed")
+        .with_header("x-gateway-inference-fairness-id", "team-a")
+        .with_header("baggage", "run=7")
+        .with_header("x-not-listed", "dropped");
+    let id_a = id_of(&with_headers.create_batch_ok(&file_a).await);
+    let id_b = id_of(&a.create_batch_ok(&file_b).await);
+    gate(true);
+    let mid = a
+        .wait_batch(&id_a, FINISH, "lines of A done", |b| {
+            count(b, "completed") >= mid_job
+        })
+        .await;
+    gate(false);
+    assert!(count(&mid, "completed") < 150, "{mid}");
+    service.kill9();
+    service.restart();
+    gate(true);
+    let a = service.client(Some(KEY_A));
+    for (id, lines) in [(&id_a, &lines_a), (&id_b, &lines_b)] {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        a.results(&batch).await.assert_each_once(lines);
+    }
+    let seen = env.gateway.recent_requests();
+    let (mut tagged, mut plain) = (0, 0);
+    for r in &seen {
+        assert_eq!(r.header("x-not-listed"), None);
+        match (
+            r.header("x-gateway-inference-fairness-id"),
+            r.header("baggage"),
+        ) {
+            (Some("team-a"), Some("run=7")) => tagged += 1,
+            (None, None) => plain += 1,
+            other => panic!("a request with {other:?}"),
+        }
+    }
+    // At least once each: a line sent again after the kill counts twice.
+    assert!(
+        tagged >= lines_a.len(),
+        "{tagged} requests of A with its headers"
+    );
+    assert!(plain >= lines_b.len(), "{plain} requests of B without");
+    assert!(
+        tagged + plain < 1000,
+        "the gateway's memory of requests overflowed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pass_through_headers_reach_every_request_of_their_batch_in_async_mode() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, PASS_THROUGH, "");
+    let sim = gated_dispatcher(&env).await;
+    let mut service = Service::start(&config);
+    pass_through_survives_a_restart(&env, &mut service, 20, |open| gate(&env, open)).await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pass_through_headers_reach_every_request_of_their_batch_in_sync_mode() {
+    let env = Env::start(slow_gateway()).await;
+    let config = env.sync_config(
+        &["llama-3"],
+        "",
+        &format!(
+            "redis_url_file: {}\nconcurrency:\n  global: 4\n  per_endpoint: 4\n  aimd:\n    enabled: false\n",
+            env.redis_url_file.display()
+        ),
+    );
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, TWO_TENANTS, PASS_THROUGH, "");
+    let mut service = Service::start(&config);
+    pass_through_survives_a_restart(&env, &mut service, 20, |_| {}).await;
+}
+
+/// One webhook delivery a [`Receiver`] got.
+#[derive(Debug, Clone)]
+struct Delivered {
+    headers: hyper::HeaderMap,
+    body: String,
+    /// The status the receiver answered.
+    status: u16,
+}
+
+/// A webhook receiver: a real HTTP server on 127.0.0.1 recording every request, answering 500
+/// to the first `fail_first` and while `down` is set, 200 otherwise.
+struct Receiver {
+    url: String,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Delivered>>>,
+    down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Receiver {
+    async fn start(fail_first: usize) -> Receiver {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Delivered>::new()));
+        let down = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (seen2, down2) = (seen.clone(), down.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (seen, down) = (seen2.clone(), down2.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            let (seen, down) = (seen.clone(), down.clone());
+                            async move {
+                                use http_body_util::BodyExt;
+                                let (parts, body) = req.into_parts();
+                                let body = body.collect().await.unwrap().to_bytes();
+                                let mut seen = seen.lock().unwrap();
+                                let status =
+                                    if seen.len() < fail_first || down.load(Ordering::SeqCst) {
+                                        500
+                                    } else {
+                                        200
+                                    };
+                                seen.push(Delivered {
+                                    headers: parts.headers,
+                                    body: String::from_utf8_lossy(&body).into_owned(),
+                                    status,
+                                });
+                                Ok::<_, std::convert::Infallible>(
+                                    hyper::Response::builder()
+                                        .status(status)
+                                        .body(http_body_util::Full::new(bytes::Bytes::new()))
+                                        .unwrap(),
+                                )
+                            }
+                        },
+                    );
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(io, service)
+                        .await;
+                });
+            }
+        });
+        Receiver {
+            url,
+            seen,
+            down,
+            task,
+        }
+    }
+
+    fn seen(&self) -> Vec<Delivered> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    async fn wait_for(&self, what: &str, n: usize) -> Vec<Delivered> {
+        eventually(what, Duration::from_secs(60), || self.seen().len() >= n).await;
+        self.seen()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Checks a delivery as a Standard Webhooks receiver does: the `v1` HMAC-SHA256 of
+/// `<webhook-id>.<webhook-timestamp>.<body>` keyed with the base64 part of `secret`.
+fn verify(d: &Delivered, secret: &str) -> bool {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let h = |n: &str| d.headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let key = b64.decode(secret.strip_prefix("whsec_").unwrap()).unwrap();
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key);
+    let signed = format!("{}.{}.{}", h("webhook-id"), h("webhook-timestamp"), d.body);
+    h("webhook-signature").split(' ').any(|s| {
+        s.strip_prefix("v1,")
+            .and_then(|sig| b64.decode(sig).ok())
+            .is_some_and(|sig| ring::hmac::verify(&key, signed.as_bytes(), &sig).is_ok())
+    })
+}
+
+/// The `serve.webhooks` section of the tests: loopback receivers over plain http, fast retries.
+const WEBHOOKS: &str = "  webhooks:\n    allowed_hosts: [127.0.0.1, hooks.example.com]\n    allow_http: true\n    retry_initial_backoff: 200ms\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn webhook_endpoints_are_per_tenant_signed_retried_with_one_id_and_allow_listed() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, WEBHOOKS, "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+    let flaky = Receiver::start(3).await;
+    let steady = Receiver::start(0).await;
+
+    // Refused URLs name the rule.
+    for (url, rule) in [
+        ("http://10.1.2.3/hook", "allowed_hosts"),
+        ("https://evil.example.org/hook", "allowed_hosts"),
+        ("http://127.0.0.2/hook", "allowed_hosts"),
+        ("ftp://127.0.0.1/hook", "scheme"),
+        ("not a url", "not a URL"),
+    ] {
+        let e = a
+            .post_json("/v1/webhook_endpoints", &json!({"url": url}))
+            .await
+            .expect_error(400);
+        assert_eq!(e["param"], "url", "{e}");
+        assert!(e["message"].as_str().unwrap().contains(rule), "{url}: {e}");
+    }
+
+    let created = a
+        .post_json(
+            "/v1/webhook_endpoints",
+            &json!({"url": flaky.url, "name": "ends", "event_types": ["batch.completed", "batch.failed"]}),
+        )
+        .await
+        .expect(200);
+    let we = id_of(&created);
+    assert!(we.starts_with("we_"), "{created}");
+    assert_eq!(created["object"], "webhook_endpoint");
+    assert_eq!(created["status"], "enabled");
+    let secret = created["signing_secret"].as_str().unwrap().to_owned();
+    assert!(secret.starts_with("whsec_"), "{created}");
+    let hint = created["signing_secret_hint"].as_str().unwrap();
+    assert!(!hint.contains(&secret[6..16]), "{hint}");
+    // The secret is shown only then: not by retrieve, list or update, nor in the log.
+    for shown in [
+        a.get(&format!("/v1/webhook_endpoints/{we}")).await.text(),
+        a.get("/v1/webhook_endpoints").await.text(),
+        a.post_json(
+            &format!("/v1/webhook_endpoints/{we}"),
+            &json!({"name": "renamed"}),
+        )
+        .await
+        .text(),
+    ] {
+        assert!(!shown.contains(&secret[6..]), "{shown}");
+        assert!(shown.contains(&we), "{shown}");
+    }
+    // Another tenant sees none of it.
+    assert!(b.list_all("/v1/webhook_endpoints", "", 10).await.is_empty());
+    b.get(&format!("/v1/webhook_endpoints/{we}"))
+        .await
+        .expect_error(404);
+    b.delete(&format!("/v1/webhook_endpoints/{we}"))
+        .await
+        .expect_error(404);
+    b.post_empty(&format!("/v1/webhook_endpoints/{we}/rotate_secret"))
+        .await
+        .expect_error(404);
+
+    // A batch that ends: the receiver fails three times, gets it the fourth, one id throughout.
+    let (text, _) = input_jsonl("hooked", 3, "llama-3");
+    let file = a.upload_ok("hooked.jsonl", text.as_bytes()).await;
+    let batch = id_of(&a.create_batch_ok(&file).await);
+    assert_eq!(a.wait_final(&batch, FINISH).await["status"], "completed");
+    let got = flaky.wait_for("four attempts", 4).await;
+    let statuses: Vec<u16> = got.iter().map(|d| d.status).collect();
+    assert_eq!(statuses, [500, 500, 500, 200]);
+    let ids: BTreeSet<&str> = got
+        .iter()
+        .map(|d| d.headers["webhook-id"].to_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    for d in &got {
+        assert!(verify(d, &secret), "a bad signature: {d:?}");
+        let event: Value = serde_json::from_str(&d.body).unwrap();
+        assert_eq!(event["object"], "event");
+        assert_eq!(event["type"], "batch.completed");
+        assert_eq!(event["data"]["id"], batch.as_str());
+        assert_eq!(event["id"], *ids.iter().next().unwrap());
+    }
+    // Delivered: nothing more comes.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(flaky.seen().len(), 4);
+    let metrics = a.get("/metrics").await.text();
+    assert!(
+        metrics.contains("batch_service_webhook_deliveries_total{result=\"retried\"} 3"),
+        "{metrics}"
+    );
+
+    // Rotation: a new secret, which the next deliveries use; then a test delivery.
+    a.post_json(
+        &format!("/v1/webhook_endpoints/{we}"),
+        &json!({"url": steady.url}),
+    )
+    .await
+    .expect(200);
+    let rotated = a
+        .post_empty(&format!("/v1/webhook_endpoints/{we}/rotate_secret"))
+        .await
+        .expect(200);
+    let new_secret = rotated["signing_secret"].as_str().unwrap().to_owned();
+    assert_ne!(new_secret, secret);
+    let test = a
+        .post_json(
+            &format!("/v1/webhook_endpoints/{we}/test"),
+            &json!({"event_type": "batch.failed"}),
+        )
+        .await
+        .expect(200);
+    assert_eq!(
+        test,
+        json!({"object": "webhook_endpoint.test", "webhook_endpoint_id": we, "event_type": "batch.failed", "status_code": 200, "success": true})
+    );
+    let sample = &steady.wait_for("the test delivery", 1).await[0];
+    assert!(verify(sample, &new_secret) && !verify(sample, &secret));
+    assert_eq!(
+        serde_json::from_str::<Value>(&sample.body).unwrap()["type"],
+        "batch.failed"
+    );
+
+    let deleted = a
+        .delete(&format!("/v1/webhook_endpoints/{we}"))
+        .await
+        .expect(200);
+    assert_eq!(deleted["deleted"], true);
+    assert!(a.list_all("/v1/webhook_endpoints", "", 10).await.is_empty());
+    assert!(!service.all_stderr().contains(&secret[6..]));
+    assert!(!service.all_stderr().contains(&new_secret[6..]));
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_webhook_survives_the_death_of_the_replica_that_ended_the_batch() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, WEBHOOKS, "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let mut service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let receiver = Receiver::start(0).await;
+    receiver
+        .down
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let created = a
+        .post_json("/v1/webhook_endpoints", &json!({"url": receiver.url}))
+        .await
+        .expect(200);
+    let secret = created["signing_secret"].as_str().unwrap().to_owned();
+    let (text, _) = input_jsonl("survive", 3, "llama-3");
+    let file = a.upload_ok("survive.jsonl", text.as_bytes()).await;
+    let batch = id_of(&a.create_batch_ok(&file).await);
+    assert_eq!(a.wait_final(&batch, FINISH).await["status"], "completed");
+    let first = receiver.wait_for("a failed attempt", 1).await[0].clone();
+    service.kill9();
+    receiver
+        .down
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let tried = receiver.seen().len();
+    service.restart();
+    eventually(
+        "a delivery after the restart",
+        Duration::from_secs(60),
+        || receiver.seen().iter().any(|d| d.status == 200),
+    )
+    .await;
+    let got = receiver.seen();
+    assert!(got.len() > tried);
+    let last = got.last().unwrap();
+    assert_eq!(last.status, 200);
+    assert_eq!(last.headers["webhook-id"], first.headers["webhook-id"]);
+    assert!(verify(last, &secret));
+    sim.shutdown().await;
+}

@@ -94,7 +94,9 @@ impl Setup {
         assert!(yaml.contains(&format!("work_dir: {}\n", work_dir.display())));
         let yaml = format!(
             "{yaml}input:\n  max_requests: {MAX_REQUESTS}\nserve:\n  api_keys_file: {}\n  \
-             storage: {storage}\n  max_active_jobs: 16\n  reaper_interval: 200ms\n{serve_extra}",
+             storage: {storage}\n  max_active_jobs: 16\n  reaper_interval: 200ms\n  webhooks:\n    \
+             allowed_hosts: [127.0.0.1]\n    allow_http: true\n    retry_initial_backoff: 200ms\n\
+             {serve_extra}",
             self.keys_file.display()
         );
         let config = self.env.path(&format!("{name}.yaml"));

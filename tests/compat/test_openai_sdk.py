@@ -605,6 +605,89 @@ def check_an_expiring_file_is_reaped():
         time.sleep(0.2)
 
 
+def start_receiver(fail_first):
+    """A webhook receiver on 127.0.0.1: records every POST, answers 500 to the first
+    `fail_first` and 200 to the rest."""
+    import http.server
+
+    got, lock = [], threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            with lock:
+                status = 500 if len(got) < fail_first else 200
+                got.append((dict(self.headers.items()), body, status))
+            self.send_response(status)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, got, f"http://127.0.0.1:{server.server_address[1]}/hook"
+
+
+def wait_deliveries(got, n, limit=60):
+    deadline = time.monotonic() + limit
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"{len(got)} deliveries after {limit} s, expected {n}"
+        time.sleep(0.1)
+
+
+def check_webhooks():
+    server, got, url = start_receiver(3)
+    try:
+        expect_status(400, lambda: A.webhooks.create(url="https://evil.example.org/hook", name="x",
+                                                     event_types=["batch.completed"]),
+                      "a url outside serve.webhooks.allowed_hosts")
+        ep = A.webhooks.create(url=url, name="sdk", event_types=["batch.completed", "batch.failed"])
+        secret = ep.signing_secret
+        assert secret.startswith("whsec_") and ep.object == "webhook_endpoint", ep
+        listed = [e for e in A.webhooks.list()]
+        assert ep.id in [e.id for e in listed], listed
+        assert all(secret[6:] not in e.model_dump_json() for e in listed), "a listing shows the secret"
+        assert ep.id not in [e.id for e in B.webhooks.list()], "another tenant lists it"
+        expect_status(404, lambda: B.webhooks.retrieve(ep.id), "another tenant's webhook endpoint")
+        assert A.webhooks.retrieve(ep.id).url == url
+        assert A.webhooks.update(ep.id, name="sdk-renamed").name == "sdk-renamed"
+
+        # A batch ends: the receiver fails three times and gets it the fourth, one id throughout.
+        f = upload(A, "hooked.jsonl", jsonl([request_line("hook-0", MODEL, 1, "ping")[0]]))
+        b = A.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h")
+        assert wait_terminal(A, b.id).status == "completed"
+        wait_deliveries(got, 4)
+        assert [s for _, _, s in got] == [500, 500, 500, 200], [s for _, _, s in got]
+        assert len({h["webhook-id"] for h, _, _ in got}) == 1, "the id changed between attempts"
+        for headers, body, _ in got:
+            event = A.webhooks.unwrap(body, headers, secret=secret)
+            assert event.type == "batch.completed" and event.data.id == b.id, event
+        time.sleep(1.5)
+        assert len(got) == 4, f"{len(got)} deliveries of a delivered event"
+
+        rotated = A.webhooks.rotate_secret(ep.id)
+        assert rotated.signing_secret != secret and rotated.signing_secret.startswith("whsec_")
+        result = A.webhooks.test(ep.id, event_type="batch.failed")
+        assert result.status_code == 200 and result.success, result
+        headers, body, _ = got[-1]
+        event = A.webhooks.unwrap(body, headers, secret=rotated.signing_secret)
+        assert event.type == "batch.failed", event
+        try:
+            A.webhooks.unwrap(body, headers, secret=secret)
+        except openai.InvalidWebhookSignatureError:
+            pass
+        else:
+            raise AssertionError("the old secret still verifies after rotation")
+
+        deleted = A.webhooks.delete(ep.id)
+        assert deleted.deleted and deleted.id == ep.id, deleted
+        assert ep.id not in [e.id for e in A.webhooks.list()], "a deleted endpoint is listed"
+    finally:
+        server.shutdown()
+
+
 CHECKS = [
     ("upload a batch input file", check_upload),
     ("create a batch", check_create),
@@ -622,6 +705,7 @@ CHECKS = [
     ("files are listed page by page, in both orders, by purpose", check_files_list_pages),
     ("delete a file", check_delete_a_file),
     ("an expiring file is reaped", check_an_expiring_file_is_reaped),
+    ("webhooks: created, listed, delivered, verified, rotated, tested, deleted", check_webhooks),
 ]
 
 

@@ -430,6 +430,8 @@ impl Resp {
 pub struct Api {
     base: String,
     key: Option<String>,
+    /// Headers sent on every request (a proxy's user header, pass-through headers).
+    always: Vec<(String, String)>,
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
@@ -439,7 +441,20 @@ impl Api {
         Api {
             base: base.trim_end_matches('/').to_owned(),
             key: key.map(str::to_owned),
+            always: Vec::new(),
             client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    /// This client, also sending `name: value` on every request (once more for each call).
+    pub fn with_header(&self, name: &str, value: &str) -> Api {
+        let mut always = self.always.clone();
+        always.push((name.to_owned(), value.to_owned()));
+        Api {
+            base: self.base.clone(),
+            key: self.key.clone(),
+            always,
+            client: self.client.clone(),
         }
     }
 
@@ -472,7 +487,8 @@ impl Api {
         if let Some(key) = &self.key {
             req = req.header("authorization", format!("Bearer {key}"));
         }
-        for (name, value) in headers {
+        let always = self.always.iter().map(|(n, v)| (n.as_str(), v.as_str()));
+        for (name, value) in always.chain(headers.iter().copied()) {
             req = req.header(
                 HeaderName::from_bytes(name.as_bytes()).unwrap(),
                 HeaderValue::from_str(value).unwrap(),

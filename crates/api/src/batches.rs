@@ -17,6 +17,36 @@ use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use crate::files::owned_file;
 use crate::{limit, list_body, Api, ApiError, Id, ListParams, Tenant};
 
+/// The longest value of a pass-through header kept with a batch.
+const MAX_PASS_THROUGH_VALUE: usize = 1024;
+
+/// The values of the `serve.pass_through_headers` the create request carries (the last one of a
+/// repeated header, as for the tenant header), to send on each of the batch's requests.
+fn pass_through(
+    api: &Api,
+    headers: &axum::http::HeaderMap,
+) -> Result<BTreeMap<String, String>, ApiError> {
+    let mut kept = BTreeMap::new();
+    for name in api.pass_through_headers.iter() {
+        let Some(value) = headers.get_all(name.as_str()).iter().next_back() else {
+            continue;
+        };
+        // Stored as text and sent again as a header: visible ASCII and spaces only.
+        let value = value
+            .to_str()
+            .ok()
+            .filter(|v| v.len() <= MAX_PASS_THROUGH_VALUE)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("The {name} header must be at most {MAX_PASS_THROUGH_VALUE} bytes of visible ASCII."),
+                    None,
+                )
+            })?;
+        kept.insert(name.clone(), value.trim().to_owned());
+    }
+    Ok(kept)
+}
+
 /// OpenAI's metadata limits.
 const MAX_METADATA_PAIRS: usize = 16;
 const MAX_METADATA_KEY: usize = 64;
@@ -42,6 +72,7 @@ struct ExpiresAfter {
 pub(crate) async fn create(
     State(api): State<Api>,
     tenant: Tenant,
+    request_headers: axum::http::HeaderMap,
     body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<BatchObject>, ApiError> {
     let Json(body) = body.map_err(json_rejection)?;
@@ -129,6 +160,7 @@ pub(crate) async fn create(
         },
         window_secs,
         output_expires_after,
+        headers: pass_through(&api, &request_headers)?,
     };
     let max = api.quotas.max_unfinished_batches;
     if api.store.create_batch_within(&stored, max).await?.is_err() {
@@ -143,7 +175,7 @@ pub(crate) async fn create(
 }
 
 /// A body that is not the JSON expected: 413 when it is over `serve.max_json_body_bytes`.
-fn json_rejection(e: axum::extract::rejection::JsonRejection) -> ApiError {
+pub(crate) fn json_rejection(e: axum::extract::rejection::JsonRejection) -> ApiError {
     if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
         return ApiError {
             status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,

@@ -16,6 +16,8 @@
 //!     limits: batch_config::InputLimits::default(),
 //!     edge: batch_api::EdgeLimits::default(),
 //!     quotas: batch_api::Quotas::default(),
+//!     pass_through_headers: std::sync::Arc::from(Vec::new()),
+//!     webhooks: batch_config::WebhooksConfig::default(),
 //!     hooks,
 //! };
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
@@ -26,6 +28,7 @@
 mod batches;
 mod error;
 mod files;
+mod webhooks;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -51,10 +54,12 @@ pub const REQUEST_ID: &str = "x-request-id";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tenant(pub String);
 
-/// The API keys and the tenants they stand for.
+/// How a request's tenant is known: API keys and the tenants they stand for, or a header a
+/// trusted proxy sets.
 #[derive(Clone)]
 pub struct Keys {
     by_key: Arc<HashMap<String, String>>,
+    header: Option<axum::http::HeaderName>,
 }
 
 /// The tenant of a service without keys.
@@ -65,7 +70,18 @@ impl Keys {
     pub fn single_tenant() -> Self {
         Self {
             by_key: Arc::new(HashMap::new()),
+            header: None,
         }
+    }
+
+    /// The tenant is the value of `header`, set by an authenticating proxy in front of the
+    /// service (`serve.tenant_header`); `None` when `header` is not a header name.
+    pub fn from_header(header: &str) -> Option<Self> {
+        let header = axum::http::HeaderName::from_bytes(header.as_bytes()).ok()?;
+        Some(Self {
+            by_key: Arc::new(HashMap::new()),
+            header: Some(header),
+        })
     }
 
     /// These keys; an empty list means [`Keys::single_tenant`].
@@ -76,10 +92,17 @@ impl Keys {
             .collect();
         Self {
             by_key: Arc::new(by_key),
+            header: None,
         }
     }
 
-    fn tenant(&self, authorization: Option<&str>) -> Result<Tenant, ApiError> {
+    fn tenant(&self, headers: &axum::http::HeaderMap) -> Result<Tenant, ApiError> {
+        if let Some(name) = &self.header {
+            return tenant_from_header(name, headers);
+        }
+        let authorization = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
         if self.by_key.is_empty() {
             return Ok(Tenant(DEFAULT_TENANT.to_owned()));
         }
@@ -105,6 +128,44 @@ impl Keys {
     }
 }
 
+/// The tenant a trusted proxy named in `name`: its last value, as a proxy appends the caller it
+/// checked after whatever the client sent (as another line or after a comma).
+fn tenant_from_header(
+    name: &axum::http::HeaderName,
+    headers: &axum::http::HeaderMap,
+) -> Result<Tenant, ApiError> {
+    let missing = || {
+        ApiError::unauthorized(format!(
+            "The request has no {name} header: it must come through the authenticating proxy."
+        ))
+    };
+    let last = headers
+        .get_all(name)
+        .iter()
+        .next_back()
+        .ok_or_else(missing)?;
+    let Ok(value) = last.to_str() else {
+        return Err(ApiError::invalid(
+            format!("The {name} header is not plain ASCII."),
+            None,
+        ));
+    };
+    let value = value.rsplit(',').next().unwrap_or("").trim();
+    if value.is_empty() {
+        return Err(missing());
+    }
+    match batch_config::check_tenant(value) {
+        Ok(()) => Ok(Tenant(value.to_owned())),
+        // The value itself is not echoed: it is whatever the client or proxy sent.
+        Err(_) => Err(ApiError::invalid(
+            format!(
+                "The {name} header is not a valid user name: 1 to 64 ASCII letters, digits, '-', '_', '.' or '@'."
+            ),
+            None,
+        )),
+    }
+}
+
 /// What the API needs from the part of the process that runs jobs.
 pub trait Hooks: Send + Sync + 'static {
     /// A batch was created or a cancel asked for: look at the queues now.
@@ -120,6 +181,17 @@ pub trait Hooks: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Option<String>, batch_jobs::StoreError>>;
     /// The Prometheus text of `/metrics`.
     fn render_metrics(&self) -> BoxFuture<'_, String>;
+    /// Sends one sample `event_type` event to `endpoint`, signed with `secret`: the status it
+    /// answered, `None` when it did not answer. Without a sender, nothing is sent.
+    fn test_webhook<'a>(
+        &'a self,
+        endpoint: &'a batch_jobs::WebhookEndpoint,
+        secret: &'a str,
+        event_type: &'a str,
+    ) -> BoxFuture<'a, Option<u16>> {
+        let _ = (endpoint, secret, event_type);
+        Box::pin(async { None })
+    }
 }
 
 /// Limits on what a request carries besides an uploaded file (the `serve.max_*` settings).
@@ -184,6 +256,11 @@ pub struct Api {
     pub edge: EdgeLimits,
     /// Each tenant's quotas.
     pub quotas: Quotas,
+    /// Headers of `POST /v1/batches` kept with the batch and sent on each of its requests
+    /// (`serve.pass_through_headers`, lower case).
+    pub pass_through_headers: Arc<[String]>,
+    /// Where tenants' webhooks may point (`serve.webhooks`).
+    pub webhooks: batch_config::WebhooksConfig,
     /// The job-running side.
     pub hooks: Arc<dyn Hooks>,
 }
@@ -192,11 +269,7 @@ impl FromRequestParts<Api> for Tenant {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, api: &Api) -> Result<Self, Self::Rejection> {
-        let header = parts
-            .headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
-        api.keys.tenant(header)
+        api.keys.tenant(&parts.headers)
     }
 }
 
@@ -277,6 +350,21 @@ pub fn router(api: Api) -> Router {
         .route("/v1/batches/{id}/cancel", post(batches::cancel))
         .route("/v1/batches/{id}/output", get(batches::output))
         .route("/v1/batches/{id}/errors", get(batches::errors))
+        .route(
+            "/v1/webhook_endpoints",
+            post(webhooks::create).get(webhooks::list),
+        )
+        .route(
+            "/v1/webhook_endpoints/{id}",
+            get(webhooks::retrieve)
+                .post(webhooks::update)
+                .delete(webhooks::delete),
+        )
+        .route(
+            "/v1/webhook_endpoints/{id}/rotate_secret",
+            post(webhooks::rotate_secret),
+        )
+        .route("/v1/webhook_endpoints/{id}/test", post(webhooks::test))
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
@@ -539,6 +627,10 @@ mod tests {
             "/v1/batches/{batch_id}/cancel",
             "/v1/batches/{batch_id}/output",
             "/v1/batches/{batch_id}/errors",
+            "/v1/webhook_endpoints",
+            "/v1/webhook_endpoints/{webhook_endpoint_id}",
+            "/v1/webhook_endpoints/{webhook_endpoint_id}/rotate_secret",
+            "/v1/webhook_endpoints/{webhook_endpoint_id}/test",
             "/health",
             "/ready",
             "/metrics",

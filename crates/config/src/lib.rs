@@ -61,11 +61,11 @@ pub use dispatcher::{
     DISPATCHER_REQUEST_PATH, DISPATCHER_RETRY_QUEUE, PLACEHOLDER_GATEWAY_URL,
 };
 pub use error::{ConfigError, ConfigErrors};
-pub use load::{ENV_NESTING, ENV_PREFIX};
+pub use load::{check_tenant, ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, ApiKey, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
     LimiterAlgorithm, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig,
-    S3Config, Secret, ServeConfig, TlsConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
+    S3Config, Secret, ServeConfig, TlsConfig, WebhooksConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 

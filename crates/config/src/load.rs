@@ -78,6 +78,9 @@ const INPUT_KEYS: &[&str] = &["max_requests", "max_file_bytes"];
 const SERVE_KEYS: &[&str] = &[
     "listen",
     "api_keys_file",
+    "tenant_header",
+    "pass_through_headers",
+    "webhooks",
     "storage",
     "max_active_jobs",
     "state_prefix",
@@ -97,6 +100,13 @@ const SERVE_KEYS: &[&str] = &[
     "tenant_max_stored_bytes",
     "tenant_max_files",
     "tenant_max_running_batches",
+];
+const WEBHOOKS_KEYS: &[&str] = &[
+    "allowed_hosts",
+    "allow_http",
+    "timeout",
+    "retry_initial_backoff",
+    "give_up_after",
 ];
 const S3_KEYS: &[&str] = &[
     "endpoint",
@@ -279,6 +289,24 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
         (Some(file), Needs::Service) => read_api_keys(c, &t, file),
         _ => Vec::new(),
     };
+    let tenant_header =
+        c.text(&t, "tenant_header")
+            .and_then(|name| match check_header_name(&name) {
+                Ok(name) => Some(name),
+                Err(problem) => {
+                    c.at(&t, "tenant_header", problem);
+                    None
+                }
+            });
+    if tenant_header.is_some() && api_keys_file.is_some() {
+        c.at(
+            &t,
+            "tenant_header",
+            "set either tenant_header or api_keys_file, not both: they are two ways to name tenants",
+        );
+    }
+    let pass_through_headers = pass_through_headers(c, &t);
+    let webhooks = webhooks(c, &t);
     let storage = match c.text(&t, "storage") {
         None => d.storage,
         Some(url) => match check_storage_url(&url) {
@@ -295,6 +323,9 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
         listen: c.socket_addr(&t, "listen").unwrap_or(d.listen),
         api_keys_file,
         api_keys,
+        tenant_header,
+        pass_through_headers,
+        webhooks,
         storage,
         s3,
         max_active_jobs: c.bounded_count(&t, "max_active_jobs", d.max_active_jobs, 1, 10_000),
@@ -429,6 +460,127 @@ fn check_storage_url(url: &str) -> Result<(), String> {
     ))
 }
 
+/// Headers the service itself sets on an inference request, or that would change how it is
+/// carried: never passed through from a client.
+const RESERVED_HEADERS: &[&str] = &[
+    "host",
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "connection",
+    "authorization",
+    "te",
+    "upgrade",
+    "keep-alive",
+    "proxy-authorization",
+];
+
+/// `serve.webhooks`.
+fn webhooks(c: &mut Collector<'_>, serve: &Table<'_>) -> WebhooksConfig {
+    let t = c.table(serve, "webhooks", WEBHOOKS_KEYS);
+    let d = WebhooksConfig::default();
+    let mut allowed_hosts = Vec::new();
+    for host in string_list(c, &t, "allowed_hosts") {
+        match check_allowed_host(&host) {
+            Ok(()) => allowed_hosts.push(host.to_ascii_lowercase()),
+            Err(problem) => c.at(&t, "allowed_hosts", problem),
+        }
+    }
+    let give_up_after = c.positive_duration(&t, "give_up_after", d.give_up_after);
+    if give_up_after < std::time::Duration::from_secs(24 * 3600) {
+        c.at(
+            &t,
+            "give_up_after",
+            "must be at least 24h: a receiver gets a day to come back",
+        );
+    }
+    WebhooksConfig {
+        allowed_hosts,
+        allow_http: c.boolean(&t, "allow_http", d.allow_http),
+        timeout: c.bounded_duration(&t, "timeout", d.timeout, HOUR),
+        retry_initial_backoff: c.bounded_duration(
+            &t,
+            "retry_initial_backoff",
+            d.retry_initial_backoff,
+            HOUR,
+        ),
+        give_up_after,
+    }
+}
+
+/// An entry of `serve.webhooks.allowed_hosts`: a CIDR, a host name or `*.` and a domain.
+fn check_allowed_host(host: &str) -> Result<(), String> {
+    if host.contains('/') {
+        return host
+            .parse::<ipnet::IpNet>()
+            .map(|_| ())
+            .map_err(|_| format!("{host:?} is not a CIDR such as 10.0.0.0/8"));
+    }
+    let name = host.strip_prefix("*.").unwrap_or(host);
+    let label = |l: &str| {
+        !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    if name.parse::<std::net::IpAddr>().is_ok() || (name.len() <= 253 && name.split('.').all(label))
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "{host:?} is not a host name, *.domain, IP address or CIDR"
+    ))
+}
+
+/// A list of non-empty strings under `key`.
+fn string_list(c: &mut Collector<'_>, t: &Table<'_>, key: &str) -> Vec<String> {
+    let items = match t.get(key) {
+        None => return Vec::new(),
+        Some(figment::value::Value::Array(_, items)) => items,
+        Some(_) => {
+            c.at(t, key, "expected a list of strings");
+            return Vec::new();
+        }
+    };
+    let mut out = Vec::new();
+    for item in items {
+        match item.as_str() {
+            Some(text) if !text.trim().is_empty() => out.push(text.trim().to_owned()),
+            _ => c.at(t, key, "expected a list of non-empty strings"),
+        }
+    }
+    out
+}
+
+/// `serve.pass_through_headers`: a list of header names, lower-cased, each once.
+fn pass_through_headers(c: &mut Collector<'_>, t: &Table<'_>) -> Vec<String> {
+    let key = "pass_through_headers";
+    let mut names: Vec<String> = Vec::new();
+    for name in string_list(c, t, key) {
+        match check_header_name(&name) {
+            Ok(name) if RESERVED_HEADERS.contains(&name.as_str()) => {
+                let problem =
+                    format!("{name:?} is set by the service and cannot be passed through");
+                c.at(t, key, problem);
+            }
+            Ok(name) if names.contains(&name) => {
+                c.at(t, key, format!("{name:?} is listed twice"));
+            }
+            Ok(name) => names.push(name),
+            Err(problem) => c.at(t, key, problem),
+        }
+    }
+    names
+}
+
+/// An HTTP header name (an RFC 9110 token), lower-cased.
+fn check_header_name(name: &str) -> Result<String, String> {
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    if name.is_empty() || name.len() > 128 || !name.bytes().all(token) {
+        return Err(format!(
+            "{name:?} is not a header name (1 to 128 letters, digits and -_.!#$%&'*+^`|~)"
+        ));
+    }
+    Ok(name.to_ascii_lowercase())
+}
+
 /// `<key> <tenant>` per line; `#` starts a comment. Errors name the file and line, never a key.
 fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKey> {
     let text = match std::fs::read_to_string(file) {
@@ -485,12 +637,12 @@ fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKe
 /// The longest tenant name.
 const MAX_TENANT: usize = 64;
 
-/// A tenant name: 1 to [`MAX_TENANT`] letters, digits, `-`, `_` and `.`, neither starting with
-/// `.` nor holding `..`.
+/// A tenant name: 1 to [`MAX_TENANT`] letters, digits, `-`, `_`, `.` and `@` (a user name from
+/// a proxy may be an e-mail address), neither starting with `.` nor holding `..`.
 /// Tenants are parts of Redis keys and of log lines, where `/`, `..` or glob characters
 /// (`*`, `?`, `[`) would read as something else.
-fn check_tenant(tenant: &str) -> Result<(), String> {
-    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+pub fn check_tenant(tenant: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@');
     if tenant.is_empty() || tenant.len() > MAX_TENANT {
         return Err(format!(
             "a tenant name has 1 to {MAX_TENANT} characters, got {}",
@@ -499,7 +651,7 @@ fn check_tenant(tenant: &str) -> Result<(), String> {
     }
     if let Some(found) = tenant.chars().find(|c| !allowed(*c)) {
         return Err(format!(
-            "tenant {tenant:?} contains {found:?}; use ASCII letters, digits, '-', '_' or '.'"
+            "tenant {tenant:?} contains {found:?}; use ASCII letters, digits, '-', '_', '.' or '@'"
         ));
     }
     if tenant.starts_with('.') || tenant.contains("..") {

@@ -377,6 +377,89 @@ pub struct S3Config {
     pub secret_access_key: Option<Secret>,
 }
 
+/// `serve.webhooks`: where tenants' webhook endpoints may point, and how deliveries are retried.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WebhooksConfig {
+    /// Hosts a webhook URL may name: exact host names (case-insensitive), `*.domain` for its
+    /// subdomains, or CIDRs (`10.0.0.0/8`) for IP literals. Empty (the default): no webhook
+    /// endpoint can be created.
+    pub allowed_hosts: Vec<String>,
+    /// Allows `http://` URLs (default false: `https://` only).
+    pub allow_http: bool,
+    /// How long one delivery may take (default 10s).
+    #[serde(serialize_with = "ser_duration")]
+    pub timeout: Duration,
+    /// The wait after a first failed delivery, doubled after each (default 5s, at most 1h).
+    #[serde(serialize_with = "ser_duration")]
+    pub retry_initial_backoff: Duration,
+    /// How long after an event its delivery is retried before it is given up (default 25h).
+    #[serde(serialize_with = "ser_duration")]
+    pub give_up_after: Duration,
+}
+
+impl WebhooksConfig {
+    /// Whether a webhook may call `url`: `Err` names the rule it breaks. Only what the operator
+    /// allowed is ever called (no request forgery towards internal services): the scheme, and
+    /// the host by name or, for an IP literal, by CIDR. A host name is not resolved to match a
+    /// CIDR, so a name pointing inside a network is only called when listed by name.
+    pub fn check_url(&self, url: &str) -> Result<url::Url, String> {
+        let parsed = url::Url::parse(url).map_err(|e| format!("the url is not a URL: {e}"))?;
+        match parsed.scheme() {
+            "https" => {}
+            "http" if self.allow_http => {}
+            "http" => {
+                return Err("the url must be https (serve.webhooks.allow_http is false)".into())
+            }
+            other => return Err(format!("the url's scheme {other:?} is not https")),
+        }
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            return Err("the url must not carry credentials".into());
+        }
+        let allowed = match parsed.host() {
+            None => false,
+            Some(url::Host::Domain(name)) => {
+                let name = name.trim_end_matches('.').to_ascii_lowercase();
+                self.allowed_hosts
+                    .iter()
+                    .any(|rule| match rule.strip_prefix("*.") {
+                        Some(domain) => name.ends_with(&format!(".{domain}")),
+                        None => *rule == name,
+                    })
+            }
+            Some(url::Host::Ipv4(ip)) => self.allows_ip(std::net::IpAddr::V4(ip)),
+            Some(url::Host::Ipv6(ip)) => self.allows_ip(std::net::IpAddr::V6(ip)),
+        };
+        if !allowed {
+            return Err(format!(
+                "the url's host {:?} is not in serve.webhooks.allowed_hosts",
+                parsed.host_str().unwrap_or("")
+            ));
+        }
+        Ok(parsed)
+    }
+
+    fn allows_ip(&self, ip: std::net::IpAddr) -> bool {
+        self.allowed_hosts
+            .iter()
+            .any(|rule| match rule.parse::<ipnet::IpNet>() {
+                Ok(net) => net.contains(&ip),
+                Err(_) => rule.parse::<std::net::IpAddr>() == Ok(ip),
+            })
+    }
+}
+
+impl Default for WebhooksConfig {
+    fn default() -> Self {
+        Self {
+            allowed_hosts: Vec::new(),
+            allow_http: false,
+            timeout: Duration::from_secs(10),
+            retry_initial_backoff: Duration::from_secs(5),
+            give_up_after: Duration::from_secs(25 * 3600),
+        }
+    }
+}
+
 /// `processor serve`: the OpenAI-compatible Batch API service.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ServeConfig {
@@ -387,6 +470,15 @@ pub struct ServeConfig {
     pub api_keys_file: Option<PathBuf>,
     /// The keys read from `api_keys_file` (only by [`ProcessorConfig::load_service`]).
     pub api_keys: Vec<ApiKey>,
+    /// The header an authenticating proxy sets to the caller's user (`X-MaaS-Username`), lower
+    /// case; its (last) value is the tenant. The other way to tell tenants apart than
+    /// `api_keys_file`, and exclusive with it. None by default.
+    pub tenant_header: Option<String>,
+    /// Headers of `POST /v1/batches` kept with the batch and sent on each of its inference
+    /// requests (lower case; none by default).
+    pub pass_through_headers: Vec<String>,
+    /// Webhooks the tenants manage through `/v1/webhook_endpoints`.
+    pub webhooks: WebhooksConfig,
     /// Where files live: `file:///dir` (default `file://<work_dir>/storage`) or `s3://bucket/prefix`.
     pub storage: String,
     /// How to reach S3 storage, over the `AWS_*` environment and the shared AWS files.
@@ -449,6 +541,9 @@ impl ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             api_keys_file: None,
             api_keys: Vec::new(),
+            tenant_header: None,
+            pass_through_headers: Vec::new(),
+            webhooks: WebhooksConfig::default(),
             storage: format!("file://{}", work_dir.join("storage").display()),
             s3: S3Config::default(),
             max_active_jobs: 16,

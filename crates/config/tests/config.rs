@@ -1389,3 +1389,66 @@ fn a_byte_order_mark_does_not_hide_the_first_key_and_odd_tenants_are_refused() {
         assert!(!all.contains("sk-x"), "a key leaked: {all}");
     }
 }
+
+#[test]
+fn tenant_header_pass_through_headers_and_webhooks_are_read_and_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = service_config(
+        dir.path(),
+        "  tenant_header: X-MaaS-Username\n  pass_through_headers: [X-Gateway-Inference-Fairness-Id, baggage]\n  webhooks:\n    allowed_hosts: [Hooks.Example.com, '*.corp.example', 10.0.0.0/8]\n    retry_initial_backoff: 1s\n",
+    );
+    let c = load_service_file(&file).unwrap();
+    assert_eq!(c.serve.tenant_header.as_deref(), Some("x-maas-username"));
+    assert_eq!(
+        c.serve.pass_through_headers,
+        ["x-gateway-inference-fairness-id", "baggage"]
+    );
+    let w = &c.serve.webhooks;
+    assert!(!w.allow_http);
+    assert_eq!(w.give_up_after, std::time::Duration::from_secs(25 * 3600));
+    assert!(w.check_url("https://hooks.example.com/x").is_ok());
+    assert!(w.check_url("https://a.corp.example/x").is_ok());
+    assert!(w.check_url("https://10.1.2.3/x").is_ok());
+    for (url, rule) in [
+        ("http://hooks.example.com/x", "allow_http"),
+        ("https://corp.example/x", "allowed_hosts"),
+        ("https://11.0.0.1/x", "allowed_hosts"),
+        ("https://hooks.example.com.evil.org/x", "allowed_hosts"),
+        ("https://u:p@hooks.example.com/x", "credentials"),
+    ] {
+        let problem = w.check_url(url).unwrap_err();
+        assert!(problem.contains(rule), "{url}: {problem}");
+    }
+
+    for (serve, field) in [
+        (
+            "  tenant_header: X-MaaS-Username\n  api_keys_file: keys\n",
+            "serve.tenant_header",
+        ),
+        ("  tenant_header: 'bad header'\n", "serve.tenant_header"),
+        (
+            "  pass_through_headers: [authorization]\n",
+            "serve.pass_through_headers",
+        ),
+        (
+            "  pass_through_headers: [a, A]\n",
+            "serve.pass_through_headers",
+        ),
+        (
+            "  webhooks:\n    allowed_hosts: ['10.0.0.0/99']\n",
+            "serve.webhooks.allowed_hosts",
+        ),
+        (
+            "  webhooks:\n    give_up_after: 1h\n",
+            "serve.webhooks.give_up_after",
+        ),
+    ] {
+        write(dir.path(), "keys", "sk-a alice\n");
+        let file = service_config(dir.path(), serve);
+        let errors: Vec<String> = match load_service_file(&file) {
+            Ok(_) => panic!("accepted: {serve}"),
+            Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+        };
+        assert!(errors.join("\n").contains(field), "{serve}: {errors:?}");
+    }
+}

@@ -17,6 +17,7 @@
 //! ```
 
 mod records;
+mod webhooks;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -32,6 +33,7 @@ pub use records::{
     storage_key, BatchObject, CachedTokens, FileObject, FineCounts, Page, ReasoningTokens,
     StoredBatch, StoredFile, Usage, FINE_COUNTS_KEY,
 };
+pub use webhooks::{Delivery, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
 
 /// Why a state operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -208,7 +210,8 @@ return 1
 /// itself. Refused (0) when the writer no longer holds the job's lease.
 ///
 /// KEYS also: active, tenant_of. A batch reaching a final status leaves its tenant's count of
-/// unfinished batches, once: only while `tenant_of` still names it.
+/// unfinished batches, once: only while `tenant_of` still names it; it is then pushed on KEYS[6],
+/// the list the webhook sender reads.
 const SAVE_BATCH_LUA: &str = r#"
 if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then return 0 end
 local old = redis.call('GET', KEYS[1])
@@ -228,6 +231,7 @@ if s == 'completed' or s == 'failed' or s == 'expired' or s == 'cancelled' then
   if tenant and redis.call('HDEL', KEYS[5], ARGV[4]) == 1 then
     local left = redis.call('HINCRBY', KEYS[4], tenant, -1)
     if left < 0 then redis.call('HSET', KEYS[4], tenant, 0) end
+    redis.call('RPUSH', KEYS[6], ARGV[4])
   end
 end
 return 1
@@ -626,6 +630,7 @@ impl Store {
             self.key(&["lease", &b.id]),
             self.key(&["active"]),
             self.key(&["tenant_of"]),
+            self.webhook_ended_key(),
         ];
         let json = serde_json::to_string(batch).expect("a batch record serializes");
         let expected = lease.map(Lease::value).unwrap_or_default();

@@ -149,6 +149,10 @@ pub struct StoredBatch {
     /// Seconds after which the output and error files expire; `None`: never.
     #[serde(default)]
     pub output_expires_after: Option<u64>,
+    /// Headers of the create request named by `serve.pass_through_headers` (lower-case names),
+    /// sent on each of the batch's inference requests.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub headers: std::collections::BTreeMap<String, String>,
 }
 
 /// One page of a listing.

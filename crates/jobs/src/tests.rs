@@ -38,6 +38,7 @@ fn batch(tenant: &str, id: &str, deadline: i64) -> StoredBatch {
         },
         window_secs: 86_400,
         output_expires_after: None,
+        headers: Default::default(),
     }
 }
 

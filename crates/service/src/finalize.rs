@@ -185,7 +185,11 @@ pub(crate) async fn finish(
                 object: "file".into(),
                 bytes,
                 created_at: now_unix(),
-                filename: format!("{id}_{kind}.jsonl"),
+                // The batch gateway's names, which its users' scripts look for.
+                filename: match kind {
+                    "output" => format!("batch_output_{id}.jsonl"),
+                    _ => format!("batch_error_{id}.jsonl"),
+                },
                 purpose: "batch_output".into(),
                 expires_at,
                 status: "processed".into(),

@@ -22,6 +22,7 @@ mod finalize;
 mod http;
 mod reaper;
 mod runner;
+mod webhooks;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -113,7 +114,9 @@ impl Service {
     ) -> Result<Self, ServiceError> {
         let serve = config.serve.clone();
         let listen = options.listen.unwrap_or(serve.listen);
-        if serve.api_keys.is_empty() {
+        if let Some(header) = &serve.tenant_header {
+            tracing::warn!(%listen, header, "serve.tenant_header is set: the service trusts the {header} header to name the caller; it must only be reachable through the authenticating proxy that sets it");
+        } else if serve.api_keys.is_empty() {
             if !listen.ip().is_loopback() {
                 return Err(ServiceError::Config(format!(
                     "serve.api_keys_file is not set: without API keys the service only listens on a loopback address, not {listen}"
@@ -170,15 +173,25 @@ impl Service {
                 addr: listen,
                 error,
             })?;
+        let webhook_sender =
+            Arc::new(webhooks::Sender::new(serve.webhooks.clone()).map_err(ServiceError::Config)?);
         let hooks = Arc::new(ServiceHooks {
             runner: runner.clone(),
             store: store.clone(),
             metrics,
+            webhooks: webhook_sender.clone(),
         });
         let api = Api {
             store: store.clone(),
             storage: storage.clone(),
-            keys: Keys::new(&serve.api_keys),
+            keys: match &serve.tenant_header {
+                Some(header) => Keys::from_header(header).ok_or_else(|| {
+                    ServiceError::Config(format!(
+                        "serve.tenant_header {header:?} is not a header name"
+                    ))
+                })?,
+                None => Keys::new(&serve.api_keys),
+            },
             limits: executor.config().input.clone(),
             edge: batch_api::EdgeLimits {
                 max_json_body_bytes: serve.max_json_body_bytes,
@@ -191,6 +204,8 @@ impl Service {
                 max_stored_bytes: serve.tenant_max_stored_bytes,
                 max_files: serve.tenant_max_files,
             },
+            pass_through_headers: Arc::from(serve.pass_through_headers.clone()),
+            webhooks: serve.webhooks.clone(),
             hooks,
         };
         let stop_http = CancellationToken::new();
@@ -211,6 +226,11 @@ impl Service {
             )));
         }
         tasks.push(tokio::spawn(runner.clone().run()));
+        tasks.push(tokio::spawn(webhooks::run(
+            store.clone(),
+            webhook_sender,
+            stop_reaper.clone(),
+        )));
         tasks.push(tokio::spawn(reaper::run(
             store,
             storage,
@@ -263,9 +283,19 @@ struct ServiceHooks {
     runner: Arc<Runner>,
     store: Store,
     metrics: Option<batch_observability::MetricsHandle>,
+    webhooks: Arc<webhooks::Sender>,
 }
 
 impl Hooks for ServiceHooks {
+    fn test_webhook<'a>(
+        &'a self,
+        endpoint: &'a batch_jobs::WebhookEndpoint,
+        secret: &'a str,
+        event_type: &'a str,
+    ) -> BoxFuture<'a, Option<u16>> {
+        Box::pin(self.webhooks.test(endpoint, secret, event_type))
+    }
+
     fn wake(&self) {
         self.runner.wake.notify_waiters();
     }

@@ -504,7 +504,8 @@ impl Runner {
             output_dir: dir.join("out"),
             job_id: Some(id.to_owned()),
             completion_window: Duration::from_secs(record.window_secs),
-            headers: Default::default(),
+            // The pass-through headers of its create request, on every request of the batch.
+            headers: record.headers.clone(),
             created_at: Some(record.batch.batch.created_at),
             endpoint: record.batch.batch.endpoint.clone(),
         };

@@ -19,12 +19,13 @@ use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme
 use crate::{DispatchError, TlsOptions};
 
 /// Keep-alive client shared by every endpoint with the same TLS settings.
-pub(crate) type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// Idle keep-alive connections are closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
-pub(crate) fn build(tls: &TlsOptions) -> Result<HttpClient, DispatchError> {
+/// A keep-alive http and https client with these TLS settings; it follows no redirect.
+pub fn build(tls: &TlsOptions) -> Result<HttpClient, DispatchError> {
     let config = tls_config(tls)?;
     let mut http = HttpConnector::new();
     http.enforce_http(false);
