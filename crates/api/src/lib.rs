@@ -120,6 +120,11 @@ pub trait Hooks: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Option<String>, batch_jobs::StoreError>>;
     /// The Prometheus text of `/metrics`.
     fn render_metrics(&self) -> BoxFuture<'_, String>;
+    /// Why the process cannot serve now although Redis and storage answer (Redis lost the
+    /// service's state, being rebuilt): `/ready` fails with it.
+    fn not_ready(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Limits on what a request carries besides an uploaded file (the `serve.max_*` settings).
@@ -310,6 +315,9 @@ async fn health() -> &'static str {
 }
 
 async fn ready(State(api): State<Api>) -> Response {
+    if let Some(why) = api.hooks.not_ready() {
+        return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
+    }
     let redis = api.store.ping().await;
     let storage = api.storage.check().await;
     match (redis, storage) {

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::finalize;
+use crate::recover::StateGuard;
 
 /// How often a running job's record is refreshed and its cancel marker looked at.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(500);
@@ -45,6 +46,8 @@ struct Active {
     lease: Lease,
     /// Fired when the lease is lost: the job stops writing at once.
     fenced: CancellationToken,
+    /// How many losses of Redis's state were noticed when it started here.
+    losses: u64,
 }
 
 /// The part of the service that runs jobs.
@@ -59,6 +62,8 @@ pub(crate) struct Runner {
     pub(crate) stop: CancellationToken,
     active: Mutex<HashMap<String, Active>>,
     pub(crate) tasks: TaskTracker,
+    /// Whether Redis lost the service's state.
+    state: Arc<StateGuard>,
 }
 
 /// What went wrong with one job's bookkeeping (the job itself fails through the executor).
@@ -92,6 +97,7 @@ struct CheckpointRecord {
 
 impl Runner {
     pub(crate) fn new(
+        state: Arc<StateGuard>,
         store: Store,
         storage: Storage,
         executor: Arc<Executor>,
@@ -107,6 +113,7 @@ impl Runner {
             stop: CancellationToken::new(),
             active: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
+            state,
         })
     }
 
@@ -247,7 +254,7 @@ impl Runner {
             match self.store.renew(&leases, self.config.lease_ttl).await {
                 Ok(renewal) => {
                     for lease in renewal.lost {
-                        tracing::warn!(job = %lease.job, epoch = lease.epoch, "lost the job's lease to another replica; stopping it here");
+                        self.log_lost(&lease).await;
                         self.fence(&lease.job);
                     }
                     for lease in renewal.regained {
@@ -302,6 +309,24 @@ impl Runner {
             return Ok(());
         }
         Err(RunError::Fenced)
+    }
+
+    /// Says why a lease was lost: Redis lost the whole state (then the job is put back from
+    /// storage and resumed), or another replica took the job.
+    async fn log_lost(&self, lease: &Lease) {
+        let started = self
+            .active
+            .lock()
+            .expect("active lock")
+            .get(&lease.job)
+            .map_or(0, |a| a.losses);
+        let state_lost =
+            matches!(self.state.check().await, Ok(true)) || self.state.losses() > started;
+        if state_lost {
+            tracing::warn!(job = %lease.job, epoch = lease.epoch, "the job's lease went with the state Redis lost; stopping it here: it resumes from its checkpoint once the state is rebuilt from storage");
+        } else {
+            tracing::warn!(job = %lease.job, epoch = lease.epoch, "lost the job's lease to another replica; stopping it here");
+        }
     }
 
     fn fence(&self, id: &str) {
@@ -393,6 +418,7 @@ impl Runner {
                 dir: me.job_dir(&id),
                 lease: lease.clone(),
                 fenced: fenced.clone(),
+                losses: self.state.losses(),
             },
         );
         self.tasks.spawn(async move {
@@ -753,7 +779,7 @@ impl Runner {
                         // Published at the next turn.
                         Ok(true) => {}
                         Ok(false) => {
-                            tracing::warn!(job = %id, "lost the job's lease to another replica; stopping it here");
+                            self.log_lost(&lease).await;
                             fenced.cancel();
                             return;
                         }
