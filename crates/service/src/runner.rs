@@ -329,6 +329,18 @@ impl Runner {
         }
     }
 
+    /// Takes the job out of the active ones, unless a newer run of it (adopted here after this
+    /// one was fenced, as when Redis lost the state) replaced it meanwhile.
+    fn forget_active(&self, lease: &Lease) {
+        let mut active = self.active.lock().expect("active lock");
+        if active
+            .get(&lease.job)
+            .is_some_and(|a| a.lease.epoch == lease.epoch)
+        {
+            active.remove(&lease.job);
+        }
+    }
+
     fn fence(&self, id: &str) {
         if let Some(a) = self.active.lock().expect("active lock").get(id) {
             a.fenced.cancel();
@@ -430,7 +442,7 @@ impl Runner {
                 }
                 Err(e) => tracing::error!(job = %id, error = %e, "job bookkeeping failed; it resumes at the next start"),
             }
-            me.active.lock().expect("active lock").remove(&id);
+            me.forget_active(&lease);
             // A freed slot may let a queued job start at once.
             me.wake.notify_one();
         });
@@ -595,7 +607,7 @@ impl Runner {
         }
         // Out of the heartbeat's list first: a renewal racing this release must not take the
         // lease back (see `regained`).
-        self.active.lock().expect("active lock").remove(&lease.job);
+        self.forget_active(lease);
         self.retry("letting go of a lease", || self.store.release_lease(lease))
             .await?;
         Ok(())
