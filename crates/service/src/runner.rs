@@ -254,6 +254,10 @@ impl Runner {
             match self.store.renew(&leases, self.config.lease_ttl).await {
                 Ok(renewal) => {
                     for lease in renewal.lost {
+                        if !self.is_active(&lease) {
+                            // It ended (or paused) meanwhile and let go of the lease itself.
+                            continue;
+                        }
                         self.log_lost(&lease).await;
                         self.fence(&lease.job);
                     }
@@ -331,6 +335,13 @@ impl Runner {
 
     /// Takes the job out of the active ones, unless a newer run of it (adopted here after this
     /// one was fenced, as when Redis lost the state) replaced it meanwhile.
+    fn is_active(&self, lease: &Lease) -> bool {
+        let active = self.active.lock().expect("active lock");
+        active
+            .get(&lease.job)
+            .is_some_and(|a| a.lease.epoch == lease.epoch)
+    }
+
     fn forget_active(&self, lease: &Lease) {
         let mut active = self.active.lock().expect("active lock");
         if active
@@ -543,6 +554,15 @@ impl Runner {
         }
         let prepared = match self.executor.prepare(&spec).await {
             Ok(p) => p,
+            // An earlier run of the job here (fenced when Redis lost the state) still winds
+            // down: not a failure of the batch; it is taken again once that run let go.
+            Err(batch_executor::ExecError::Locked { .. }) => {
+                tracing::info!(job = %id, "an earlier run of the job here still winds down; taking it again later");
+                self.forget_active(lease);
+                return self
+                    .retry("letting go of a lease", || self.store.release_lease(lease))
+                    .await;
+            }
             Err(e) => {
                 let message = format!("The batch could not be started: {e}");
                 return self
@@ -617,6 +637,8 @@ impl Runner {
     /// files go.
     async fn end(&self, lease: &Lease, dir: &Path) -> Result<(), RunError> {
         let id = lease.job.as_str();
+        // Out of the heartbeat's list first: the released lease is not a lost one.
+        self.forget_active(lease);
         self.fenced("releasing a job", lease, || self.store.release(lease))
             .await?;
         self.retry("forgetting a checkpoint", || {
