@@ -103,7 +103,7 @@ impl StateGuard {
                 return Ok(None);
             }
             if self.store.lock_rebuild(&holder, LOCK_TTL).await? {
-                let outcome = self.rebuild(&holder).await;
+                let outcome = self.rebuild(&holder, generation).await;
                 self.store.unlock_rebuild(&holder).await?;
                 let report = outcome?;
                 self.recovering.store(false, Ordering::SeqCst);
@@ -117,10 +117,19 @@ impl StateGuard {
         }
     }
 
-    async fn rebuild(&self, holder: &str) -> Result<RebuildReport, StoreError> {
+    /// Rebuilds; a new generation only when the state was lost (`kept`: the marker there, a
+    /// rebuild asked for): other replicas would take a new one for a loss.
+    async fn rebuild(
+        &self,
+        holder: &str,
+        kept: Option<String>,
+    ) -> Result<RebuildReport, StoreError> {
         let started = std::time::Instant::now();
         let report = self.store.rebuild(&self.storage).await?;
-        let generation = self.store.mark_state().await?;
+        let generation = match kept {
+            Some(g) => g,
+            None => self.store.mark_state().await?,
+        };
         *self.seen.lock().expect("seen lock") = Some(generation.clone());
         tracing::warn!(
             holder,
