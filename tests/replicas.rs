@@ -901,7 +901,12 @@ async fn listing(api: &Api) -> Option<Vec<(String, Value)>> {
         page["data"]
             .as_array()?
             .iter()
-            .map(|b| (b["id"].as_str().unwrap_or("").to_owned(), b["metadata"].clone()))
+            .map(|b| {
+                (
+                    b["id"].as_str().unwrap_or("").to_owned(),
+                    b["metadata"].clone(),
+                )
+            })
             .collect(),
     )
 }
@@ -910,8 +915,7 @@ async fn listing(api: &Api) -> Option<Vec<(String, Value)>> {
 /// while it runs; Redis loses everything. Each batch is listed again (same metadata, same
 /// pages) within [`RELIST_LIMIT`] and ends with every line once; the input files stay readable.
 async fn batches_survive_a_redis_that_forgets(s3: bool, loss: Loss) {
-    let mut cluster =
-        Cluster::start_with(2, 2, SLOW_LATENCY, SLOW_CONCURRENCY, "4s", s3).await;
+    let mut cluster = Cluster::start_with(2, 2, SLOW_LATENCY, SLOW_CONCURRENCY, "4s", s3).await;
     let api = cluster.api(0);
     let mut batches = Vec::new();
     let mut inputs = Vec::new();
@@ -998,14 +1002,24 @@ async fn batches_survive_a_redis_that_forgets(s3: bool, loss: Loss) {
     for (b, batch) in batches.iter().zip(&finals) {
         if b.id == cancelled {
             assert_eq!(batch["status"], "cancelled", "{batch}");
-            cluster.api(1).results(batch).await.assert_each_once(&b.lines);
+            cluster
+                .api(1)
+                .results(batch)
+                .await
+                .assert_each_once(&b.lines);
         } else {
             cluster.check_completed(b, batch, 1).await;
         }
-        assert_eq!(batch["metadata"], want.iter().find(|w| w.0 == b.id).unwrap().1);
+        assert_eq!(
+            batch["metadata"],
+            want.iter().find(|w| w.0 == b.id).unwrap().1
+        );
     }
     for (file, text) in &inputs {
-        let content = cluster.api(1).get(&format!("/v1/files/{file}/content")).await;
+        let content = cluster
+            .api(1)
+            .get(&format!("/v1/files/{file}/content"))
+            .await;
         assert_eq!(content.status, 200, "{file}: {}", content.text());
         assert!(content.body == text.as_bytes(), "{file}: other content");
     }

@@ -398,13 +398,19 @@ async fn view(s: &Store) -> Vec<String> {
             "{tenant} files: {:?}",
             files.data.iter().map(|f| &f.file.id).collect::<Vec<_>>()
         ));
-        out.push(format!("{tenant} usage: {:?}", s.usage(tenant).await.unwrap()));
+        out.push(format!(
+            "{tenant} usage: {:?}",
+            s.usage(tenant).await.unwrap()
+        ));
         out.push(format!(
             "{tenant} unfinished: {}",
             s.unfinished(tenant).await.unwrap()
         ));
     }
-    out.push(format!("expired: {:?}", s.expired_files(1_000, 100).await.unwrap()));
+    out.push(format!(
+        "expired: {:?}",
+        s.expired_files(1_000, 100).await.unwrap()
+    ));
     out.push(format!("counts: {:?}", s.status_counts().await.unwrap()));
     out
 }
@@ -422,8 +428,12 @@ async fn a_flushed_redis_is_rebuilt_from_the_storage_copy() {
     s.put_file(&file("a", "file-002", "batch_output", None))
         .await
         .unwrap();
-    s.put_file(&file("b", "file-003", "batch", None)).await.unwrap();
-    s.put_file(&file("a", "file-004", "batch", None)).await.unwrap();
+    s.put_file(&file("b", "file-003", "batch", None))
+        .await
+        .unwrap();
+    s.put_file(&file("a", "file-004", "batch", None))
+        .await
+        .unwrap();
     s.delete_file(&file("a", "file-004", "batch", None))
         .await
         .unwrap();
@@ -483,11 +493,17 @@ async fn a_flushed_redis_is_rebuilt_from_the_storage_copy() {
     assert_eq!(view(&s).await, before);
     assert!(s.cancel_requested("batch_3").await.unwrap());
     // The running one waits, unleased, to be adopted with its checkpoint and a newer epoch.
-    assert_eq!(s.running().await.unwrap().keys().collect::<Vec<_>>(), ["batch_0"]);
+    assert_eq!(
+        s.running().await.unwrap().keys().collect::<Vec<_>>(),
+        ["batch_0"]
+    );
     assert_eq!(s.checkpoint("batch_0").await.unwrap(), Some(checkpoint));
     let adopted = s.adopt("batch_0", "r1", ttl).await.unwrap().unwrap();
     assert!(adopted.epoch > l1.epoch, "{adopted:?} after {l1:?}");
-    assert!(!s.hold(&l1, ttl).await.unwrap(), "the old holder passes no fence");
+    assert!(
+        !s.hold(&l1, ttl).await.unwrap(),
+        "the old holder passes no fence"
+    );
     // The queue in deadline order, the cancelled one on the cancel queue.
     let order: Vec<String> = [
         s.claim_queued("r1", ttl, 0).await.unwrap(),

@@ -160,9 +160,7 @@ impl Service {
         let state = Arc::new(StateGuard::new(store.clone(), storage.clone(), &replica));
         let stop_reaper = CancellationToken::new();
         // Before any job is taken: an empty Redis over a storage holding batches is rebuilt.
-        let rebuilt = state
-            .ensure(options.rebuild_state, &stop_reaper)
-            .await?;
+        let rebuilt = state.ensure(options.rebuild_state, &stop_reaper).await?;
         let runner = Runner::new(
             state.clone(),
             store.clone(),
@@ -231,9 +229,7 @@ impl Service {
         {
             let (runner, stop) = (runner.clone(), stop_reaper.clone());
             tasks.push(tokio::spawn(async move {
-                state
-                    .watch(stop, || runner.wake.notify_waiters())
-                    .await
+                state.watch(stop, || runner.wake.notify_waiters()).await
             }));
         }
         tasks.push(tokio::spawn(reaper::run(

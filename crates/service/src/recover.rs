@@ -50,9 +50,9 @@ impl StateGuard {
 
     /// Why `/ready` must fail now, if it must.
     pub(crate) fn not_ready(&self) -> Option<String> {
-        self.recovering.load(Ordering::SeqCst).then(|| {
-            "redis: it lost the service's state; rebuilding it from storage\n".to_owned()
-        })
+        self.recovering
+            .load(Ordering::SeqCst)
+            .then(|| "redis: it lost the service's state; rebuilding it from storage\n".to_owned())
     }
 
     /// Looks at the marker now: true when the state was lost since this replica last looked
