@@ -140,6 +140,9 @@ pub struct Store {
     scripts: std::sync::Arc<Scripts>,
     /// Where every record change is also written (the system of record Redis is rebuilt from).
     mirror: Option<batch_storage::Storage>,
+    /// The status and lease epoch of each unfinished batch's latest storage copy.
+    mirrored:
+        std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (BatchStatus, u64)>>>,
 }
 
 struct Scripts {
@@ -403,6 +406,7 @@ impl Store {
                 unlock: Script::from_lua(recovery::UNLOCK_LUA),
             }),
             mirror: None,
+            mirrored: Default::default(),
         }
     }
 

@@ -154,6 +154,18 @@ impl Store {
             return Ok(());
         };
         let id = &batch.batch.batch.id;
+        let status = batch.batch.status();
+        let epoch = lease.map_or(0, |l| l.epoch);
+        {
+            // Progress saves (every half second) change only counts, which a resume takes from
+            // the checkpoint: one PUT per status and lease, not per save.
+            let mut last = self.mirrored.lock().expect("mirrored lock");
+            if status.is_terminal() {
+                last.remove(id);
+            } else if last.insert(id.clone(), (status, epoch)) == Some((status, epoch)) {
+                return Ok(());
+            }
+        }
         let copy = BatchCopy {
             epoch: lease.map_or(0, |l| l.epoch),
             record: batch.clone(),
