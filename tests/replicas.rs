@@ -42,6 +42,8 @@ struct Cluster {
     /// The replicas' configs and stderr: kept when a test fails, removed by
     /// [`Cluster::shutdown`].
     logs: PathBuf,
+    /// The S3 server (moto) when storage is S3 rather than a directory.
+    _s3: Option<batch_testkit::S3Server>,
 }
 
 /// A submitted batch: its id, input lines, and the replica it was created through.
@@ -66,6 +68,27 @@ impl Cluster {
         concurrency: usize,
         lost_request_timeout: &str,
     ) -> Self {
+        Self::start_with(
+            n,
+            max_active_jobs,
+            latency,
+            concurrency,
+            lost_request_timeout,
+            false,
+        )
+        .await
+    }
+
+    /// [`Cluster::start`], on S3 storage (moto) when `s3`.
+    async fn start_with(
+        n: usize,
+        max_active_jobs: usize,
+        latency: Duration,
+        concurrency: usize,
+        lost_request_timeout: &str,
+        s3: bool,
+    ) -> Self {
+        let s3 = s3.then(batch_testkit::S3Server::start);
         let env = Env::start(GatewayConfig {
             latency_fixed: latency,
             ..GatewayConfig::default()
@@ -76,6 +99,10 @@ impl Cluster {
             .await;
         let storage = env.path("storage");
         std::fs::create_dir_all(&storage).unwrap();
+        let storage_url = match &s3 {
+            Some(s3) => format!("s3://{}/svc", s3.bucket()),
+            None => format!("file://{}", storage.display()),
+        };
         let test = std::thread::current()
             .name()
             .unwrap_or("test")
@@ -95,17 +122,20 @@ impl Cluster {
                  work_dir: {work}\n\
                  async_dispatch:\n  result_poll_timeout: 200ms\n  lost_request_timeout: {lost_request_timeout}\n\
                  model_gateways:\n  llama-3:\n    inference_pool_name: pool-a\n\
-                 serve:\n  storage: file://{storage}\n  reaper_interval: 200ms\n  \
+                 serve:\n  storage: {storage_url}\n  reaper_interval: 200ms\n  \
                  replica_id: {name}\n  lease_ttl: {ttl}s\n  checkpoint_interval: 1s\n  \
                  max_active_jobs: {max_active_jobs}\n",
                 redis = env.redis_url_file.display(),
                 work = work_dir.display(),
-                storage = storage.display(),
                 ttl = LEASE_TTL.as_secs(),
             );
             let config = logs.join(format!("{name}.yaml"));
             std::fs::write(&config, yaml).unwrap();
-            replicas.push(Launch::new(&config).name(&name).work_dir(&work_dir).start());
+            let mut launch = Launch::new(&config).name(&name).work_dir(&work_dir);
+            if let Some(s3) = &s3 {
+                launch = launch.s3(s3);
+            }
+            replicas.push(launch.start());
         }
         let live = Arc::new(Mutex::new(
             replicas.iter().map(|r| r.base.clone()).collect(),
@@ -116,6 +146,7 @@ impl Cluster {
             replicas,
             live,
             logs,
+            _s3: s3,
         }
     }
 
@@ -850,4 +881,189 @@ async fn a_running_batch_shows_its_lines_so_far_through_another_replica() {
     let batch = cluster.wait_all_final(&batches, 1 - runner).await.remove(0);
     cluster.check_completed(b, &batch, 1 - runner).await;
     cluster.shutdown().await;
+}
+
+// ---- Redis loses the service's state (issue #29) ----
+
+/// How Redis loses the state.
+#[derive(Debug, Clone, Copy)]
+enum Loss {
+    /// `FLUSHALL`.
+    Flush,
+    /// Killed and started again with no persistence: empty.
+    RestartEmpty,
+}
+
+/// How soon every batch must be listed again after the loss.
+const RELIST_LIMIT: Duration = Duration::from_secs(30);
+
+/// Every batch of the tenant as one page (`limit=100`), ids and metadata; `None` while the
+/// service does not answer 200.
+async fn listing(api: &Api) -> Option<Vec<(String, Value)>> {
+    let resp = api.get("/v1/batches?limit=100").await;
+    if resp.status != 200 {
+        return None;
+    }
+    let page = resp.json();
+    Some(
+        page["data"]
+            .as_array()?
+            .iter()
+            .map(|b| {
+                (
+                    b["id"].as_str().unwrap_or("").to_owned(),
+                    b["metadata"].clone(),
+                )
+            })
+            .collect(),
+    )
+}
+
+/// Six batches on two replicas of two slots each (four running, two queued), one cancelled
+/// while it runs; Redis loses everything. Each batch is listed again (same metadata, same
+/// pages) within [`RELIST_LIMIT`] and ends with every line once; the input files stay readable.
+async fn batches_survive_a_redis_that_forgets(s3: bool, loss: Loss) {
+    let mut cluster = Cluster::start_with(2, 2, SLOW_LATENCY, SLOW_CONCURRENCY, "4s", s3).await;
+    let api = cluster.api(0);
+    let mut batches = Vec::new();
+    let mut inputs = Vec::new();
+    for k in 0..6 {
+        let (text, lines) = input_jsonl(&format!("b{k}"), LINES_SLOW, "llama-3");
+        let file = api.upload_ok(&format!("b{k}.jsonl"), text.as_bytes()).await;
+        let body = serde_json::json!({
+            "input_file_id": file,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": {"k": k.to_string()},
+        });
+        let batch = api.post_json("/v1/batches", &body).await.expect(200);
+        let id = batch["id"].as_str().expect("a batch id").to_owned();
+        batches.push(Submitted { id, lines, via: 0 });
+        inputs.push((file, text));
+    }
+    let checkpoints = format!("{PREFIX}:checkpoint:*");
+    eventually(
+        "four batches running, one checkpointed",
+        Duration::from_secs(60),
+        || {
+            cluster.running().len() >= 4
+                && !cluster
+                    .redis()
+                    .command_list(&["KEYS", &checkpoints])
+                    .is_empty()
+        },
+    )
+    .await;
+    let running: Vec<String> = cluster.running().into_keys().collect();
+    let cancelled = running[0].clone();
+    let answer = api.cancel(&cancelled).await;
+    assert_eq!(answer["status"], "cancelling", "{answer}");
+    let before = api.list_all("/v1/batches", "", 2).await;
+    let files_before = api.list_all("/v1/files", "", 4).await;
+    assert_eq!(before.len(), 6);
+    let want: Vec<(String, Value)> = before
+        .iter()
+        .map(|b| (b["id"].as_str().unwrap().to_owned(), b["metadata"].clone()))
+        .collect();
+
+    match loss {
+        Loss::Flush => assert_eq!(cluster.redis().command(&["FLUSHALL"]), "+OK"),
+        Loss::RestartEmpty => cluster.env.redis.restart(),
+    }
+    let lost_at = Instant::now();
+    for i in 0..2 {
+        let api = cluster.api(i);
+        loop {
+            if listing(&api).await.as_ref() == Some(&want) {
+                break;
+            }
+            assert!(
+                lost_at.elapsed() < RELIST_LIMIT,
+                "r{i} did not list every batch again within {RELIST_LIMIT:?}: {:?}\n{}",
+                listing(&api).await,
+                cluster.all_stderr()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let relisted = lost_at.elapsed();
+    eprintln!("every batch listed again on both replicas {relisted:?} after the loss");
+    // The same pages, the same cursors.
+    let after = cluster.api(1).list_all("/v1/batches", "", 2).await;
+    assert_eq!(
+        after.iter().map(|b| b["id"].clone()).collect::<Vec<_>>(),
+        before.iter().map(|b| b["id"].clone()).collect::<Vec<_>>()
+    );
+    // Result files of batches that ended since come on top; those listed before stay, in order.
+    let files_before: Vec<Value> = files_before.iter().map(|f| f["id"].clone()).collect();
+    let files_after: Vec<Value> = cluster
+        .api(1)
+        .list_all("/v1/files", "", 4)
+        .await
+        .iter()
+        .map(|f| f["id"].clone())
+        .filter(|id| files_before.contains(id))
+        .collect();
+    assert_eq!(files_after, files_before);
+
+    let finals = cluster.wait_all_final(&batches, 1).await;
+    for (b, batch) in batches.iter().zip(&finals) {
+        if b.id == cancelled {
+            assert_eq!(batch["status"], "cancelled", "{batch}");
+            cluster
+                .api(1)
+                .results(batch)
+                .await
+                .assert_each_once(&b.lines);
+        } else {
+            cluster.check_completed(b, batch, 1).await;
+        }
+        assert_eq!(
+            batch["metadata"],
+            want.iter().find(|w| w.0 == b.id).unwrap().1
+        );
+    }
+    for (file, text) in &inputs {
+        let content = cluster
+            .api(1)
+            .get(&format!("/v1/files/{file}/content"))
+            .await;
+        assert_eq!(content.status, 200, "{file}: {}", content.text());
+        assert!(content.body == text.as_bytes(), "{file}: other content");
+    }
+    let logs: String = cluster.replicas.iter().map(|r| r.all_stderr()).collect();
+    assert!(
+        logs.contains("Redis lost the service's state"),
+        "the loss was not named:\n{}",
+        cluster.all_stderr()
+    );
+    assert!(
+        !logs.contains("lost the job's lease to another replica"),
+        "the loss was blamed on another replica:\n{}",
+        logs.lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flushall_while_batches_run_loses_no_batch() {
+    batches_survive_a_redis_that_forgets(false, Loss::Flush).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_restarted_empty_while_batches_run_loses_no_batch() {
+    batches_survive_a_redis_that_forgets(false, Loss::RestartEmpty).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flushall_loses_no_batch_on_s3() {
+    batches_survive_a_redis_that_forgets(true, Loss::Flush).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_restarted_empty_loses_no_batch_on_s3() {
+    batches_survive_a_redis_that_forgets(true, Loss::RestartEmpty).await;
 }

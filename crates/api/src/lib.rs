@@ -192,6 +192,12 @@ pub trait Hooks: Send + Sync + 'static {
         let _ = (endpoint, secret, event_type);
         Box::pin(async { None })
     }
+
+    /// Why the process cannot serve now although Redis and storage answer (Redis lost the
+    /// service's state, being rebuilt): `/ready` fails with it.
+    fn not_ready(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Limits on what a request carries besides an uploaded file (the `serve.max_*` settings).
@@ -398,6 +404,9 @@ async fn health() -> &'static str {
 }
 
 async fn ready(State(api): State<Api>) -> Response {
+    if let Some(why) = api.hooks.not_ready() {
+        return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
+    }
     let redis = api.store.ping().await;
     let storage = api.storage.check().await;
     match (redis, storage) {

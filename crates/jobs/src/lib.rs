@@ -17,6 +17,7 @@
 //! ```
 
 mod records;
+mod recovery;
 mod webhooks;
 
 use std::collections::BTreeMap;
@@ -33,6 +34,7 @@ pub use records::{
     storage_key, BatchObject, CachedTokens, FileObject, FineCounts, Page, ReasoningTokens,
     StoredBatch, StoredFile, Usage, FINE_COUNTS_KEY,
 };
+pub use recovery::{RebuildReport, STATE_PREFIX};
 pub use webhooks::{Delivery, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
 
 /// Why a state operation failed.
@@ -49,6 +51,9 @@ pub enum StoreError {
         /// What is wrong.
         problem: String,
     },
+    /// The storage copy of a record could not be written or read (see [`Store::with_mirror`]).
+    #[error(transparent)]
+    Storage(#[from] batch_storage::StorageError),
 }
 
 impl StoreError {
@@ -57,6 +62,8 @@ impl StoreError {
         match self {
             Self::Redis(e) => batch_redis::is_transient(e),
             Self::Corrupt { .. } => false,
+            // A store that hiccups (S3 throttling, a network blip) answers again.
+            Self::Storage(_) => true,
         }
     }
 }
@@ -133,6 +140,11 @@ pub struct Store {
     client: Client,
     prefix: String,
     scripts: std::sync::Arc<Scripts>,
+    /// Where every record change is also written (the system of record Redis is rebuilt from).
+    mirror: Option<batch_storage::Storage>,
+    /// The status and lease epoch of each unfinished batch's latest storage copy.
+    mirrored:
+        std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (BatchStatus, u64)>>>,
 }
 
 struct Scripts {
@@ -146,6 +158,8 @@ struct Scripts {
     release: Script,
     checkpoint: Script,
     cancel: Script,
+    restore_batch: Script,
+    unlock: Script,
 }
 
 /// KEYS: record, index, purpose index, expiry, usage bytes, usage files. ARGV: id, json,
@@ -392,8 +406,19 @@ impl Store {
                 release: Script::from_lua(RELEASE_LUA),
                 checkpoint: Script::from_lua(CHECKPOINT_LUA),
                 cancel: Script::from_lua(CANCEL_LUA),
+                restore_batch: Script::from_lua(recovery::RESTORE_BATCH_LUA),
+                unlock: Script::from_lua(recovery::UNLOCK_LUA),
             }),
+            mirror: None,
+            mirrored: Default::default(),
         }
+    }
+
+    /// Also writes every record change to `storage` (after Redis took it, so only a write
+    /// its fence let through), from which [`Store::rebuild`] restores a Redis that lost it.
+    pub fn with_mirror(mut self, storage: batch_storage::Storage) -> Self {
+        self.mirror = Some(storage);
+        self
     }
 
     /// The Redis client.
@@ -465,7 +490,10 @@ impl Store {
         Ok(match n {
             -1 => Err(QuotaExceeded::StoredBytes),
             -2 => Err(QuotaExceeded::Files),
-            _ => Ok(()),
+            _ => {
+                self.mirror_file(file).await?;
+                Ok(())
+            }
         })
     }
 
@@ -509,6 +537,7 @@ impl Store {
             .delete_file
             .evalsha_with_reload(&self.client, keys, vec![id.clone(), file.tenant.clone()])
             .await?;
+        self.unmirror_file(id).await?;
         Ok(n == 1)
     }
 
@@ -604,7 +633,11 @@ impl Store {
             .await?;
         Ok(match n {
             -1 => Err(QuotaExceeded::Batches),
-            _ => Ok(()),
+            0 => Ok(()),
+            _ => {
+                self.mirror_batch(batch, None).await?;
+                Ok(())
+            }
         })
     }
 
@@ -643,6 +676,9 @@ impl Store {
                 vec![json, b.status.as_str().to_owned(), expected, b.id.clone()],
             )
             .await?;
+        if n == 1 {
+            self.mirror_batch(batch, lease).await?;
+        }
         Ok(n == 1)
     }
 
@@ -711,6 +747,9 @@ impl Store {
                 vec![id.to_owned(), now_unix().to_string(), self.prefix.clone()],
             )
             .await?;
+        if n != 0 {
+            self.mirror_cancel(id).await?;
+        }
         Ok(match n {
             0 => CancelRequest::Already,
             1 => CancelRequest::WasQueued,
@@ -901,6 +940,9 @@ impl Store {
             .checkpoint
             .evalsha_with_reload(&self.client, keys, vec![json.to_owned(), lease.value()])
             .await?;
+        if n == 1 {
+            self.mirror_checkpoint(&lease.job, json).await?;
+        }
         Ok(n == 1)
     }
 
@@ -913,6 +955,7 @@ impl Store {
     /// Forgets job `id`'s checkpoint (it ended).
     pub async fn forget_checkpoint(&self, id: &str) -> Result<(), StoreError> {
         let _: i64 = self.client.del(self.key(&["checkpoint", id])).await?;
+        self.forget_checkpoint_copy(id).await?;
         Ok(())
     }
 

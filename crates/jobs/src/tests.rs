@@ -370,3 +370,155 @@ async fn unfinished_batches_and_stored_files_are_counted_against_quotas() {
         Err(QuotaExceeded::Files)
     );
 }
+
+/// Everything a listing, the expiry index and the queues show, to compare before and after.
+async fn view(s: &Store) -> Vec<String> {
+    let mut out = Vec::new();
+    for tenant in ["a", "b"] {
+        let mut after: Option<String> = None;
+        loop {
+            let page = s.list_batches(tenant, after.as_deref(), 2).await.unwrap();
+            out.push(format!(
+                "{tenant} batches after {after:?}: {:?} more {}",
+                page.data
+                    .iter()
+                    .map(|b| (&b.batch.batch.id, b.batch.status().as_str()))
+                    .collect::<Vec<_>>(),
+                page.has_more
+            ));
+            after = page.data.last().map(|b| b.batch.batch.id.clone());
+            if !page.has_more {
+                break;
+            }
+        }
+        let files = s
+            .list_files(tenant, None, None, 100, Order::Asc)
+            .await
+            .unwrap();
+        out.push(format!(
+            "{tenant} files: {:?}",
+            files.data.iter().map(|f| &f.file.id).collect::<Vec<_>>()
+        ));
+        out.push(format!(
+            "{tenant} usage: {:?}",
+            s.usage(tenant).await.unwrap()
+        ));
+        out.push(format!(
+            "{tenant} unfinished: {}",
+            s.unfinished(tenant).await.unwrap()
+        ));
+    }
+    out.push(format!(
+        "expired: {:?}",
+        s.expired_files(1_000, 100).await.unwrap()
+    ));
+    out.push(format!("counts: {:?}", s.status_counts().await.unwrap()));
+    out
+}
+
+#[tokio::test]
+async fn a_flushed_redis_is_rebuilt_from_the_storage_copy() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let storage =
+        batch_storage::Storage::from_url(&format!("file://{}", dir.path().display())).unwrap();
+    let s = store(&redis).await.with_mirror(storage.clone());
+    s.put_file(&file("a", "file-001", "batch", Some(500)))
+        .await
+        .unwrap();
+    s.put_file(&file("a", "file-002", "batch_output", None))
+        .await
+        .unwrap();
+    s.put_file(&file("b", "file-003", "batch", None))
+        .await
+        .unwrap();
+    s.put_file(&file("a", "file-004", "batch", None))
+        .await
+        .unwrap();
+    s.delete_file(&file("a", "file-004", "batch", None))
+        .await
+        .unwrap();
+    // a: 5 batches; 0 done, 1 running with a checkpoint, 2 queued, 3 cancelled while queued,
+    // 4 queued; b: one queued.
+    for i in 0..5 {
+        s.create_batch(&batch("a", &format!("batch_{i}"), 100 + i))
+            .await
+            .unwrap();
+    }
+    s.create_batch(&batch("b", "batch_9", 50)).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let l0 = s.claim_queued("r0", ttl, 0).await.unwrap().unwrap();
+    let l1 = s.claim_queued("r0", ttl, 0).await.unwrap().unwrap();
+    assert_eq!((l0.job.as_str(), l1.job.as_str()), ("batch_9", "batch_0"));
+    let l2 = s.claim_queued("r0", ttl, 0).await.unwrap().unwrap();
+    let mut done = batch("a", "batch_1", 101);
+    done.batch.batch.set_status(BatchStatus::Completed, 5);
+    assert!(s.save_batch(&done, Some(&l2)).await.unwrap());
+    s.release(&l2).await.unwrap();
+    // batch_0 runs (l1): in progress, checkpointed at its epoch.
+    let mut running = batch("a", "batch_0", 100);
+    running.batch.batch.set_status(BatchStatus::InProgress, 3);
+    assert!(s.save_batch(&running, Some(&l1)).await.unwrap());
+    let checkpoint = format!(r#"{{"epoch":{},"at":3}}"#, l1.epoch);
+    assert!(s.save_checkpoint(&l1, &checkpoint).await.unwrap());
+    assert_eq!(
+        s.request_cancel("batch_3").await.unwrap(),
+        CancelRequest::WasQueued
+    );
+    // batch_9 goes back to the queue unstarted: its lease lapses unsaved.
+    s.release_lease(&l0).await.unwrap();
+    s.forget_running("batch_9").await.unwrap();
+    let before = view(&s).await;
+    s.mark_state().await.unwrap();
+
+    assert_eq!(redis.command(&["FLUSHALL"]), "+OK");
+    assert_eq!(s.state_generation().await.unwrap(), None);
+    assert!(s.lock_rebuild("me", ttl).await.unwrap());
+    assert!(!s.lock_rebuild("other", ttl).await.unwrap());
+    let report = s.rebuild(&storage).await.unwrap();
+    s.unlock_rebuild("me").await.unwrap();
+    assert_eq!(
+        report,
+        RebuildReport {
+            files: 3,
+            batches: 6,
+            finished: 1,
+            queued: 4,
+            resumed: 1,
+            cancelling: 1,
+            present: 0,
+            unreadable: 0,
+        }
+    );
+    // batch_9, claimed but never saved under its lease, counts as unstarted: queued again.
+    assert_eq!(view(&s).await, before);
+    assert!(s.cancel_requested("batch_3").await.unwrap());
+    // The running one waits, unleased, to be adopted with its checkpoint and a newer epoch.
+    assert_eq!(
+        s.running().await.unwrap().keys().collect::<Vec<_>>(),
+        ["batch_0"]
+    );
+    assert_eq!(s.checkpoint("batch_0").await.unwrap(), Some(checkpoint));
+    let adopted = s.adopt("batch_0", "r1", ttl).await.unwrap().unwrap();
+    assert!(adopted.epoch > l1.epoch, "{adopted:?} after {l1:?}");
+    assert!(
+        !s.hold(&l1, ttl).await.unwrap(),
+        "the old holder passes no fence"
+    );
+    // The queue in deadline order, the cancelled one on the cancel queue.
+    let order: Vec<String> = [
+        s.claim_queued("r1", ttl, 0).await.unwrap(),
+        s.claim_queued("r1", ttl, 0).await.unwrap(),
+        s.claim_queued("r1", ttl, 0).await.unwrap(),
+        s.claim_queued("r1", ttl, 0).await.unwrap(),
+    ]
+    .into_iter()
+    .map(|l| l.map(|l| l.job).unwrap_or_default())
+    .collect();
+    assert_eq!(order, ["batch_9", "batch_2", "batch_4", ""]);
+    let cancelled = s.claim_cancelled("r1", ttl).await.unwrap().unwrap();
+    assert_eq!(cancelled.job, "batch_3");
+    // Again: every record is there already.
+    let again = s.rebuild(&storage).await.unwrap();
+    assert_eq!((again.batches, again.files, again.present), (0, 0, 9));
+}

@@ -218,16 +218,8 @@ pub(crate) async fn finish(
         cancelled: scanned.cancelled,
         expired: scanned.expired,
     };
+    // Its storage copy (`state/batches/<id>.json`) is written by the save itself.
     runner.save(record, lease).await?;
-    // The durable copy of the record, beside the files (Redis holds the live one).
-    let json = serde_json::to_vec(record).expect("a batch record serializes");
-    if let Err(e) = runner
-        .storage
-        .put_bytes(&format!("batches/{id}.json"), json.into())
-        .await
-    {
-        tracing::warn!(job = %id, error = %e, "could not copy the batch record to storage");
-    }
     tracing::info!(job = %id, status = record.batch.status().as_str(), "batch finished");
     Ok(())
 }

@@ -21,6 +21,7 @@
 mod finalize;
 mod http;
 mod reaper;
+mod recover;
 mod runner;
 mod webhooks;
 
@@ -38,6 +39,7 @@ use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use recover::StateGuard;
 use runner::{Runner, RunnerConfig};
 
 /// How long a shutdown waits for running jobs to pause.
@@ -61,6 +63,9 @@ pub enum ServiceError {
     /// Redis may evict the service's keys, and the config does not accept it.
     #[error(transparent)]
     UnsafeRedis(#[from] batch_redis::EvictionRefused),
+    /// The state could not be checked or rebuilt from storage at start.
+    #[error("rebuilding the state from storage: {0}")]
+    State(#[from] batch_jobs::StoreError),
     /// The listen address cannot be bound.
     #[error("cannot listen on {addr}: {error}")]
     Listen {
@@ -80,6 +85,9 @@ pub struct ServiceOptions {
     pub replica_id: Option<String>,
     /// The metrics recorder to render on `/metrics` (default: installs the process's one).
     pub metrics: Option<batch_observability::MetricsHandle>,
+    /// Rebuild Redis's state from storage at start even when Redis seems to hold it
+    /// (`processor serve --rebuild-state`); records Redis has are kept.
+    pub rebuild_state: bool,
 }
 
 /// A running service.
@@ -90,6 +98,7 @@ pub struct Service {
     stop_http: CancellationToken,
     stop_reaper: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
+    rebuilt: Option<batch_jobs::RebuildReport>,
 }
 
 /// `serve.s3` as the storage crate takes it.
@@ -137,7 +146,8 @@ impl Service {
             ..Default::default()
         };
         let client = batch_redis::connect(redis_url.expose(), &connect).await?;
-        let store = Store::new(client.clone(), &serve.state_prefix);
+        // Every record change also goes to storage, from which a Redis that lost it is rebuilt.
+        let store = Store::new(client.clone(), &serve.state_prefix).with_mirror(storage.clone());
         let metrics = match options.metrics {
             Some(m) => Some(m),
             None => batch_observability::install_recorder()
@@ -150,7 +160,12 @@ impl Service {
         let replica = options
             .replica_id
             .unwrap_or_else(|| serve.replica_id.clone());
+        let state = Arc::new(StateGuard::new(store.clone(), storage.clone(), &replica));
+        let stop_reaper = CancellationToken::new();
+        // Before any job is taken: an empty Redis over a storage holding batches is rebuilt.
+        let rebuilt = state.ensure(options.rebuild_state, &stop_reaper).await?;
         let runner = Runner::new(
+            state.clone(),
             store.clone(),
             storage.clone(),
             executor.clone(),
@@ -180,6 +195,7 @@ impl Service {
             store: store.clone(),
             metrics,
             webhooks: webhook_sender.clone(),
+            state: state.clone(),
         });
         let api = Api {
             store: store.clone(),
@@ -209,7 +225,6 @@ impl Service {
             hooks,
         };
         let stop_http = CancellationToken::new();
-        let stop_reaper = CancellationToken::new();
         let mut tasks = Vec::new();
         {
             let limits = http::EdgeLimits {
@@ -231,6 +246,12 @@ impl Service {
             webhook_sender,
             stop_reaper.clone(),
         )));
+        {
+            let (runner, stop) = (runner.clone(), stop_reaper.clone());
+            tasks.push(tokio::spawn(async move {
+                state.watch(stop, || runner.wake.notify_waiters()).await
+            }));
+        }
         tasks.push(tokio::spawn(reaper::run(
             store,
             storage,
@@ -245,7 +266,13 @@ impl Service {
             stop_http,
             stop_reaper,
             tasks,
+            rebuilt,
         })
+    }
+
+    /// What the rebuild at start found, when this replica rebuilt the state from storage.
+    pub fn rebuild_report(&self) -> Option<&batch_jobs::RebuildReport> {
+        self.rebuilt.as_ref()
     }
 
     /// The address the API listens on.
@@ -284,6 +311,7 @@ struct ServiceHooks {
     store: Store,
     metrics: Option<batch_observability::MetricsHandle>,
     webhooks: Arc<webhooks::Sender>,
+    state: Arc<StateGuard>,
 }
 
 impl Hooks for ServiceHooks {
@@ -294,6 +322,10 @@ impl Hooks for ServiceHooks {
         event_type: &'a str,
     ) -> BoxFuture<'a, Option<u16>> {
         Box::pin(self.webhooks.test(endpoint, secret, event_type))
+    }
+
+    fn not_ready(&self) -> Option<String> {
+        self.state.not_ready()
     }
 
     fn wake(&self) {

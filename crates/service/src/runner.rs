@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::finalize;
+use crate::recover::StateGuard;
 
 /// How often a running job's record is refreshed and its cancel marker looked at.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(500);
@@ -45,6 +46,8 @@ struct Active {
     lease: Lease,
     /// Fired when the lease is lost: the job stops writing at once.
     fenced: CancellationToken,
+    /// How many losses of Redis's state were noticed when it started here.
+    losses: u64,
 }
 
 /// The part of the service that runs jobs.
@@ -63,6 +66,8 @@ pub(crate) struct Runner {
     /// it holds itself, so two unguarded looks adopted one job twice.
     adopting: tokio::sync::Mutex<()>,
     pub(crate) tasks: TaskTracker,
+    /// Whether Redis lost the service's state.
+    state: Arc<StateGuard>,
 }
 
 /// What went wrong with one job's bookkeeping (the job itself fails through the executor).
@@ -96,6 +101,7 @@ struct CheckpointRecord {
 
 impl Runner {
     pub(crate) fn new(
+        state: Arc<StateGuard>,
         store: Store,
         storage: Storage,
         executor: Arc<Executor>,
@@ -112,6 +118,7 @@ impl Runner {
             active: Mutex::new(HashMap::new()),
             adopting: tokio::sync::Mutex::new(()),
             tasks: TaskTracker::new(),
+            state,
         })
     }
 
@@ -252,7 +259,11 @@ impl Runner {
             match self.store.renew(&leases, self.config.lease_ttl).await {
                 Ok(renewal) => {
                     for lease in renewal.lost {
-                        tracing::warn!(job = %lease.job, epoch = lease.epoch, "lost the job's lease to another replica; stopping it here");
+                        if !self.is_active(&lease) {
+                            // It ended (or paused) meanwhile and let go of the lease itself.
+                            continue;
+                        }
+                        self.log_lost(&lease).await;
                         self.fence(&lease.job);
                     }
                     for lease in renewal.regained {
@@ -307,6 +318,43 @@ impl Runner {
             return Ok(());
         }
         Err(RunError::Fenced)
+    }
+
+    /// Says why a lease was lost: Redis lost the whole state (then the job is put back from
+    /// storage and resumed), or another replica took the job.
+    async fn log_lost(&self, lease: &Lease) {
+        let started = self
+            .active
+            .lock()
+            .expect("active lock")
+            .get(&lease.job)
+            .map_or(0, |a| a.losses);
+        let state_lost =
+            matches!(self.state.check().await, Ok(true)) || self.state.losses() > started;
+        if state_lost {
+            tracing::warn!(job = %lease.job, epoch = lease.epoch, "the job's lease went with the state Redis lost; stopping it here: it resumes from its checkpoint once the state is rebuilt from storage");
+        } else {
+            tracing::warn!(job = %lease.job, epoch = lease.epoch, "lost the job's lease to another replica; stopping it here");
+        }
+    }
+
+    /// Takes the job out of the active ones, unless a newer run of it (adopted here after this
+    /// one was fenced, as when Redis lost the state) replaced it meanwhile.
+    fn is_active(&self, lease: &Lease) -> bool {
+        let active = self.active.lock().expect("active lock");
+        active
+            .get(&lease.job)
+            .is_some_and(|a| a.lease.epoch == lease.epoch)
+    }
+
+    fn forget_active(&self, lease: &Lease) {
+        let mut active = self.active.lock().expect("active lock");
+        if active
+            .get(&lease.job)
+            .is_some_and(|a| a.lease.epoch == lease.epoch)
+        {
+            active.remove(&lease.job);
+        }
     }
 
     fn fence(&self, id: &str) {
@@ -400,6 +448,7 @@ impl Runner {
                 dir: me.job_dir(&id),
                 lease: lease.clone(),
                 fenced: fenced.clone(),
+                losses: self.state.losses(),
             },
         );
         self.tasks.spawn(async move {
@@ -411,12 +460,7 @@ impl Runner {
                 }
                 Err(e) => tracing::error!(job = %id, error = %e, "job bookkeeping failed; it resumes at the next start"),
             }
-            // Only its own entry: a later run of the job here (a new epoch) keeps its own.
-            let mut active = me.active.lock().expect("active lock");
-            if active.get(&id).is_some_and(|a| a.lease.epoch == lease.epoch) {
-                active.remove(&id);
-            }
-            drop(active);
+            me.forget_active(&lease);
             // A freed slot may let a queued job start at once.
             me.wake.notify_one();
         });
@@ -518,6 +562,15 @@ impl Runner {
         }
         let prepared = match self.executor.prepare(&spec).await {
             Ok(p) => p,
+            // An earlier run of the job here (fenced when Redis lost the state) still winds
+            // down: not a failure of the batch; it is taken again once that run let go.
+            Err(batch_executor::ExecError::Locked { .. }) => {
+                tracing::info!(job = %id, "an earlier run of the job here still winds down; taking it again later");
+                self.forget_active(lease);
+                return self
+                    .retry("letting go of a lease", || self.store.release_lease(lease))
+                    .await;
+            }
             Err(e) => {
                 let message = format!("The batch could not be started: {e}");
                 return self
@@ -582,7 +635,7 @@ impl Runner {
         }
         // Out of the heartbeat's list first: a renewal racing this release must not take the
         // lease back (see `regained`).
-        self.active.lock().expect("active lock").remove(&lease.job);
+        self.forget_active(lease);
         self.retry("letting go of a lease", || self.store.release_lease(lease))
             .await?;
         Ok(())
@@ -592,6 +645,8 @@ impl Runner {
     /// files go.
     async fn end(&self, lease: &Lease, dir: &Path) -> Result<(), RunError> {
         let id = lease.job.as_str();
+        // Out of the heartbeat's list first: the released lease is not a lost one.
+        self.forget_active(lease);
         self.fenced("releasing a job", lease, || self.store.release(lease))
             .await?;
         self.retry("forgetting a checkpoint", || {
@@ -766,7 +821,7 @@ impl Runner {
                         // Published at the next turn.
                         Ok(true) => {}
                         Ok(false) => {
-                            tracing::warn!(job = %id, "lost the job's lease to another replica; stopping it here");
+                            self.log_lost(&lease).await;
                             fenced.cancel();
                             return;
                         }

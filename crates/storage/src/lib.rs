@@ -376,6 +376,31 @@ impl Storage {
         }
     }
 
+    /// Reads the whole object under `key` into memory (small objects: records).
+    pub async fn get_bytes(&self, key: &str) -> Result<Bytes, StorageError> {
+        let path = Self::path(key)?;
+        let got = self
+            .store
+            .get(&path)
+            .await
+            .map_err(|e| StorageError::store(key, e))?;
+        got.bytes().await.map_err(|e| StorageError::store(key, e))
+    }
+
+    /// The keys of every object under `prefix/`, sorted.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<String>, StorageError> {
+        let path = Self::path(prefix)?;
+        let mut keys: Vec<String> = self
+            .store
+            .list(Some(&path))
+            .map_ok(|meta| meta.location.to_string())
+            .try_collect()
+            .await
+            .map_err(|e| StorageError::store(prefix, e))?;
+        keys.sort();
+        Ok(keys)
+    }
+
     /// Deletes every object whose key starts with `prefix/`.
     pub async fn delete_prefix(&self, prefix: &str) -> Result<usize, StorageError> {
         let path = Self::path(prefix)?;

@@ -21,6 +21,10 @@ pub struct Args {
     /// Listen here instead of `serve.listen` (port 0: any free port).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Rebuild the state in Redis (records, listings, queue) from storage before serving, even
+    /// when Redis seems to hold it; prints what was found. Records Redis has are kept.
+    #[arg(long)]
+    rebuild_state: bool,
 }
 
 /// Serves until SIGTERM or SIGINT; either pauses the running jobs (they resume at the next
@@ -36,6 +40,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
         let options = ServiceOptions {
             listen: args.listen,
+            rebuild_state: args.rebuild_state,
             ..Default::default()
         };
         let service = match Service::start(config, options).await {
@@ -51,6 +56,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         };
         let mut out = std::io::stdout();
         writeln!(out, "listening on http://{}", service.local_addr())?;
+        if let Some(report) = service.rebuild_report() {
+            writeln!(
+                out,
+                "rebuilt the state from storage: {}",
+                serde_json::to_string(report)?
+            )?;
+        }
         out.flush()?;
         let which = tokio::select! {
             _ = term.recv() => "SIGTERM",

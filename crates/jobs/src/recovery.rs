@@ -1,0 +1,384 @@
+//! Storage as the system of record: every change of a file or batch record, cancel request and
+//! checkpoint record the [`Store`] writes to Redis is also written to storage, after Redis took
+//! it (so only writes that passed their lease fence land there). A Redis that lost the service's
+//! state (flushed, evicted, restarted empty) is rebuilt from that copy by [`Store::rebuild`].
+//!
+//! Storage layout, under [`STATE_PREFIX`]:
+//! - `state/files/<id>.json`: the [`StoredFile`].
+//! - `state/batches/<id>.json`: `{"epoch": n, "record": StoredBatch}`, `n` the lease epoch of the
+//!   write (0: unfenced).
+//! - `state/cancels/<id>`: the Unix second a cancel was asked (gone once the batch ended).
+//! - `state/checkpoints/<id>.json`: the job's latest checkpoint record (opaque to this crate).
+//!
+//! Listings need no stored score: ids sort by creation time and every listing is a
+//! lexicographic range over them, so the same ids give the same pages and `after` cursors.
+//!
+//! Loss is detected by a marker key, `{prefix}:state`, holding a generation id written when the
+//! state was (re)built: when it is gone, so is everything else written before.
+
+use std::time::Duration;
+
+use batch_storage::{Storage, StorageError};
+use batch_wire::BatchStatus;
+use bytes::Bytes;
+use fred::interfaces::KeysInterface;
+use fred::types::{Expiration, SetOptions, Value};
+use serde::{Deserialize, Serialize};
+
+use crate::{new_id, Lease, Store, StoreError, StoredBatch, StoredFile};
+
+/// The storage folder of the records' copy.
+pub const STATE_PREFIX: &str = "state";
+
+/// KEYS: record, index, status counts, active, tenant_of, queue, tenant's queue, queued tenants,
+/// running, epoch, cancel marker, cancel queue, checkpoint. ARGV: id, json, status, tenant,
+/// deadline, mode (`done`, `queue`, `cancelq`, `resume`), epoch floor, cancel time or "",
+/// checkpoint json or "". Puts back one batch as it was before the loss, unless Redis already has
+/// its record (written after the loss: left as it is, 0). A job that had started is put in the
+/// running set with no lease, so that a replica adopts it and resumes it from its checkpoint; its
+/// epoch counter starts above every epoch that wrote for it, so no earlier holder passes a fence.
+pub(crate) const RESTORE_BATCH_LUA: &str = r#"
+if redis.call('SET', KEYS[1], ARGV[2], 'NX') == false then return 0 end
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+local floor = tonumber(ARGV[7])
+if tonumber(redis.call('GET', KEYS[10]) or '0') < floor then redis.call('SET', KEYS[10], floor) end
+if ARGV[8] ~= '' then redis.call('SET', KEYS[11], ARGV[8]) end
+if ARGV[9] ~= '' then redis.call('SET', KEYS[13], ARGV[9]) end
+local mode = ARGV[6]
+if mode == 'done' then return 1 end
+redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
+if mode == 'queue' then
+  redis.call('ZADD', KEYS[6], ARGV[5], ARGV[1])
+  redis.call('ZADD', KEYS[7], ARGV[5], ARGV[1])
+  redis.call('SADD', KEYS[8], ARGV[4])
+elseif mode == 'cancelq' then
+  redis.call('ZADD', KEYS[12], 0, ARGV[1])
+else
+  redis.call('HSET', KEYS[9], ARGV[1], 'recovered')
+end
+return 1
+"#;
+
+/// KEYS: lock. ARGV: holder. Lets go of the rebuild lock only if still held by `holder`.
+pub(crate) const UNLOCK_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"#;
+
+/// A batch record's storage copy.
+#[derive(Debug, Serialize, Deserialize)]
+struct BatchCopy {
+    /// The lease epoch of the write that made it (0: unfenced).
+    epoch: u64,
+    record: StoredBatch,
+}
+
+/// What [`Store::rebuild`] found in storage and put back.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RebuildReport {
+    /// File records put back.
+    pub files: usize,
+    /// Batch records put back (every status).
+    pub batches: usize,
+    /// Of those, batches that had ended.
+    pub finished: usize,
+    /// Batches queued again (not started).
+    pub queued: usize,
+    /// Started batches put back to be resumed from their checkpoint.
+    pub resumed: usize,
+    /// Of the unfinished batches, those with a cancel asked.
+    pub cancelling: usize,
+    /// Records already in Redis (written after the loss), left as they are.
+    pub present: usize,
+    /// Copies that did not parse, skipped.
+    pub unreadable: usize,
+}
+
+fn file_key(id: &str) -> String {
+    format!("{STATE_PREFIX}/files/{id}.json")
+}
+
+fn batch_key(id: &str) -> String {
+    format!("{STATE_PREFIX}/batches/{id}.json")
+}
+
+fn cancel_key(id: &str) -> String {
+    format!("{STATE_PREFIX}/cancels/{id}")
+}
+
+fn checkpoint_key(id: &str) -> String {
+    format!("{STATE_PREFIX}/checkpoints/{id}.json")
+}
+
+/// The id in a copy's key `state/<kind>/<id>[.json]`.
+fn id_of(key: &str) -> &str {
+    let name = key.rsplit('/').next().unwrap_or(key);
+    name.strip_suffix(".json").unwrap_or(name)
+}
+
+async fn read_opt(storage: &Storage, key: &str) -> Result<Option<Bytes>, StorageError> {
+    match storage.get_bytes(key).await {
+        Ok(b) => Ok(Some(b)),
+        Err(StorageError::NotFound(_)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn json(value: &impl Serialize) -> Bytes {
+    Bytes::from(serde_json::to_vec(value).expect("a record serializes"))
+}
+
+impl Store {
+    pub(crate) async fn mirror_file(&self, file: &StoredFile) -> Result<(), StoreError> {
+        if let Some(m) = &self.mirror {
+            m.put_bytes(&file_key(&file.file.id), json(file)).await?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn unmirror_file(&self, id: &str) -> Result<(), StoreError> {
+        if let Some(m) = &self.mirror {
+            m.delete(&file_key(id)).await?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn mirror_batch(
+        &self,
+        batch: &StoredBatch,
+        lease: Option<&Lease>,
+    ) -> Result<(), StoreError> {
+        let Some(m) = &self.mirror else {
+            return Ok(());
+        };
+        let id = &batch.batch.batch.id;
+        let status = batch.batch.status();
+        let epoch = lease.map_or(0, |l| l.epoch);
+        {
+            // Progress saves (every half second) change only counts, which a resume takes from
+            // the checkpoint: one PUT per status and lease, not per save.
+            let mut last = self.mirrored.lock().expect("mirrored lock");
+            if status.is_terminal() {
+                last.remove(id);
+            } else if last.insert(id.clone(), (status, epoch)) == Some((status, epoch)) {
+                return Ok(());
+            }
+        }
+        let copy = BatchCopy {
+            epoch: lease.map_or(0, |l| l.epoch),
+            record: batch.clone(),
+        };
+        m.put_bytes(&batch_key(id), json(&copy)).await?;
+        if batch.batch.status().is_terminal() {
+            // An ended batch's cancel request means nothing any more.
+            m.delete(&cancel_key(id)).await?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn mirror_cancel(&self, id: &str) -> Result<(), StoreError> {
+        if let Some(m) = &self.mirror {
+            let at = crate::now_unix().to_string();
+            m.put_bytes(&cancel_key(id), Bytes::from(at)).await?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn mirror_checkpoint(&self, id: &str, json: &str) -> Result<(), StoreError> {
+        if let Some(m) = &self.mirror {
+            m.put_bytes(&checkpoint_key(id), Bytes::from(json.to_owned()))
+                .await?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn forget_checkpoint_copy(&self, id: &str) -> Result<(), StoreError> {
+        if let Some(m) = &self.mirror {
+            m.delete(&checkpoint_key(id)).await?;
+        }
+        Ok(())
+    }
+
+    fn marker_key(&self) -> String {
+        self.key(&["state"])
+    }
+
+    /// The generation of the state Redis holds: `None` when the marker is gone, and with it
+    /// (flushed, evicted, restarted empty) everything the service wrote before.
+    pub async fn state_generation(&self) -> Result<Option<String>, StoreError> {
+        let g: Option<String> = self.client.get(self.marker_key()).await?;
+        Ok(g)
+    }
+
+    /// Writes a new state generation (after a rebuild, or on a first start) and returns it.
+    pub async fn mark_state(&self) -> Result<String, StoreError> {
+        let generation = new_id("gen_");
+        let _: Value = self
+            .client
+            .set(self.marker_key(), generation.as_str(), None, None, false)
+            .await?;
+        Ok(generation)
+    }
+
+    /// Takes the rebuild lock for `holder` for `ttl` (one replica rebuilds at a time); false
+    /// when another holds it.
+    pub async fn lock_rebuild(&self, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let got: Option<String> = self
+            .client
+            .set(
+                self.key(&["rebuild_lock"]),
+                holder,
+                Some(Expiration::PX(ttl.as_millis().max(1) as i64)),
+                Some(SetOptions::NX),
+                false,
+            )
+            .await?;
+        Ok(got.is_some())
+    }
+
+    /// Lets go of the rebuild lock if `holder` still holds it.
+    pub async fn unlock_rebuild(&self, holder: &str) -> Result<(), StoreError> {
+        let _: i64 = self
+            .scripts
+            .unlock
+            .evalsha_with_reload(
+                &self.client,
+                vec![self.key(&["rebuild_lock"])],
+                vec![holder.to_owned()],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Puts back, from `storage`'s copy, every file and batch record with its listings, the
+    /// file expiry index, the quotas' counts, the job queue and cancel requests: batches not
+    /// started are queued again, started ones are left for a replica to adopt and resume from
+    /// their checkpoint. Records Redis already has are left as they are, so a rebuild may run
+    /// again. Call it under [`Store::lock_rebuild`].
+    pub async fn rebuild(&self, storage: &Storage) -> Result<RebuildReport, StoreError> {
+        let mut report = RebuildReport::default();
+        // The copies exist already: writing them again would only cost.
+        let plain = Store {
+            mirror: None,
+            ..self.clone()
+        };
+        for key in storage.list(&format!("{STATE_PREFIX}/files")).await? {
+            let Some(bytes) = read_opt(storage, &key).await? else {
+                continue;
+            };
+            let Ok(file) = serde_json::from_slice::<StoredFile>(&bytes) else {
+                tracing::warn!(key, "an unreadable file record copy; skipped");
+                report.unreadable += 1;
+                continue;
+            };
+            if plain.file(&file.file.id).await?.is_some() {
+                report.present += 1;
+                continue;
+            }
+            plain.put_file(&file).await?;
+            report.files += 1;
+        }
+        for key in storage.list(&format!("{STATE_PREFIX}/batches")).await? {
+            let Some(bytes) = read_opt(storage, &key).await? else {
+                continue;
+            };
+            let Ok(copy) = serde_json::from_slice::<BatchCopy>(&bytes) else {
+                tracing::warn!(key, "an unreadable batch record copy; skipped");
+                report.unreadable += 1;
+                continue;
+            };
+            self.restore_batch(storage, id_of(&key), copy, &mut report)
+                .await?;
+        }
+        tracing::info!(?report, "rebuilt the service's state from storage");
+        Ok(report)
+    }
+
+    async fn restore_batch(
+        &self,
+        storage: &Storage,
+        id: &str,
+        copy: BatchCopy,
+        report: &mut RebuildReport,
+    ) -> Result<(), StoreError> {
+        let record = &copy.record;
+        let b = &record.batch.batch;
+        if b.id != id {
+            report.unreadable += 1;
+            return Ok(());
+        }
+        let status = b.status;
+        let terminal = status.is_terminal();
+        let (cancel, checkpoint) = if terminal {
+            (None, None)
+        } else {
+            let cancel = read_opt(storage, &cancel_key(id)).await?;
+            let checkpoint = read_opt(storage, &checkpoint_key(id)).await?;
+            (cancel, checkpoint)
+        };
+        let cancel = cancel.map(|c| String::from_utf8_lossy(&c).into_owned());
+        let checkpoint = checkpoint.map(|c| String::from_utf8_lossy(&c).into_owned());
+        let checkpoint_epoch = checkpoint
+            .as_deref()
+            .and_then(|c| serde_json::from_str::<serde_json::Value>(c).ok())
+            .and_then(|v| v.get("epoch").and_then(|e| e.as_u64()))
+            .unwrap_or(0);
+        let floor = copy.epoch.max(checkpoint_epoch) + 1;
+        // A batch nobody claimed yet (validating, no epoch written) goes back to its queue;
+        // any other unfinished one to the running set, to be adopted with its checkpoint.
+        let started = copy.epoch > 0 || checkpoint_epoch > 0 || status != BatchStatus::Validating;
+        let mode = match (terminal, started, cancel.is_some()) {
+            (true, _, _) => "done",
+            (false, false, false) => "queue",
+            (false, false, true) => "cancelq",
+            (false, true, _) => "resume",
+        };
+        let keys = vec![
+            self.key(&["batch", id]),
+            self.key(&["batches", &record.tenant]),
+            self.key(&["status_counts"]),
+            self.key(&["active"]),
+            self.key(&["tenant_of"]),
+            self.key(&["queue"]),
+            self.key(&["tqueue", &record.tenant]),
+            self.key(&["tenants_queued"]),
+            self.key(&["running"]),
+            self.key(&["epoch", id]),
+            self.key(&["cancel", id]),
+            self.key(&["cancelq"]),
+            self.key(&["checkpoint", id]),
+        ];
+        let args = vec![
+            id.to_owned(),
+            serde_json::to_string(record).expect("a batch record serializes"),
+            status.as_str().to_owned(),
+            record.tenant.clone(),
+            b.expires_at.to_string(),
+            mode.to_owned(),
+            floor.to_string(),
+            cancel.clone().unwrap_or_default(),
+            checkpoint.unwrap_or_default(),
+        ];
+        let n: i64 = self
+            .scripts
+            .restore_batch
+            .evalsha_with_reload(&self.client, keys, args)
+            .await?;
+        if n == 0 {
+            report.present += 1;
+            return Ok(());
+        }
+        report.batches += 1;
+        match mode {
+            "done" => report.finished += 1,
+            "resume" => report.resumed += 1,
+            _ => report.queued += 1,
+        }
+        if cancel.is_some() && !terminal {
+            report.cancelling += 1;
+        }
+        Ok(())
+    }
+}
