@@ -10,7 +10,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use batch_testkit::{RedisCluster, RedisServer, TempDir};
-use dispatcher_sim::{Dispatcher, DispatcherConfig, Gateway, GatewayConfig, QueueEntry};
+use dispatcher_sim::{
+    Dispatcher, DispatcherConfig, Gateway, GatewayConfig, GatewayHandle, QueueEntry,
+};
 use support::*;
 
 const LIST: &str = "llm-d-async:results:pool-p:$batch";
@@ -29,6 +31,18 @@ impl Redis {
             Redis::Cluster(c) => c.url(),
         }
     }
+}
+
+/// A fast simulated dispatcher for pool-p whose queue entry sends every result to [`LIST`].
+fn entry_naming_one_list(url: &str, gateway: &GatewayHandle) -> DispatcherConfig {
+    let mut entry = QueueEntry::new("llm-d-async:requests:pool-p");
+    entry.igw_base_url = Some(gateway.base_url());
+    entry.request_path_url = Some("/v1/chat/completions".into());
+    entry.result_queue_name = Some(LIST.into());
+    let mut config = DispatcherConfig::new(url.to_owned(), vec![entry]);
+    config.poll_interval = Duration::from_millis(20);
+    config.batch_size = 100;
+    config
 }
 
 fn config(dir: &TempDir, url: &str) -> PathBuf {
@@ -53,13 +67,7 @@ async fn processes_on_a_pool_whose_entry_names_one_list(n: usize, redis: Redis) 
     let gateway = Gateway::start("127.0.0.1:0".parse().unwrap(), GatewayConfig::default())
         .await
         .unwrap();
-    let mut entry = QueueEntry::new("llm-d-async:requests:pool-p");
-    entry.igw_base_url = Some(gateway.base_url());
-    entry.request_path_url = Some("/v1/chat/completions".into());
-    entry.result_queue_name = Some(LIST.into());
-    let mut sim_config = DispatcherConfig::new(redis.url(), vec![entry]);
-    sim_config.poll_interval = Duration::from_millis(20);
-    sim_config.batch_size = 100;
+    let mut sim_config = entry_naming_one_list(&redis.url(), &gateway);
     sim_config.sim.time_scale = 0.01;
     let sim = Dispatcher::start(sim_config, None).await.unwrap();
     let config = config(&dir, &redis.url());
@@ -135,13 +143,7 @@ async fn results_waiting_on_a_frozen_readers_list_are_not_sent_again() {
         .unwrap();
     let lease = format!("{{{LIST}}}:lease");
     redis.command(&["SET", &lease, "elsewhere 1 space instance 0", "PX", "8000"]);
-    let mut entry = QueueEntry::new("llm-d-async:requests:pool-p");
-    entry.igw_base_url = Some(gateway.base_url());
-    entry.request_path_url = Some("/v1/chat/completions".into());
-    entry.result_queue_name = Some(LIST.into());
-    let mut sim_config = DispatcherConfig::new(redis.url(), vec![entry]);
-    sim_config.poll_interval = Duration::from_millis(20);
-    sim_config.batch_size = 100;
+    let sim_config = entry_naming_one_list(&redis.url(), &gateway);
     let sim = Dispatcher::start(sim_config, None).await.unwrap();
     let config = config(&dir, &redis.url());
     let input = dir.path().join("in.jsonl");
