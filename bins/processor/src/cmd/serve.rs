@@ -54,16 +54,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
             Err(e) => return Err(anyhow::Error::new(e).context("starting the service")),
         };
-        let mut out = std::io::stdout();
-        writeln!(out, "listening on http://{}", service.local_addr())?;
+        // One write: a caller that reads the first line and closes the pipe must not make a
+        // second write fail, and a closed stdout does not stop a running service.
+        let mut banner = format!("listening on http://{}\n", service.local_addr());
         if let Some(report) = service.rebuild_report() {
-            writeln!(
-                out,
-                "rebuilt the state from storage: {}",
+            banner.push_str(&format!(
+                "rebuilt the state from storage: {}\n",
                 serde_json::to_string(report)?
-            )?;
+            ));
         }
-        out.flush()?;
+        let mut out = std::io::stdout().lock();
+        if let Err(e) = out.write_all(banner.as_bytes()).and_then(|()| out.flush()) {
+            tracing::warn!(error = %e, "could not write the address to stdout");
+        }
+        drop(out);
         let which = tokio::select! {
             _ = term.recv() => "SIGTERM",
             _ = int.recv() => "SIGINT",
