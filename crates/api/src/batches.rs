@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use batch_jobs::{new_id, now_unix, BatchObject, FineCounts, StoredBatch};
+use batch_state::{new_id, now_unix, BatchObject, FineCounts, StoredBatch};
 use batch_wire::{Batch, BatchStatus, ALLOWED_URLS};
 use futures::TryStreamExt;
 use serde::Deserialize;

@@ -105,8 +105,8 @@ impl ApiError {
     }
 }
 
-impl From<batch_jobs::StoreError> for ApiError {
-    fn from(e: batch_jobs::StoreError) -> Self {
+impl From<batch_state::StoreError> for ApiError {
+    fn from(e: batch_state::StoreError) -> Self {
         tracing::warn!(error = %e, "state store failed");
         if e.is_transient() {
             Self::unavailable("The service's state store is not answering; retry shortly.")

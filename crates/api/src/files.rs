@@ -8,7 +8,7 @@ use axum::extract::{Multipart, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use batch_jobs::{new_id, now_unix, FileObject, Order, QuotaExceeded, StoredFile};
+use batch_state::{new_id, now_unix, FileObject, Order, QuotaExceeded, StoredFile};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
@@ -36,7 +36,7 @@ pub(crate) async fn upload(
     }
     let room = quotas.max_stored_bytes - used_bytes;
     let id = new_id("file-");
-    let key = batch_jobs::storage_key(&id);
+    let key = batch_state::storage_key(&id);
     let mut purpose: Option<String> = None;
     let mut anchor: Option<String> = None;
     let mut seconds: Option<String> = None;
@@ -125,7 +125,7 @@ pub(crate) async fn upload(
             return Err(e);
         }
     };
-    let quota = batch_jobs::FileQuota {
+    let quota = batch_state::FileQuota {
         max_bytes: quotas.max_stored_bytes,
         max_files: quotas.max_files,
     };

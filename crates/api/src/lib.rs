@@ -1,13 +1,13 @@
 //! The batch service's HTTP API: OpenAI's Files and Batches endpoints as the official SDKs call
 //! them, each tenant seeing only its own objects, plus `/health`, `/ready` and `/metrics`.
 //!
-//! The router keeps no state of its own: records live in Redis ([`batch_jobs::Store`]), bytes in
+//! The router keeps no state of its own: records live in Redis ([`batch_state::Store`]), bytes in
 //! storage ([`batch_storage::Storage`]), so any replica answers for any object. What only the
 //! process running jobs knows (a new batch to wake for, the lines a running batch wrote so far,
 //! where its latest checkpoint is) comes through [`Hooks`].
 //!
 //! ```no_run
-//! # async fn demo(store: batch_jobs::Store, storage: batch_storage::Storage,
+//! # async fn demo(store: batch_state::Store, storage: batch_storage::Storage,
 //! #               hooks: std::sync::Arc<dyn batch_api::Hooks>) -> std::io::Result<()> {
 //! let api = batch_api::Api {
 //!     store,
@@ -178,14 +178,14 @@ pub trait Hooks: Send + Sync + 'static {
         &'a self,
         batch_id: &'a str,
         file: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, batch_jobs::StoreError>>;
+    ) -> BoxFuture<'a, Result<Option<String>, batch_state::StoreError>>;
     /// The Prometheus text of `/metrics`.
     fn render_metrics(&self) -> BoxFuture<'_, String>;
     /// Sends one sample `event_type` event to `endpoint`, signed with `secret`: the status it
     /// answered, `None` when it did not answer. Without a sender, nothing is sent.
     fn test_webhook<'a>(
         &'a self,
-        endpoint: &'a batch_jobs::WebhookEndpoint,
+        endpoint: &'a batch_state::WebhookEndpoint,
         secret: &'a str,
         event_type: &'a str,
     ) -> BoxFuture<'a, Option<u16>> {
@@ -251,7 +251,7 @@ impl Default for Quotas {
 #[derive(Clone)]
 pub struct Api {
     /// Records, listings, the job queue.
-    pub store: batch_jobs::Store,
+    pub store: batch_state::Store,
     /// Where file bytes live.
     pub storage: batch_storage::Storage,
     /// Who may call.

@@ -4,7 +4,7 @@
 
 use axum::extract::State;
 use axum::Json;
-use batch_jobs::{new_id, now_unix, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
+use batch_state::{new_id, now_unix, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
 use serde::Deserialize;
 use serde_json::{json, Value};
 

@@ -4,7 +4,7 @@
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use batch_jobs::{now_unix, FileObject, FineCounts, Lease, StoredBatch, StoredFile, Usage};
+use batch_state::{now_unix, FileObject, FineCounts, JobLease, StoredBatch, StoredFile, Usage};
 use batch_wire::{error_codes, Batch, BatchStatus};
 use serde::Deserialize;
 
@@ -141,7 +141,7 @@ pub(crate) async fn finish(
     record: &mut StoredBatch,
     batch: &Batch,
     dir: &Path,
-    lease: &Lease,
+    lease: &JobLease,
 ) -> Result<(), RunError> {
     let out = dir.join("out");
     let id = record.batch.batch.id.clone();

@@ -3,7 +3,7 @@
 //! `serve.max_active_jobs` of them at once through the [`batch_executor::Executor`]) and the reaper
 //! that deletes expired files.
 //!
-//! State lives in Redis ([`batch_jobs::Store`]) and bytes in storage ([`batch_storage::Storage`]),
+//! State lives in Redis ([`batch_state::Store`]) and bytes in storage ([`batch_storage::Storage`]),
 //! so a restarted service lists every file and batch as before and resumes the jobs it was
 //! running from their local files (the executor's resume: each line exactly once).
 //! [`Service::shutdown`] pauses running jobs, never cancels them.
@@ -33,7 +33,7 @@ use std::time::Duration;
 use batch_api::{Api, Hooks, Keys};
 use batch_config::ProcessorConfig;
 use batch_executor::Executor;
-use batch_jobs::Store;
+use batch_state::Store;
 use batch_storage::Storage;
 use futures::future::BoxFuture;
 use tokio::task::JoinHandle;
@@ -65,7 +65,7 @@ pub enum ServiceError {
     UnsafeRedis(#[from] batch_redis::EvictionRefused),
     /// The state could not be checked or rebuilt from storage at start.
     #[error("rebuilding the state from storage: {0}")]
-    State(#[from] batch_jobs::StoreError),
+    State(#[from] batch_state::StoreError),
     /// The listen address cannot be bound.
     #[error("cannot listen on {addr}: {error}")]
     Listen {
@@ -98,7 +98,7 @@ pub struct Service {
     stop_http: CancellationToken,
     stop_reaper: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
-    rebuilt: Option<batch_jobs::RebuildReport>,
+    rebuilt: Option<batch_state::RebuildReport>,
 }
 
 /// `serve.s3` as the storage crate takes it.
@@ -271,7 +271,7 @@ impl Service {
     }
 
     /// What the rebuild at start found, when this replica rebuilt the state from storage.
-    pub fn rebuild_report(&self) -> Option<&batch_jobs::RebuildReport> {
+    pub fn rebuild_report(&self) -> Option<&batch_state::RebuildReport> {
         self.rebuilt.as_ref()
     }
 
@@ -317,7 +317,7 @@ struct ServiceHooks {
 impl Hooks for ServiceHooks {
     fn test_webhook<'a>(
         &'a self,
-        endpoint: &'a batch_jobs::WebhookEndpoint,
+        endpoint: &'a batch_state::WebhookEndpoint,
         secret: &'a str,
         event_type: &'a str,
     ) -> BoxFuture<'a, Option<u16>> {
@@ -340,7 +340,7 @@ impl Hooks for ServiceHooks {
         &'a self,
         batch_id: &'a str,
         file: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, batch_jobs::StoreError>> {
+    ) -> BoxFuture<'a, Result<Option<String>, batch_state::StoreError>> {
         Box::pin(self.runner.checkpointed_file(batch_id, file))
     }
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use batch_jobs::{now_unix, Store};
+use batch_state::{now_unix, Store};
 use batch_storage::Storage;
 use tokio_util::sync::CancellationToken;
 

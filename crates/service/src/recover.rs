@@ -1,13 +1,13 @@
 //! When Redis forgets: notices that Redis lost the service's state (its marker key is gone:
 //! flushed, evicted, restarted empty) and rebuilds it from storage, one replica at a time under
 //! a lock, while `/ready` says so. Jobs that were running come back as orphans that a replica
-//! adopts and resumes from its last checkpoint (see [`batch_jobs::Store::rebuild`]).
+//! adopts and resumes from its last checkpoint (see [`batch_state::Store::rebuild`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use batch_jobs::{RebuildReport, Store, StoreError};
+use batch_state::{RebuildReport, Store, StoreError};
 use batch_storage::Storage;
 use tokio_util::sync::CancellationToken;
 
@@ -94,7 +94,7 @@ impl StateGuard {
         force: bool,
         stop: &CancellationToken,
     ) -> Result<Option<RebuildReport>, StoreError> {
-        let holder = batch_jobs::new_id(&format!("{}#", self.replica));
+        let holder = batch_state::new_id(&format!("{}#", self.replica));
         loop {
             let generation = self.store.state_generation().await?;
             if let (Some(g), false) = (&generation, force) {

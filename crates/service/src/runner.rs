@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use batch_executor::{Executor, JobSpec, Prepared};
-use batch_jobs::{now_unix, Lease, Store, StoreError, StoredBatch};
+use batch_state::{now_unix, JobLease, Store, StoreError, StoredBatch};
 use batch_storage::{Storage, StorageError};
 use batch_wire::{Batch, BatchError, BatchErrors, BatchStatus};
 use serde::{Deserialize, Serialize};
@@ -43,7 +43,7 @@ pub(crate) struct RunnerConfig {
 /// A job this replica runs now.
 struct Active {
     dir: PathBuf,
-    lease: Lease,
+    lease: JobLease,
     /// Fired when the lease is lost: the job stops writing at once.
     fenced: CancellationToken,
     /// How many losses of Redis's state were noticed when it started here.
@@ -137,7 +137,7 @@ impl Runner {
         &self,
         id: &str,
         file: &str,
-    ) -> Result<Option<String>, batch_jobs::StoreError> {
+    ) -> Result<Option<String>, batch_state::StoreError> {
         let Some(json) = self.store.checkpoint(id).await? else {
             return Ok(None);
         };
@@ -252,7 +252,7 @@ impl Runner {
                 _ = self.stop.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
-            let leases: Vec<Lease> = {
+            let leases: Vec<JobLease> = {
                 let active = self.active.lock().expect("active lock");
                 active.values().map(|a| a.lease.clone()).collect()
             };
@@ -277,7 +277,7 @@ impl Runner {
 
     /// A lease that lapsed with nobody taking the job is held again: the job goes on here.
     /// A job that let go of its lease meanwhile (a shutdown) lets go of it again.
-    async fn regained(&self, lease: &Lease) {
+    async fn regained(&self, lease: &JobLease) {
         let active = self
             .active
             .lock()
@@ -292,7 +292,7 @@ impl Runner {
 
     /// A write for the job under `lease` was refused: true when the lease had only lapsed and
     /// is held again, so the write may be made again.
-    async fn regain(&self, lease: &Lease) -> Result<bool, RunError> {
+    async fn regain(&self, lease: &JobLease) -> Result<bool, RunError> {
         let held = self
             .retry("renewing a lease", || {
                 self.store.hold(lease, self.config.lease_ttl)
@@ -306,7 +306,7 @@ impl Runner {
 
     /// Makes a write that holds only under `lease` (`op` says whether it was made), once more
     /// if the lease had only lapsed; [`RunError::Fenced`] when another replica holds the job.
-    async fn fenced<F, Fut>(&self, what: &str, lease: &Lease, mut op: F) -> Result<(), RunError>
+    async fn fenced<F, Fut>(&self, what: &str, lease: &JobLease, mut op: F) -> Result<(), RunError>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<bool, StoreError>>,
@@ -322,7 +322,7 @@ impl Runner {
 
     /// Says why a lease was lost: Redis lost the whole state (then the job is put back from
     /// storage and resumed), or another replica took the job.
-    async fn log_lost(&self, lease: &Lease) {
+    async fn log_lost(&self, lease: &JobLease) {
         let started = self
             .active
             .lock()
@@ -340,14 +340,14 @@ impl Runner {
 
     /// Takes the job out of the active ones, unless a newer run of it (adopted here after this
     /// one was fenced, as when Redis lost the state) replaced it meanwhile.
-    fn is_active(&self, lease: &Lease) -> bool {
+    fn is_active(&self, lease: &JobLease) -> bool {
         let active = self.active.lock().expect("active lock");
         active
             .get(&lease.job)
             .is_some_and(|a| a.lease.epoch == lease.epoch)
     }
 
-    fn forget_active(&self, lease: &Lease) {
+    fn forget_active(&self, lease: &JobLease) {
         let mut active = self.active.lock().expect("active lock");
         if active
             .get(&lease.job)
@@ -435,7 +435,7 @@ impl Runner {
 
     fn spawn_job(
         self: &Arc<Self>,
-        lease: Lease,
+        lease: JobLease,
         permit: Option<OwnedSemaphorePermit>,
         adopted: bool,
     ) {
@@ -494,7 +494,11 @@ impl Runner {
     }
 
     /// Saves `record` as the holder of `lease`; [`RunError::Fenced`] when it no longer is.
-    pub(crate) async fn save(&self, record: &StoredBatch, lease: &Lease) -> Result<(), RunError> {
+    pub(crate) async fn save(
+        &self,
+        record: &StoredBatch,
+        lease: &JobLease,
+    ) -> Result<(), RunError> {
         self.fenced("saving a batch", lease, || {
             self.store.save_batch(record, Some(lease))
         })
@@ -503,7 +507,7 @@ impl Runner {
 
     async fn run_job(
         self: &Arc<Self>,
-        lease: &Lease,
+        lease: &JobLease,
         adopted: bool,
         fenced: &CancellationToken,
     ) -> Result<(), RunError> {
@@ -528,7 +532,7 @@ impl Runner {
             .map_err(|e| RunError::Other(format!("{}: {e}", dir.display())))?;
         let input = dir.join("input.jsonl");
         if !input.exists() {
-            let key = batch_jobs::storage_key(&record.batch.batch.input_file_id);
+            let key = batch_state::storage_key(&record.batch.batch.input_file_id);
             match self.storage.download(&key, &input).await {
                 Ok(_) => {}
                 Err(StorageError::NotFound(_)) => {
@@ -626,7 +630,7 @@ impl Runner {
         job: &Arc<batch_executor::Job>,
         record: &mut StoredBatch,
         batch: &Batch,
-        lease: &Lease,
+        lease: &JobLease,
     ) -> Result<(), RunError> {
         merge(record, batch);
         self.save(record, lease).await?;
@@ -643,7 +647,7 @@ impl Runner {
 
     /// The job ended (or was found ended): it is nobody's any more; its local and checkpoint
     /// files go.
-    async fn end(&self, lease: &Lease, dir: &Path) -> Result<(), RunError> {
+    async fn end(&self, lease: &JobLease, dir: &Path) -> Result<(), RunError> {
         let id = lease.job.as_str();
         // Out of the heartbeat's list first: the released lease is not a lost one.
         self.forget_active(lease);
@@ -671,7 +675,7 @@ impl Runner {
     async fn fail_unstarted(
         &self,
         record: &mut StoredBatch,
-        lease: &Lease,
+        lease: &JobLease,
         code: &str,
         message: &str,
     ) -> Result<(), RunError> {
@@ -694,7 +698,7 @@ impl Runner {
     async fn checkpoint(
         &self,
         job: &Arc<batch_executor::Job>,
-        lease: &Lease,
+        lease: &JobLease,
     ) -> Result<(), RunError> {
         let cut = {
             let job = job.clone();
@@ -742,7 +746,7 @@ impl Runner {
     /// Before an adopted job resumes: keeps the local directory when it is as new as the last
     /// checkpoint (this replica ran the job last), else rebuilds it from the checkpoint (another
     /// replica did, or this one lost its disk), else starts afresh.
-    async fn restore(&self, lease: &Lease, dir: &Path) -> Result<(), RunError> {
+    async fn restore(&self, lease: &JobLease, dir: &Path) -> Result<(), RunError> {
         let json = self
             .retry("reading a checkpoint", || self.store.checkpoint(&lease.job))
             .await?;
@@ -781,7 +785,7 @@ impl Runner {
         self: Arc<Self>,
         job: Arc<batch_executor::Job>,
         mut record: StoredBatch,
-        lease: Lease,
+        lease: JobLease,
         cancel: CancellationToken,
         fenced: CancellationToken,
         done: CancellationToken,
@@ -843,7 +847,7 @@ impl Runner {
     }
 }
 
-fn log_regained(lease: &Lease) {
+fn log_regained(lease: &JobLease) {
     tracing::warn!(job = %lease.job, epoch = lease.epoch, "the job's lease lapsed (this replica was frozen or cut off) but nobody took the job; holding it again");
 }
 

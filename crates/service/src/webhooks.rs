@@ -1,6 +1,6 @@
 //! Delivers `batch.*` events to tenants' webhook endpoints, signed the Standard Webhooks way.
 //!
-//! The queue is in Redis ([`batch_jobs::Store::claim_webhook_delivery`]): every replica runs
+//! The queue is in Redis ([`batch_state::Store::claim_webhook_delivery`]): every replica runs
 //! this loop, a delivery is claimed by one sender at a time, and one whose sender died is
 //! claimed again once its lease passes. Each attempt carries the same `webhook-id`; a 2xx ends
 //! it, anything else is retried with exponential backoff until `serve.webhooks.give_up_after`.
@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use batch_config::WebhooksConfig;
-use batch_jobs::{now_unix, Delivery, Store, WebhookEndpoint};
+use batch_state::{now_unix, Delivery, Store, WebhookEndpoint};
 use batch_sync_dispatch::HttpClient;
 use bytes::Bytes;
 use http_body_util::Full;
@@ -72,7 +72,7 @@ impl Sender {
         secret: &str,
         event_type: &str,
     ) -> Option<u16> {
-        let id = batch_jobs::new_id("evt_");
+        let id = batch_state::new_id("evt_");
         let body = event_body(&id, event_type, "batch_test", now_unix());
         self.send(&endpoint.url, secret, &id, &body)
             .await
@@ -164,7 +164,7 @@ async fn deliver(
     sender: &Sender,
     id: &str,
     delivery: Option<Delivery>,
-) -> Result<(), batch_jobs::StoreError> {
+) -> Result<(), batch_state::StoreError> {
     let Some(mut delivery) = delivery else {
         return store.finish_webhook_delivery(id).await;
     };

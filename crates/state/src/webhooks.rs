@@ -2,8 +2,8 @@
 //!
 //! A batch reaching a final status is pushed on `{prefix}:webhook_ended` by the same script that
 //! saves the status, so no end is lost to a replica dying right after it. Any replica then fans
-//! it out into one delivery per endpoint of the tenant that wants the event, each in
-//! `{prefix}:webhook_due` (a sorted set by due time in ms). A sender claims a due delivery by
+//! it out into one delivery per endpoint of the tenant that wants the event (its id
+//! `<batch>:<endpoint>`), each in `{prefix}:webhook_due` (a sorted set by due time in ms). A sender claims a due delivery by
 //! moving its due time past its own attempt (a lease): one sender at a time per delivery, and
 //! another replica's turn when that one dies. The signing secret sits under a key of its own,
 //! never in the record that listings read.
@@ -11,11 +11,11 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use fred::interfaces::{KeysInterface, SortedSetsInterface};
+use fred::interfaces::{KeysInterface, ListInterface, SortedSetsInterface};
 use fred::types::scripts::Script;
 use serde::{Deserialize, Serialize};
 
-use crate::{parse, Store, StoreError};
+use crate::{parse, Store, StoreError, StoredBatch};
 
 /// The batch events a webhook endpoint may subscribe to.
 pub const BATCH_EVENTS: &[&str] = &[
@@ -76,53 +76,13 @@ pub struct Delivery {
     pub attempt: u32,
 }
 
-/// KEYS: the ended list, the due set. ARGV: key prefix, now in ms.
-/// Turns the oldest ended batch into one delivery per endpoint of its tenant subscribed to the
-/// event; the ids are derived from the batch and the endpoint, so doing it twice (a replica dying
-/// in between) queues nothing twice. Returns 0 when no batch waits.
-const FAN_OUT_LUA: &str = r#"
-local id = redis.call('LINDEX', KEYS[1], 0)
-if not id then return 0 end
-local raw = redis.call('GET', ARGV[1] .. ':batch:' .. id)
-if raw then
-  local b = cjson.decode(raw)
-  local kind = 'batch.' .. b['batch']['status']
-  local created = tonumber(ARGV[2]) / 1000
-  local event = 'evt_' .. string.sub(redis.sha1hex(id .. '/' .. kind), 1, 32)
-  for _, ep in ipairs(redis.call('ZRANGE', ARGV[1] .. ':webhooks:' .. b['tenant'], 0, -1)) do
-    local er = redis.call('GET', ARGV[1] .. ':webhook:' .. ep)
-    if er then
-      local e = cjson.decode(er)['endpoint']
-      local wants = false
-      for _, t in ipairs(e['event_types']) do
-        if t == kind then wants = true end
-      end
-      if wants and e['status'] == 'enabled' then
-        local did = event .. ':' .. ep
-        local d = cjson.encode({event_id = event, endpoint = ep, type = kind, batch = id,
-          created_at = math.floor(created), attempt = 0})
-        if redis.call('SET', ARGV[1] .. ':webhook_delivery:' .. did, d, 'NX') then
-          redis.call('ZADD', KEYS[2], ARGV[2], did)
-        end
-      end
-    end
-  end
-end
-redis.call('LPOP', KEYS[1])
-return 1
-"#;
+static FAN_OUT: LazyLock<Script> =
+    LazyLock::new(|| Script::from_lua(include_str!("webhooks/fan_out.lua")));
+static CLAIM_DELIVERY: LazyLock<Script> =
+    LazyLock::new(|| Script::from_lua(include_str!("webhooks/claim_delivery.lua")));
 
-/// KEYS: the due set. ARGV: now in ms, lease in ms, key prefix.
-/// Claims the most overdue delivery by moving it to now + lease; `{id, record}` or nil.
-const CLAIM_DELIVERY_LUA: &str = r#"
-local d = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 1)
-if #d == 0 then return nil end
-redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[2]), d[1])
-return {d[1], redis.call('GET', ARGV[3] .. ':webhook_delivery:' .. d[1]) or ''}
-"#;
-
-static FAN_OUT: LazyLock<Script> = LazyLock::new(|| Script::from_lua(FAN_OUT_LUA));
-static CLAIM_DELIVERY: LazyLock<Script> = LazyLock::new(|| Script::from_lua(CLAIM_DELIVERY_LUA));
+/// How many times a fan-out reads a tenant's endpoints again when they keep changing under it.
+const FAN_OUT_TRIES: usize = 8;
 
 impl Store {
     /// The list a batch reaching a final status is pushed on.
@@ -213,14 +173,42 @@ impl Store {
 
     /// Turns one ended batch into its deliveries; false when none waited.
     pub async fn fan_out_webhook_events(&self, now_ms: u64) -> Result<bool, StoreError> {
-        let n: i64 = FAN_OUT
-            .evalsha_with_reload(
-                &self.client,
-                vec![self.webhook_ended_key(), self.key(&["webhook_due"])],
-                vec![self.prefix.clone(), now_ms.to_string()],
-            )
-            .await?;
-        Ok(n == 1)
+        let ended = self.webhook_ended_key();
+        for _ in 0..FAN_OUT_TRIES {
+            let Some(id): Option<String> = self.client.lindex(&ended, 0).await? else {
+                return Ok(false);
+            };
+            // The script is given every key it touches: the tenant's endpoints are read first,
+            // and it refuses (-1) when they changed since.
+            let record = self.key(&["batch", &id]);
+            let raw: Option<String> = self.client.get(&record).await?;
+            let tenant = match raw {
+                Some(raw) => Some(parse::<StoredBatch>(&record, &raw)?.tenant),
+                None => None,
+            };
+            let mut keys = vec![ended.clone(), self.key(&["webhook_due"]), record];
+            let mut args = vec![id.clone(), now_ms.to_string()];
+            if let Some(tenant) = tenant {
+                let index = self.key(&["webhooks", &tenant]);
+                let endpoints: Vec<String> = self
+                    .client
+                    .zrange(&index, 0, -1, None, false, None, false)
+                    .await?;
+                keys.push(index);
+                for ep in endpoints {
+                    keys.push(self.key(&["webhook", &ep]));
+                    keys.push(self.key(&["webhook_delivery", &format!("{id}:{ep}")]));
+                    args.push(ep);
+                }
+            }
+            let n: i64 = FAN_OUT
+                .evalsha_with_reload(&self.client, keys, args)
+                .await?;
+            if n >= 0 {
+                return Ok(true);
+            }
+        }
+        Ok(true)
     }
 
     /// Claims the most overdue delivery for `lease` (nobody else sends it meanwhile): its id and
@@ -230,25 +218,20 @@ impl Store {
         now_ms: u64,
         lease: Duration,
     ) -> Result<Option<(String, Option<Delivery>)>, StoreError> {
-        let got: Option<Vec<String>> = CLAIM_DELIVERY
+        let id: Option<String> = CLAIM_DELIVERY
             .evalsha_with_reload(
                 &self.client,
                 vec![self.key(&["webhook_due"])],
-                vec![
-                    now_ms.to_string(),
-                    (lease.as_millis() as u64).to_string(),
-                    self.prefix.clone(),
-                ],
+                vec![now_ms.to_string(), (lease.as_millis() as u64).to_string()],
             )
             .await?;
-        let Some([id, raw]) = got.and_then(|v| <[String; 2]>::try_from(v).ok()) else {
+        let Some(id) = id else {
             return Ok(None);
         };
-        if raw.is_empty() {
-            return Ok(Some((id, None)));
-        }
         let key = self.key(&["webhook_delivery", &id]);
-        Ok(Some((id, Some(parse(&key, &raw)?))))
+        let raw: Option<String> = self.client.get(&key).await?;
+        let delivery = raw.map(|raw| parse(&key, &raw)).transpose()?;
+        Ok(Some((id, delivery)))
     }
 
     /// Ends delivery `id`: delivered, given up or its endpoint gone.

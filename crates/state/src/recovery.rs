@@ -16,56 +16,26 @@
 //! Loss is detected by a marker key, `{prefix}:state`, holding a generation id written when the
 //! state was (re)built: when it is gone, so is everything else written before.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use batch_storage::{Storage, StorageError};
 use batch_wire::BatchStatus;
 use bytes::Bytes;
 use fred::interfaces::KeysInterface;
+use fred::types::scripts::Script;
 use fred::types::{Expiration, SetOptions, Value};
 use serde::{Deserialize, Serialize};
 
-use crate::{new_id, Lease, Store, StoreError, StoredBatch, StoredFile};
+use crate::{new_id, JobLease, Store, StoreError, StoredBatch, StoredFile};
 
 /// The storage folder of the records' copy.
 pub const STATE_PREFIX: &str = "state";
 
-/// KEYS: record, index, status counts, active, tenant_of, queue, tenant's queue, queued tenants,
-/// running, epoch, cancel marker, cancel queue, checkpoint. ARGV: id, json, status, tenant,
-/// deadline, mode (`done`, `queue`, `cancelq`, `resume`), epoch floor, cancel time or "",
-/// checkpoint json or "". Puts back one batch as it was before the loss, unless Redis already has
-/// its record (written after the loss: left as it is, 0). A job that had started is put in the
-/// running set with no lease, so that a replica adopts it and resumes it from its checkpoint; its
-/// epoch counter starts above every epoch that wrote for it, so no earlier holder passes a fence.
-pub(crate) const RESTORE_BATCH_LUA: &str = r#"
-if redis.call('SET', KEYS[1], ARGV[2], 'NX') == false then return 0 end
-redis.call('ZADD', KEYS[2], 0, ARGV[1])
-redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
-local floor = tonumber(ARGV[7])
-if tonumber(redis.call('GET', KEYS[10]) or '0') < floor then redis.call('SET', KEYS[10], floor) end
-if ARGV[8] ~= '' then redis.call('SET', KEYS[11], ARGV[8]) end
-if ARGV[9] ~= '' then redis.call('SET', KEYS[13], ARGV[9]) end
-local mode = ARGV[6]
-if mode == 'done' then return 1 end
-redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
-redis.call('HSET', KEYS[5], ARGV[1], ARGV[4])
-if mode == 'queue' then
-  redis.call('ZADD', KEYS[6], ARGV[5], ARGV[1])
-  redis.call('ZADD', KEYS[7], ARGV[5], ARGV[1])
-  redis.call('SADD', KEYS[8], ARGV[4])
-elseif mode == 'cancelq' then
-  redis.call('ZADD', KEYS[12], 0, ARGV[1])
-else
-  redis.call('HSET', KEYS[9], ARGV[1], 'recovered')
-end
-return 1
-"#;
-
-/// KEYS: lock. ARGV: holder. Lets go of the rebuild lock only if still held by `holder`.
-pub(crate) const UNLOCK_LUA: &str = r#"
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"#;
+static RESTORE_BATCH: LazyLock<Script> =
+    LazyLock::new(|| Script::from_lua(include_str!("recovery/restore_batch.lua")));
+static UNLOCK: LazyLock<Script> =
+    LazyLock::new(|| Script::from_lua(include_str!("recovery/unlock.lua")));
 
 /// A batch record's storage copy.
 #[derive(Debug, Serialize, Deserialize)]
@@ -148,7 +118,7 @@ impl Store {
     pub(crate) async fn mirror_batch(
         &self,
         batch: &StoredBatch,
-        lease: Option<&Lease>,
+        lease: Option<&JobLease>,
     ) -> Result<(), StoreError> {
         let Some(m) = &self.mirror else {
             return Ok(());
@@ -240,9 +210,7 @@ impl Store {
 
     /// Lets go of the rebuild lock if `holder` still holds it.
     pub async fn unlock_rebuild(&self, holder: &str) -> Result<(), StoreError> {
-        let _: i64 = self
-            .scripts
-            .unlock
+        let _: i64 = UNLOCK
             .evalsha_with_reload(
                 &self.client,
                 vec![self.key(&["rebuild_lock"])],
@@ -361,9 +329,7 @@ impl Store {
             cancel.clone().unwrap_or_default(),
             checkpoint.unwrap_or_default(),
         ];
-        let n: i64 = self
-            .scripts
-            .restore_batch
+        let n: i64 = RESTORE_BATCH
             .evalsha_with_reload(&self.client, keys, args)
             .await?;
         if n == 0 {

@@ -117,7 +117,7 @@ async fn expired_files_are_found_by_time() {
 
 const TTL: std::time::Duration = std::time::Duration::from_secs(30);
 
-fn job_of(lease: Option<Lease>) -> Option<String> {
+fn job_of(lease: Option<JobLease>) -> Option<String> {
     lease.map(|l| l.job)
 }
 

@@ -1,0 +1,239 @@
+//! The batch service's state in Redis: file and batch records, each tenant's listings, the job
+//! queue ordered by SLO deadline across all tenants, which replica runs which job under which
+//! lease, checkpoints, cancel requests, webhook endpoints and their deliveries, and the copy in
+//! storage Redis is rebuilt from.
+//!
+//! Every key is `{<prefix>}:…`: one hash slot, and every script is given each key it touches in
+//! `KEYS`, so the scripts that move a job between the queue and the running set are atomic on
+//! Redis Cluster too, and the dispatcher's keys are never touched. Ids sort by creation time
+//! (`file-`/`batch_` + 12 hex digits of milliseconds + 12 random), so a listing is a
+//! lexicographic range and its cursor is the last id of a page.
+//!
+//! One module per resource: [`files`](Store::put_file), batches and their listings
+//! ([`Store::create_batch`]), the job queue ([`Store::claim_queued`]), leases
+//! ([`Store::adopt`]), checkpoints ([`Store::save_checkpoint`]), webhooks
+//! ([`Store::put_webhook`]) and recovery ([`Store::rebuild`]). Each script is a `.lua` file
+//! next to its module, its header saying its KEYS, ARGV and what it returns.
+//!
+//! ```no_run
+//! # async fn demo(client: fred::clients::Client) -> Result<(), batch_state::StoreError> {
+//! let store = batch_state::Store::new(client, "batch-processor");
+//! let page = store.list_batches("tenant-a", None, 20).await?;
+//! for batch in page.data {
+//!     println!("{} {}", batch.batch.batch.id, batch.batch.status().as_str());
+//! }
+//! # Ok(()) }
+//! ```
+
+mod batches;
+mod checkpoints;
+mod files;
+mod leases;
+mod queue;
+mod records;
+mod recovery;
+mod webhooks;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use batch_wire::BatchStatus;
+use fred::clients::Client;
+use fred::interfaces::{ClientLike, KeysInterface};
+use fred::types::{ClusterHash, CustomCommand, Value};
+use serde::de::DeserializeOwned;
+
+pub use batches::CancelRequest;
+pub use files::FileQuota;
+pub use leases::{JobLease, Renewal};
+pub use records::{
+    storage_key, BatchObject, CachedTokens, FileObject, FineCounts, Page, ReasoningTokens,
+    StoredBatch, StoredFile, Usage, FINE_COUNTS_KEY,
+};
+pub use recovery::{RebuildReport, STATE_PREFIX};
+pub use webhooks::{Delivery, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
+
+/// Why a state operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Redis failed or could not be reached.
+    #[error("Redis: {0}")]
+    Redis(#[from] fred::error::Error),
+    /// A record in Redis does not parse (written by another version?).
+    #[error("record {key} is not valid: {problem}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The storage copy of a record could not be written or read (see [`Store::with_mirror`]).
+    #[error(transparent)]
+    Storage(#[from] batch_storage::StorageError),
+}
+
+impl StoreError {
+    /// Whether waiting may cure it (Redis down, failing over).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Redis(e) => batch_redis::is_transient(e),
+            Self::Corrupt { .. } => false,
+            // A store that hiccups (S3 throttling, a network blip) answers again.
+            Self::Storage(_) => true,
+        }
+    }
+}
+
+/// Unix seconds now.
+pub fn now_unix() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// A new id: `prefix` + 12 hex digits of Unix milliseconds + 12 random ones, so that ids sort
+/// by creation time.
+pub fn new_id(prefix: &str) -> String {
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let random = rand::random::<u64>() & 0xffff_ffff_ffff;
+    format!("{prefix}{ms:012x}{random:012x}")
+}
+
+/// Which way a listing runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// Oldest first.
+    Asc,
+    /// Newest first.
+    Desc,
+}
+
+/// Which of a tenant's quotas a write would exceed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaExceeded {
+    /// Queued and running batches.
+    Batches,
+    /// Bytes of stored files.
+    StoredBytes,
+    /// Stored files.
+    Files,
+}
+
+/// The service's state in Redis.
+#[derive(Clone)]
+pub struct Store {
+    client: Client,
+    prefix: String,
+    /// Where every record change is also written (the system of record Redis is rebuilt from).
+    mirror: Option<batch_storage::Storage>,
+    /// The status and lease epoch of each unfinished batch's latest storage copy.
+    mirrored: Arc<Mutex<HashMap<String, (BatchStatus, u64)>>>,
+}
+
+impl Store {
+    /// The state under `{prefix}:` in the Redis `client` talks to.
+    pub fn new(client: Client, prefix: &str) -> Self {
+        Self {
+            client,
+            prefix: format!("{{{prefix}}}"),
+            mirror: None,
+            mirrored: Default::default(),
+        }
+    }
+
+    /// Also writes every record change to `storage` (after Redis took it, so only a write
+    /// its fence let through), from which [`Store::rebuild`] restores a Redis that lost it.
+    pub fn with_mirror(mut self, storage: batch_storage::Storage) -> Self {
+        self.mirror = Some(storage);
+        self
+    }
+
+    /// The Redis client.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    fn key(&self, parts: &[&str]) -> String {
+        let mut key = self.prefix.clone();
+        for part in parts {
+            key.push(':');
+            key.push_str(part);
+        }
+        key
+    }
+
+    /// Whether Redis answers.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let _: Value = self.client.ping(None).await?;
+        Ok(())
+    }
+
+    /// Batches by status, over every tenant.
+    pub async fn status_counts(&self) -> Result<BTreeMap<String, i64>, StoreError> {
+        let counts: BTreeMap<String, i64> =
+            fred::interfaces::HashesInterface::hgetall(&self.client, self.key(&["status_counts"]))
+                .await?;
+        Ok(counts)
+    }
+
+    /// Up to `limit + 1` ids of the sorted set `index` after `after`, in `order`.
+    async fn range(
+        &self,
+        index: &str,
+        after: Option<&str>,
+        limit: usize,
+        order: Order,
+    ) -> Result<Vec<String>, StoreError> {
+        let (cmd, from, to) = match (order, after) {
+            (Order::Asc, None) => ("ZRANGEBYLEX", "-".to_owned(), "+".to_owned()),
+            (Order::Asc, Some(a)) => ("ZRANGEBYLEX", format!("({a}"), "+".to_owned()),
+            (Order::Desc, None) => ("ZREVRANGEBYLEX", "+".to_owned(), "-".to_owned()),
+            (Order::Desc, Some(a)) => ("ZREVRANGEBYLEX", format!("({a}"), "-".to_owned()),
+        };
+        let cmd = CustomCommand::new_static(cmd, ClusterHash::FirstKey, false);
+        let args = vec![
+            Value::from(index),
+            Value::from(from),
+            Value::from(to),
+            Value::from("LIMIT"),
+            Value::from(0),
+            Value::from(limit as i64 + 1),
+        ];
+        let ids: Vec<String> = self.client.custom(cmd, args).await?;
+        Ok(ids)
+    }
+
+    async fn get_all<T: DeserializeOwned>(&self, keys: &[String]) -> Result<Vec<T>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let values: Vec<Option<String>> = self.client.mget(keys.to_vec()).await?;
+        keys.iter()
+            .zip(values)
+            .filter_map(|(k, v)| v.map(|v| parse(k, &v)))
+            .collect()
+    }
+}
+
+fn millis(d: Duration) -> String {
+    d.as_millis().max(1).to_string()
+}
+
+fn split_more(mut ids: Vec<String>, limit: usize) -> (Vec<String>, bool) {
+    let more = ids.len() > limit;
+    ids.truncate(limit);
+    (ids, more)
+}
+
+fn parse<T: DeserializeOwned>(key: &str, json: &str) -> Result<T, StoreError> {
+    serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+        key: key.to_owned(),
+        problem: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests;
