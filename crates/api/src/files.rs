@@ -36,7 +36,7 @@ pub(crate) async fn upload(
     }
     let room = quotas.max_stored_bytes - used_bytes;
     let id = new_id("file-");
-    let key = batch_state::storage_key(&id);
+    let key = batch_state::layout::upload(&id);
     let mut purpose: Option<String> = None;
     let mut anchor: Option<String> = None;
     let mut seconds: Option<String> = None;

@@ -176,7 +176,7 @@ pub(crate) async fn finish(
         let file_id = result_file_id(&id, kind);
         let local: PathBuf = out.join(file);
         // Per epoch: a fenced replica's late upload lands beside the holder's, never on it.
-        let key = format!("results/{id}/{}/{file}", lease.epoch);
+        let key = batch_state::layout::result(&id, lease.epoch, file);
         let bytes = runner.storage.put_file(&key, &local).await?;
         let stored = StoredFile {
             tenant: record.tenant.clone(),
@@ -218,7 +218,7 @@ pub(crate) async fn finish(
         cancelled: scanned.cancelled,
         expired: scanned.expired,
     };
-    // Its storage copy (`state/batches/<id>.json`) is written by the save itself.
+    // Its storage copy (`layout::batch_copy`) is written by the save itself.
     runner.save(record, lease).await?;
     tracing::info!(job = %id, status = record.batch.status().as_str(), "batch finished");
     Ok(())

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use batch_executor::{Executor, JobSpec, Prepared};
-use batch_state::{now_unix, JobLease, Store, StoreError, StoredBatch};
+use batch_state::{layout, now_unix, JobLease, Store, StoreError, StoredBatch};
 use batch_storage::{Storage, StorageError};
 use batch_wire::{Batch, BatchError, BatchErrors, BatchStatus};
 use serde::{Deserialize, Serialize};
@@ -532,7 +532,7 @@ impl Runner {
             .map_err(|e| RunError::Other(format!("{}: {e}", dir.display())))?;
         let input = dir.join("input.jsonl");
         if !input.exists() {
-            let key = batch_state::storage_key(&record.batch.batch.input_file_id);
+            let key = layout::upload(&record.batch.batch.input_file_id);
             match self.storage.download(&key, &input).await {
                 Ok(_) => {}
                 Err(StorageError::NotFound(_)) => {
@@ -657,7 +657,7 @@ impl Runner {
             self.store.forget_checkpoint(id)
         })
         .await?;
-        if let Err(e) = self.storage.delete_prefix(&checkpoint_prefix(id)).await {
+        if let Err(e) = self.storage.delete_prefix(&layout::checkpoints(id)).await {
             tracing::warn!(job = %id, error = %e, "could not delete a finished job's checkpoints");
         }
         for d in [dir.to_path_buf(), self.config.work_dir.join(id)] {
@@ -707,10 +707,9 @@ impl Runner {
                 .map_err(|e| RunError::Other(format!("checkpoint panicked: {e}")))?
                 .map_err(|e| RunError::Other(e.to_string()))?
         };
-        let base = format!("{}/{}", checkpoint_prefix(&lease.job), lease.epoch);
         let out = job.dir();
-        let output_key = format!("{base}/{}", batch_sink::OUTPUT_FILE);
-        let error_key = format!("{base}/{}", batch_sink::ERROR_FILE);
+        let output_key = layout::checkpoint(&lease.job, lease.epoch, batch_sink::OUTPUT_FILE);
+        let error_key = layout::checkpoint(&lease.job, lease.epoch, batch_sink::ERROR_FILE);
         let output_len = self
             .storage
             .put_file_prefix(
@@ -849,10 +848,6 @@ impl Runner {
 
 fn log_regained(lease: &JobLease) {
     tracing::warn!(job = %lease.job, epoch = lease.epoch, "the job's lease lapsed (this replica was frozen or cut off) but nobody took the job; holding it again");
-}
-
-fn checkpoint_prefix(id: &str) -> String {
-    format!("checkpoints/{id}")
 }
 
 fn write_epoch(dir: &Path, epoch: u64) -> std::io::Result<()> {

@@ -28,6 +28,7 @@
 mod batches;
 mod checkpoints;
 mod files;
+pub mod layout;
 mod leases;
 mod queue;
 mod records;
@@ -46,12 +47,13 @@ use serde::de::DeserializeOwned;
 
 pub use batches::CancelRequest;
 pub use files::FileQuota;
+pub use layout::STATE_PREFIX;
 pub use leases::{JobLease, Renewal};
 pub use records::{
-    storage_key, BatchObject, CachedTokens, FileObject, FineCounts, Page, ReasoningTokens,
-    StoredBatch, StoredFile, Usage, FINE_COUNTS_KEY,
+    BatchObject, CachedTokens, FileObject, FineCounts, Page, ReasoningTokens, StoredBatch,
+    StoredFile, Usage, FINE_COUNTS_KEY,
 };
-pub use recovery::{RebuildReport, STATE_PREFIX};
+pub use recovery::RebuildReport;
 pub use webhooks::{Delivery, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
 
 /// Why a state operation failed.

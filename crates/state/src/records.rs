@@ -3,6 +3,8 @@
 use batch_wire::{Batch, BatchStatus};
 use serde::{Deserialize, Serialize};
 
+use crate::layout;
+
 /// OpenAI's File object.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileObject {
@@ -33,7 +35,7 @@ pub struct StoredFile {
     pub tenant: String,
     /// The object the API shows.
     pub file: FileObject,
-    /// Where its bytes are, when not at [`storage_key`] of its id (result files: per lease
+    /// Where its bytes are, when not at [`layout::upload`] of its id (result files: per lease
     /// epoch, so that a fenced replica's late upload never replaces the holder's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
@@ -44,13 +46,8 @@ impl StoredFile {
     pub fn storage_key(&self) -> String {
         self.key
             .clone()
-            .unwrap_or_else(|| storage_key(&self.file.id))
+            .unwrap_or_else(|| layout::upload(&self.file.id))
     }
-}
-
-/// The storage key of file `id`'s bytes.
-pub fn storage_key(id: &str) -> String {
-    format!("files/{id}")
 }
 
 /// Token counts summed over a batch's responses, in the Batch object's shape.

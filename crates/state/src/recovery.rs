@@ -3,12 +3,7 @@
 //! it (so only writes that passed their lease fence land there). A Redis that lost the service's
 //! state (flushed, evicted, restarted empty) is rebuilt from that copy by [`Store::rebuild`].
 //!
-//! Storage layout, under [`STATE_PREFIX`]:
-//! - `state/files/<id>.json`: the [`StoredFile`].
-//! - `state/batches/<id>.json`: `{"epoch": n, "record": StoredBatch}`, `n` the lease epoch of the
-//!   write (0: unfenced).
-//! - `state/cancels/<id>`: the Unix second a cancel was asked (gone once the batch ended).
-//! - `state/checkpoints/<id>.json`: the job's latest checkpoint record (opaque to this crate).
+//! Its keys are in [`crate::layout`].
 //!
 //! Listings need no stored score: ids sort by creation time and every listing is a
 //! lexicographic range over them, so the same ids give the same pages and `after` cursors.
@@ -27,10 +22,7 @@ use fred::types::scripts::Script;
 use fred::types::{Expiration, SetOptions, Value};
 use serde::{Deserialize, Serialize};
 
-use crate::{new_id, JobLease, Store, StoreError, StoredBatch, StoredFile};
-
-/// The storage folder of the records' copy.
-pub const STATE_PREFIX: &str = "state";
+use crate::{layout, new_id, JobLease, Store, StoreError, StoredBatch, StoredFile};
 
 static RESTORE_BATCH: LazyLock<Script> =
     LazyLock::new(|| Script::from_lua(include_str!("recovery/restore_batch.lua")));
@@ -66,28 +58,6 @@ pub struct RebuildReport {
     pub unreadable: usize,
 }
 
-fn file_key(id: &str) -> String {
-    format!("{STATE_PREFIX}/files/{id}.json")
-}
-
-fn batch_key(id: &str) -> String {
-    format!("{STATE_PREFIX}/batches/{id}.json")
-}
-
-fn cancel_key(id: &str) -> String {
-    format!("{STATE_PREFIX}/cancels/{id}")
-}
-
-fn checkpoint_key(id: &str) -> String {
-    format!("{STATE_PREFIX}/checkpoints/{id}.json")
-}
-
-/// The id in a copy's key `state/<kind>/<id>[.json]`.
-fn id_of(key: &str) -> &str {
-    let name = key.rsplit('/').next().unwrap_or(key);
-    name.strip_suffix(".json").unwrap_or(name)
-}
-
 async fn read_opt(storage: &Storage, key: &str) -> Result<Option<Bytes>, StorageError> {
     match storage.get_bytes(key).await {
         Ok(b) => Ok(Some(b)),
@@ -103,14 +73,15 @@ fn json(value: &impl Serialize) -> Bytes {
 impl Store {
     pub(crate) async fn mirror_file(&self, file: &StoredFile) -> Result<(), StoreError> {
         if let Some(m) = &self.mirror {
-            m.put_bytes(&file_key(&file.file.id), json(file)).await?;
+            m.put_bytes(&layout::file_copy(&file.file.id), json(file))
+                .await?;
         }
         Ok(())
     }
 
     pub(crate) async fn unmirror_file(&self, id: &str) -> Result<(), StoreError> {
         if let Some(m) = &self.mirror {
-            m.delete(&file_key(id)).await?;
+            m.delete(&layout::file_copy(id)).await?;
         }
         Ok(())
     }
@@ -140,10 +111,10 @@ impl Store {
             epoch: lease.map_or(0, |l| l.epoch),
             record: batch.clone(),
         };
-        m.put_bytes(&batch_key(id), json(&copy)).await?;
+        m.put_bytes(&layout::batch_copy(id), json(&copy)).await?;
         if batch.batch.status().is_terminal() {
             // An ended batch's cancel request means nothing any more.
-            m.delete(&cancel_key(id)).await?;
+            m.delete(&layout::cancel_copy(id)).await?;
         }
         Ok(())
     }
@@ -151,14 +122,15 @@ impl Store {
     pub(crate) async fn mirror_cancel(&self, id: &str) -> Result<(), StoreError> {
         if let Some(m) = &self.mirror {
             let at = crate::now_unix().to_string();
-            m.put_bytes(&cancel_key(id), Bytes::from(at)).await?;
+            m.put_bytes(&layout::cancel_copy(id), Bytes::from(at))
+                .await?;
         }
         Ok(())
     }
 
     pub(crate) async fn mirror_checkpoint(&self, id: &str, json: &str) -> Result<(), StoreError> {
         if let Some(m) = &self.mirror {
-            m.put_bytes(&checkpoint_key(id), Bytes::from(json.to_owned()))
+            m.put_bytes(&layout::checkpoint_copy(id), Bytes::from(json.to_owned()))
                 .await?;
         }
         Ok(())
@@ -166,7 +138,7 @@ impl Store {
 
     pub(crate) async fn forget_checkpoint_copy(&self, id: &str) -> Result<(), StoreError> {
         if let Some(m) = &self.mirror {
-            m.delete(&checkpoint_key(id)).await?;
+            m.delete(&layout::checkpoint_copy(id)).await?;
         }
         Ok(())
     }
@@ -232,7 +204,7 @@ impl Store {
             mirror: None,
             ..self.clone()
         };
-        for key in storage.list(&format!("{STATE_PREFIX}/files")).await? {
+        for key in storage.list(&layout::file_copies()).await? {
             let Some(bytes) = read_opt(storage, &key).await? else {
                 continue;
             };
@@ -248,7 +220,7 @@ impl Store {
             plain.put_file(&file).await?;
             report.files += 1;
         }
-        for key in storage.list(&format!("{STATE_PREFIX}/batches")).await? {
+        for key in storage.list(&layout::batch_copies()).await? {
             let Some(bytes) = read_opt(storage, &key).await? else {
                 continue;
             };
@@ -257,7 +229,7 @@ impl Store {
                 report.unreadable += 1;
                 continue;
             };
-            self.restore_batch(storage, id_of(&key), copy, &mut report)
+            self.restore_batch(storage, layout::id_of_copy(&key), copy, &mut report)
                 .await?;
         }
         tracing::info!(?report, "rebuilt the service's state from storage");
@@ -282,8 +254,8 @@ impl Store {
         let (cancel, checkpoint) = if terminal {
             (None, None)
         } else {
-            let cancel = read_opt(storage, &cancel_key(id)).await?;
-            let checkpoint = read_opt(storage, &checkpoint_key(id)).await?;
+            let cancel = read_opt(storage, &layout::cancel_copy(id)).await?;
+            let checkpoint = read_opt(storage, &layout::checkpoint_copy(id)).await?;
             (cancel, checkpoint)
         };
         let cancel = cancel.map(|c| String::from_utf8_lossy(&c).into_owned());
