@@ -4,11 +4,12 @@
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use batch_state::{now_unix, FileObject, FineCounts, JobLease, StoredBatch, StoredFile, Usage};
+use batch_state::{now_unix, FileObject, FineCounts, StoredBatch, StoredFile, Usage};
+use batch_storage::Storage;
 use batch_wire::{error_codes, Batch, BatchStatus};
 use serde::Deserialize;
 
-use crate::runner::{merge, RunError, Runner};
+use crate::runner::fence::{Fence, RunError};
 
 /// What a pass over the result files found.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -136,12 +137,14 @@ pub(crate) fn result_file_id(batch_id: &str, kind: &str) -> String {
     format!("file-{suffix}-{kind}")
 }
 
+/// Uploads the result files of the job in `dir` to `storage`, records them, and saves `record`
+/// with the batch's final status, every write under `fence`.
 pub(crate) async fn finish(
-    runner: &Runner,
+    fence: &Fence<'_>,
+    storage: &Storage,
     record: &mut StoredBatch,
     batch: &Batch,
     dir: &Path,
-    lease: &JobLease,
 ) -> Result<(), RunError> {
     let out = dir.join("out");
     let id = record.batch.batch.id.clone();
@@ -160,7 +163,7 @@ pub(crate) async fn finish(
         {
             b.set_status(BatchStatus::Finalizing, now_unix());
         }
-        runner.save(record, lease).await?;
+        fence.save(record).await?;
     }
     let expires_at = record
         .output_expires_after
@@ -176,8 +179,8 @@ pub(crate) async fn finish(
         let file_id = result_file_id(&id, kind);
         let local: PathBuf = out.join(file);
         // Per epoch: a fenced replica's late upload lands beside the holder's, never on it.
-        let key = batch_state::layout::result(&id, lease.epoch, file);
-        let bytes = runner.storage.put_file(&key, &local).await?;
+        let key = batch_state::layout::result(&id, fence.lease.epoch, file);
+        let bytes = storage.put_file(&key, &local).await?;
         let stored = StoredFile {
             tenant: record.tenant.clone(),
             file: FileObject {
@@ -197,12 +200,12 @@ pub(crate) async fn finish(
             },
             key: Some(key.clone()),
         };
-        runner
-            .retry("recording a result file", || runner.store.put_file(&stored))
+        fence
+            .retry("recording a result file", || fence.store.put_file(&stored))
             .await?;
         *slot = Some(file_id);
     }
-    merge(record, batch);
+    record.merge(batch);
     let [output, errors] = ids;
     let b = &mut record.batch.batch;
     b.output_file_id = output;
@@ -219,7 +222,7 @@ pub(crate) async fn finish(
         expired: scanned.expired,
     };
     // Its storage copy (`layout::batch_copy`) is written by the save itself.
-    runner.save(record, lease).await?;
+    fence.save(record).await?;
     tracing::info!(job = %id, status = record.batch.status().as_str(), "batch finished");
     Ok(())
 }

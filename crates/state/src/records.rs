@@ -152,6 +152,28 @@ pub struct StoredBatch {
     pub headers: std::collections::BTreeMap<String, String>,
 }
 
+impl StoredBatch {
+    /// Copies what the executor knows of the job into the record (which keeps the service's
+    /// own fields: the input file id, window, metadata).
+    pub fn merge(&mut self, batch: &Batch) {
+        let b = &mut self.batch.batch;
+        b.status = batch.status;
+        b.errors = batch.errors.clone();
+        b.request_counts = batch.request_counts;
+        if b.endpoint.is_none() {
+            b.endpoint = batch.endpoint.clone();
+        }
+        b.in_progress_at = b.in_progress_at.or(batch.in_progress_at);
+        b.finalizing_at = b.finalizing_at.or(batch.finalizing_at);
+        b.completed_at = batch.completed_at;
+        b.failed_at = batch.failed_at;
+        b.expired_at = batch.expired_at;
+        b.cancelling_at = b.cancelling_at.or(batch.cancelling_at);
+        b.cancelled_at = batch.cancelled_at;
+        self.batch.running_counts();
+    }
+}
+
 /// One page of a listing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Page<T> {

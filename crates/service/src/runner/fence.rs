@@ -1,0 +1,117 @@
+//! Fencing: every write for a job holds only while the job's lease does. A write refused by
+//! its fence is made once more if the lease had only lapsed (nobody took the job) and is held
+//! again; otherwise another replica runs the job now and this one stops writing for it.
+
+use std::time::Duration;
+
+use batch_state::{JobLease, Store, StoreError, StoredBatch};
+use batch_storage::StorageError;
+use tokio_util::sync::CancellationToken;
+
+/// What went wrong with one job's bookkeeping (the job itself fails through the executor).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RunError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    #[error("{0}")]
+    Other(String),
+    #[error("stopped")]
+    Stopped,
+    /// Another replica holds the job now.
+    #[error("the job's lease was lost to another replica")]
+    Fenced,
+}
+
+/// Runs `op` until it succeeds, fails for good, or `stop` fires.
+pub(crate) async fn retry<T, F, Fut>(
+    stop: &CancellationToken,
+    what: &str,
+    mut op: F,
+) -> Result<T, RunError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut backoff = Duration::from_millis(100);
+    let mut warned = false;
+    loop {
+        match op().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_transient() => {
+                if !warned {
+                    tracing::warn!(operation = what, error = %e, "Redis is not answering; waiting for it");
+                    warned = true;
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return Err(RunError::Stopped),
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// The writes for one job under its lease: all that finishing a batch needs of the runner.
+pub(crate) struct Fence<'a> {
+    pub(crate) store: &'a Store,
+    pub(crate) lease: &'a JobLease,
+    /// The lease time a lapsed lease is held again for.
+    pub(crate) ttl: Duration,
+    /// Fired on shutdown: retries give up.
+    pub(crate) stop: &'a CancellationToken,
+}
+
+impl Fence<'_> {
+    /// Runs `op` until it succeeds, fails for good, or the service stops.
+    pub(crate) async fn retry<T, F, Fut>(&self, what: &str, op: F) -> Result<T, RunError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        retry(self.stop, what, op).await
+    }
+
+    /// A write for the job was refused: true when the lease had only lapsed and is held
+    /// again, so the write may be made again.
+    pub(crate) async fn regain(&self) -> Result<bool, RunError> {
+        let held = self
+            .retry("renewing a lease", || self.store.hold(self.lease, self.ttl))
+            .await?;
+        if held {
+            log_regained(self.lease);
+        }
+        Ok(held)
+    }
+
+    /// Makes a write that holds only under the lease (`op` says whether it was made), once more
+    /// if the lease had only lapsed; [`RunError::Fenced`] when another replica holds the job.
+    pub(crate) async fn write<F, Fut>(&self, what: &str, mut op: F) -> Result<(), RunError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool, StoreError>>,
+    {
+        if self.retry(what, &mut op).await? {
+            return Ok(());
+        }
+        if self.regain().await? && self.retry(what, &mut op).await? {
+            return Ok(());
+        }
+        Err(RunError::Fenced)
+    }
+
+    /// Saves `record` as the holder of the lease; [`RunError::Fenced`] when it no longer is.
+    pub(crate) async fn save(&self, record: &StoredBatch) -> Result<(), RunError> {
+        self.write("saving a batch", || {
+            self.store.save_batch(record, Some(self.lease))
+        })
+        .await
+    }
+}
+
+pub(crate) fn log_regained(lease: &JobLease) {
+    tracing::warn!(job = %lease.job, epoch = lease.epoch, "the job's lease lapsed (this replica was frozen or cut off) but nobody took the job; holding it again");
+}

@@ -1,0 +1,214 @@
+//! A job's lifecycle: from its record and input to the executor, then to its end (finished,
+//! failed before it started, or paused by a shutdown or a lost lease).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use batch_executor::{JobSpec, Prepared};
+use batch_state::{layout, now_unix, JobLease, StoredBatch};
+use batch_storage::StorageError;
+use batch_wire::{Batch, BatchError, BatchErrors, BatchStatus};
+use tokio_util::sync::CancellationToken;
+
+use super::checkpoints::write_epoch;
+use super::{RunError, Runner};
+use crate::finalize;
+
+impl Runner {
+    pub(super) async fn run_job(
+        self: &Arc<Self>,
+        lease: &JobLease,
+        adopted: bool,
+        fenced: &CancellationToken,
+    ) -> Result<(), RunError> {
+        let id = lease.job.as_str();
+        let Some(mut record) = self
+            .retry("reading a batch", || self.store.batch(id))
+            .await?
+        else {
+            tracing::warn!(job = %id, "a claimed batch has no record; dropping it");
+            return self
+                .retry("forgetting a job", || self.store.forget_running(id))
+                .await;
+        };
+        let dir = self.job_dir(id);
+        if record.batch.status().is_terminal() {
+            return self.end(lease, &dir).await;
+        }
+        if adopted {
+            self.restore(lease, &dir).await?;
+        }
+        write_epoch(&dir, lease.epoch)
+            .map_err(|e| RunError::Other(format!("{}: {e}", dir.display())))?;
+        let input = dir.join("input.jsonl");
+        if !input.exists() {
+            let key = layout::upload(&record.batch.batch.input_file_id);
+            match self.storage.download(&key, &input).await {
+                Ok(_) => {}
+                Err(StorageError::NotFound(_)) => {
+                    let message = format!(
+                        "The input file {} was deleted before the batch started.",
+                        record.batch.batch.input_file_id
+                    );
+                    return self
+                        .fail_unstarted(&mut record, lease, "invalid_file", &message)
+                        .await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let spec = JobSpec {
+            input: input.clone(),
+            output_dir: dir.join("out"),
+            job_id: Some(id.to_owned()),
+            completion_window: Duration::from_secs(record.window_secs),
+            // The pass-through headers of its create request, on every request of the batch.
+            headers: record.headers.clone(),
+            created_at: Some(record.batch.batch.created_at),
+            endpoint: record.batch.batch.endpoint.clone(),
+        };
+        let cancel = CancellationToken::new();
+        if self
+            .retry("reading a cancel", || self.store.cancel_requested(id))
+            .await?
+        {
+            cancel.cancel();
+        }
+        let prepared = match self.executor.prepare(&spec).await {
+            Ok(p) => p,
+            // An earlier run of the job here (fenced when Redis lost the state) still winds
+            // down: not a failure of the batch; it is taken again once that run let go.
+            Err(batch_executor::ExecError::Locked { .. }) => {
+                tracing::info!(job = %id, "an earlier run of the job here still winds down; taking it again later");
+                self.forget_active(lease);
+                return self
+                    .retry("letting go of a lease", || self.store.release_lease(lease))
+                    .await;
+            }
+            Err(e) => {
+                let message = format!("The batch could not be started: {e}");
+                return self
+                    .fail_unstarted(&mut record, lease, "batch_failed", &message)
+                    .await;
+            }
+        };
+        let batch = match prepared {
+            Prepared::Finished(batch) => *batch,
+            Prepared::Ready(job) => {
+                let mut models = job.models();
+                if let (Some(model), None) = (models.next(), models.next()) {
+                    record.batch.model = Some(model.to_owned());
+                }
+                let done = CancellationToken::new();
+                let watcher = tokio::spawn(self.clone().watch(
+                    job.clone(),
+                    record.clone(),
+                    lease.clone(),
+                    cancel.clone(),
+                    fenced.clone(),
+                    done.clone(),
+                ));
+                let result = self
+                    .executor
+                    .execute_until(job.clone(), cancel.clone(), fenced.clone())
+                    .await;
+                // Its last save must land before the final one.
+                done.cancel();
+                let _ = watcher.await;
+                match result {
+                    Ok(batch) if !batch.status.is_terminal() => {
+                        return self.paused(&job, &mut record, &batch, lease).await;
+                    }
+                    Ok(batch) => batch,
+                    Err(e) => {
+                        let message = format!("The batch failed: {e}");
+                        return self
+                            .fail_unstarted(&mut record, lease, "batch_failed", &message)
+                            .await;
+                    }
+                }
+            }
+        };
+        finalize::finish(
+            &self.fencing(lease),
+            &self.storage,
+            &mut record,
+            &batch,
+            &dir,
+        )
+        .await?;
+        self.end(lease, &dir).await
+    }
+
+    /// A job stopped before its end: by a shutdown (its state goes to storage and its lease is
+    /// let go, so another replica may go on at once) or by a lost lease (nothing more is written).
+    async fn paused(
+        &self,
+        job: &Arc<batch_executor::Job>,
+        record: &mut StoredBatch,
+        batch: &Batch,
+        lease: &JobLease,
+    ) -> Result<(), RunError> {
+        record.merge(batch);
+        self.fencing(lease).save(record).await?;
+        if let Err(e) = self.checkpoint(job, lease).await {
+            tracing::warn!(job = %lease.job, error = %e, "no checkpoint at shutdown; the next holder redoes more");
+        }
+        // Out of the heartbeat's list first: a renewal racing this release must not take the
+        // lease back (see `regained`).
+        self.forget_active(lease);
+        self.retry("letting go of a lease", || self.store.release_lease(lease))
+            .await?;
+        Ok(())
+    }
+
+    /// The job ended (or was found ended): it is nobody's any more; its local and checkpoint
+    /// files go.
+    async fn end(&self, lease: &JobLease, dir: &Path) -> Result<(), RunError> {
+        let id = lease.job.as_str();
+        // Out of the heartbeat's list first: the released lease is not a lost one.
+        self.forget_active(lease);
+        self.fencing(lease)
+            .write("releasing a job", || self.store.release(lease))
+            .await?;
+        self.retry("forgetting a checkpoint", || {
+            self.store.forget_checkpoint(id)
+        })
+        .await?;
+        if let Err(e) = self.storage.delete_prefix(&layout::checkpoints(id)).await {
+            tracing::warn!(job = %id, error = %e, "could not delete a finished job's checkpoints");
+        }
+        for d in [dir.to_path_buf(), self.config.work_dir.join(id)] {
+            if let Err(e) = tokio::fs::remove_dir_all(&d).await {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(job = %id, dir = %d.display(), error = %e, "could not remove a finished job's files");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a batch that never reached the executor (its input is gone, its files cannot be
+    /// set up) as `failed`.
+    async fn fail_unstarted(
+        &self,
+        record: &mut StoredBatch,
+        lease: &JobLease,
+        code: &str,
+        message: &str,
+    ) -> Result<(), RunError> {
+        tracing::warn!(job = %record.batch.batch.id, message, "batch failed");
+        let b = &mut record.batch.batch;
+        b.errors = Some(BatchErrors::new(vec![BatchError {
+            code: code.to_owned(),
+            message: message.to_owned(),
+            param: None,
+            line: None,
+        }]));
+        b.set_status(BatchStatus::Failed, now_unix());
+        self.fencing(lease).save(record).await?;
+        let dir = self.job_dir(&lease.job);
+        self.end(lease, &dir).await
+    }
+}

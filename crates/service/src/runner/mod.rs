@@ -1,0 +1,125 @@
+//! Runs the service's jobs: takes queued batches by deadline while it has a free slot (up to
+//! `max_active_jobs`), each under a lease renewed by a heartbeat; takes over the jobs of
+//! replicas whose leases lapsed; checkpoints running jobs to storage; uploads their result files
+//! at the end. Every write for a job is fenced by its lease epoch.
+//!
+//! One module per concern: [`schedule`] (which jobs to take), [`leases`] (the heartbeat, lost
+//! and lapsed leases), [`fence`] (writes that hold only under a lease; all that
+//! [`crate::finalize`] is given), [`lifecycle`] (a job from start to end), [`checkpoints`] and
+//! [`watcher`].
+
+mod checkpoints;
+pub(crate) mod fence;
+mod leases;
+mod lifecycle;
+mod schedule;
+mod watcher;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use batch_executor::Executor;
+use batch_state::{JobLease, Store, StoreError};
+use batch_storage::Storage;
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::recover::StateGuard;
+pub(crate) use fence::RunError;
+
+/// How often an idle runner looks at the queue (a batch created here wakes it at once).
+const POLL_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How the runner is set up.
+#[derive(Debug, Clone)]
+pub(crate) struct RunnerConfig {
+    pub replica: String,
+    pub work_dir: PathBuf,
+    pub max_active_jobs: usize,
+    pub lease_ttl: Duration,
+    pub checkpoint_interval: Duration,
+    /// `serve.tenant_max_running_batches`: a tenant running this many jobs yields a free slot
+    /// to another tenant's queued batch.
+    pub tenant_share: usize,
+}
+
+/// A job this replica runs now.
+struct Active {
+    dir: PathBuf,
+    lease: JobLease,
+    /// Fired when the lease is lost: the job stops writing at once.
+    fenced: CancellationToken,
+    /// How many losses of Redis's state were noticed when it started here.
+    losses: u64,
+}
+
+/// The part of the service that runs jobs.
+pub(crate) struct Runner {
+    pub(crate) store: Store,
+    pub(crate) storage: Storage,
+    pub(crate) executor: Arc<Executor>,
+    pub(crate) config: RunnerConfig,
+    slots: Arc<Semaphore>,
+    pub(crate) wake: Notify,
+    /// Fired on shutdown: stop taking jobs (the executor's pause stops the running ones).
+    pub(crate) stop: CancellationToken,
+    active: Mutex<HashMap<String, Active>>,
+    /// Held while this replica looks for jobs to take over and adopts one: the take-over task
+    /// and a freed slot look at once, and the adoption script lets a replica take again a job
+    /// it holds itself, so two unguarded looks adopted one job twice.
+    adopting: tokio::sync::Mutex<()>,
+    pub(crate) tasks: TaskTracker,
+    /// Whether Redis lost the service's state.
+    state: Arc<StateGuard>,
+}
+
+impl Runner {
+    pub(crate) fn new(
+        state: Arc<StateGuard>,
+        store: Store,
+        storage: Storage,
+        executor: Arc<Executor>,
+        config: RunnerConfig,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            storage,
+            executor,
+            slots: Arc::new(Semaphore::new(config.max_active_jobs)),
+            config,
+            wake: Notify::new(),
+            stop: CancellationToken::new(),
+            active: Mutex::new(HashMap::new()),
+            adopting: tokio::sync::Mutex::new(()),
+            tasks: TaskTracker::new(),
+            state,
+        })
+    }
+
+    fn job_dir(&self, id: &str) -> PathBuf {
+        self.config.work_dir.join("serve").join(id)
+    }
+
+    /// Where the running job `id` writes `file` (`output.jsonl`, `error.jsonl`), when it runs here.
+    pub(crate) fn local_file(&self, id: &str, file: &str) -> Option<PathBuf> {
+        let active = self.active.lock().expect("active lock");
+        active.get(id).map(|a| a.dir.join("out").join(file))
+    }
+
+    /// How many jobs run here now.
+    pub(crate) fn active_jobs(&self) -> usize {
+        self.active.lock().expect("active lock").len()
+    }
+
+    /// Runs `op` until it succeeds, fails for good, or the service stops.
+    pub(crate) async fn retry<T, F, Fut>(&self, what: &str, op: F) -> Result<T, RunError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        fence::retry(&self.stop, what, op).await
+    }
+}
