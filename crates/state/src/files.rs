@@ -40,14 +40,7 @@ impl Store {
         quota: &FileQuota,
     ) -> Result<Result<(), QuotaExceeded>, StoreError> {
         let id = &file.file.id;
-        let keys = vec![
-            self.key(&["file", id]),
-            self.key(&["files", &file.tenant]),
-            self.key(&["files", &file.tenant, &file.file.purpose]),
-            self.key(&["expiry"]),
-            self.key(&["usage_bytes"]),
-            self.key(&["usage_files"]),
-        ];
+        let keys = self.file_keys(file);
         let expires = file
             .file
             .expires_at
@@ -103,14 +96,7 @@ impl Store {
     /// Deletes a file's record and listings; false when there was none.
     pub async fn delete_file(&self, file: &StoredFile) -> Result<bool, StoreError> {
         let id = &file.file.id;
-        let keys = vec![
-            self.key(&["file", id]),
-            self.key(&["files", &file.tenant]),
-            self.key(&["files", &file.tenant, &file.file.purpose]),
-            self.key(&["expiry"]),
-            self.key(&["usage_bytes"]),
-            self.key(&["usage_files"]),
-        ];
+        let keys = self.file_keys(file);
         let n: i64 = DELETE_FILE
             .evalsha_with_reload(&self.client, keys, vec![id.clone(), file.tenant.clone()])
             .await?;
@@ -165,5 +151,18 @@ impl Store {
             )
             .await?;
         Ok(())
+    }
+
+    /// The KEYS of the scripts that store and delete `file`'s record: the record, the tenant's
+    /// listings, expiry and usage counts.
+    fn file_keys(&self, file: &StoredFile) -> Vec<String> {
+        vec![
+            self.key(&["file", &file.file.id]),
+            self.key(&["files", &file.tenant]),
+            self.key(&["files", &file.tenant, &file.file.purpose]),
+            self.key(&["expiry"]),
+            self.key(&["usage_bytes"]),
+            self.key(&["usage_files"]),
+        ]
     }
 }
