@@ -375,6 +375,10 @@ pub fn router(api: Api) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi))
+        .route_layer(axum::middleware::from_fn_with_state(
+            api.clone(),
+            redis_gate,
+        ))
         .route_layer(axum::middleware::from_fn(count))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -399,6 +403,22 @@ async fn openapi() -> Response {
         .into_response()
 }
 
+/// While the state store has no connection, a `/v1/` request is a 503 at once (the SDKs retry
+/// it) instead of waiting out the reconnection and then failing the same way.
+async fn redis_gate(State(api): State<Api>, request: Request, next: Next) -> Response {
+    if request.uri().path().starts_with("/v1/") && !api.store.is_connected() {
+        let mut response =
+            ApiError::unavailable("The service's state store is not connected; retry shortly.")
+                .into_response();
+        response.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from_static("1"),
+        );
+        return response;
+    }
+    next.run(request).await
+}
+
 async fn health() -> &'static str {
     "ok\n"
 }
@@ -407,7 +427,12 @@ async fn ready(State(api): State<Api>) -> Response {
     if let Some(why) = api.hooks.not_ready() {
         return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
     }
-    let redis = api.store.ping().await;
+    // A probe gets its answer at once while Redis is not connected, not after a reconnection.
+    let redis = if api.store.is_connected() {
+        api.store.ping().await.map_err(|e| e.to_string())
+    } else {
+        Err("not connected".to_owned())
+    };
     let storage = api.storage.check().await;
     match (redis, storage) {
         (Ok(()), Ok(())) => (StatusCode::OK, "ready\n").into_response(),

@@ -76,6 +76,9 @@ pub enum ServiceError {
     },
 }
 
+/// How long a `/metrics` scrape waits for Redis's job counts (Prometheus times out at 10 s).
+const SCRAPE_REDIS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Choices of the embedder beyond the config.
 #[derive(Debug, Clone, Default)]
 pub struct ServiceOptions {
@@ -346,16 +349,26 @@ impl Hooks for ServiceHooks {
 
     fn render_metrics(&self) -> BoxFuture<'_, String> {
         Box::pin(async move {
-            match self.store.status_counts().await {
-                Ok(counts) => {
-                    for (status, n) in counts {
-                        metrics::gauge!("batch_service_jobs", "status" => status).set(n as f64);
+            // A scrape does not wait out a reconnection: the gauges keep their last values.
+            if self.store.is_connected() {
+                let read = async { (self.store.status_counts().await, self.store.queued().await) };
+                match tokio::time::timeout(SCRAPE_REDIS_TIMEOUT, read).await {
+                    Ok((counts, queued)) => {
+                        match counts {
+                            Ok(counts) => {
+                                for (status, n) in counts {
+                                    metrics::gauge!("batch_service_jobs", "status" => status)
+                                        .set(n as f64);
+                                }
+                            }
+                            Err(e) => tracing::debug!(error = %e, "no job counts for /metrics"),
+                        }
+                        if let Ok(n) = queued {
+                            metrics::gauge!("batch_service_queued_jobs").set(n as f64);
+                        }
                     }
+                    Err(_) => tracing::debug!("no job counts for /metrics: Redis is slow"),
                 }
-                Err(e) => tracing::debug!(error = %e, "no job counts for /metrics"),
-            }
-            if let Ok(n) = self.store.queued().await {
-                metrics::gauge!("batch_service_queued_jobs").set(n as f64);
             }
             metrics::gauge!("batch_service_active_jobs").set(self.runner.active_jobs() as f64);
             self.metrics

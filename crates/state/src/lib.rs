@@ -167,6 +167,13 @@ impl Store {
         key
     }
 
+    /// Whether the client holds a connection to Redis now. False from the moment a connection
+    /// drops until it is made again: callers that should not wait out a reconnection (an API
+    /// request, a scrape) answer at once instead.
+    pub fn is_connected(&self) -> bool {
+        fred::interfaces::ClientLike::is_connected(&self.client)
+    }
+
     /// Whether Redis answers.
     pub async fn ping(&self) -> Result<(), StoreError> {
         let _: Value = self.client.ping(None).await?;
