@@ -67,7 +67,7 @@ where
                 Ok(t) => batch.push(t),
                 Err(e) => return send(Err(e)),
             }
-            if batch.len() == chunk && !send(Ok(std::mem::replace(&mut batch, Vec::new()))) {
+            if batch.len() == chunk && !send(Ok(std::mem::take(&mut batch))) {
                 return false;
             }
         }
