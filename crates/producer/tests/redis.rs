@@ -176,25 +176,33 @@ async fn a_stream_of_lines_is_enqueued_whole_and_its_source_error_comes_back() {
     }
 }
 
+/// Lines `0..n` of two jobs, `mine` and another, in the request set.
+async fn two_jobs(producer: &Producer, mine: &str, n: u64) -> JobMessages {
+    let (mine, other) = (job(mine), job("batch_other"));
+    for j in [&mine, &other] {
+        producer
+            .enqueue_requests(j, requests(j, 0..n))
+            .await
+            .unwrap();
+    }
+    mine
+}
+
+/// Line `i` of `job` as the dispatcher puts it into its retry set: re-serialised.
+fn retried(redis: &RedisServer, job: &JobMessages, i: u64) {
+    let mut member: serde_json::Value =
+        serde_json::from_str(&job.member(i, &line(i)).unwrap()).unwrap();
+    member["retry_count"] = 1.into();
+    redis.command(&["ZADD", "retry-sortedset", "1", &member.to_string()]);
+}
+
 #[tokio::test]
 async fn held_lines_are_found_by_id_wherever_the_dispatcher_keeps_them() {
     let redis = RedisServer::start();
     let producer = producer(&redis, 50).await;
-    let mine = job("batch h/1");
-    let other = job("batch_other");
-    producer
-        .enqueue_requests(&mine, requests(&mine, 0..3))
-        .await
-        .unwrap();
-    producer
-        .enqueue_requests(&other, requests(&other, 0..3))
-        .await
-        .unwrap();
+    let mine = two_jobs(&producer, "batch h/1", 3).await;
     // Line 3 re-written by the dispatcher into its retry set; line 4 claimed (v0.10).
-    let mut retried: serde_json::Value =
-        serde_json::from_str(&mine.member(3, &line(3)).unwrap()).unwrap();
-    retried["retry_count"] = 1.into();
-    redis.command(&["ZADD", "retry-sortedset", "1", &retried.to_string()]);
+    retried(&redis, &mine, 3);
     let claimed = batch_queue_names::claimed_key(&mine.request_queue);
     let field = format!("{}\0tok", batch_wire::request_id(&mine.job_id, 4));
     redis.command(&["HSET", &claimed, &field, "x"]);
@@ -212,31 +220,13 @@ async fn held_lines_are_found_by_id_wherever_the_dispatcher_keeps_them() {
 async fn withdraw_removes_a_jobs_members_in_any_bytes_and_marks_the_taken() {
     let redis = RedisServer::start();
     let producer = producer(&redis, 4).await;
-    let mine = job("batch_w");
-    let other = job("batch_x");
-    producer
-        .enqueue_requests(&mine, requests(&mine, 0..10))
-        .await
-        .unwrap();
-    producer
-        .enqueue_requests(&other, requests(&other, 0..10))
-        .await
-        .unwrap();
+    let mine = two_jobs(&producer, "batch_w", 10).await;
     // The dispatcher took line 0 and put line 1 back re-serialised, in the retry set.
-    redis.command(&[
-        "ZREM",
-        &mine.request_queue,
-        &mine.member(0, &line(0)).unwrap(),
-    ]);
-    redis.command(&[
-        "ZREM",
-        &mine.request_queue,
-        &mine.member(1, &line(1)).unwrap(),
-    ]);
-    let mut rewritten: serde_json::Value =
-        serde_json::from_str(&mine.member(1, &line(1)).unwrap()).unwrap();
-    rewritten["retry_count"] = 1.into();
-    redis.command(&["ZADD", "retry-sortedset", "1", &rewritten.to_string()]);
+    for i in [0, 1] {
+        let member = mine.member(i, &line(i)).unwrap();
+        redis.command(&["ZREM", &mine.request_queue, &member]);
+    }
+    retried(&redis, &mine, 1);
     let lines: Vec<Result<(u64, Vec<u8>), String>> = (2..10).map(|i| Ok((i, line(i)))).collect();
     let report = producer
         .withdraw(&mine, lines, "retry-sortedset")
