@@ -705,3 +705,73 @@ async fn a_redis_that_may_evict_keys_is_refused_unless_the_config_accepts_it() {
     );
     sim.shutdown().await;
 }
+
+/// `processor run` on a Redis restarted empty mid-job (no persistence): the result list's lease,
+/// the job's entry in the list's registry and every queued request are gone. The reader takes
+/// its lease again, the job registers again, the lost lines are sent again, and the job
+/// completes before its deadline with each line once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_restarted_empty_mid_job_loses_no_line() {
+    let mut env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(100),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
+    let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 2s\n");
+    // A few requests at a time in the dispatcher's hands: most wait in Redis, and go with it.
+    let sim = env
+        .dispatcher(&["pool-a"], |c| {
+            c.batch_size = 4;
+            c.concurrency = 4;
+        })
+        .await;
+    let out = env.path("out");
+    let log = env.path("run.log");
+    let mut child = Child(
+        run_cmd(&config, &env.path("in.jsonl"), &out)
+            .arg("--completion-window")
+            .arg("2m")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let list = "llm-d-async:results:pool-a:$batch";
+    let lease = format!("{{{list}}}:lease");
+    let registry = format!("{{{list}}}:jobs");
+    eventually("60 results", Duration::from_secs(60), || {
+        lines_in(&out.join("output.jsonl")) >= 60
+    })
+    .await;
+    assert_eq!(env.redis.command(&["HLEN", &registry]), ":1");
+    env.redis.restart();
+    let started = Instant::now();
+    assert_eq!(env.redis.command(&["DBSIZE"]), ":0", "restarted with data");
+    eventually("the lease taken again", Duration::from_secs(30), || {
+        env.redis.command(&["EXISTS", &lease]) == ":1"
+    })
+    .await;
+    eventually("the job registered again", Duration::from_secs(30), || {
+        env.redis.command(&["HLEN", &registry]) == ":1"
+    })
+    .await;
+    let status = wait_exit(&mut child.0, Duration::from_secs(110));
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "{stderr}");
+    eprintln!("finished {:?} after the restart", started.elapsed());
+    assert_eq!(batch_json(&out)["status"], "completed", "{stderr}");
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    assert_eq!(
+        results.output.len(),
+        lines.len(),
+        "{:?}",
+        results.error_codes()
+    );
+    assert!(
+        stderr.contains("enqueued again"),
+        "no lost line was sent again: {stderr}"
+    );
+    sim.shutdown().await;
+}

@@ -120,12 +120,15 @@ end
 return {0, v}
 "#;
 
-// KEYS[1] = lease; ARGV[1] = me, ARGV[2] = ttl ms. 1 when renewed, 0 when lost.
+// KEYS[1] = lease; ARGV[1] = me, ARGV[2] = ttl ms. 1 when renewed, 0 when another holds it,
+// -1 when the key is gone.
 const RENEW_LUA: &str = r#"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
   return 1
 end
+if not v then return -1 end
 return 0
 "#;
 
@@ -248,8 +251,8 @@ impl Lease {
         &self.me
     }
 
-    /// Fires when the lease is lost (taken by another after it lapsed, or not renewable for a
-    /// whole TTL): stop reading.
+    /// Fires when the lease is lost (taken by another after it lapsed, gone from Redis, or not
+    /// renewable for a whole TTL): stop reading.
     pub fn lost(&self) -> &CancellationToken {
         &self.lost
     }
@@ -305,6 +308,16 @@ async fn renew(
         );
         match tokio::time::timeout(every, call).await {
             Ok(Ok(1)) => renewed = Instant::now(),
+            Ok(Ok(-1)) => {
+                // Not another holder: Redis lost the key (a restart without persistence, a
+                // flush, an eviction). The holder takes it again.
+                tracing::warn!(
+                    key,
+                    "the lease vanished from Redis (did it lose its data?); taking it again"
+                );
+                lost.cancel();
+                return;
+            }
             Ok(Ok(_)) => {
                 tracing::error!(key, "lost the lease to another process; stopping");
                 lost.cancel();

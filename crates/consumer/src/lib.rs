@@ -66,6 +66,7 @@
 //! ```
 
 mod lease;
+mod lists;
 mod scripts;
 mod stats;
 
@@ -84,6 +85,9 @@ use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio_util::sync::CancellationToken;
 
 pub use lease::{Acquired, Holder, Lease};
+pub use lists::{
+    claim_list, handed_from, register_job, unregister_job, waiting_lines, ListError, AUTO_LISTS,
+};
 pub use stats::ConsumerStats;
 
 /// A result with the job and line it belongs to.
@@ -240,6 +244,30 @@ impl ResultConsumer {
         }
     }
 
+    /// A consumer of what the reader of `list` parked for `job` (results that arrived there
+    /// while no process running the job read it). It polls: a parked list fills rarely.
+    pub fn parked(
+        client: Client,
+        list: &str,
+        job: &str,
+        handler: Arc<dyn ResultHandler>,
+        options: ConsumerOptions,
+    ) -> Self {
+        let options = ConsumerOptions {
+            blocking: false,
+            poll_timeout: Duration::from_secs(1),
+            routes: None,
+            ..options
+        };
+        Self::new(
+            client.clone(),
+            client,
+            ListKeys::parked(list, job),
+            handler,
+            options,
+        )
+    }
+
     /// Its counters, shared with the running task.
     pub fn stats(&self) -> Arc<ConsumerStats> {
         self.stats.clone()
@@ -276,7 +304,7 @@ impl ResultConsumer {
                     break;
                 }
                 Err(Halt::LeaseLost) => {
-                    tracing::warn!(results = %self.keys.list, "lost the lease on the result list; stopped reading it");
+                    tracing::warn!(results = %self.keys.list, "lost the lease on the result list; reading on once it is ours again");
                     drop(held);
                 }
                 Err(Halt::Error(e)) => {

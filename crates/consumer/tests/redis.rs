@@ -271,6 +271,40 @@ async fn survives_a_redis_restart() {
     handle.join().await;
 }
 
+/// A Redis restarted empty (or flushed) while a reader holds the list: its lease key is gone.
+/// The reader takes the lease again and reads what comes next.
+#[tokio::test]
+async fn a_reader_whose_lease_vanished_takes_it_again_and_reads_on() {
+    let mut redis = RedisServer::start();
+    let lease = "{llm-d-async:results:pool-a:$batch}:lease";
+    let handler = Recorder::for_jobs(&["job"]);
+    let (handle, shutdown) = start(&redis, handler.clone(), 10).await;
+    push(&redis, "job", 0..3);
+    until("first results", || handler.indexes().len() == 3).await;
+    let holder = redis.command(&["GET", lease]);
+    redis.restart();
+    assert_eq!(redis.command(&["EXISTS", lease]), ":0");
+    push(&redis, "job", 3..6);
+    until("results after the restart", || handler.indexes().len() == 6).await;
+    let again = redis.command(&["GET", lease]);
+    assert_eq!(
+        again.split(' ').take(4).collect::<Vec<_>>(),
+        holder.split(' ').take(4).collect::<Vec<_>>(),
+        "this process holds the lease again"
+    );
+    // Flushed under it while it blocks on an empty list: the same.
+    redis.command(&["FLUSHALL"]);
+    push(&redis, "job", 6..9);
+    until("results after the flush", || handler.indexes().len() == 9).await;
+    until("the lease taken again", || {
+        redis.command(&["EXISTS", lease]) == ":1"
+    })
+    .await;
+    assert_eq!(handler.indexes(), (0..9).collect::<Vec<_>>());
+    shutdown.cancel();
+    handle.join().await;
+}
+
 #[tokio::test]
 async fn stops_promptly_while_blocked() {
     let redis = RedisServer::start();

@@ -6,62 +6,48 @@
 //! first free list of `$batch`, `$batch-2`, ... A job records the list its requests name; whoever
 //! resumes it reads that list too (waiting for its lease), and meanwhile takes the job's results
 //! that the list's reader parked for it.
+//!
+//! This module decides what happens when. The Redis side of each step belongs to the producer
+//! (a job's requests streamed in, searched for, withdrawn) or to the consumer (lists, leases,
+//! registrations); [`readers`] keeps the process's readers of result lists.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+mod lost;
+mod readers;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use batch_config::ProcessorConfig;
-use batch_consumer::{Acquired, ConsumerHandle, ConsumerOptions, Lease, ResultConsumer};
-use batch_producer::{JobMessages, PendingMember, Producer, ProducerError, ProducerOptions};
-use batch_queue_names::{ListKeys, QueueNames, DEFAULT_CONSUMER_ID};
-use batch_redis::Retry;
-use batch_wire::Envelope;
+use batch_consumer::ConsumerOptions;
+use batch_plan::Record;
+use batch_producer::{JobMessages, Producer, ProducerOptions, Request};
 use fred::clients::Client;
-use fred::interfaces::{HashesInterface, KeysInterface};
 use futures::future::BoxFuture;
-use futures::stream::{FuturesUnordered, StreamExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::job::{End, Job};
 use crate::metrics as m;
-use crate::registry::Registry;
 use crate::stop::Stop;
 use crate::{blocking, wait_for_end, Dispatch, ExecError};
-
-/// How many lists named `<consumer_id>`, `<consumer_id>-2`, ... a process tries by itself.
-const AUTO_LISTS: usize = 64;
+use lost::Suspects;
+use readers::Readers;
 
 /// The real dispatcher's default `--request-timeout`: how long it may hold a request it sends.
 const DISPATCHER_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// How far apart the two looks of a resume are (at most half of `lost_request_timeout`).
-const RESUME_CONFIRM: Duration = Duration::from_secs(5);
-
 /// How often a running job looks whether its results were handed on from another list.
 const FOLLOW_EVERY: Duration = Duration::from_millis(500);
 
+/// How long one renewal of a running job's registrations may take: a Redis that is down must
+/// not hold up the job's loop.
+const REREGISTER_WITHIN: Duration = Duration::from_secs(1);
+
 pub(crate) struct AsyncMode {
     config: Arc<ProcessorConfig>,
-    names: QueueNames,
-    redis_url: String,
-    connect: batch_redis::ConnectOptions,
     client: Client,
     producer: Producer,
-    registry: Arc<Registry>,
-    /// This process's own result list, by pool.
-    own: tokio::sync::Mutex<HashMap<String, String>>,
-    /// Leases taken at start whose consumers start with the first job (so that the job is
-    /// known before its results are read).
-    idle: tokio::sync::Mutex<HashMap<String, Lease>>,
-    /// Consumers of whole result lists, by list.
-    consumers: tokio::sync::Mutex<HashMap<String, ConsumerHandle>>,
-    /// Consumers of jobs' parked lists, by job.
-    parked: Mutex<HashMap<String, Vec<(CancellationToken, ConsumerHandle)>>>,
-    /// Lists of each pool where the dispatcher was seen to put our requests' results, other
-    /// than the ones the requests name (a queue entry with its own `result_queue_name`).
-    dispatcher_lists: Mutex<HashMap<String, BTreeSet<String>>>,
-    shutdown: CancellationToken,
+    readers: Readers,
 }
 
 /// One model's share of a job, as the queues see it.
@@ -77,11 +63,30 @@ fn name_error(e: batch_queue_names::NameError) -> ExecError {
     ExecError::Config(e.to_string())
 }
 
-fn producer_error(e: ProducerError, stop: &Stop) -> Result<End, ExecError> {
-    match e {
-        ProducerError::Stopped => Ok(stop.end().unwrap_or(End::Paused)),
-        e => Err(e.into()),
+/// How a job stopped by `stop` ends, when `e` is only the stop showing through.
+fn stopped_or(e: ExecError, stop: &Stop) -> Result<End, ExecError> {
+    if e.is_stopped() {
+        Ok(stop.end().unwrap_or(End::Paused))
+    } else {
+        Err(e)
     }
+}
+
+/// The requests of `records` (with their plan positions) of one model's queue; their lines
+/// are read from the input as the producer takes them.
+fn requests(
+    job: &Arc<Job>,
+    q: &ModelQueue,
+    records: Vec<(u64, Record)>,
+) -> impl Iterator<Item = Result<Request, ExecError>> + Send + 'static {
+    let (job, msgs, first) = (job.clone(), q.messages.clone(), q.first_position);
+    records.into_iter().map(move |(pos, record)| {
+        Ok(Request {
+            index: record.line as u64,
+            score: msgs.score_at(first + pos),
+            line: job.read_line(&record)?,
+        })
+    })
 }
 
 impl AsyncMode {
@@ -118,26 +123,26 @@ impl AsyncMode {
                 ..ProducerOptions::default()
             },
         );
+        let options = ConsumerOptions {
+            batch: config.async_dispatch.result_batch,
+            poll_timeout: config.async_dispatch.result_poll_timeout,
+            linger: config.async_dispatch.result_linger,
+            ..ConsumerOptions::default()
+        };
+        let explicit = config.async_dispatch.consumer_id_set;
+        let readers = Readers::new(names, explicit, redis_url, connect, client.clone(), options);
         let mode = Self {
             config,
-            names,
-            redis_url,
-            connect,
             client,
             producer,
-            registry: Arc::default(),
-            own: Default::default(),
-            idle: Default::default(),
-            consumers: Default::default(),
-            parked: Default::default(),
-            dispatcher_lists: Default::default(),
-            shutdown: CancellationToken::new(),
+            readers,
         };
-        if mode.config.async_dispatch.consumer_id_set {
+        if explicit {
             // A list given by name is this process's or nothing: refuse to start without it.
             for pool in mode.config.pools().keys() {
-                if let Err(e) = mode.own_list(pool, &mode.shutdown.clone(), false).await {
-                    mode.shutdown().await;
+                let stop = CancellationToken::new();
+                if let Err(e) = mode.readers.own_list(pool, &stop, false).await {
+                    mode.readers.shutdown().await;
                     return Err(e);
                 }
             }
@@ -153,179 +158,8 @@ impl AsyncMode {
             .as_deref()
     }
 
-    fn consumer_options(&self) -> ConsumerOptions {
-        ConsumerOptions {
-            batch: self.config.async_dispatch.result_batch,
-            poll_timeout: self.config.async_dispatch.result_poll_timeout,
-            linger: self.config.async_dispatch.result_linger,
-            ..ConsumerOptions::default()
-        }
-    }
-
-    /// The pool's result routes: where each running job's requests ask for their results.
-    fn routes(&self, pool: &str) -> Result<String, ExecError> {
-        self.names.result_routes_name(pool).map_err(name_error)
-    }
-
-    /// The list the dispatcher's queue entries name when they name one: the seed's
-    /// `{prefix}:results:{pool}:$batch`.
-    fn base_list(&self, pool: &str) -> Result<String, ExecError> {
-        QueueNames::new(self.names.prefix(), DEFAULT_CONSUMER_ID)
-            .and_then(|n| n.result_queue_name(pool))
-            .map_err(name_error)
-    }
-
-    /// This process's result list for `pool`, taking its lease the first time; with `start`,
-    /// its consumer runs too.
-    async fn own_list(
-        &self,
-        pool: &str,
-        stop: &CancellationToken,
-        start: bool,
-    ) -> Result<String, ExecError> {
-        let mut own = self.own.lock().await;
-        if let Some(list) = own.get(pool) {
-            if start {
-                let idle = self.idle.lock().await.remove(list);
-                if let Some(lease) = idle {
-                    self.start_consumer(pool, list, Some(lease), stop).await?;
-                }
-            }
-            return Ok(list.clone());
-        }
-        let ttl = self.consumer_options().lease_ttl;
-        let base = self.names.consumer_id().to_owned();
-        let (list, lease) = if self.config.async_dispatch.consumer_id_set {
-            let list = self.names.result_queue_name(pool).map_err(name_error)?;
-            let keys = ListKeys::new(&list);
-            // A holder that stopped renewing (killed elsewhere) lapses within one TTL.
-            let wait = ttl + Duration::from_secs(1);
-            match Retry::new(format!("taking {}", keys.lease))
-                .run(stop, || {
-                    Lease::acquire_waiting(&self.client, &keys.lease, ttl, wait, stop)
-                })
-                .await
-                .map_err(|e| ExecError::Redis(e.to_string()))?
-            {
-                Ok(lease) => (list, lease),
-                Err(holder) => {
-                    let who = holder.map_or_else(|raw| raw, |h| h.to_string());
-                    return Err(ExecError::ListHeld(format!(
-                        "result list {list} is read by another live process ({who}); give each process its own async_dispatch.consumer_id, or leave it unset to have one picked"
-                    )));
-                }
-            }
-        } else {
-            let mut taken = None;
-            for n in 1..=AUTO_LISTS {
-                let id = if n == 1 {
-                    base.clone()
-                } else {
-                    format!("{base}-{n}")
-                };
-                let names = QueueNames::new(self.names.prefix(), id).map_err(name_error)?;
-                let list = names.result_queue_name(pool).map_err(name_error)?;
-                let keys = ListKeys::new(&list);
-                match Retry::new(format!("taking {}", keys.lease))
-                    .run(stop, || Lease::try_acquire(&self.client, &keys.lease, ttl))
-                    .await
-                    .map_err(|e| ExecError::Redis(e.to_string()))?
-                {
-                    Acquired::Taken(lease) => {
-                        taken = Some((list, lease));
-                        break;
-                    }
-                    Acquired::Held(_) => continue,
-                }
-            }
-            taken.ok_or_else(|| {
-                ExecError::ListHeld(format!(
-                    "all {AUTO_LISTS} result lists of pool {pool} ({base} to {base}-{AUTO_LISTS}) are read by other processes"
-                ))
-            })?
-        };
-        if list != self.names.result_queue_name(pool).map_err(name_error)? {
-            tracing::info!(pool, list = %list, "using a free result list: another process reads the first one");
-        }
-        if start {
-            self.start_consumer(pool, &list, Some(lease), stop).await?;
-            let base = self.base_list(pool)?;
-            if !self.config.async_dispatch.consumer_id_set && list != base {
-                // A dispatcher whose queue entry names the seed's list sends every result
-                // there: once its reader stops, this process reads it, so no result waits
-                // there unread while a job of this process runs.
-                self.start_consumer(pool, &base, None, stop).await?;
-            }
-        } else {
-            self.idle.lock().await.insert(list.clone(), lease);
-        }
-        own.insert(pool.to_owned(), list.clone());
-        Ok(list)
-    }
-
-    /// Starts a consumer of the whole list `list` of `pool` unless one runs; without `lease` it
-    /// waits for the list's lease first.
-    async fn start_consumer(
-        &self,
-        pool: &str,
-        list: &str,
-        lease: Option<Lease>,
-        stop: &CancellationToken,
-    ) -> Result<(), ExecError> {
-        let mut consumers = self.consumers.lock().await;
-        if consumers.contains_key(list) {
-            return Ok(());
-        }
-        // Its own connection: the blocking pop holds it. Redis being out waits, like any
-        // other outage.
-        let client = loop {
-            match batch_redis::connect(&self.redis_url, &self.connect).await {
-                Ok(client) => break client,
-                Err(e @ batch_redis::ConnectError::Unreachable { .. }) if !stop.is_cancelled() => {
-                    tracing::debug!(error = %e, "still cannot reach Redis for a result consumer");
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        let consumer = ResultConsumer::new(
-            client,
-            self.client.clone(),
-            ListKeys::new(list),
-            self.registry.clone(),
-            ConsumerOptions {
-                routes: Some(self.routes(pool)?),
-                standby: lease.is_none(),
-                ..self.consumer_options()
-            },
-        );
-        consumers.insert(
-            list.to_owned(),
-            consumer.spawn(lease, self.shutdown.child_token()),
-        );
-        Ok(())
-    }
-
-    /// Reads what the reader of `list` parked for `job`, until the job ends.
-    fn start_parked_consumer(&self, list: &str, job: &Job) {
-        let stop = self.shutdown.child_token();
-        let consumer = ResultConsumer::new(
-            self.client.clone(),
-            self.client.clone(),
-            ListKeys::parked(list, &job.id),
-            self.registry.clone(),
-            ConsumerOptions {
-                blocking: false,
-                poll_timeout: Duration::from_secs(1),
-                ..self.consumer_options()
-            },
-        );
-        let handle = consumer.spawn(None, stop.clone());
-        self.parked
-            .lock()
-            .expect("parked lock")
-            .entry(job.id.clone())
-            .or_default()
-            .push((stop, handle));
+    fn retry_queue(&self) -> &str {
+        &self.config.async_dispatch.retry_queue_name
     }
 
     /// The job's queues by model, for the models this replica can serve; the result list of
@@ -341,7 +175,7 @@ impl AsyncMode {
             let Some(pool) = self.pool_of(&model.model) else {
                 continue;
             };
-            let own = self.own_list(pool, stop, true).await?;
+            let own = self.readers.own_list(pool, stop, true).await?;
             let recorded = {
                 let (j, pool, own) = (job.clone(), pool.to_owned(), own.clone());
                 blocking(move || j.result_list(&pool, &own)).await?
@@ -358,7 +192,11 @@ impl AsyncMode {
                     job_id: job.id.clone(),
                     created: job.created_at(),
                     deadline: job.expires_at(),
-                    request_queue: self.names.request_queue_name(pool).map_err(name_error)?,
+                    request_queue: self
+                        .readers
+                        .names
+                        .request_queue_name(pool)
+                        .map_err(name_error)?,
                     result_queue: recorded,
                     headers,
                 },
@@ -396,36 +234,20 @@ impl AsyncMode {
             .map(|q| (q.messages.result_queue.clone(), q.pool.clone()))
             .collect();
         let producer = self.producer.with_stop(stop.halt.clone());
+        if let Err(e) = self.register_job(job, &lists, &setup).await {
+            return stopped_or(e, stop);
+        }
         for (list, pool) in &lists {
-            // Registered, its results are kept by whichever process reads the list, and
-            // handed on to it by the reader of any other list of the pool.
-            let keys = ListKeys::new(list);
-            let routes = self.routes(pool)?;
-            let route = batch_consumer::route_value(job.expires_at(), list);
-            let registered = Retry::new(format!("HSET {}", keys.jobs))
-                .run(&setup, || async {
-                    self.client
-                        .hset::<(), _, _>(&keys.jobs, (job.id.as_str(), job.expires_at()))
-                        .await?;
-                    self.client
-                        .hset::<(), _, _>(&routes, (job.id.as_str(), route.as_str()))
-                        .await
-                })
-                .await;
-            if let Err(e) = registered {
-                return match e {
-                    batch_redis::RetryError::Stopped => Ok(stop.end().unwrap_or(End::Paused)),
-                    e => Err(ExecError::Redis(e.to_string())),
-                };
-            }
-            let own = self.own.lock().await.values().any(|l| l == list);
+            let own = self.readers.is_own(list).await;
             if !own {
                 // Another process's list (the job started there): read it once it is free,
                 // and meanwhile what its reader parks for this job.
-                self.start_consumer(pool, list, None, &setup).await?;
+                self.readers
+                    .start_consumer(pool, list, None, &setup)
+                    .await?;
             }
             if job.resumed || !own {
-                self.start_parked_consumer(list, job);
+                self.readers.start_parked(list, job);
             }
         }
         if job.resumed {
@@ -433,15 +255,9 @@ impl AsyncMode {
             // put back below is only what has no result.
             // Not under the consumers' lock: a list whose reader is another live process is
             // not drained here for the whole wait, and other jobs start their consumers meanwhile.
-            let stats: Vec<_> = {
-                let consumers = self.consumers.lock().await;
-                lists
-                    .keys()
-                    .filter_map(|list| Some(consumers.get(list)?.stats().clone()))
-                    .collect()
-            };
-            let ttl = self.consumer_options().lease_ttl;
-            let wait = self.config.async_dispatch.result_poll_timeout + ttl * 2;
+            let stats = self.readers.stats_of(lists.keys()).await;
+            let wait =
+                self.config.async_dispatch.result_poll_timeout + self.readers.lease_ttl() * 2;
             for stats in stats {
                 tokio::select! {
                     _ = setup.cancelled() => return Ok(stop.end().unwrap_or(End::Paused)),
@@ -455,7 +271,7 @@ impl AsyncMode {
         let enqueued = if job.resumed && job.was_enqueued() {
             self.put_back_confirmed(job, &queues, &producer, stop).await
         } else if job.resumed {
-            self.put_back_missing(job, &queues, &producer, None)
+            self.put_back_missing(job, &queues, &producer, None, &stop.halt)
                 .await
                 .map(|(n, _)| n)
         } else {
@@ -467,8 +283,7 @@ impl AsyncMode {
         }
         let enqueued = match enqueued {
             Ok(n) => n,
-            Err(ExecError::Producer(e)) => return producer_error(e, stop),
-            Err(e) => return Err(e),
+            Err(e) => return stopped_or(e, stop),
         };
         tracing::info!(job = %job.id, enqueued, "requests enqueued");
         let lost_after = self.config.async_dispatch.lost_request_timeout;
@@ -480,31 +295,41 @@ impl AsyncMode {
         follow.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut progress = job.progress();
         job.touch();
-        // Lines found missing by a look, and since when: a v0.9 dispatcher holds what it is
-        // sending in no set at all, so a line is put back only once two looks, far enough
-        // apart within one quiet spell, both miss it.
-        let mut suspects: Option<HashMap<u32, std::time::Instant>> = None;
+        let mut suspects: Option<Suspects> = None;
         loop {
             let end = tokio::select! {
                 end = wait_for_end(&mut progress, stop) => end,
                 _ = checks.tick() => None,
                 _ = follow.tick() => {
-                    self.follow_handed_on(&lists, &stop.halt).await;
+                    self.readers.follow_handed_on(&lists, &stop.halt).await;
                     continue;
                 }
             };
             if let Some(end) = end {
                 return Ok(end);
             }
+            // Redis may have lost the registrations (restarted empty, flushed): write them
+            // again, so that another reader of the list keeps the job's results.
+            match tokio::time::timeout(
+                REREGISTER_WITHIN,
+                self.register_job(job, &lists, &stop.halt),
+            )
+            .await
+            {
+                Ok(Err(e)) if !e.is_stopped() && !e.is_transient() => return Err(e),
+                _ => {}
+            }
             if job.quiet_for() < lost_after || job.remaining() == 0 {
                 suspects = None;
                 continue;
             }
             // Nothing for a long time: put back what is neither answered nor anywhere in the
-            // dispatcher's hands (a dispatcher that crashed, or dropped it).
+            // dispatcher's hands (a dispatcher that crashed, or dropped it, or a Redis that
+            // lost it).
             let known = suspects.take().unwrap_or_default();
+            let confirm = Some((known, lost_after / 2));
             match self
-                .put_back_missing(job, &queues, &producer, Some((known, lost_after / 2)))
+                .put_back_missing(job, &queues, &producer, confirm, &stop.halt)
                 .await
             {
                 Ok((0, left)) => {
@@ -515,14 +340,32 @@ impl AsyncMode {
                     tracing::warn!(job = %job.id, requeued = n, "requests lost downstream were enqueued again");
                     suspects = Some(left);
                 }
-                Err(ExecError::Producer(e)) => return producer_error(e, stop),
-                Err(e) => return Err(e),
+                Err(e) => return stopped_or(e, stop),
             }
         }
     }
 
-    /// ZADDs the member of every unresolved line, reading and building members on a blocking
-    /// thread while earlier chunks are sent.
+    /// Registers the job with each list its requests name (list → pool): its results are
+    /// kept by whichever process reads the list, and handed on to it by the reader of any
+    /// other list of the pool.
+    async fn register_job(
+        &self,
+        job: &Job,
+        lists: &BTreeMap<String, String>,
+        stop: &CancellationToken,
+    ) -> Result<(), ExecError> {
+        for (list, pool) in lists {
+            let routes = self.readers.routes(pool)?;
+            let deadline = job.expires_at();
+            batch_consumer::register_job(&self.client, list, &routes, &job.id, deadline, stop)
+                .await
+                .map_err(batch_consumer::ListError::from)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues every unresolved line, the producer reading and building members while
+    /// earlier chunks are sent.
     async fn enqueue_all(
         &self,
         job: &Arc<Job>,
@@ -531,292 +374,23 @@ impl AsyncMode {
     ) -> Result<u64, ExecError> {
         let mut total = 0;
         for q in queues {
-            // One chunk built ahead of those in flight: building is much faster than sending,
-            // and every chunk held is megabytes.
-            let (tx, mut rx) =
-                tokio::sync::mpsc::channel::<Result<Vec<(f64, String)>, ExecError>>(1);
-            let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
-            let (j, model, msgs, first) = (
-                job.clone(),
-                q.model.clone(),
-                q.messages.clone(),
-                q.first_position,
-            );
-            let reader = tokio::task::spawn_blocking(move || {
-                let send = |item| tx.blocking_send(item).is_ok();
-                let records = match j.unresolved_positions(&model) {
-                    Ok(r) => r,
-                    Err(e) => return send(Err(e)),
-                };
-                let mut batch = Vec::with_capacity(chunk);
-                for (pos, record) in records {
-                    let member = j
-                        .read_line(&record)
-                        .and_then(|line| Ok(msgs.member(record.line as u64, &line)?));
-                    match member {
-                        Ok(member) => batch.push((msgs.score_at(first + pos), member)),
-                        Err(e) => return send(Err(e)),
-                    }
-                    if batch.len() == chunk && !send(Ok(std::mem::take(&mut batch))) {
-                        return false;
-                    }
-                }
-                batch.is_empty() || send(Ok(batch))
-            });
-            let mut in_flight = FuturesUnordered::new();
-            let (mut added, mut count) = (0u64, 0u64);
-            let mut failure = None;
-            while let Some(chunk) = rx.recv().await {
-                let chunk = match chunk {
-                    Ok(c) => c,
-                    Err(e) => {
-                        failure = Some(e);
-                        break;
-                    }
-                };
-                count += chunk.len() as u64;
-                in_flight.push(producer.enqueue_scored(&q.messages.request_queue, chunk));
-                while in_flight.len() >= 4 {
-                    added += in_flight.next().await.expect("not empty")?;
-                }
-            }
-            drop(rx);
-            while let Some(done) = in_flight.next().await {
-                added += done?;
-            }
-            let _ = reader.await;
-            if let Some(e) = failure {
-                return Err(e);
-            }
-            m::model_inflight(&q.model.model, count as f64);
-            job.dispatched(count);
-            m::pool_counter("batch_requests_enqueued_total", &q.pool, added);
-            total += added;
+            let records = {
+                let (j, model) = (job.clone(), q.model.clone());
+                blocking(move || j.unresolved_positions(&model)).await?
+            };
+            let done = producer
+                .enqueue_requests(&q.messages, requests(job, q, records))
+                .await?;
+            m::model_inflight(&q.model.model, done.sent as f64);
+            job.dispatched(done.sent);
+            m::pool_counter("batch_requests_enqueued_total", &q.pool, done.added);
+            total += done.added;
         }
         Ok(total)
     }
 
-    /// At the resume of a job whose requests were all enqueued once: puts back what two looks,
-    /// [`RESUME_CONFIRM`] apart, both find nowhere. A v0.9 dispatcher keeps what it is sending
-    /// in no Redis key, so one look at a resume would send those lines a second time.
-    async fn put_back_confirmed(
-        &self,
-        job: &Arc<Job>,
-        queues: &[ModelQueue],
-        producer: &Producer,
-        stop: &Stop,
-    ) -> Result<u64, ExecError> {
-        let after = RESUME_CONFIRM.min(self.config.async_dispatch.lost_request_timeout / 2);
-        let (_, suspects) = self
-            .put_back_missing(job, queues, producer, Some((HashMap::new(), after)))
-            .await?;
-        if suspects.is_empty() {
-            return Ok(0);
-        }
-        tokio::select! {
-            _ = stop.halt.cancelled() => return Ok(0),
-            _ = tokio::time::sleep(after) => {}
-        }
-        let (n, _) = self
-            .put_back_missing(job, queues, producer, Some((suspects, after)))
-            .await?;
-        Ok(n)
-    }
-
-    /// Puts back the unresolved lines whose requests are nowhere in the dispatcher's hands: not
-    /// in the request set, not in its retry set, not claimed (v0.10), matched by request id
-    /// whatever bytes the dispatcher re-wrote them with. Reads only those lines.
-    ///
-    /// With `confirm` = (suspects, after), a missing line is only put back when it was already
-    /// missing `after` ago; the suspects left are returned for the next look.
-    async fn put_back_missing(
-        &self,
-        job: &Arc<Job>,
-        queues: &[ModelQueue],
-        producer: &Producer,
-        confirm: Option<(HashMap<u32, std::time::Instant>, Duration)>,
-    ) -> Result<(u64, HashMap<u32, std::time::Instant>), ExecError> {
-        let present = self.present_ids(job, queues, producer).await?;
-        let (mut known, after) = match confirm {
-            Some((known, after)) => (Some(known), after),
-            None => (None, Duration::ZERO),
-        };
-        let mut left = HashMap::new();
-        let mut total = 0;
-        for q in queues {
-            let (j, model, msgs, first, present, mut known_here) = (
-                job.clone(),
-                q.model.clone(),
-                q.messages.clone(),
-                q.first_position,
-                present.clone(),
-                known.take(),
-            );
-            let (members, known_back, left_here) = blocking(move || {
-                let now = std::time::Instant::now();
-                let mut out = Vec::new();
-                let mut left = HashMap::new();
-                for (pos, record) in j.unresolved_positions(&model)? {
-                    if present.contains(&record.line) {
-                        continue;
-                    }
-                    if let Some(known) = &known_here {
-                        match known.get(&record.line) {
-                            Some(since) if now.duration_since(*since) >= after => {}
-                            Some(since) => {
-                                left.insert(record.line, *since);
-                                continue;
-                            }
-                            None => {
-                                left.insert(record.line, now);
-                                continue;
-                            }
-                        }
-                    }
-                    let line = j.read_line(&record)?;
-                    out.push((
-                        msgs.score_at(first + pos),
-                        msgs.member(record.line as u64, &line)?,
-                    ));
-                }
-                if let Some(known) = &mut known_here {
-                    known.retain(|line, _| !left.contains_key(line));
-                }
-                Ok((out, known_here, left))
-            })
-            .await?;
-            known = known_back;
-            left.extend(left_here);
-            let members: Vec<(f64, String)> = members;
-            let count = members.len() as u64;
-            let added = producer
-                .enqueue_scored(&q.messages.request_queue, members)
-                .await?;
-            if job.resumed && job.progress().borrow().dispatched == 0 {
-                job.dispatched(count);
-                m::model_inflight(&q.model.model, count as f64);
-            }
-            m::pool_counter("batch_requests_requeued_total", &q.pool, added);
-            total += added;
-        }
-        Ok((total, left))
-    }
-
-    /// Reads, too, the lists where the readers of other lists found results of `lists`' requests
-    /// (the dispatcher's queue entry names its own list), once they are free: results that
-    /// land there then reach their jobs even when no other process reads that list any more.
-    async fn follow_handed_on(&self, lists: &BTreeMap<String, String>, stop: &CancellationToken) {
-        for (list, pool) in lists {
-            let key = ListKeys::new(list).handed_from;
-            // Bounded: a Redis that is down must not keep the job from seeing its end.
-            let read = tokio::select! {
-                _ = stop.cancelled() => return,
-                r = tokio::time::timeout(FOLLOW_EVERY, self.client.get::<Option<String>, _>(&key)) => r,
-            };
-            let from = match read {
-                Ok(Ok(from)) => from,
-                Ok(Err(e)) => {
-                    tracing::debug!(key, error = %e, "could not read where results were handed on from");
-                    continue;
-                }
-                Err(_) => continue,
-            };
-            let Some(from) = from.filter(|f| f != list) else {
-                continue;
-            };
-            let new = self
-                .dispatcher_lists
-                .lock()
-                .expect("dispatcher lists lock")
-                .entry(pool.clone())
-                .or_default()
-                .insert(from.clone());
-            if new {
-                batch_consumer::warn_lists_differ(list, &from);
-                m::pool_counter("batch_result_lists_followed_total", pool, 1);
-                if let Err(e) = self.start_consumer(pool, &from, None, stop).await {
-                    tracing::debug!(list = %from, error = %e, "could not start reading the dispatcher's result list");
-                }
-            }
-        }
-    }
-
-    /// Line indexes of the job whose requests the dispatcher holds in some form.
-    async fn present_ids(
-        &self,
-        job: &Job,
-        queues: &[ModelQueue],
-        producer: &Producer,
-    ) -> Result<Arc<HashSet<u32>>, ExecError> {
-        let prefix = job_id_prefix(&job.id);
-        let member_pattern = format!("*\"id\":\"{prefix}*");
-        let mut present = HashSet::new();
-        let mut keep = |id: &str| {
-            if let Some((job_id, index)) = batch_wire::parse_request_id(id) {
-                if job_id == job.id {
-                    present.insert(index as u32);
-                }
-            }
-        };
-        let sets: HashSet<&str> = queues
-            .iter()
-            .map(|q| q.messages.request_queue.as_str())
-            .chain([self.config.async_dispatch.retry_queue_name.as_str()])
-            .collect();
-        for set in sets {
-            for member in producer.scan_members(set, &member_pattern).await? {
-                if let Ok(envelope) = Envelope::parse(&member) {
-                    keep(&envelope.data.id);
-                }
-            }
-        }
-        // The v0.10 dispatcher keeps what it has in hand in `{<queue>}:claimed`, keyed by
-        // id NUL token.
-        let claimed: HashSet<String> = queues
-            .iter()
-            .map(|q| format!("{{{}}}:claimed", q.messages.request_queue))
-            .collect();
-        for key in claimed {
-            for field in producer.scan_fields(&key, &format!("{prefix}*")).await? {
-                keep(field.split('\0').next().unwrap_or_default());
-            }
-        }
-        // Results not yet written are no lost lines: the lists the dispatcher may use other
-        // than the job's first, since results only move from those to the job's.
-        let mut lists: Vec<String> = Vec::new();
-        for q in queues {
-            let mut others: Vec<String> = self
-                .dispatcher_lists
-                .lock()
-                .expect("dispatcher lists lock")
-                .get(&q.pool)
-                .map(|l| l.iter().cloned().collect())
-                .unwrap_or_default();
-            others.push(self.base_list(&q.pool)?);
-            for list in others {
-                if list != q.messages.result_queue && !lists.contains(&list) {
-                    lists.push(list);
-                }
-            }
-        }
-        for q in queues {
-            if !lists.contains(&q.messages.result_queue) {
-                lists.push(q.messages.result_queue.clone());
-            }
-        }
-        for list in lists {
-            let ids = batch_consumer::waiting_ids(&self.client, &list, &job.id, &prefix)
-                .await
-                .map_err(|e| ExecError::Redis(e.to_string()))?;
-            for id in ids {
-                keep(&id);
-            }
-        }
-        Ok(Arc::new(present))
-    }
-
     /// Takes the job's unresolved requests out of the queues (also those the dispatcher
-    /// re-wrote), and marks those it may have in hand, a chunk at a time.
+    /// re-wrote), and marks those it may have in hand.
     async fn withdraw_job(
         &self,
         job: &Arc<Job>,
@@ -824,52 +398,23 @@ impl AsyncMode {
     ) -> Result<(), ExecError> {
         let queues = self.queues(job, stop).await?;
         let producer = self.producer.with_stop(stop.clone());
-        let chunk = self.config.async_dispatch.enqueue_chunk.max(1);
         for q in &queues {
             let records = {
                 let (j, model) = (job.clone(), q.model.clone());
                 blocking(move || j.unresolved_records(&model)).await?
             };
-            let (mut removed, mut marked) = (0, 0);
-            for records in records.chunks(chunk) {
-                let (j, msgs, records) = (job.clone(), q.messages.clone(), records.to_vec());
-                let pending: Vec<PendingMember> = blocking(move || {
-                    records
-                        .iter()
-                        .map(|r| Ok(msgs.pending(r.line as u64, &j.read_line(r)?)?))
-                        .collect()
-                })
+            let count = records.len();
+            let j = job.clone();
+            let lines = records
+                .into_iter()
+                .map(move |r| Ok::<_, ExecError>((r.line as u64, j.read_line(&r)?)));
+            let report = producer
+                .withdraw(&q.messages, lines, self.retry_queue())
                 .await?;
-                let report = producer.remove(&q.messages.request_queue, &pending).await?;
-                removed += report.removed;
-                marked += report.marked;
-            }
-            // Members the dispatcher put back re-serialised have other bytes: find them by id.
-            let pattern = format!("*\"id\":\"{}*", job_id_prefix(&job.id));
-            for set in [
-                q.messages.request_queue.as_str(),
-                self.config.async_dispatch.retry_queue_name.as_str(),
-            ] {
-                let leftovers: Vec<String> = producer
-                    .scan_members(set, &pattern)
-                    .await?
-                    .into_iter()
-                    .filter(|m| {
-                        Envelope::parse(m).is_ok_and(|e| {
-                            batch_wire::parse_request_id(&e.data.id)
-                                .is_some_and(|(j, _)| j == job.id)
-                        })
-                    })
-                    .collect();
-                if !leftovers.is_empty() {
-                    let r = producer.remove_exact(set, &leftovers).await?;
-                    removed += r;
-                }
-            }
-            m::pool_counter("batch_requests_removed_total", &q.pool, removed);
-            m::model_inflight(&q.model.model, -(records.len() as f64));
-            if !records.is_empty() {
-                tracing::info!(job = %job.id, model = %q.model.model, removed, marked, "withdrew pending requests");
+            m::pool_counter("batch_requests_removed_total", &q.pool, report.removed);
+            m::model_inflight(&q.model.model, -(count as f64));
+            if count > 0 {
+                tracing::info!(job = %job.id, model = %q.model.model, removed = report.removed, marked = report.marked, "withdrew pending requests");
             }
         }
         Ok(())
@@ -886,47 +431,29 @@ impl AsyncMode {
             .map(|(pool, list)| (pool.clone(), list.clone()))
             .collect();
         for (pool, list) in lists {
-            let keys = ListKeys::new(&list);
-            let done = tokio::time::timeout(Duration::from_secs(5), async {
-                if let Ok(routes) = self.routes(&pool) {
-                    self.client
-                        .hdel::<i64, _, _>(&routes, job.id.as_str())
-                        .await?;
-                }
-                self.client
-                    .hdel::<i64, _, _>(&keys.jobs, job.id.as_str())
-                    .await
-            })
+            let Ok(routes) = self.readers.routes(&pool) else {
+                continue;
+            };
+            let done = tokio::time::timeout(
+                Duration::from_secs(5),
+                batch_consumer::unregister_job(&self.client, &list, &routes, &job.id),
+            )
             .await;
-            if !matches!(done, Ok(Ok(_))) {
+            if !matches!(done, Ok(Ok(()))) {
                 tracing::debug!(job = %job.id, list, "could not unregister the job; its entry lapses at its deadline");
             }
         }
     }
 }
 
-/// What every request id of `job` starts with: `batch_req_<escaped job>_`.
-fn job_id_prefix(job: &str) -> String {
-    let id = batch_wire::request_id(job, 0);
-    id[..id.len() - 1].to_owned()
-}
-
 impl Dispatch for AsyncMode {
     fn register(&self, job: &Arc<Job>) {
-        self.registry.insert(job.clone());
+        self.readers.registry().insert(job.clone());
     }
 
     fn unregister(&self, job: &Job) {
-        self.registry.remove(&job.id);
-        let parked = self
-            .parked
-            .lock()
-            .expect("parked lock")
-            .remove(&job.id)
-            .unwrap_or_default();
-        for (stop, _handle) in parked {
-            stop.cancel();
-        }
+        self.readers.registry().remove(&job.id);
+        self.readers.stop_parked(&job.id);
     }
 
     fn run<'a>(&'a self, job: &'a Arc<Job>, stop: &'a Stop) -> BoxFuture<'a, End> {
@@ -957,44 +484,12 @@ impl Dispatch for AsyncMode {
     }
 
     fn shutdown(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            self.shutdown.cancel();
-            let idle: Vec<Lease> = self.idle.lock().await.drain().map(|(_, l)| l).collect();
-            for lease in idle {
-                lease.release().await;
-            }
-            let consumers: Vec<_> = self
-                .consumers
-                .lock()
-                .await
-                .drain()
-                .map(|(_, c)| c)
-                .collect();
-            let parked: Vec<_> = self
-                .parked
-                .lock()
-                .expect("parked lock")
-                .drain()
-                .flat_map(|(_, v)| v)
-                .collect();
-            for c in consumers {
-                c.join().await;
-            }
-            for (_, c) in parked {
-                c.join().await;
-            }
-        })
+        Box::pin(self.readers.shutdown())
     }
 
     fn consumer_stats(
         &self,
     ) -> BoxFuture<'_, BTreeMap<String, Arc<batch_consumer::ConsumerStats>>> {
-        Box::pin(async move {
-            let own = self.own.lock().await.clone();
-            let consumers = self.consumers.lock().await;
-            own.into_iter()
-                .filter_map(|(pool, list)| Some((pool, consumers.get(&list)?.stats().clone())))
-                .collect()
-        })
+        Box::pin(self.readers.own_stats())
     }
 }

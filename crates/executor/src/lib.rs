@@ -94,9 +94,9 @@ pub enum ExecError {
     /// Redis may evict the processor's keys, and the config does not accept it.
     #[error(transparent)]
     UnsafeRedis(#[from] batch_redis::EvictionRefused),
-    /// Redis answered an error that waiting will not cure.
-    #[error("Redis: {0}")]
-    Redis(String),
+    /// Taking a result list, or registering a job with one, failed.
+    #[error(transparent)]
+    Lists(#[from] batch_consumer::ListError),
     /// Async mode without a Redis URL.
     #[error("async mode needs the Redis URL (redis_url_file)")]
     NoRedisUrl,
@@ -133,9 +133,6 @@ pub enum ExecError {
         /// Its size now.
         now: u64,
     },
-    /// The result list this job needs is read by another live process.
-    #[error("{0}")]
-    ListHeld(String),
     /// The job directory holds no job.
     #[error("{0} holds no job (no batch.json)")]
     NoJob(PathBuf),
@@ -146,6 +143,35 @@ impl ExecError {
         Self::Io {
             path: path.to_owned(),
             error,
+        }
+    }
+
+    /// The job's stop fired while Redis was out: nothing failed.
+    pub fn is_stopped(&self) -> bool {
+        match self {
+            Self::Producer(e) => matches!(e, batch_producer::ProducerError::Stopped),
+            Self::Lists(e) => e.is_stopped(),
+            _ => false,
+        }
+    }
+
+    /// Whether waiting could cure it, by the type of its cause: a Redis outage, or a result
+    /// list another process still reads.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Producer(e) => e.is_transient(),
+            Self::Lists(e) => e.is_transient(),
+            Self::Connect(batch_redis::ConnectError::Unreachable { .. }) => true,
+            _ => false,
+        }
+    }
+}
+
+impl From<batch_producer::StreamError<ExecError>> for ExecError {
+    fn from(e: batch_producer::StreamError<ExecError>) -> Self {
+        match e {
+            batch_producer::StreamError::Source(e) => e,
+            batch_producer::StreamError::Producer(e) => e.into(),
         }
     }
 }

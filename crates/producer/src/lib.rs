@@ -10,7 +10,9 @@
 //! [`Producer`] writes members with variadic `ZADD` in bounded, pipelined chunks (never
 //! throttled: the dispatcher meters what leaves the set), removes a job's pending members with
 //! batched `ZREM` plus `request-cancel:<id>` markers for the ones already taken, and tells which
-//! members are still queued (`ZMSCORE`).
+//! members are still queued (`ZMSCORE`). For a whole job it streams the lines in
+//! ([`Producer::enqueue_requests`]), finds which of them the dispatcher still holds
+//! ([`Producer::held_lines`]) and takes them out again ([`Producer::withdraw`]).
 //!
 //! ```no_run
 //! use batch_producer::{JobMessages, Producer, ProducerOptions};
@@ -31,6 +33,7 @@
 //! # Ok(()) }
 //! ```
 
+mod job;
 mod messages;
 
 use std::time::Duration;
@@ -43,6 +46,7 @@ use fred::types::{ClusterHash, CustomCommand, Expiration, Value};
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio_util::sync::CancellationToken;
 
+pub use job::{Enqueued, Request, StreamError};
 pub use messages::{request_token, JobMessages, PendingMember, MAX_POSITION};
 
 /// Why the producer failed.
@@ -72,6 +76,16 @@ pub enum ProducerError {
     /// The producer's stop token fired while it waited for Redis.
     #[error("stopped while waiting for Redis")]
     Stopped,
+}
+
+impl ProducerError {
+    /// Whether waiting could cure it (by the error's kind, not its text).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Redis { error, .. } => batch_redis::is_transient(error),
+            Self::Stopped | Self::BadLine { .. } => false,
+        }
+    }
 }
 
 /// Tuning of [`Producer`].

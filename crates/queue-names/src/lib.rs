@@ -141,6 +141,29 @@ impl QueueNames {
         Ok(format!("{}:result-routes:{pool}", self.prefix))
     }
 
+    /// The seed's result list for `pool` under this prefix, `{prefix}:results:{pool}:$batch`:
+    /// the one a dispatcher's queue entry names when it names one.
+    pub fn seed_result_queue_name(&self, pool: &str) -> Result<String, NameError> {
+        validate_part("pool name", pool)?;
+        Ok(format!(
+            "{}:results:{pool}:{DEFAULT_CONSUMER_ID}",
+            self.prefix
+        ))
+    }
+
+    /// The `n`th (1-based) of the result-list ids a process may take by itself: this consumer
+    /// id for 1, `<consumer_id>-<n>` after.
+    pub fn numbered(&self, n: usize) -> Self {
+        let consumer_id = match n {
+            0 | 1 => self.consumer_id.clone(),
+            n => format!("{}-{n}", self.consumer_id),
+        };
+        Self {
+            prefix: self.prefix.clone(),
+            consumer_id,
+        }
+    }
+
     /// The list where results popped from `pool`'s result list wait until they are written.
     ///
     /// Not a dispatcher key: it belongs to the list's reader alone, which is what makes a crash
@@ -222,6 +245,12 @@ pub fn request_queue_name(pool: &str) -> Result<String, NameError> {
 /// `{prefix}:results:{pool}:$batch` with the default prefix and consumer id.
 pub fn result_queue_name(pool: &str) -> Result<String, NameError> {
     QueueNames::default().result_queue_name(pool)
+}
+
+/// The hash where a v0.10 dispatcher keeps the requests of `request_queue` it has in hand
+/// (`{<queue>}:claimed`, field `<id>\0<token>`).
+pub fn claimed_key(request_queue: &str) -> String {
+    format!("{{{request_queue}}}:claimed")
 }
 
 /// The dispatcher's cancel marker key for a request id (`request-cancel:<id>`).
@@ -324,6 +353,28 @@ mod tests {
             .result_routes_name("p")
             .unwrap()
             .starts_with("prod:results:"));
+    }
+
+    #[test]
+    fn numbered_lists_and_the_seed_list() {
+        let names = QueueNames::new("prod", "r").unwrap();
+        assert_eq!(names.numbered(1), names);
+        assert_eq!(
+            names.numbered(3).result_queue_name("p").unwrap(),
+            "prod:results:p:r-3"
+        );
+        assert_eq!(
+            names.numbered(3).seed_result_queue_name("p").unwrap(),
+            "prod:results:p:$batch"
+        );
+    }
+
+    #[test]
+    fn claimed_key_matches_the_v0_10_dispatcher() {
+        assert_eq!(
+            claimed_key("llm-d-async:requests:pool-a"),
+            "{llm-d-async:requests:pool-a}:claimed"
+        );
     }
 
     #[test]

@@ -30,6 +30,13 @@ pub fn request_id(job_id: &str, index: u64) -> String {
     id
 }
 
+/// What every request id of `job_id` starts with: `batch_req_<escaped job id>_`.
+pub fn request_id_prefix(job_id: &str) -> String {
+    let mut id = request_id(job_id, 0);
+    id.pop();
+    id
+}
+
 /// The (job id, line index) of an id made by [`request_id`]; `None` for anything else.
 ///
 /// Only the exact bytes [`request_id`] produces are accepted, so two different ids never parse
@@ -143,6 +150,13 @@ mod tests {
             let a = (format!("{prefix}_{i}"), j);
             let b = (prefix.clone(), i);
             prop_assert_ne!(request_id(&a.0, a.1), request_id(&b.0, b.1));
+        }
+
+        #[test]
+        fn every_id_of_a_job_starts_with_its_prefix(job in any::<String>(), index in any::<u64>()) {
+            let id = request_id(&job, index);
+            prop_assert!(id.starts_with(&request_id_prefix(&job)));
+            prop_assert_eq!(&id[request_id_prefix(&job).len()..], index.to_string());
         }
 
         #[test]

@@ -38,7 +38,9 @@ pub use batch::{
     OutputLine, RequestCounts, ResponseBody, ALLOWED_URLS, MAX_COMPLETION_WINDOW,
 };
 pub use envelope::{Envelope, Internal, RequestKind, RequestMessage};
-pub use id::{parse_request_id, request_id, split_request_id, REQUEST_ID_PREFIX};
+pub use id::{
+    parse_request_id, request_id, request_id_prefix, split_request_id, REQUEST_ID_PREFIX,
+};
 pub use raw::RawResult;
 pub use result::{dispatcher_error_codes, Outcome, ResultMessage};
 
