@@ -1,4 +1,6 @@
-//! S3 storage against a real S3-compatible server (moto_server, started by the test helpers).
+//! What only S3 storage has, against a real S3-compatible server (moto_server, started by the
+//! test helpers): multipart parts, a missing bucket, the configuration from the environment and
+//! shared files. What every backend does is in `suite.rs`.
 //!
 //! The settings go in through [`S3Options`] (tests share one process environment); one test runs
 //! this binary again with the `AWS_*` environment alone, as `processor serve` is given it.
@@ -6,7 +8,7 @@
 use batch_storage::{S3Options, Storage, StorageError};
 use batch_testkit::S3Server;
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 
 fn options(s3: &S3Server) -> S3Options {
     S3Options {
@@ -23,57 +25,6 @@ async fn open(s3: &S3Server, prefix: &str) -> Storage {
     Storage::open(&format!("s3://{}/{prefix}", s3.bucket()), &options(s3))
         .await
         .unwrap()
-}
-
-async fn read_all(storage: &Storage, key: &str) -> Vec<u8> {
-    let object = storage.get(key).await.unwrap();
-    let chunks: Vec<Bytes> = object.stream.try_collect().await.unwrap();
-    chunks.concat()
-}
-
-#[tokio::test]
-async fn streams_in_and_out_under_the_prefix() {
-    let s3 = S3Server::start();
-    let s = open(&s3, "tenant/a").await;
-    let chunks: Vec<Result<Bytes, std::io::Error>> = (0..100)
-        .map(|i| Ok(Bytes::from(format!("line {i}\n"))))
-        .collect();
-    let expected: String = (0..100).map(|i| format!("line {i}\n")).collect();
-    let n = s
-        .put_stream("files/a", futures::stream::iter(chunks))
-        .await
-        .unwrap();
-    assert_eq!(n, expected.len() as u64);
-    assert_eq!(s3.keys(), ["tenant/a/files/a"]);
-    assert_eq!(read_all(&s, "files/a").await, expected.as_bytes());
-    assert_eq!(s.size("files/a").await.unwrap(), Some(n));
-    assert_eq!(s.size("files/none").await.unwrap(), None);
-    s.put_bytes("records/r", Bytes::from_static(b"{}"))
-        .await
-        .unwrap();
-    assert_eq!(read_all(&s, "records/r").await, b"{}");
-
-    let dir = batch_testkit::tempdir().unwrap();
-    let back = dir.path().join("down/a.jsonl");
-    assert_eq!(s.download("files/a", &back).await.unwrap(), n);
-    assert_eq!(std::fs::read(&back).unwrap(), expected.as_bytes());
-    let local = dir.path().join("up.jsonl");
-    std::fs::write(&local, b"uploaded\n").unwrap();
-    assert_eq!(s.put_file("files/up", &local).await.unwrap(), 9);
-    assert_eq!(read_all(&s, "files/up").await, b"uploaded\n");
-
-    s.delete("files/a").await.unwrap();
-    s.delete("files/a").await.unwrap();
-    assert!(matches!(
-        s.get("files/a").await,
-        Err(StorageError::NotFound(_))
-    ));
-    assert!(matches!(
-        s.download("files/a", &back).await,
-        Err(StorageError::NotFound(_))
-    ));
-    s.check().await.unwrap();
-    assert_eq!(s3.keys(), ["tenant/a/files/up", "tenant/a/records/r"]);
 }
 
 /// Deterministic bytes, made chunk by chunk as they are sent.
@@ -105,31 +56,6 @@ async fn a_large_upload_streams_in_parts() {
     assert_eq!(bytes.len() as u64, n);
     let first_bad = (0..n).find(|&i| bytes[i as usize] != byte_at(i));
     assert_eq!(first_bad, None, "downloaded bytes differ");
-}
-
-#[tokio::test]
-async fn a_failed_source_leaves_no_object() {
-    let s3 = S3Server::start();
-    let s = open(&s3, "p").await;
-    // More than one part, so a multipart upload had begun when the source failed.
-    let part = Bytes::from(vec![b'x'; 11 * 1024 * 1024]);
-    let chunks = futures::stream::iter(vec![
-        Ok(part),
-        Err(std::io::Error::other("client went away")),
-    ]);
-    let err = s.put_stream("files/b", chunks).await.unwrap_err();
-    assert!(err.to_string().contains("client went away"), "{err}");
-    assert_eq!(s.size("files/b").await.unwrap(), None);
-    assert!(s3.keys().is_empty(), "left behind: {:?}", s3.keys());
-    assert!(s3.open_uploads().is_empty(), "upload not aborted");
-
-    // A small one fails before any request.
-    let chunks = futures::stream::iter(vec![
-        Ok(Bytes::from_static(b"a")),
-        Err(std::io::Error::other("stopped")),
-    ]);
-    s.put_stream("files/c", chunks).await.unwrap_err();
-    assert!(s3.keys().is_empty(), "left behind: {:?}", s3.keys());
 }
 
 #[tokio::test]
