@@ -12,43 +12,14 @@ use batch_wire::hash::body_digest;
 use batch_wire::{Envelope, Outcome};
 use common::*;
 use dispatcher_sim::{
-    Dispatcher, DispatcherHandle, ExpiredPolicy, FailureKind, FailureRule, Gateway, GatewayConfig,
-    GatewayHandle, QueueEntry,
+    Dispatcher, ExpiredPolicy, FailureKind, FailureRule, GatewayConfig, QueueEntry,
 };
-use fred::prelude::{Client, KeysInterface, SortedSetsInterface};
+use fred::prelude::{KeysInterface, SortedSetsInterface};
 
 const RESULTS: &str = "llm-d-async:results:pool-a:$batch";
 const WAIT: Duration = Duration::from_secs(10);
 
-async fn gateway(config: GatewayConfig) -> GatewayHandle {
-    Gateway::start("127.0.0.1:0".parse().unwrap(), config)
-        .await
-        .unwrap()
-}
-
-/// Redis, a gateway, a client, and a dispatcher serving one queue at the gateway.
-struct Rig {
-    redis: RedisServer,
-    client: Client,
-    gw: GatewayHandle,
-}
-
 impl Rig {
-    async fn new(gw_config: GatewayConfig) -> Self {
-        let redis = RedisServer::start();
-        let client = common::redis(&redis.url()).await;
-        let gw = gateway(gw_config).await;
-        Rig { redis, client, gw }
-    }
-
-    fn entry(&self) -> QueueEntry {
-        entry(QUEUE, &self.gw.base_url())
-    }
-
-    async fn start(&self, config: dispatcher_sim::DispatcherConfig) -> DispatcherHandle {
-        Dispatcher::start(config, None).await.unwrap()
-    }
-
     /// Enqueues `n` chat requests routed to `RESULTS`, deadline an hour away; returns payloads.
     async fn enqueue_n(&self, n: usize) -> Vec<String> {
         let mut payloads = Vec::new();
@@ -67,10 +38,6 @@ impl Rig {
         }
         payloads
     }
-}
-
-fn internal_to(results: &str) -> String {
-    format!(r#"{{"request_token":"t","result_queue_name":"{results}"}}"#)
 }
 
 /// "Score = deadline (seconds, as a float); the dispatcher takes the lowest score first." and
@@ -173,15 +140,8 @@ async fn invalid_envelopes_are_dropped_without_result() {
         zadd(&rig.client, QUEUE, deadline as f64, m).await;
     }
     zadd(&rig.client, QUEUE, deadline as f64, "not json at all").await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "good",
-        deadline + 1,
-        &chat("ok"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("good", deadline + 1, &chat("ok"), RESULTS)
+        .await;
     let d = rig.start(fast(&rig.redis.url(), vec![rig.entry()])).await;
     let got = results(&rig.client, RESULTS, 1, WAIT).await;
     assert_eq!(got[0].id, "good");
@@ -207,24 +167,10 @@ async fn invalid_envelopes_are_dropped_without_result() {
 #[tokio::test]
 async fn expired_messages_are_dropped_silently_by_default() {
     let rig = Rig::new(GatewayConfig::default()).await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "old",
-        now() - 5,
-        &chat("late"),
-        &internal_to(RESULTS),
-    )
-    .await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "fresh",
-        now() + 600,
-        &chat("on time"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("old", now() - 5, &chat("late"), RESULTS)
+        .await;
+    rig.enqueue_to("fresh", now() + 600, &chat("on time"), RESULTS)
+        .await;
     let d = rig.start(fast(&rig.redis.url(), vec![rig.entry()])).await;
     let got = results(&rig.client, RESULTS, 1, WAIT).await;
     assert_eq!(got[0].id, "fresh");
@@ -239,15 +185,8 @@ async fn expired_messages_are_dropped_silently_by_default() {
 #[tokio::test]
 async fn expired_messages_get_deadline_exceeded_with_the_switch() {
     let rig = Rig::new(GatewayConfig::default()).await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "old",
-        now() - 5,
-        &chat("late"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("old", now() - 5, &chat("late"), RESULTS)
+        .await;
     let mut config = fast(&rig.redis.url(), vec![rig.entry()]);
     config.sim.expired = ExpiredPolicy::Result;
     let d = rig.start(config).await;
@@ -315,15 +254,7 @@ async fn a_cancel_marker_set_after_dequeue_is_seen_before_sending() {
     })
     .await;
     let deadline = now() + 600;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "first",
-        deadline,
-        &chat("a"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("first", deadline, &chat("a"), RESULTS).await;
     enqueue(
         &rig.client,
         QUEUE,
@@ -374,15 +305,7 @@ async fn v0_9_retries_go_back_into_the_request_queue_until_success() {
     })
     .await;
     let payload = chat("try again");
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "r",
-        now() + 600,
-        &payload,
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("r", now() + 600, &payload, RESULTS).await;
     let d = rig.start(fast(&rig.redis.url(), vec![rig.entry()])).await;
     let got = results(&rig.client, RESULTS, 1, WAIT).await;
     assert_eq!(got[0].status_code, Some(200));
@@ -423,15 +346,7 @@ async fn v0_9_does_not_enforce_the_backoff_retries_jump_the_queue() {
     })
     .await;
     let deadline = now() + 600;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "r",
-        deadline,
-        &chat("x"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("r", deadline, &chat("x"), RESULTS).await;
     let d = rig.start(fast(&rig.redis.url(), vec![rig.entry()])).await;
     // The member waiting between two polls: in the request queue, due in about 1 s, with
     // its retry count, re-serialised.
@@ -474,15 +389,7 @@ async fn v0_10_a_longer_retry_after_scores_the_retry_set() {
         ..GatewayConfig::default()
     })
     .await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "r",
-        now() + 600,
-        &chat("x"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("r", now() + 600, &chat("x"), RESULTS).await;
     let d = rig
         .start(fast_v0_10(&rig.redis.url(), vec![rig.entry()]))
         .await;
@@ -509,15 +416,7 @@ async fn retries_stop_at_the_deadline_with_the_last_status_and_body() {
         ..GatewayConfig::default()
     })
     .await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "r",
-        now() + 2,
-        &chat("x"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("r", now() + 2, &chat("x"), RESULTS).await;
     let mut config = fast(&rig.redis.url(), vec![rig.entry()]);
     config.sim.time_scale = 0.5; // 1–2 s, 2–4 s, …: the deadline comes first.
     let d = rig.start(config).await;
@@ -540,15 +439,7 @@ async fn status_400_is_not_retried() {
         ..GatewayConfig::default()
     })
     .await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "r",
-        now() + 600,
-        &chat("x"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("r", now() + 600, &chat("x"), RESULTS).await;
     let d = rig.start(fast(&rig.redis.url(), vec![rig.entry()])).await;
     let got = results(&rig.client, RESULTS, 1, WAIT).await;
     assert_eq!(got[0].status_code, Some(400));
@@ -716,15 +607,7 @@ async fn the_payload_is_re_encoded_as_go_does_and_headers_are_forwarded() {
         internal_to(RESULTS)
     );
     zadd(&rig.client, QUEUE, deadline as f64, &member).await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "h2",
-        deadline + 1,
-        payload,
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("h2", deadline + 1, payload, RESULTS).await;
     let mut e = rig.entry();
     e.request_path_url = Some("v1/completions".into());
     e.inference_objective = Some("batch-low".into());
@@ -907,7 +790,7 @@ async fn the_redis_gate_reads_its_budget_key_and_a_missing_key_is_open() {
 #[tokio::test]
 async fn the_prometheus_budget_gate_follows_the_embedded_gateways_load() {
     let redis = RedisServer::start();
-    let client = common::redis(&redis.url()).await;
+    let client = common::redis_client(&redis.url()).await;
     let gw = gateway(GatewayConfig {
         latency_fixed: Duration::from_millis(400),
         ..GatewayConfig::default()
@@ -989,7 +872,7 @@ async fn survives_a_redis_restart() {
         .await
         .unwrap();
     {
-        let client = common::redis(&redis.url()).await;
+        let client = common::redis_client(&redis.url()).await;
         enqueue(
             &client,
             QUEUE,
@@ -1004,7 +887,7 @@ async fn survives_a_redis_restart() {
     redis.kill();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     redis.restart();
-    let client = common::redis(&redis.url()).await;
+    let client = common::redis_client(&redis.url()).await;
     enqueue(
         &client,
         QUEUE,
@@ -1149,24 +1032,15 @@ async fn a_deadline_passing_while_waiting_for_a_worker_yields_deadline_exceeded(
 #[tokio::test]
 async fn a_payload_go_cannot_decode_is_dropped_without_a_result() {
     let rig = Rig::new(GatewayConfig::default()).await;
-    enqueue(
-        &rig.client,
-        QUEUE,
+    rig.enqueue_to(
         "huge",
         now() + 600,
         r#"{"model":"m","prompt":"p","seed":1e400}"#,
-        &internal_to(RESULTS),
+        RESULTS,
     )
     .await;
-    enqueue(
-        &rig.client,
-        QUEUE,
-        "fine",
-        now() + 601,
-        &chat("fine"),
-        &internal_to(RESULTS),
-    )
-    .await;
+    rig.enqueue_to("fine", now() + 601, &chat("fine"), RESULTS)
+        .await;
     let d = rig.start(fast(&rig.redis.url(), vec![rig.entry()])).await;
     let got = results(&rig.client, RESULTS, 1, WAIT).await;
     assert_eq!(got[0].id, "fine");

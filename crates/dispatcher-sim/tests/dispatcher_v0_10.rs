@@ -7,40 +7,19 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use batch_testkit::RedisServer;
 use batch_wire::Envelope;
 use common::*;
 use dispatcher_sim::{
-    ClaimKeys, Dispatcher, DispatcherConfig, DispatcherHandle, FailureKind, FailureRule, Gateway,
-    GatewayConfig, GatewayHandle, QueueEntry,
+    ClaimKeys, DispatcherConfig, FailureKind, FailureRule, GatewayConfig, QueueEntry,
 };
-use fred::prelude::{Client, HashesInterface, KeysInterface, SortedSetsInterface};
+use fred::prelude::{HashesInterface, KeysInterface, SortedSetsInterface};
 
 const RESULTS: &str = "llm-d-async:results:pool-a:proc-1";
 const WAIT: Duration = Duration::from_secs(10);
 
-struct Rig {
-    redis: RedisServer,
-    client: Client,
-    gw: GatewayHandle,
-}
-
 impl Rig {
-    async fn new(gw_config: GatewayConfig) -> Self {
-        let redis = RedisServer::start();
-        let client = common::redis(&redis.url()).await;
-        let gw = Gateway::start("127.0.0.1:0".parse().unwrap(), gw_config)
-            .await
-            .unwrap();
-        Rig { redis, client, gw }
-    }
-
     fn config(&self) -> DispatcherConfig {
         fast_v0_10(&self.redis.url(), vec![entry(QUEUE, &self.gw.base_url())])
-    }
-
-    async fn start(&self, config: DispatcherConfig) -> DispatcherHandle {
-        Dispatcher::start(config, None).await.unwrap()
     }
 
     /// Enqueues a chat request with token `tok-<id>`, routed to `RESULTS`; returns the member.

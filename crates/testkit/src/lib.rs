@@ -44,6 +44,7 @@ pub fn damage(bytes: &mut Vec<u8>, at: usize, byte: u8, how: u8) {
 }
 
 mod cluster;
+pub mod http;
 mod s3;
 mod sentinel;
 mod tls;

@@ -1,12 +1,19 @@
-//! Helpers shared by the integration tests: a Redis client, envelopes, polling, plain HTTP.
-#![allow(dead_code)]
+//! Helpers shared by the integration tests: a Redis client, envelopes, a rig of Redis, gateway
+//! and client; polling and plain HTTP come from the shared test kit.
+#![allow(dead_code, unused_imports)]
+
+pub use batch_testkit::http::{eventually, get, post};
 
 use std::future::Future;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use batch_testkit::RedisServer;
 use batch_wire::ResultMessage;
 use bytes::Bytes;
-use dispatcher_sim::{DispatcherConfig, DispatcherVersion, QueueEntry};
+use dispatcher_sim::{
+    Dispatcher, DispatcherConfig, DispatcherHandle, DispatcherVersion, Gateway, GatewayConfig,
+    GatewayHandle, QueueEntry,
+};
 use fred::prelude::{Client, KeysInterface, ListInterface, SortedSetsInterface};
 use http_body_util::{BodyExt, Full};
 use hyper::header::HeaderMap;
@@ -14,6 +21,63 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 pub const QUEUE: &str = "llm-d-async:requests:pool-a";
+
+/// Redis, a gateway, a client; a dispatcher serving [`QUEUE`] at the gateway is started per test.
+/// Each suite adds its version's own helpers in an `impl Rig` of its file.
+pub struct Rig {
+    pub redis: RedisServer,
+    pub client: Client,
+    pub gw: GatewayHandle,
+}
+
+/// The simulated gateway on a free loopback port.
+pub async fn gateway(config: GatewayConfig) -> GatewayHandle {
+    Gateway::start("127.0.0.1:0".parse().unwrap(), config)
+        .await
+        .unwrap()
+}
+
+impl Rig {
+    pub async fn new(gw_config: GatewayConfig) -> Self {
+        let redis = RedisServer::start();
+        let client = redis_client(&redis.url()).await;
+        let gw = gateway(gw_config).await;
+        Rig { redis, client, gw }
+    }
+
+    /// [`QUEUE`]'s entry, at the gateway.
+    pub fn entry(&self) -> QueueEntry {
+        entry(QUEUE, &self.gw.base_url())
+    }
+
+    pub async fn start(&self, config: DispatcherConfig) -> DispatcherHandle {
+        Dispatcher::start(config, None).await.unwrap()
+    }
+
+    /// Adds an envelope of `payload` to [`QUEUE`] whose results go to `results`.
+    pub async fn enqueue_to(
+        &self,
+        id: &str,
+        deadline: i64,
+        payload: &str,
+        results: &str,
+    ) -> String {
+        enqueue(
+            &self.client,
+            QUEUE,
+            id,
+            deadline,
+            payload,
+            &internal_to(results),
+        )
+        .await
+    }
+}
+
+/// An `internal` block routing results to `results`.
+pub fn internal_to(results: &str) -> String {
+    format!(r#"{{"request_token":"t","result_queue_name":"{results}"}}"#)
+}
 
 /// Unix seconds now.
 pub fn now() -> i64 {
@@ -24,7 +88,7 @@ pub fn now() -> i64 {
 }
 
 /// A connected Redis client for assertions and set-up.
-pub async fn redis(url: &str) -> Client {
+pub async fn redis_client(url: &str) -> Client {
     batch_redis::connect(url, &Default::default())
         .await
         .unwrap()
@@ -120,19 +184,6 @@ pub async fn results(
     out
 }
 
-/// Waits until `check` returns true, failing with `what` after `timeout`.
-pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let until = Instant::now() + timeout;
-    while !check().await {
-        assert!(Instant::now() < until, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// A v0.9 dispatcher configuration that runs fast: 50 ms polls, backoffs scaled by 0.01. The
 /// tests of `dispatcher.rs` pin v0.9 behaviour; `fast_v0_10` is for those of v0.10.
 pub fn fast(redis_url: &str, queues: Vec<QueueEntry>) -> DispatcherConfig {
@@ -159,46 +210,4 @@ pub fn entry(queue: &str, base_url: &str) -> QueueEntry {
         request_path_url: Some("/v1/chat/completions".into()),
         ..QueueEntry::new(queue)
     }
-}
-
-fn http_client() -> hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>> {
-    hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(HttpConnector::new())
-}
-
-/// POSTs `body`; `Err` when no response came back.
-pub async fn post(
-    url: &str,
-    body: &str,
-    headers: &[(&str, &str)],
-) -> Result<(u16, HeaderMap, String), String> {
-    let mut req = hyper::Request::post(url);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req
-        .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
-        .unwrap();
-    let resp = http_client()
-        .request(req)
-        .await
-        .map_err(|e| format!("{e:?}"))?;
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    Ok((status, headers, String::from_utf8_lossy(&body).into_owned()))
-}
-
-pub async fn get(url: &str) -> (u16, String) {
-    let req = hyper::Request::get(url)
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    let resp = http_client().request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8_lossy(&body).into_owned())
 }
