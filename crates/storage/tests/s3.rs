@@ -5,20 +5,15 @@
 //! The settings go in through [`S3Options`] (tests share one process environment); one test runs
 //! this binary again with the `AWS_*` environment alone, as `processor serve` is given it.
 
+mod common;
+
 use batch_storage::{S3Options, Storage, StorageError};
 use batch_testkit::S3Server;
 use bytes::Bytes;
 use futures::StreamExt;
 
 fn options(s3: &S3Server) -> S3Options {
-    S3Options {
-        endpoint: Some(s3.endpoint()),
-        region: Some(s3.region().into()),
-        access_key_id: Some(s3.access_key_id().into()),
-        secret_access_key: Some(s3.secret_access_key().into()),
-        allow_http: Some(true),
-        ..Default::default()
-    }
+    common::s3_options(s3)
 }
 
 async fn open(s3: &S3Server, prefix: &str) -> Storage {

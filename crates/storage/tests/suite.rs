@@ -5,7 +5,9 @@
 
 use std::path::{Path, PathBuf};
 
-use batch_storage::{S3Options, Storage, StorageError};
+mod common;
+
+use batch_storage::{Storage, StorageError};
 use batch_testkit::{S3Server, TempDir};
 use bytes::Bytes;
 use futures::TryStreamExt;
@@ -33,19 +35,12 @@ impl Backend {
             Self::Dir(dir) => {
                 Storage::from_url(&format!("file://{}/{PREFIX}", dir.path().display())).unwrap()
             }
-            Self::S3(s3) => {
-                let options = S3Options {
-                    endpoint: Some(s3.endpoint()),
-                    region: Some(s3.region().into()),
-                    access_key_id: Some(s3.access_key_id().into()),
-                    secret_access_key: Some(s3.secret_access_key().into()),
-                    allow_http: Some(true),
-                    ..Default::default()
-                };
-                Storage::open(&format!("s3://{}/{PREFIX}", s3.bucket()), &options)
-                    .await
-                    .unwrap()
-            }
+            Self::S3(s3) => Storage::open(
+                &format!("s3://{}/{PREFIX}", s3.bucket()),
+                &common::s3_options(s3),
+            )
+            .await
+            .unwrap(),
         }
     }
 
