@@ -302,20 +302,6 @@ async fn requests_lost_by_a_crashed_dispatcher_are_enqueued_again() {
 
 // ---- The binary ------------------------------------------------------------------------------
 
-fn processor(env: &Env, config: &std::path::Path, input: &str, out: &str) -> Command {
-    let mut cmd = Command::new(PROCESSOR);
-    cmd.arg("run")
-        .arg("--config")
-        .arg(config)
-        .arg("--input")
-        .arg(env.path(input))
-        .arg("--output-dir")
-        .arg(env.path(out))
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    cmd
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_processor_killed_mid_job_and_run_again_writes_each_line_once() {
     let env = Env::start(GatewayConfig {
@@ -328,43 +314,14 @@ async fn a_processor_killed_mid_job_and_run_again_writes_each_line_once() {
     let sim = env
         .dispatcher(&["pool-a", "pool-b"], |c| c.batch_size = 10)
         .await;
-    let out = env.path("out");
-    let mut first = Child(
-        processor(&env, &config, "in.jsonl", "out")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let output_lines = || {
-        std::fs::read_to_string(out.join("output.jsonl"))
-            .map(|t| t.lines().count())
-            .unwrap_or(0)
-    };
-    eventually("some results", Duration::from_secs(60), || {
-        output_lines() >= 300
-    })
+    kill_9_and_rerun(
+        &config,
+        &env.path("in.jsonl"),
+        &env.path("out"),
+        &lines,
+        300,
+    )
     .await;
-    first.0.kill().unwrap(); // SIGKILL
-    first.0.wait().unwrap();
-    let before = output_lines();
-    assert!(before < 2000, "killed too late to prove anything");
-    // Results keep arriving while no processor runs.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
-    let second = processor(&env, &config, "in.jsonl", "out")
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&second.stderr);
-    assert!(second.status.success(), "{stderr}");
-    assert!(stderr.contains("resuming job"), "{stderr}");
-    let results = Results::read(&out);
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
-    let batch = batch_json(&out);
-    assert_eq!(batch["status"], "completed");
-    assert_eq!(batch["request_counts"]["completed"], 2000);
     sim.shutdown().await;
 }
 
@@ -383,7 +340,7 @@ async fn a_resume_does_not_send_again_what_the_dispatcher_is_sending() {
     let sim = env.dispatcher(&["pool-a"], |c| c.batch_size = 20).await;
     let out = env.path("out");
     let mut first = Child(
-        processor(&env, &config, "in.jsonl", "out")
+        run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -404,7 +361,7 @@ async fn a_resume_does_not_send_again_what_the_dispatcher_is_sending() {
     first.0.kill().unwrap(); // SIGKILL, with requests at the gateway
     first.0.wait().unwrap();
     assert!(output_lines() < 200, "killed too late to prove anything");
-    let second = processor(&env, &config, "in.jsonl", "out")
+    let second = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
         .stderr(Stdio::piped())
         .output()
         .unwrap();
@@ -423,7 +380,7 @@ async fn sigint_cancels_the_job_and_empties_its_queue() {
     let lines = write_input(&env.path("in.jsonl"), 100, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env.dispatcher(&["pool-a"], closed_gate).await;
-    let child = processor(&env, &config, "in.jsonl", "out")
+    let child = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -456,7 +413,7 @@ async fn an_invalid_input_fails_the_job_with_its_line_numbers() {
     lines[3] = lines[3].replace("POST", "GET");
     std::fs::write(env.path("in.jsonl"), lines.join("\n")).unwrap();
     let config = env.async_config(&[("llama-3", "pool-a")], "");
-    let run = processor(&env, &config, "in.jsonl", "out")
+    let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
         .output()
         .unwrap();
     assert_eq!(
@@ -498,7 +455,7 @@ async fn redis_down_at_start_is_a_clear_error_after_bounded_retries() {
     )
     .unwrap();
     let started = Instant::now();
-    let run = processor(&env, &config, "in.jsonl", "out")
+    let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);
@@ -539,7 +496,7 @@ async fn health_ready_and_metrics_are_served_while_a_job_runs() {
         + &format!("observability:\n  addr: 127.0.0.1:{port}\n");
     std::fs::write(&config, yaml).unwrap();
     let sim = env.dispatcher(&["pool-a"], closed_gate).await;
-    let child = processor(&env, &config, "in.jsonl", "out")
+    let child = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

@@ -5,7 +5,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use batch_executor::{Executor, JobSpec};
@@ -54,12 +53,6 @@ fn zcard(env: &Env, key: &str) -> u64 {
         .trim_start_matches(':')
         .parse()
         .unwrap_or_else(|_| panic!("ZCARD {key}: {reply}"))
-}
-
-fn output_lines(dir: &std::path::Path) -> usize {
-    std::fs::read_to_string(dir.join("output.jsonl"))
-        .map(|t| t.lines().count())
-        .unwrap_or(0)
 }
 
 // ---- A job that completes ----------------------------------------------------------------------
@@ -258,20 +251,6 @@ both_versions!(cancel_mid_job);
 
 // ---- Resume after kill -9 ------------------------------------------------------------------------
 
-fn processor(env: &Env, config: &std::path::Path, input: &str, out: &str) -> Command {
-    let mut cmd = Command::new(PROCESSOR);
-    cmd.arg("run")
-        .arg("--config")
-        .arg(config)
-        .arg("--input")
-        .arg(env.path(input))
-        .arg("--output-dir")
-        .arg(env.path(out))
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    cmd
-}
-
 async fn resume_after_kill_9(version: DispatcherVersion) {
     let env = Env::start(GatewayConfig {
         latency_fixed: Duration::from_millis(10),
@@ -283,40 +262,14 @@ async fn resume_after_kill_9(version: DispatcherVersion) {
     let sim = env
         .dispatcher_version(&["pool-a"], version, |c| c.batch_size = 10)
         .await;
-    let out = env.path("out");
-    let mut first = Child(
-        processor(&env, &config, "in.jsonl", "out")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    eventually("some results", Duration::from_secs(60), || {
-        output_lines(&out) >= 200
-    })
+    kill_9_and_rerun(
+        &config,
+        &env.path("in.jsonl"),
+        &env.path("out"),
+        &lines,
+        200,
+    )
     .await;
-    first.0.kill().unwrap(); // SIGKILL
-    first.0.wait().unwrap();
-    assert!(
-        output_lines(&out) < 1500,
-        "killed too late to prove anything"
-    );
-    // Results keep arriving while no processor runs.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
-    let second = processor(&env, &config, "in.jsonl", "out")
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&second.stderr);
-    assert!(second.status.success(), "{stderr}");
-    assert!(stderr.contains("resuming job"), "{stderr}");
-    let results = Results::read(&out);
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
-    let batch = batch_json(&out);
-    assert_eq!(batch["status"], "completed");
-    assert_eq!(batch["request_counts"]["completed"], 1500);
     sim.shutdown().await;
 }
 both_versions!(resume_after_kill_9);

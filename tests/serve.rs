@@ -47,6 +47,28 @@ fn slow_gateway() -> GatewayConfig {
     }
 }
 
+/// Opens the gate of [`gated_dispatcher`] until at least `n` lines of batch `id` are done, then
+/// closes it again.
+async fn let_through(env: &Env, api: &Api, id: &str, n: u64) {
+    gate(env, true);
+    api.wait_batch(id, FINISH, &format!("{n} lines done"), |b| {
+        count(b, "completed") >= n
+    })
+    .await;
+    gate(env, false);
+}
+
+/// Uploads `n` lines of `llama-3` as `<name>.jsonl` and creates a 24 h batch of them: the file
+/// id, the batch id and the lines' custom ids.
+async fn submit(api: &Api, name: &str, n: usize) -> (String, String, Vec<String>) {
+    let (text, lines) = input_jsonl(name, n, "llama-3");
+    let file = api
+        .upload_ok(&format!("{name}.jsonl"), text.as_bytes())
+        .await;
+    let id = id_of(&api.create_batch_ok(&file).await);
+    (file, id, lines)
+}
+
 fn count(batch: &Value, field: &str) -> u64 {
     batch["request_counts"][field]
         .as_u64()
@@ -488,12 +510,7 @@ async fn a_batch_shows_live_counts_and_partial_output_then_completes() {
     assert!(waiting["in_progress_at"].as_u64().is_some(), "{waiting}");
 
     // Opened a while, then closed again: the counts and the partial output agree.
-    gate(&env, true);
-    a.wait_batch(&id, FINISH, "20 lines done", |b| {
-        count(b, "completed") >= 20
-    })
-    .await;
-    gate(&env, false);
+    let_through(&env, &a, &id, 20).await;
     let mut last = a.batch(&id).await;
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -579,15 +596,8 @@ async fn cancel_is_idempotent_and_keeps_the_partial_results() {
     let sim = gated_dispatcher(&env).await;
     let service = Service::start(&config);
     let a = service.client(Some(KEY_A));
-    let (text, lines) = input_jsonl("cancel", 200, "llama-3");
-    let file = a.upload_ok("cancel.jsonl", text.as_bytes()).await;
-    let id = id_of(&a.create_batch_ok(&file).await);
-    gate(&env, true);
-    a.wait_batch(&id, FINISH, "10 lines done", |b| {
-        count(b, "completed") >= 10
-    })
-    .await;
-    gate(&env, false);
+    let (_, id, lines) = submit(&a, "cancel", 200).await;
+    let_through(&env, &a, &id, 10).await;
 
     let first = a
         .post_empty(&format!("/v1/batches/{id}/cancel"))
@@ -680,12 +690,7 @@ async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
     let (text, lines) = input_jsonl("late", 100, "llama-3");
     let file = a.upload_ok("late.jsonl", text.as_bytes()).await;
     let id = id_of(&a.create_batch(&file, "6s").await.expect(200));
-    gate(&env, true);
-    a.wait_batch(&id, FINISH, "10 lines done", |b| {
-        count(b, "completed") >= 10
-    })
-    .await;
-    gate(&env, false);
+    let_through(&env, &a, &id, 10).await;
     let batch = a.wait_final(&id, FINISH).await;
     assert_eq!(batch["status"], "expired", "{batch}");
     assert!(batch["expired_at"].as_u64().is_some(), "{batch}");
@@ -709,15 +714,8 @@ async fn a_cancel_interrupted_by_kill_9_ends_cancelled_after_a_restart() {
     let sim = gated_dispatcher(&env).await;
     let mut service = Service::start(&config);
     let a = service.client(Some(KEY_A));
-    let (text, lines) = input_jsonl("cut", 100, "llama-3");
-    let file = a.upload_ok("cut.jsonl", text.as_bytes()).await;
-    let id = id_of(&a.create_batch_ok(&file).await);
-    gate(&env, true);
-    a.wait_batch(&id, FINISH, "10 lines done", |b| {
-        count(b, "completed") >= 10
-    })
-    .await;
-    gate(&env, false);
+    let (_, id, lines) = submit(&a, "cut", 100).await;
+    let_through(&env, &a, &id, 10).await;
     a.post_empty(&format!("/v1/batches/{id}/cancel"))
         .await
         .expect(200);
@@ -917,9 +915,7 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     let other_file = a.upload_ok("other.jsonl", other_text.as_bytes()).await;
     let other = id_of(&a.create_batch_ok(&other_file).await);
     let id = id_of(&a.create_batch_ok(&file).await);
-    let (queued_text, queued_lines) = input_jsonl("queued", 5, "llama-3");
-    let queued_file = a.upload_ok("queued.jsonl", queued_text.as_bytes()).await;
-    let queued = id_of(&a.create_batch_ok(&queued_file).await);
+    let (_, queued, queued_lines) = submit(&a, "queued", 5).await;
     gate(&env, true);
     // The small batch goes first (its deadline is earlier) and finishes before the kill.
     let other = a.wait_final(&other, FINISH).await;
@@ -1013,9 +1009,7 @@ async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
     add_serve_section(&config, &storage, TWO_TENANTS, "", "");
     let mut service = Service::start(&config);
     let a = service.client(Some(KEY_A));
-    let (text, lines) = input_jsonl("sync-kill", 200, "llama-3");
-    let file = a.upload_ok("sync-kill.jsonl", text.as_bytes()).await;
-    let id = id_of(&a.create_batch_ok(&file).await);
+    let (_, id, lines) = submit(&a, "sync-kill", 200).await;
     let mid = a
         .wait_batch(&id, FINISH, "30 lines done", |b| {
             count(b, "completed") >= 30
@@ -1043,12 +1037,7 @@ async fn a_window_that_passes_while_the_service_is_stopped_expires_the_batch_on_
     let (text, lines) = input_jsonl("stale", 100, "llama-3");
     let file = a.upload_ok("stale.jsonl", text.as_bytes()).await;
     let id = id_of(&a.create_batch(&file, "8s").await.expect(200));
-    gate(&env, true);
-    a.wait_batch(&id, FINISH, "10 lines done", |b| {
-        count(b, "completed") >= 10
-    })
-    .await;
-    gate(&env, false);
+    let_through(&env, &a, &id, 10).await;
     let (status, _) = service.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
     assert_eq!(status.code(), Some(0), "{}", service.stderr_text());
     tokio::time::sleep(Duration::from_secs(9)).await;
@@ -1304,9 +1293,7 @@ async fn a_replica_frozen_past_its_lease_with_nobody_to_take_over_goes_on() {
     let sim = gated_dispatcher(&env).await;
     let one = Service::start(&replica_config(&env, 1));
     let api = one.client(Some(KEY_A));
-    let (text, lines) = input_jsonl("frozen", 60, "llama-3");
-    let file = api.upload_ok("frozen.jsonl", text.as_bytes()).await;
-    let id = id_of(&api.create_batch_ok(&file).await);
+    let (_, id, lines) = submit(&api, "frozen", 60).await;
     let deadline = Instant::now() + FINISH;
     while count(&api.batch(&id).await, "completed") < 10 {
         if api.batch(&id).await["status"] == "in_progress" {
@@ -2228,9 +2215,7 @@ async fn a_webhook_survives_the_death_of_the_replica_that_ended_the_batch() {
         .await
         .expect(200);
     let secret = created["signing_secret"].as_str().unwrap().to_owned();
-    let (text, _) = input_jsonl("survive", 3, "llama-3");
-    let file = a.upload_ok("survive.jsonl", text.as_bytes()).await;
-    let batch = id_of(&a.create_batch_ok(&file).await);
+    let (_, batch, _) = submit(&a, "survive", 3).await;
     assert_eq!(a.wait_final(&batch, FINISH).await["status"], "completed");
     let first = receiver.wait_for("a failed attempt", 1).await[0].clone();
     service.kill9();

@@ -284,6 +284,58 @@ impl Drop for Child {
     }
 }
 
+/// Lines in `<dir>/output.jsonl` so far.
+pub fn output_lines(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("output.jsonl"))
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+/// Runs `processor run` of `input` into `out`, kills it (SIGKILL) once `kill_at` answers are
+/// out, runs it again to its end, and checks that it resumed, completed, and wrote each of
+/// `lines` once with its own answer.
+pub async fn kill_9_and_rerun(
+    config: &Path,
+    input: &Path,
+    out: &Path,
+    lines: &[String],
+    kill_at: usize,
+) {
+    let mut first = Child(
+        run_cmd(config, input, out)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("some results", Duration::from_secs(60), || {
+        output_lines(out) >= kill_at
+    })
+    .await;
+    first.0.kill().unwrap(); // SIGKILL
+    first.0.wait().unwrap();
+    assert!(
+        output_lines(out) < lines.len(),
+        "killed too late to prove anything"
+    );
+    // Results keep arriving while no processor runs.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let second = run_cmd(config, input, out)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{stderr}");
+    assert!(stderr.contains("resuming job"), "{stderr}");
+    let results = Results::read(out);
+    results.assert_each_once(lines);
+    results.assert_answers_match(lines);
+    let batch = batch_json(out);
+    assert_eq!(batch["status"], "completed");
+    assert_eq!(batch["request_counts"]["completed"], lines.len());
+}
+
 /// `processor run --config C --input I --output-dir O`, logging at INFO, no stdin.
 pub fn run_cmd(config: &Path, input: &Path, out: &Path) -> std::process::Command {
     let mut cmd = std::process::Command::new(PROCESSOR);
