@@ -1188,19 +1188,29 @@ async fn a_freed_slot_takes_over_a_dead_replicas_job_before_a_queued_one() {
         .map(|(id, _)| id.clone())
         .filter(|id| !held.contains_key(id))
         .collect();
-    gate(&env, true);
-    while count(&api.batch(&dead).await, "completed") < 5 {
+    // The gate stays closed until the dead replica's lease is gone, so replica 2's own job
+    // cannot finish and free its slot while the dead job still looks alive, however fast or
+    // slow the machine (the dispatcher sends the older job's lines first, so any opening before
+    // could finish replica 2's job).
+    one.kill9();
+    let lease = format!("{{batch-processor}}:lease:{dead}");
+    while env.redis.command(&["EXISTS", &lease]) != ":0" {
         assert!(
             Instant::now() < deadline,
-            "the job of replica 1 made no progress"
+            "the dead replica's lease did not lapse"
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Held until the dead replica's lease has lapsed, replica 2's own job cannot finish first
-    // and free its slot while the dead job still looks alive.
-    gate(&env, false);
-    one.kill9();
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    let own = held
+        .keys()
+        .find(|id| **id != dead)
+        .expect("replica 2 runs a job");
+    let own = api.batch(own).await;
+    assert_eq!(
+        count(&own, "completed"),
+        0,
+        "lines went through a closed gate: {own}"
+    );
     gate(&env, true);
     for (id, lines) in &batches {
         let batch = api.wait_final(id, FINISH).await;
