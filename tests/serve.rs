@@ -47,6 +47,23 @@ fn slow_gateway() -> GatewayConfig {
     }
 }
 
+/// A sync-mode service config of the two tenants for `llama-3` at the env's gateway, with
+/// `concurrency` requests at once (no adaptive limit) and `serve_extra` lines of `serve:`.
+fn sync_service(env: &Env, concurrency: usize, serve_extra: &str) -> std::path::PathBuf {
+    let config = env.sync_config(
+        &["llama-3"],
+        "",
+        &format!(
+            "redis_url_file: {}\nconcurrency:\n  global: {concurrency}\n  per_endpoint: {concurrency}\n  aimd:\n    enabled: false\n",
+            env.redis_url_file.display()
+        ),
+    );
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(&config, &storage, TWO_TENANTS, serve_extra, "");
+    config
+}
+
 /// Opens the gate of [`gated_dispatcher`] until at least `n` lines of batch `id` are done, then
 /// closes it again.
 async fn let_through(env: &Env, api: &Api, id: &str, n: u64) {
@@ -996,17 +1013,7 @@ async fn three_kills_across_six_batches_lose_and_double_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
     let env = Env::start(slow_gateway()).await;
-    let config = env.sync_config(
-        &["llama-3"],
-        "",
-        &format!(
-            "redis_url_file: {}\nconcurrency:\n  global: 4\n  per_endpoint: 4\n  aimd:\n    enabled: false\n",
-            env.redis_url_file.display()
-        ),
-    );
-    let storage = env.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    add_serve_section(&config, &storage, TWO_TENANTS, "", "");
+    let config = sync_service(&env, 4, "");
     let mut service = Service::start(&config);
     let a = service.client(Some(KEY_A));
     let (_, id, lines) = submit(&a, "sync-kill", 200).await;
@@ -1943,17 +1950,7 @@ async fn pass_through_headers_reach_every_request_of_their_batch_in_async_mode()
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pass_through_headers_reach_every_request_of_their_batch_in_sync_mode() {
     let env = Env::start(slow_gateway()).await;
-    let config = env.sync_config(
-        &["llama-3"],
-        "",
-        &format!(
-            "redis_url_file: {}\nconcurrency:\n  global: 4\n  per_endpoint: 4\n  aimd:\n    enabled: false\n",
-            env.redis_url_file.display()
-        ),
-    );
-    let storage = env.path("storage");
-    std::fs::create_dir_all(&storage).unwrap();
-    add_serve_section(&config, &storage, TWO_TENANTS, PASS_THROUGH, "");
+    let config = sync_service(&env, 4, PASS_THROUGH);
     let mut service = Service::start(&config);
     pass_through_survives_a_restart(&env, &mut service, 20, |_| {}).await;
 }
@@ -2247,4 +2244,39 @@ async fn a_webhook_survives_the_death_of_the_replica_that_ended_the_batch() {
     assert_eq!(last.headers["webhook-id"], first.headers["webhook-id"]);
     assert!(verify(last, &secret));
     sim.shutdown().await;
+}
+
+/// `serve.tenant_max_requests_in_flight` in sync mode: one tenant's two batches have at most that
+/// many requests at the gateway together, and another tenant's batch runs beside them with its
+/// own share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenants_requests_in_flight_are_capped_while_another_tenant_runs() {
+    let env = Env::start(slow_gateway()).await;
+    let config = sync_service(&env, 32, "  tenant_max_requests_in_flight: 3\n");
+    let service = Service::start(&config);
+    let (a, b) = (service.client(Some(KEY_A)), service.client(Some(KEY_B)));
+    let mut alone = Vec::new();
+    for name in ["a1", "a2"] {
+        alone.push(submit(&a, name, 24).await);
+    }
+    for (_, id, lines) in &alone {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        a.results(&batch).await.assert_each_once(lines);
+    }
+    // Without the cap the two batches would have had up to 32 at once.
+    assert_eq!(env.gateway.stats().max_in_flight_seen, 3);
+
+    let (_, with_a, a_lines) = submit(&a, "a3", 24).await;
+    let (_, with_b, b_lines) = submit(&b, "b1", 24).await;
+    for (api, id, lines) in [(&a, &with_a, &a_lines), (&b, &with_b, &b_lines)] {
+        let batch = api.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        api.results(&batch).await.assert_each_once(lines);
+    }
+    let most = env.gateway.stats().max_in_flight_seen;
+    assert!(
+        (4..=6).contains(&most),
+        "{most} at once: tenant B did not run beside tenant A with a share of its own"
+    );
 }

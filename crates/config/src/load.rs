@@ -100,6 +100,7 @@ const SERVE_KEYS: &[&str] = &[
     "tenant_max_stored_bytes",
     "tenant_max_files",
     "tenant_max_running_batches",
+    "tenant_max_requests_in_flight",
 ];
 const WEBHOOKS_KEYS: &[&str] = &[
     "allowed_hosts",
@@ -382,6 +383,13 @@ fn serve(c: &mut Collector<'_>, root: &Table<'_>, work_dir: &Path, needs: Needs)
             d.tenant_max_running_batches,
             1,
             1 << 20,
+        ),
+        tenant_max_requests_in_flight: c.bounded_count(
+            &t,
+            "tenant_max_requests_in_flight",
+            d.tenant_max_requests_in_flight,
+            0,
+            1_000_000,
         ),
     }
 }

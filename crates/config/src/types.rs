@@ -532,6 +532,10 @@ pub struct ServeConfig {
     /// Batches of one tenant running at once on all replicas beyond which a free slot goes to
     /// another tenant's queued batch first, when one waits (default 8).
     pub tenant_max_running_batches: usize,
+    /// Requests of one tenant's batches in flight at once on a replica, in sync mode (default
+    /// 0: no cap of its own, `concurrency.global` for all). Async mode leaves the metering to the
+    /// dispatcher.
+    pub tenant_max_requests_in_flight: usize,
 }
 
 impl ServeConfig {
@@ -563,6 +567,7 @@ impl ServeConfig {
             tenant_max_stored_bytes: 100 << 30,
             tenant_max_files: 10_000,
             tenant_max_running_batches: 8,
+            tenant_max_requests_in_flight: 0,
         }
     }
 }

@@ -34,6 +34,10 @@ pub struct JobSpec {
     /// The one `url` every line must name (a batch's `endpoint`); a line naming another fails
     /// validation with `url_mismatch`. `None`: each line names its own.
     pub endpoint: Option<String>,
+    /// Permits shared with other jobs (the service gives one per tenant): in sync mode each
+    /// request of the job holds one while it is sent, so the jobs sharing it have at most its
+    /// size in flight together. Async mode ignores it: the dispatcher meters requests there.
+    pub request_slots: Option<std::sync::Arc<tokio::sync::Semaphore>>,
 }
 
 impl JobSpec {
@@ -47,6 +51,7 @@ impl JobSpec {
             headers: BTreeMap::new(),
             created_at: None,
             endpoint: None,
+            request_slots: None,
         }
     }
 }
@@ -133,6 +138,8 @@ pub struct Job {
     /// Index into `plan.models()` of each line, for per-model metrics.
     pub(crate) model_of_line: Vec<u16>,
     pub(crate) headers: BTreeMap<String, String>,
+    /// See [`JobSpec::request_slots`].
+    pub(crate) request_slots: Option<std::sync::Arc<tokio::sync::Semaphore>>,
     pub(crate) resumed: bool,
     pub(crate) started: Instant,
     progress: watch::Sender<JobProgress>,
@@ -252,6 +259,7 @@ impl Job {
             sink: Mutex::new(sink),
             model_of_line,
             headers: spec.headers.clone(),
+            request_slots: spec.request_slots.clone(),
             resumed,
             started: Instant::now(),
             progress,

@@ -160,6 +160,11 @@ impl SyncMode {
             }
         };
         let id = batch_wire::request_id(&job.id, index);
+        // Never closed: a permit always comes.
+        let _slot = match &job.request_slots {
+            Some(slots) => slots.clone().acquire_owned().await.ok(),
+            None => None,
+        };
         m::model_inflight(model, 1.0);
         let outcome = self
             .dispatcher

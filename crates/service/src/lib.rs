@@ -179,6 +179,7 @@ impl Service {
                 lease_ttl: serve.lease_ttl,
                 checkpoint_interval: serve.checkpoint_interval,
                 tenant_share: serve.tenant_max_running_batches,
+                tenant_requests: serve.tenant_max_requests_in_flight,
             },
         );
         let listener = http::bind(listen).map_err(|error| ServiceError::Listen {

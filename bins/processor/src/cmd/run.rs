@@ -127,6 +127,7 @@ fn specs(args: &Args) -> Result<Vec<JobSpec>, String> {
             headers: headers.clone(),
             created_at: None,
             endpoint: None,
+            request_slots: None,
         })
         .collect())
 }

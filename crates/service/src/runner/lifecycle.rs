@@ -67,6 +67,7 @@ impl Runner {
             headers: record.headers.clone(),
             created_at: Some(record.batch.batch.created_at),
             endpoint: record.batch.batch.endpoint.clone(),
+            request_slots: self.tenant_slots(&record.tenant),
         };
         let cancel = CancellationToken::new();
         if self

@@ -44,6 +44,9 @@ pub(crate) struct RunnerConfig {
     /// `serve.tenant_max_running_batches`: a tenant running this many jobs yields a free slot
     /// to another tenant's queued batch.
     pub tenant_share: usize,
+    /// `serve.tenant_max_requests_in_flight`: requests of one tenant's jobs in flight at once
+    /// on this replica, sync mode (0: no cap but `concurrency.global`).
+    pub tenant_requests: usize,
 }
 
 /// A job this replica runs now.
@@ -74,6 +77,8 @@ pub(crate) struct Runner {
     pub(crate) tasks: TaskTracker,
     /// Whether Redis lost the service's state.
     state: Arc<StateGuard>,
+    /// Each tenant's share of requests in flight ([`RunnerConfig::tenant_requests`]).
+    tenant_slots: Mutex<HashMap<String, Arc<Semaphore>>>,
 }
 
 impl Runner {
@@ -96,7 +101,23 @@ impl Runner {
             adopting: tokio::sync::Mutex::new(()),
             tasks: TaskTracker::new(),
             state,
+            tenant_slots: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The permits `tenant`'s jobs share for their requests in flight, when capped.
+    pub(crate) fn tenant_slots(&self, tenant: &str) -> Option<Arc<Semaphore>> {
+        let size = self.config.tenant_requests;
+        if size == 0 {
+            return None;
+        }
+        let mut slots = self.tenant_slots.lock().expect("tenant slots lock");
+        Some(
+            slots
+                .entry(tenant.to_owned())
+                .or_insert_with(|| Arc::new(Semaphore::new(size)))
+                .clone(),
+        )
     }
 
     fn job_dir(&self, id: &str) -> PathBuf {
