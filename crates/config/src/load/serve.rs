@@ -1,0 +1,445 @@
+//! The `serve:` section: the service's listener, limits, tenants, storage and webhooks.
+
+use std::path::{Path, PathBuf};
+
+use super::{name_part, read_secret, Needs};
+use crate::collect::{Collector, Table};
+use crate::types::*;
+use crate::values::check_http_url;
+
+const SERVE_KEYS: &[&str] = &[
+    "listen",
+    "api_keys_file",
+    "tenant_header",
+    "pass_through_headers",
+    "webhooks",
+    "storage",
+    "max_active_jobs",
+    "state_prefix",
+    "reaper_interval",
+    "replica_id",
+    "lease_ttl",
+    "checkpoint_interval",
+    "s3",
+    "header_read_timeout",
+    "idle_timeout",
+    "max_connections",
+    "max_json_body_bytes",
+    "max_form_field_bytes",
+    "max_filename_bytes",
+    "max_id_bytes",
+    "tenant_max_batches",
+    "tenant_max_stored_bytes",
+    "tenant_max_files",
+    "tenant_max_running_batches",
+    "tenant_max_requests_in_flight",
+];
+const WEBHOOKS_KEYS: &[&str] = &[
+    "allowed_hosts",
+    "allow_http",
+    "timeout",
+    "retry_initial_backoff",
+    "give_up_after",
+];
+const S3_KEYS: &[&str] = &[
+    "endpoint",
+    "region",
+    "allow_http",
+    "profile",
+    "access_key_id_file",
+    "secret_access_key_file",
+];
+
+/// The longest an edge timeout may be set to.
+const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
+
+pub(super) fn serve(
+    c: &mut Collector<'_>,
+    root: &Table<'_>,
+    work_dir: &Path,
+    needs: Needs,
+) -> ServeConfig {
+    let t = c.table(root, "serve", SERVE_KEYS);
+    let d = ServeConfig::defaults(work_dir);
+    let api_keys_file = c.path(&t, "api_keys_file");
+    let api_keys = match (&api_keys_file, needs) {
+        (Some(file), Needs::Service) => read_api_keys(c, &t, file),
+        _ => Vec::new(),
+    };
+    let tenant_header =
+        c.text(&t, "tenant_header")
+            .and_then(|name| match check_header_name(&name) {
+                Ok(name) => Some(name),
+                Err(problem) => {
+                    c.at(&t, "tenant_header", problem);
+                    None
+                }
+            });
+    if tenant_header.is_some() && api_keys_file.is_some() {
+        c.at(
+            &t,
+            "tenant_header",
+            "set either tenant_header or api_keys_file, not both: they are two ways to name tenants",
+        );
+    }
+    let pass_through_headers = pass_through_headers(c, &t);
+    let webhooks = webhooks(c, &t);
+    let storage = match c.text(&t, "storage") {
+        None => d.storage,
+        Some(url) => match check_storage_url(&url) {
+            Ok(()) => url,
+            Err(problem) => {
+                c.at(&t, "storage", problem);
+                d.storage
+            }
+        },
+    };
+    let state_prefix = name_part(c, &t, "state_prefix", "prefix").unwrap_or(d.state_prefix);
+    let s3 = s3(c, &t, needs);
+    ServeConfig {
+        listen: c.socket_addr(&t, "listen").unwrap_or(d.listen),
+        api_keys_file,
+        api_keys,
+        tenant_header,
+        pass_through_headers,
+        webhooks,
+        storage,
+        s3,
+        max_active_jobs: c.bounded_count(&t, "max_active_jobs", d.max_active_jobs, 1, 10_000),
+        state_prefix,
+        reaper_interval: c.positive_duration(&t, "reaper_interval", d.reaper_interval),
+        replica_id: name_part(c, &t, "replica_id", "replica id").unwrap_or(d.replica_id),
+        lease_ttl: c.positive_duration(&t, "lease_ttl", d.lease_ttl),
+        checkpoint_interval: c.positive_duration(&t, "checkpoint_interval", d.checkpoint_interval),
+        header_read_timeout: c.bounded_duration(
+            &t,
+            "header_read_timeout",
+            d.header_read_timeout,
+            HOUR,
+        ),
+        idle_timeout: c.bounded_duration(&t, "idle_timeout", d.idle_timeout, HOUR),
+        max_connections: c.bounded_count(&t, "max_connections", d.max_connections, 1, 1 << 20),
+        max_json_body_bytes: c.bounded_byte_size(
+            &t,
+            "max_json_body_bytes",
+            d.max_json_body_bytes,
+            1 << 30,
+        ),
+        max_form_field_bytes: c.bounded_byte_size(
+            &t,
+            "max_form_field_bytes",
+            d.max_form_field_bytes,
+            1 << 30,
+        ),
+        max_filename_bytes: c.bounded_count(
+            &t,
+            "max_filename_bytes",
+            d.max_filename_bytes,
+            1,
+            1 << 20,
+        ),
+        max_id_bytes: c.bounded_count(&t, "max_id_bytes", d.max_id_bytes, 16, 1 << 16),
+        tenant_max_batches: c.bounded_count(
+            &t,
+            "tenant_max_batches",
+            d.tenant_max_batches,
+            1,
+            1 << 30,
+        ),
+        tenant_max_stored_bytes: c.bounded_byte_size(
+            &t,
+            "tenant_max_stored_bytes",
+            d.tenant_max_stored_bytes,
+            1 << 50,
+        ),
+        tenant_max_files: c.bounded_count(&t, "tenant_max_files", d.tenant_max_files, 1, 1 << 30),
+        tenant_max_running_batches: c.bounded_count(
+            &t,
+            "tenant_max_running_batches",
+            d.tenant_max_running_batches,
+            1,
+            1 << 20,
+        ),
+        tenant_max_requests_in_flight: c.bounded_count(
+            &t,
+            "tenant_max_requests_in_flight",
+            d.tenant_max_requests_in_flight,
+            0,
+            1_000_000,
+        ),
+    }
+}
+
+/// `serve.s3`; the key files are read for the service only.
+fn s3(c: &mut Collector<'_>, serve: &Table<'_>, needs: Needs) -> S3Config {
+    let t = c.table(serve, "s3", S3_KEYS);
+    let allow_http = t
+        .get("allow_http")
+        .map(|_| c.boolean(&t, "allow_http", false));
+    let endpoint = c.text(&t, "endpoint").filter(|e| {
+        let authority = e.split("://").nth(1).unwrap_or_default();
+        let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
+        let problem = match check_http_url(e) {
+            Err(problem) => format!("{problem}, such as http://minio:9000"),
+            Ok(()) if authority.contains('@') || e.contains('?') => {
+                "expected no credentials or query in the endpoint: use the key files".to_owned()
+            }
+            Ok(()) if e.starts_with("http://") && allow_http != Some(true) => {
+                "a plain-http endpoint also needs allow_http: true".to_owned()
+            }
+            Ok(()) => return true,
+        };
+        c.at(&t, "endpoint", problem);
+        false
+    });
+    let access_key_id_file = c.path(&t, "access_key_id_file");
+    let secret_access_key_file = c.path(&t, "secret_access_key_file");
+    if access_key_id_file.is_some() != secret_access_key_file.is_some() {
+        let missing = match access_key_id_file {
+            Some(_) => "secret_access_key_file",
+            None => "access_key_id_file",
+        };
+        c.at(
+            &t,
+            missing,
+            "access_key_id_file and secret_access_key_file go together",
+        );
+    }
+    let read = |c: &mut Collector<'_>, key: &str, file: &Option<PathBuf>| match (file, needs) {
+        (Some(file), Needs::Service) => read_secret(c, &t, key, file),
+        _ => None,
+    };
+    let access_key_id = read(c, "access_key_id_file", &access_key_id_file);
+    let secret_access_key = read(c, "secret_access_key_file", &secret_access_key_file);
+    S3Config {
+        endpoint,
+        region: c.text(&t, "region"),
+        allow_http,
+        profile: c.text(&t, "profile"),
+        access_key_id_file,
+        secret_access_key_file,
+        access_key_id,
+        secret_access_key,
+    }
+}
+
+/// `file:///abs/dir`, or `s3://bucket[/prefix]`.
+fn check_storage_url(url: &str) -> Result<(), String> {
+    if let Some(path) = url.strip_prefix("file://") {
+        if !path.starts_with('/') {
+            return Err(format!(
+                "expected an absolute directory URL such as file:///var/lib/batch/storage, got {url:?}"
+            ));
+        }
+        return Ok(());
+    }
+    if let Some(rest) = url.strip_prefix("s3://") {
+        if rest.split('/').next().is_some_and(|b| !b.is_empty()) {
+            return Ok(());
+        }
+        return Err(format!("expected s3://bucket[/prefix], got {url:?}"));
+    }
+    Err(format!(
+        "expected file:///directory or s3://bucket[/prefix], got {url:?}"
+    ))
+}
+
+/// Headers the service itself sets on an inference request, or that would change how it is
+/// carried: never passed through from a client.
+const RESERVED_HEADERS: &[&str] = &[
+    "host",
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "connection",
+    "authorization",
+    "te",
+    "upgrade",
+    "keep-alive",
+    "proxy-authorization",
+];
+
+/// `serve.webhooks`.
+fn webhooks(c: &mut Collector<'_>, serve: &Table<'_>) -> WebhooksConfig {
+    let t = c.table(serve, "webhooks", WEBHOOKS_KEYS);
+    let d = WebhooksConfig::default();
+    let mut allowed_hosts = Vec::new();
+    for host in string_list(c, &t, "allowed_hosts") {
+        match check_allowed_host(&host) {
+            Ok(()) => allowed_hosts.push(host.to_ascii_lowercase()),
+            Err(problem) => c.at(&t, "allowed_hosts", problem),
+        }
+    }
+    let give_up_after = c.positive_duration(&t, "give_up_after", d.give_up_after);
+    if give_up_after < std::time::Duration::from_secs(24 * 3600) {
+        c.at(
+            &t,
+            "give_up_after",
+            "must be at least 24h: a receiver gets a day to come back",
+        );
+    }
+    WebhooksConfig {
+        allowed_hosts,
+        allow_http: c.boolean(&t, "allow_http", d.allow_http),
+        timeout: c.bounded_duration(&t, "timeout", d.timeout, HOUR),
+        retry_initial_backoff: c.bounded_duration(
+            &t,
+            "retry_initial_backoff",
+            d.retry_initial_backoff,
+            HOUR,
+        ),
+        give_up_after,
+    }
+}
+
+/// An entry of `serve.webhooks.allowed_hosts`: a CIDR, a host name or `*.` and a domain.
+fn check_allowed_host(host: &str) -> Result<(), String> {
+    if host.contains('/') {
+        return host
+            .parse::<ipnet::IpNet>()
+            .map(|_| ())
+            .map_err(|_| format!("{host:?} is not a CIDR such as 10.0.0.0/8"));
+    }
+    let name = host.strip_prefix("*.").unwrap_or(host);
+    let label = |l: &str| {
+        !l.is_empty() && l.len() <= 63 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    if name.parse::<std::net::IpAddr>().is_ok() || (name.len() <= 253 && name.split('.').all(label))
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "{host:?} is not a host name, *.domain, IP address or CIDR"
+    ))
+}
+
+/// A list of non-empty strings under `key`.
+fn string_list(c: &mut Collector<'_>, t: &Table<'_>, key: &str) -> Vec<String> {
+    let items = match t.get(key) {
+        None => return Vec::new(),
+        Some(figment::value::Value::Array(_, items)) => items,
+        Some(_) => {
+            c.at(t, key, "expected a list of strings");
+            return Vec::new();
+        }
+    };
+    let mut out = Vec::new();
+    for item in items {
+        match item.as_str() {
+            Some(text) if !text.trim().is_empty() => out.push(text.trim().to_owned()),
+            _ => c.at(t, key, "expected a list of non-empty strings"),
+        }
+    }
+    out
+}
+
+/// `serve.pass_through_headers`: a list of header names, lower-cased, each once.
+fn pass_through_headers(c: &mut Collector<'_>, t: &Table<'_>) -> Vec<String> {
+    let key = "pass_through_headers";
+    let mut names: Vec<String> = Vec::new();
+    for name in string_list(c, t, key) {
+        match check_header_name(&name) {
+            Ok(name) if RESERVED_HEADERS.contains(&name.as_str()) => {
+                let problem =
+                    format!("{name:?} is set by the service and cannot be passed through");
+                c.at(t, key, problem);
+            }
+            Ok(name) if names.contains(&name) => {
+                c.at(t, key, format!("{name:?} is listed twice"));
+            }
+            Ok(name) => names.push(name),
+            Err(problem) => c.at(t, key, problem),
+        }
+    }
+    names
+}
+
+/// An HTTP header name (an RFC 9110 token), lower-cased.
+fn check_header_name(name: &str) -> Result<String, String> {
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    if name.is_empty() || name.len() > 128 || !name.bytes().all(token) {
+        return Err(format!(
+            "{name:?} is not a header name (1 to 128 letters, digits and -_.!#$%&'*+^`|~)"
+        ));
+    }
+    Ok(name.to_ascii_lowercase())
+}
+
+/// `<key> <tenant>` per line; `#` starts a comment. Errors name the file and line, never a key.
+fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKey> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(text) => text,
+        Err(e) => {
+            let problem = format!("cannot read secret file {}: {e}", file.display());
+            c.at(t, "api_keys_file", problem);
+            return Vec::new();
+        }
+    };
+    let mut keys: Vec<ApiKey> = Vec::new();
+    let mut lines = 0;
+    // An editor's byte order mark would otherwise become part of the first key, which then
+    // never matches: the key file's first tenant would be locked out without a word.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        lines += 1;
+        let mut parts = line.split_whitespace();
+        let (Some(key), Some(tenant), None) = (parts.next(), parts.next(), parts.next()) else {
+            let problem = format!(
+                "{} line {}: expected \"<key> <tenant>\"",
+                file.display(),
+                n + 1
+            );
+            c.at(t, "api_keys_file", problem);
+            continue;
+        };
+        if let Err(problem) = check_tenant(tenant) {
+            let problem = format!("{} line {}: {problem}", file.display(), n + 1);
+            c.at(t, "api_keys_file", problem);
+            continue;
+        }
+        if keys.iter().any(|k| k.key.expose() == key) {
+            let problem = format!("{} line {}: the same key twice", file.display(), n + 1);
+            c.at(t, "api_keys_file", problem);
+            continue;
+        }
+        keys.push(ApiKey {
+            key: Secret::new(key),
+            tenant: tenant.to_owned(),
+        });
+    }
+    if lines == 0 {
+        let problem = format!("{} holds no key", file.display());
+        c.at(t, "api_keys_file", problem);
+    }
+    keys
+}
+
+/// The longest tenant name.
+const MAX_TENANT: usize = 64;
+
+/// A tenant name: 1 to [`MAX_TENANT`] letters, digits, `-`, `_`, `.` and `@` (a user name from
+/// a proxy may be an e-mail address), neither starting with `.` nor holding `..`.
+/// Tenants are parts of Redis keys and of log lines, where `/`, `..` or glob characters
+/// (`*`, `?`, `[`) would read as something else.
+pub fn check_tenant(tenant: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@');
+    if tenant.is_empty() || tenant.len() > MAX_TENANT {
+        return Err(format!(
+            "a tenant name has 1 to {MAX_TENANT} characters, got {}",
+            tenant.len()
+        ));
+    }
+    if let Some(found) = tenant.chars().find(|c| !allowed(*c)) {
+        return Err(format!(
+            "tenant {tenant:?} contains {found:?}; use ASCII letters, digits, '-', '_', '.' or '@'"
+        ));
+    }
+    if tenant.starts_with('.') || tenant.contains("..") {
+        return Err(format!("tenant {tenant:?} starts with '.' or holds '..'"));
+    }
+    Ok(())
+}
