@@ -4,9 +4,9 @@
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use batch_state::{now_unix, FileObject, FineCounts, StoredBatch, StoredFile, Usage};
+use batch_state::{now_unix, Change, FileObject, StoredBatch, StoredFile, Usage};
 use batch_storage::Storage;
-use batch_wire::{error_codes, Batch, BatchStatus};
+use batch_wire::{error_codes, Batch};
 use serde::Deserialize;
 
 use crate::runner::fence::{Fence, RunError};
@@ -155,16 +155,11 @@ pub(crate) async fn finish(
             .map_err(|e| RunError::Other(format!("scanning results panicked: {e}")))?
             .map_err(|e| RunError::Other(format!("{}: {e}", out.display())))?
     };
-    {
-        // Also proves the lease still holds before anything is uploaded.
-        let b = &mut record.batch.batch;
-        b.request_counts = batch.request_counts;
-        if batch.status == BatchStatus::Completed && scanned.output_lines + scanned.error_lines > 0
-        {
-            b.set_status(BatchStatus::Finalizing, now_unix());
-        }
-        fence.save(record).await?;
-    }
+    // Also proves the lease still holds before anything is uploaded.
+    let results = scanned.output_lines + scanned.error_lines > 0;
+    fence
+        .advance(record, Change::Finalizing { batch, results })
+        .await?;
     let expires_at = record
         .output_expires_after
         .map(|secs| now_unix() + secs as i64);
@@ -205,24 +200,17 @@ pub(crate) async fn finish(
             .await?;
         *slot = Some(file_id);
     }
-    record.merge(batch);
     let [output, errors] = ids;
-    let b = &mut record.batch.batch;
-    b.output_file_id = output;
-    b.error_file_id = errors;
-    let counts = b.request_counts;
-    record.batch.usage = Some(scanned.usage);
-    record.batch.x_request_counts = FineCounts {
-        processing: 0,
-        succeeded: counts.completed,
-        errored: counts
-            .failed
-            .saturating_sub(scanned.cancelled + scanned.expired),
+    let ended = Change::Ended {
+        batch,
+        output_file_id: output.as_deref(),
+        error_file_id: errors.as_deref(),
+        usage: scanned.usage,
         cancelled: scanned.cancelled,
         expired: scanned.expired,
     };
     // Its storage copy (`layout::batch_copy`) is written by the save itself.
-    fence.save(record).await?;
+    fence.advance(record, ended).await?;
     tracing::info!(job = %id, status = record.batch.status().as_str(), "batch finished");
     Ok(())
 }

@@ -120,18 +120,6 @@ impl BatchObject {
     pub fn status(&self) -> BatchStatus {
         self.batch.status
     }
-
-    /// Fine counts derived from `request_counts` while the batch runs.
-    pub fn running_counts(&mut self) {
-        let c = self.batch.request_counts;
-        self.x_request_counts = FineCounts {
-            processing: c.total.saturating_sub(c.completed + c.failed),
-            succeeded: c.completed,
-            errored: c.failed,
-            cancelled: 0,
-            expired: 0,
-        };
-    }
 }
 
 /// A batch and what the service needs to run it, as stored.
@@ -150,28 +138,6 @@ pub struct StoredBatch {
     /// sent on each of the batch's inference requests.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub headers: std::collections::BTreeMap<String, String>,
-}
-
-impl StoredBatch {
-    /// Copies what the executor knows of the job into the record (which keeps the service's
-    /// own fields: the input file id, window, metadata).
-    pub fn merge(&mut self, batch: &Batch) {
-        let b = &mut self.batch.batch;
-        b.status = batch.status;
-        b.errors = batch.errors.clone();
-        b.request_counts = batch.request_counts;
-        if b.endpoint.is_none() {
-            b.endpoint = batch.endpoint.clone();
-        }
-        b.in_progress_at = b.in_progress_at.or(batch.in_progress_at);
-        b.finalizing_at = b.finalizing_at.or(batch.finalizing_at);
-        b.completed_at = batch.completed_at;
-        b.failed_at = batch.failed_at;
-        b.expired_at = batch.expired_at;
-        b.cancelling_at = b.cancelling_at.or(batch.cancelling_at);
-        b.cancelled_at = batch.cancelled_at;
-        self.batch.running_counts();
-    }
 }
 
 /// One page of a listing.

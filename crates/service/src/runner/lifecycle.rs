@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batch_executor::{JobSpec, Prepared};
-use batch_state::{layout, now_unix, JobLease, StoredBatch};
+use batch_state::{layout, Change, JobLease, StoredBatch};
 use batch_storage::StorageError;
-use batch_wire::{Batch, BatchError, BatchErrors, BatchStatus};
+use batch_wire::Batch;
 use tokio_util::sync::CancellationToken;
 
 use super::checkpoints::write_epoch;
@@ -150,8 +150,9 @@ impl Runner {
         batch: &Batch,
         lease: &JobLease,
     ) -> Result<(), RunError> {
-        record.merge(batch);
-        self.fencing(lease).save(record).await?;
+        self.fencing(lease)
+            .advance(record, Change::Stopped(batch))
+            .await?;
         if let Err(e) = self.checkpoint(job, lease).await {
             tracing::warn!(job = %lease.job, error = %e, "no checkpoint at shutdown; the next holder redoes more");
         }
@@ -199,15 +200,9 @@ impl Runner {
         message: &str,
     ) -> Result<(), RunError> {
         tracing::warn!(job = %record.batch.batch.id, message, "batch failed");
-        let b = &mut record.batch.batch;
-        b.errors = Some(BatchErrors::new(vec![BatchError {
-            code: code.to_owned(),
-            message: message.to_owned(),
-            param: None,
-            line: None,
-        }]));
-        b.set_status(BatchStatus::Failed, now_unix());
-        self.fencing(lease).save(record).await?;
+        self.fencing(lease)
+            .advance(record, Change::Failed { code, message })
+            .await?;
         let dir = self.job_dir(&lease.job);
         self.end(lease, &dir).await
     }
