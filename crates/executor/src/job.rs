@@ -505,6 +505,12 @@ impl Job {
         Ok(open.len() as u64)
     }
 
+    /// What the job's result files hold so far, counted as they were written (see
+    /// [`batch_sink::Totals`]).
+    pub fn totals(&self) -> batch_sink::Totals {
+        self.sink.lock().expect("sink lock").totals()
+    }
+
     /// Moves to `status` and writes `batch.json`.
     pub(crate) fn set_status(&self, status: BatchStatus) -> Result<Batch, ExecError> {
         let counts = self.sink.lock().expect("sink lock").counts();

@@ -3,26 +3,70 @@
 //! The line is written straight into a caller's buffer, field by field. A body is copied where
 //! it belongs in the line and checked there ([`batch_wire::json::check`], which finds its `usage`
 //! in the same pass); only a line that turns out otherwise is written again.
+//!
+//! A response's `usage` counts when its status is 2xx: chat and completions name its tokens
+//! `prompt_tokens`/`completion_tokens`, the Responses API `input_tokens`/`output_tokens` (either,
+//! not both); `total_tokens` defaults to their sum.
 
-use batch_wire::{error_codes, json};
+use batch_wire::{error_codes, json, Usage};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-/// Token counts of a response, from its `usage`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-pub struct Usage {
-    /// Prompt tokens.
+/// A response's `usage` as the gateway names its members.
+#[derive(Deserialize)]
+struct UsageFields {
+    #[serde(default, alias = "input_tokens")]
+    prompt_tokens: u64,
+    #[serde(default, alias = "output_tokens")]
+    completion_tokens: u64,
     #[serde(default)]
-    pub prompt_tokens: u64,
-    /// Generated tokens.
+    total_tokens: Option<u64>,
+    #[serde(default, alias = "input_tokens_details")]
+    prompt_tokens_details: Option<Details>,
+    #[serde(default, alias = "output_tokens_details")]
+    completion_tokens_details: Option<Details>,
+}
+
+#[derive(Deserialize)]
+struct Details {
     #[serde(default)]
-    pub completion_tokens: u64,
+    cached_tokens: u64,
+    #[serde(default)]
+    reasoning_tokens: u64,
+}
+
+impl From<UsageFields> for Usage {
+    fn from(u: UsageFields) -> Self {
+        let mut usage = Usage {
+            input_tokens: u.prompt_tokens,
+            output_tokens: u.completion_tokens,
+            total_tokens: u
+                .total_tokens
+                .unwrap_or(u.prompt_tokens.saturating_add(u.completion_tokens)),
+            ..Usage::default()
+        };
+        usage.input_tokens_details.cached_tokens =
+            u.prompt_tokens_details.map_or(0, |d| d.cached_tokens);
+        usage.output_tokens_details.reasoning_tokens = u
+            .completion_tokens_details
+            .map_or(0, |d| d.reasoning_tokens);
+        usage
+    }
 }
 
 #[derive(Deserialize)]
 struct UsageOnly {
     #[serde(default)]
-    usage: Option<Usage>,
+    usage: Option<UsageFields>,
+}
+
+impl UsageOnly {
+    fn read(json: &[u8]) -> Option<Usage> {
+        serde_json::from_slice::<Self>(json)
+            .ok()?
+            .usage
+            .map(Usage::from)
+    }
 }
 
 /// One rendered line.
@@ -146,31 +190,37 @@ fn trimmed(body: &[u8]) -> (usize, usize) {
     (lo, lo + inner.len())
 }
 
-/// The token counts of a JSON body, as a `{usage: Option<Usage>}` would read them.
-fn usage(body: &[u8], doc: &json::Document) -> Option<Usage> {
+/// The token counts of a 2xx response's JSON body (see the module's doc); `doc` is what
+/// [`json::check`] found in it.
+pub(crate) fn usage(body: &[u8], doc: &json::Document) -> Option<Usage> {
     if !doc.object {
         // serde reads an array into a struct's fields: keep what it made of them.
-        return serde_json::from_slice::<UsageOnly>(body).ok()?.usage;
+        return UsageOnly::read(body);
     }
     let at = doc.usage.clone().filter(|_| !doc.usage_repeated)?;
     let value = &body[at];
-    plain_usage(value).unwrap_or_else(|| serde_json::from_slice::<Option<Usage>>(value).ok()?)
+    plain_usage(value).unwrap_or_else(|| {
+        serde_json::from_slice::<Option<UsageFields>>(value)
+            .ok()?
+            .map(Usage::from)
+    })
 }
 
-/// The usual `usage`, read by hand: `null`, or an object whose members are integers or `null`
-/// under plain keys. `None` for anything else, which serde reads. `value` is JSON.
+/// The usual `usage`, read by hand: `null`, or an object whose members are integers (or
+/// `null` under keys it does not count) under plain keys. `None` for anything else, which
+/// serde reads. `value` is JSON.
 fn plain_usage(value: &[u8]) -> Option<Option<Usage>> {
     if value == b"null" {
         return Some(None);
     }
-    let mut usage = Usage::default();
-    let (mut prompt, mut completion) = (false, false);
+    let (mut prompt, mut completion, mut total) = (None, None, None);
+    let (mut prompt_details, mut completion_details) = (false, false);
     let mut i = ws(value, 1);
     if value.first() != Some(&b'{') {
         return None;
     }
     if value.get(i) == Some(&b'}') {
-        return Some(Some(usage));
+        return Some(Some(Usage::default()));
     }
     loop {
         // A key without escapes: JSON, so it ends at the next quote.
@@ -202,9 +252,29 @@ fn plain_usage(value: &[u8]) -> Option<Option<Usage>> {
         if let Some(b'.' | b'e' | b'E') = value.get(i) {
             return None;
         }
-        let (slot, seen) = match key {
-            b"prompt_tokens" => (&mut usage.prompt_tokens, &mut prompt),
-            b"completion_tokens" => (&mut usage.completion_tokens, &mut completion),
+        let slot = match key {
+            b"prompt_tokens" | b"input_tokens" => &mut prompt,
+            b"completion_tokens" | b"output_tokens" => &mut completion,
+            b"total_tokens" => &mut total,
+            b"prompt_tokens_details"
+            | b"input_tokens_details"
+            | b"completion_tokens_details"
+            | b"output_tokens_details" => {
+                // Only `null` gets here (an object is serde's); once, as serde allows it.
+                let seen = match key[0] {
+                    b'p' | b'i' => &mut prompt_details,
+                    _ => &mut completion_details,
+                };
+                if number.is_some() || std::mem::replace(seen, true) {
+                    return None;
+                }
+                i = ws(value, i);
+                match value.get(i) {
+                    Some(b',') => i = ws(value, i + 1),
+                    _ => break,
+                }
+                continue;
+            }
             _ => {
                 i = ws(value, i);
                 match value.get(i) {
@@ -214,18 +284,24 @@ fn plain_usage(value: &[u8]) -> Option<Option<Usage>> {
                 continue;
             }
         };
-        // A repeated field, or a count that is `null`: serde's error, which it reports.
-        if std::mem::replace(seen, true) {
+        // A repeated field, or a count that is `null`: serde's to judge.
+        if slot.is_some() {
             return None;
         }
-        *slot = number?;
+        *slot = Some(number?);
         i = ws(value, i);
         match value.get(i) {
             Some(b',') => i = ws(value, i + 1),
             _ => break,
         }
     }
-    Some(Some(usage))
+    let (prompt, completion) = (prompt.unwrap_or(0), completion.unwrap_or(0));
+    Some(Some(Usage {
+        input_tokens: prompt,
+        output_tokens: completion,
+        total_tokens: total.unwrap_or(prompt.saturating_add(completion)),
+        ..Usage::default()
+    }))
 }
 
 fn ws(s: &[u8], mut i: usize) -> usize {
@@ -377,7 +453,7 @@ mod tests {
         if !(200..300).contains(&status) || serde_json::from_str::<&RawValue>(trimmed).is_err() {
             return None;
         }
-        serde_json::from_str::<UsageOnly>(trimmed).ok()?.usage
+        UsageOnly::read(trimmed.as_bytes())
     }
 
     fn text() -> impl Strategy<Value = String> {
@@ -447,6 +523,11 @@ mod tests {
             "prompt_tokens",
             "completion_tokens",
             "total_tokens",
+            "input_tokens",
+            "output_tokens",
+            "prompt_tokens_details",
+            "output_tokens_details",
+            "input_tokens_details",
             "x",
             "prompt\\u005ftokens",
         ]);
@@ -465,6 +546,8 @@ mod tests {
             "18446744073709551615",
             "18446744073709551616",
             "1234567890123456789",
+            "{\"cached_tokens\":2}",
+            "{\"reasoning_tokens\":3,\"x\":null}",
         ]);
         let space = prop::sample::select(vec!["", " ", "\n\t"]);
         prop_oneof![
@@ -484,8 +567,10 @@ mod tests {
     fn the_usual_usage_is_read_by_hand() {
         let usual = br#"{"prompt_tokens":512, "completion_tokens":180,"total_tokens":692}"#;
         let read = Some(Usage {
-            prompt_tokens: 512,
-            completion_tokens: 180,
+            input_tokens: 512,
+            output_tokens: 180,
+            total_tokens: 692,
+            ..Usage::default()
         });
         assert_eq!(plain_usage(usual), Some(read));
         assert_eq!(plain_usage(b"null"), Some(None));
@@ -502,7 +587,7 @@ mod tests {
         fn usage_is_read_as_serde_reads_it(value in usage_value()) {
             let body = format!("{{\"usage\":{value}}}");
             let doc = json::check(body.as_bytes()).unwrap();
-            let serde = serde_json::from_str::<UsageOnly>(&body).ok().and_then(|u| u.usage);
+            let serde = UsageOnly::read(body.as_bytes());
             prop_assert_eq!(usage(body.as_bytes(), &doc), serde, "{}", body);
         }
     }
@@ -525,8 +610,10 @@ mod tests {
         assert_eq!(
             r.usage,
             Some(Usage {
-                prompt_tokens: 3,
-                completion_tokens: 5
+                input_tokens: 3,
+                output_tokens: 5,
+                total_tokens: 8,
+                ..Usage::default()
             })
         );
     }

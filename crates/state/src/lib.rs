@@ -46,12 +46,12 @@ use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::{ClusterHash, CustomCommand, Value};
 use serde::de::DeserializeOwned;
 
+pub use batch_wire::{CachedTokens, ReasoningTokens, Usage};
 pub use files::FileQuota;
 pub use layout::STATE_PREFIX;
 pub use leases::{JobLease, Renewal};
 pub use records::{
-    BatchObject, CachedTokens, FileObject, FineCounts, Page, ReasoningTokens, StoredBatch,
-    StoredFile, Usage, FINE_COUNTS_KEY,
+    BatchObject, FileObject, FineCounts, Page, StoredBatch, StoredFile, FINE_COUNTS_KEY,
 };
 pub use recovery::RebuildReport;
 pub use status::{Advance, CancelRequest, Change};

@@ -1,6 +1,6 @@
 //! The records the service keeps: OpenAI's File and Batch objects, with the tenant that owns them.
 
-use batch_wire::{Batch, BatchStatus};
+use batch_wire::{Batch, BatchStatus, Usage};
 use serde::{Deserialize, Serialize};
 
 use crate::layout;
@@ -48,35 +48,6 @@ impl StoredFile {
             .clone()
             .unwrap_or_else(|| layout::upload(&self.file.id))
     }
-}
-
-/// Token counts summed over a batch's responses, in the Batch object's shape.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    /// Prompt tokens.
-    pub input_tokens: u64,
-    /// Of which were cached.
-    pub input_tokens_details: CachedTokens,
-    /// Generated tokens.
-    pub output_tokens: u64,
-    /// Of which were reasoning.
-    pub output_tokens_details: ReasoningTokens,
-    /// Both.
-    pub total_tokens: u64,
-}
-
-/// `input_tokens_details`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CachedTokens {
-    /// Prompt tokens served from a cache.
-    pub cached_tokens: u64,
-}
-
-/// `output_tokens_details`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReasoningTokens {
-    /// Generated tokens spent on reasoning.
-    pub reasoning_tokens: u64,
 }
 
 /// Finer counts than OpenAI's `request_counts`, as Anthropic's Message Batches give them; the

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batch_executor::{JobSpec, Prepared};
+use batch_sink::JobSink;
 use batch_state::{layout, Change, JobLease, StoredBatch};
 use batch_storage::StorageError;
 use batch_wire::Batch;
@@ -93,8 +94,15 @@ impl Runner {
                     .await;
             }
         };
-        let batch = match prepared {
-            Prepared::Finished(batch) => *batch,
+        let (batch, totals) = match prepared {
+            // Ended before (finishing it was cut short): the sink counts its files again.
+            Prepared::Finished(batch) => {
+                let out = dir.join("out");
+                let totals = JobSink::open(&out, id, batch.request_counts.total)
+                    .map_err(|e| RunError::Other(e.to_string()))?
+                    .totals();
+                (*batch, totals)
+            }
             Prepared::Ready(job) => {
                 let mut models = job.models();
                 if let (Some(model), None) = (models.next(), models.next()) {
@@ -120,7 +128,7 @@ impl Runner {
                     Ok(batch) if !batch.status.is_terminal() => {
                         return self.paused(&job, &mut record, &batch, lease).await;
                     }
-                    Ok(batch) => batch,
+                    Ok(batch) => (batch, job.totals()),
                     Err(e) => {
                         let message = format!("The batch failed: {e}");
                         return self
@@ -135,6 +143,7 @@ impl Runner {
             &self.storage,
             &mut record,
             &batch,
+            &totals,
             &dir,
         )
         .await?;
