@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::files::owned_file;
-use crate::{limit, list_body, Api, ApiError, Id, ListParams, Tenant};
+use crate::{limit, list_body, Api, ApiError, ErrorCode, Id, ListParams, Tenant};
 
 /// The longest value of a pass-through header kept with a batch.
 const MAX_PASS_THROUGH_VALUE: usize = 1024;
@@ -164,9 +164,9 @@ pub(crate) async fn create(
     };
     let max = api.quotas.max_unfinished_batches;
     if api.store.create_batch_within(&stored, max).await?.is_err() {
-        return Err(ApiError::over_quota(
+        return Err(ApiError::new(
+            ErrorCode::InsufficientQuota,
             format!("This tenant already has {max} batches queued or running, its quota (serve.tenant_max_batches); wait for some to end or cancel some."),
-            None,
         ));
     }
     api.hooks.wake();
@@ -177,13 +177,10 @@ pub(crate) async fn create(
 /// A body that is not the JSON expected: 413 when it is over `serve.max_json_body_bytes`.
 pub(crate) fn json_rejection(e: axum::extract::rejection::JsonRejection) -> ApiError {
     if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-        return ApiError {
-            status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-            message: "The request body is larger than this service's limit for JSON bodies (serve.max_json_body_bytes).".into(),
-            kind: "invalid_request_error",
-            param: None,
-            code: Some("request_too_large"),
-        };
+        return ApiError::new(
+            ErrorCode::RequestTooLarge,
+            "The request body is larger than this service's limit for JSON bodies (serve.max_json_body_bytes).",
+        );
     }
     ApiError::invalid(format!("Invalid JSON body: {}", e.body_text()), None)
 }
@@ -243,7 +240,10 @@ fn metadata(
 async fn owned_batch(api: &Api, tenant: &Tenant, id: &str) -> Result<StoredBatch, ApiError> {
     match api.store.batch(id).await? {
         Some(b) if b.tenant == tenant.0 => Ok(b),
-        _ => Err(ApiError::not_found(format!("No such Batch object: {id}"))),
+        _ => Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("No such Batch object: {id}"),
+        )),
     }
 }
 
@@ -363,9 +363,10 @@ async fn lines_so_far(
             Ok((jsonl, Body::from_stream(stream)).into_response())
         }
         Ok(None) => Ok((jsonl, Body::empty()).into_response()),
-        Err(e) => Err(ApiError::internal(format!(
-            "Reading the lines so far failed: {e}"
-        ))),
+        Err(e) => Err(ApiError::new(
+            ErrorCode::Internal,
+            format!("Reading the lines so far failed: {e}"),
+        )),
     }
 }
 

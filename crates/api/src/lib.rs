@@ -45,7 +45,7 @@ use axum::Router;
 use batch_config::{ApiKey, InputLimits};
 use futures::future::BoxFuture;
 
-pub use error::ApiError;
+pub use error::{ApiError, ErrorCode};
 
 /// The request id header, echoed or generated on every response.
 pub const REQUEST_ID: &str = "x-request-id";
@@ -107,7 +107,8 @@ impl Keys {
             return Ok(Tenant(DEFAULT_TENANT.to_owned()));
         }
         let Some(value) = authorization else {
-            return Err(ApiError::unauthorized(
+            return Err(ApiError::new(
+                ErrorCode::InvalidApiKey,
                 "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
             ));
         };
@@ -116,14 +117,18 @@ impl Keys {
         let key = match value.trim().split_once(' ') {
             Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim(),
             _ => {
-                return Err(ApiError::unauthorized(
+                return Err(ApiError::new(
+                    ErrorCode::InvalidApiKey,
                     "Send the API key as 'Authorization: Bearer <key>'.",
                 ))
             }
         };
         match self.by_key.get(key) {
             Some(tenant) => Ok(Tenant(tenant.clone())),
-            None => Err(ApiError::unauthorized("Incorrect API key provided.")),
+            None => Err(ApiError::new(
+                ErrorCode::InvalidApiKey,
+                "Incorrect API key provided.",
+            )),
         }
     }
 }
@@ -135,9 +140,12 @@ fn tenant_from_header(
     headers: &axum::http::HeaderMap,
 ) -> Result<Tenant, ApiError> {
     let missing = || {
-        ApiError::unauthorized(format!(
-            "The request has no {name} header: it must come through the authenticating proxy."
-        ))
+        ApiError::new(
+            ErrorCode::InvalidApiKey,
+            format!(
+                "The request has no {name} header: it must come through the authenticating proxy."
+            ),
+        )
     };
     let last = headers
         .get_all(name)
@@ -437,25 +445,25 @@ async fn metrics_text(State(api): State<Api>) -> Response {
 }
 
 async fn not_found(request: Request) -> ApiError {
-    ApiError::not_found(format!(
-        "Unknown request URL: {} {}.",
-        request.method(),
-        request.uri().path()
-    ))
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!(
+            "Unknown request URL: {} {}.",
+            request.method(),
+            request.uri().path()
+        ),
+    )
 }
 
 async fn method_not_allowed(request: Request) -> ApiError {
-    ApiError {
-        status: StatusCode::METHOD_NOT_ALLOWED,
-        message: format!(
+    ApiError::new(
+        ErrorCode::MethodNotAllowed,
+        format!(
             "{} is not allowed on {}.",
             request.method(),
             request.uri().path()
         ),
-        kind: "invalid_request_error",
-        param: None,
-        code: None,
-    }
+    )
 }
 
 /// Gives every response a request id (the caller's, or a new one) and logs the request.
@@ -530,19 +538,11 @@ pub const MAX_HEADERS: usize = 100;
 
 /// A 414 or 431 in OpenAI's shape for a request head over the limits hyper lets through.
 fn head_too_large(request: &Request) -> Option<ApiError> {
-    let refuse = |status, message: String, code| ApiError {
-        status,
-        message,
-        kind: "invalid_request_error",
-        param: None,
-        code: Some(code),
-    };
     let uri = request.uri().to_string().len();
     if uri > MAX_URI_BYTES {
-        return Some(refuse(
-            StatusCode::URI_TOO_LONG,
+        return Some(ApiError::new(
+            ErrorCode::UriTooLong,
             format!("The request URL has {uri} bytes; at most {MAX_URI_BYTES} are answered."),
-            "uri_too_long",
         ));
     }
     let headers = request.headers();
@@ -551,13 +551,12 @@ fn head_too_large(request: &Request) -> Option<ApiError> {
         .map(|(name, value)| name.as_str().len() + value.len())
         .sum();
     if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
-        return Some(refuse(
-            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        return Some(ApiError::new(
+            ErrorCode::HeadersTooLarge,
             format!(
                 "The request has {} headers of {bytes} bytes; at most {MAX_HEADERS} headers of {MAX_HEADER_BYTES} bytes are answered.",
                 headers.len()
             ),
-            "headers_too_large",
         ));
     }
     None
