@@ -12,7 +12,6 @@ use batch_state::{new_id, now_unix, BatchObject, FineCounts, StoredBatch};
 use batch_wire::{Batch, BatchStatus, ALLOWED_URLS};
 use futures::TryStreamExt;
 use serde::Deserialize;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::files::owned_file;
 use crate::{limit, list_body, Api, ApiError, ErrorCode, Id, ListParams, Tenant};
@@ -341,58 +340,8 @@ async fn lines_so_far(
         let stream = object.stream.map_err(std::io::Error::other);
         return Ok((jsonl, Body::from_stream(stream)).into_response());
     }
-    let Some(path) = api.hooks.local_result(id, file) else {
-        let Some(key) = api.hooks.checkpointed_result(id, file).await? else {
-            return Ok((jsonl, Body::empty()).into_response());
-        };
-        return match api.storage.get(&key).await {
-            Ok(object) => {
-                let stream = object.stream.map_err(std::io::Error::other);
-                Ok((jsonl, Body::from_stream(stream)).into_response())
-            }
-            // The batch ended meanwhile, and its checkpoints went.
-            Err(batch_storage::StorageError::NotFound(_)) => {
-                Ok((jsonl, Body::empty()).into_response())
-            }
-            Err(e) => Err(e.into()),
-        };
-    };
-    match complete_prefix(&path).await {
-        Ok(Some((file, len))) => {
-            let stream = tokio_util::io::ReaderStream::new(file.take(len));
-            Ok((jsonl, Body::from_stream(stream)).into_response())
-        }
-        Ok(None) => Ok((jsonl, Body::empty()).into_response()),
-        Err(e) => Err(ApiError::new(
-            ErrorCode::Internal,
-            format!("Reading the lines so far failed: {e}"),
-        )),
-    }
-}
-
-/// The file opened at its start, and the length up to its last newline (a line being written
-/// is not shown half).
-async fn complete_prefix(
-    path: &std::path::Path,
-) -> std::io::Result<Option<(tokio::fs::File, u64)>> {
-    let mut file = match tokio::fs::File::open(path).await {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let mut end = file.metadata().await?.len();
-    let mut buf = vec![0u8; 64 * 1024];
-    while end > 0 {
-        let start = end.saturating_sub(buf.len() as u64);
-        file.seek(std::io::SeekFrom::Start(start)).await?;
-        let n = (end - start) as usize;
-        file.read_exact(&mut buf[..n]).await?;
-        if let Some(pos) = buf[..n].iter().rposition(|&b| b == b'\n') {
-            end = start + pos as u64 + 1;
-            file.seek(std::io::SeekFrom::Start(0)).await?;
-            return Ok(Some((file, end)));
-        }
-        end = start;
-    }
-    Ok(None)
+    Ok(match api.hooks.lines_so_far(id, file).await? {
+        Some(lines) => (jsonl, Body::from_stream(lines)).into_response(),
+        None => (jsonl, Body::empty()).into_response(),
+    })
 }

@@ -3,8 +3,8 @@
 //!
 //! The router keeps no state of its own: records live in Redis ([`batch_state::Store`]), bytes in
 //! storage ([`batch_storage::Storage`]), so any replica answers for any object. What only the
-//! process running jobs knows (a new batch to wake for, the lines a running batch wrote so far,
-//! where its latest checkpoint is) comes through [`Hooks`].
+//! process running jobs knows (a new batch to wake for, the lines a running batch holds so far)
+//! comes through [`Hooks`].
 //!
 //! ```no_run
 //! # async fn demo(store: batch_state::Store, storage: batch_storage::Storage,
@@ -31,7 +31,6 @@ mod files;
 mod webhooks;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -174,19 +173,21 @@ fn tenant_from_header(
     }
 }
 
+/// Bytes of whole JSONL lines, as [`Hooks::lines_so_far`] gives them.
+pub type LineStream = futures::stream::BoxStream<'static, std::io::Result<bytes::Bytes>>;
+
 /// What the API needs from the part of the process that runs jobs.
 pub trait Hooks: Send + Sync + 'static {
     /// A batch was created or a cancel asked for: look at the queues now.
     fn wake(&self);
-    /// The local file (`output.jsonl` or `error.jsonl`) a batch running in this process writes.
-    fn local_result(&self, batch_id: &str, file: &str) -> Option<PathBuf>;
-    /// The storage key of that file in the latest checkpoint of a running batch (whole lines
-    /// only), if it has one: what a replica that does not run the batch shows of it.
-    fn checkpointed_result<'a>(
+    /// The whole lines a running batch's `file` (`output.jsonl` or `error.jsonl`) holds so
+    /// far: from the job itself while it runs in this process, else from its latest checkpoint;
+    /// `None` while there are none.
+    fn lines_so_far<'a>(
         &'a self,
         batch_id: &'a str,
         file: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, batch_state::StoreError>>;
+    ) -> BoxFuture<'a, Result<Option<LineStream>, ApiError>>;
     /// The Prometheus text of `/metrics`.
     fn render_metrics(&self) -> BoxFuture<'_, String>;
     /// Sends one sample `event_type` event to `endpoint`, signed with `secret`: the status it

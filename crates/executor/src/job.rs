@@ -560,6 +560,21 @@ impl Job {
         })
     }
 
+    /// The whole lines result file `file` (`output.jsonl`, `error.jsonl`) holds so far: the
+    /// file opened at its start and the length they take, the sink's last flushed line (one
+    /// being written is never in it); `None` for another name.
+    pub fn result_lines(&self, file: &str) -> Result<Option<(std::fs::File, u64)>, ExecError> {
+        let (output_len, error_len) = self.sink.lock().expect("sink lock").committed_lengths();
+        let len = match file {
+            batch_sink::OUTPUT_FILE => output_len,
+            batch_sink::ERROR_FILE => error_len,
+            _ => return Ok(None),
+        };
+        let path = self.dir.join(file);
+        let opened = std::fs::File::open(&path).map_err(|e| ExecError::io(&path, e))?;
+        Ok(Some((opened, len)))
+    }
+
     /// The job's directory (its result files, `batch.json`, `job-state.json`).
     pub fn dir(&self) -> &Path {
         &self.dir

@@ -104,6 +104,7 @@ impl Runner {
                 (*batch, totals)
             }
             Prepared::Ready(job) => {
+                self.prepared(lease, &job);
                 let mut models = job.models();
                 if let (Some(model), None) = (models.next(), models.next()) {
                     record.batch.model = Some(model.to_owned());
