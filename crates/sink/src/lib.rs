@@ -32,6 +32,7 @@
 
 mod done;
 mod render;
+mod usage;
 
 use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
@@ -503,7 +504,7 @@ impl Resumed<'_> {
                     .and_then(|body| {
                         let body = body.get().as_bytes();
                         let doc = batch_wire::json::check(body).ok()?;
-                        render::usage(body, &doc)
+                        usage::usage(body, &doc)
                     });
                 self.totals.output_line(usage);
             }
