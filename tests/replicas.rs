@@ -262,6 +262,19 @@ impl Cluster {
             results.output.len() as u64,
             "{batch}"
         );
+        // A job resumed from a checkpoint counts each line's usage once, as a run without a
+        // break would: the sum over the lines uploaded.
+        let sum = |key: &str| -> u64 {
+            results
+                .output
+                .iter()
+                .map(|l| l["response"]["body"]["usage"][key].as_u64().unwrap_or(0))
+                .sum()
+        };
+        let usage = &batch["usage"];
+        assert_eq!(usage["input_tokens"], sum("prompt_tokens"), "{batch}");
+        assert_eq!(usage["output_tokens"], sum("completion_tokens"), "{batch}");
+        assert_eq!(usage["total_tokens"], sum("total_tokens"), "{batch}");
     }
 
     fn all_stderr(&self) -> String {

@@ -12,10 +12,9 @@ use batch_state::{new_id, now_unix, BatchObject, FineCounts, StoredBatch};
 use batch_wire::{Batch, BatchStatus, ALLOWED_URLS};
 use futures::TryStreamExt;
 use serde::Deserialize;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use crate::files::owned_file;
-use crate::{limit, list_body, Api, ApiError, Id, ListParams, Tenant};
+use crate::{limit, list_body, Api, ApiError, ErrorCode, Id, ListParams, Tenant};
 
 /// The longest value of a pass-through header kept with a batch.
 const MAX_PASS_THROUGH_VALUE: usize = 1024;
@@ -164,9 +163,9 @@ pub(crate) async fn create(
     };
     let max = api.quotas.max_unfinished_batches;
     if api.store.create_batch_within(&stored, max).await?.is_err() {
-        return Err(ApiError::over_quota(
+        return Err(ApiError::new(
+            ErrorCode::InsufficientQuota,
             format!("This tenant already has {max} batches queued or running, its quota (serve.tenant_max_batches); wait for some to end or cancel some."),
-            None,
         ));
     }
     api.hooks.wake();
@@ -177,13 +176,10 @@ pub(crate) async fn create(
 /// A body that is not the JSON expected: 413 when it is over `serve.max_json_body_bytes`.
 pub(crate) fn json_rejection(e: axum::extract::rejection::JsonRejection) -> ApiError {
     if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-        return ApiError {
-            status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-            message: "The request body is larger than this service's limit for JSON bodies (serve.max_json_body_bytes).".into(),
-            kind: "invalid_request_error",
-            param: None,
-            code: Some("request_too_large"),
-        };
+        return ApiError::new(
+            ErrorCode::RequestTooLarge,
+            "The request body is larger than this service's limit for JSON bodies (serve.max_json_body_bytes).",
+        );
     }
     ApiError::invalid(format!("Invalid JSON body: {}", e.body_text()), None)
 }
@@ -243,7 +239,10 @@ fn metadata(
 async fn owned_batch(api: &Api, tenant: &Tenant, id: &str) -> Result<StoredBatch, ApiError> {
     match api.store.batch(id).await? {
         Some(b) if b.tenant == tenant.0 => Ok(b),
-        _ => Err(ApiError::not_found(format!("No such Batch object: {id}"))),
+        _ => Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("No such Batch object: {id}"),
+        )),
     }
 }
 
@@ -341,57 +340,8 @@ async fn lines_so_far(
         let stream = object.stream.map_err(std::io::Error::other);
         return Ok((jsonl, Body::from_stream(stream)).into_response());
     }
-    let Some(path) = api.hooks.local_result(id, file) else {
-        let Some(key) = api.hooks.checkpointed_result(id, file).await? else {
-            return Ok((jsonl, Body::empty()).into_response());
-        };
-        return match api.storage.get(&key).await {
-            Ok(object) => {
-                let stream = object.stream.map_err(std::io::Error::other);
-                Ok((jsonl, Body::from_stream(stream)).into_response())
-            }
-            // The batch ended meanwhile, and its checkpoints went.
-            Err(batch_storage::StorageError::NotFound(_)) => {
-                Ok((jsonl, Body::empty()).into_response())
-            }
-            Err(e) => Err(e.into()),
-        };
-    };
-    match complete_prefix(&path).await {
-        Ok(Some((file, len))) => {
-            let stream = tokio_util::io::ReaderStream::new(file.take(len));
-            Ok((jsonl, Body::from_stream(stream)).into_response())
-        }
-        Ok(None) => Ok((jsonl, Body::empty()).into_response()),
-        Err(e) => Err(ApiError::internal(format!(
-            "Reading the lines so far failed: {e}"
-        ))),
-    }
-}
-
-/// The file opened at its start, and the length up to its last newline (a line being written
-/// is not shown half).
-async fn complete_prefix(
-    path: &std::path::Path,
-) -> std::io::Result<Option<(tokio::fs::File, u64)>> {
-    let mut file = match tokio::fs::File::open(path).await {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let mut end = file.metadata().await?.len();
-    let mut buf = vec![0u8; 64 * 1024];
-    while end > 0 {
-        let start = end.saturating_sub(buf.len() as u64);
-        file.seek(std::io::SeekFrom::Start(start)).await?;
-        let n = (end - start) as usize;
-        file.read_exact(&mut buf[..n]).await?;
-        if let Some(pos) = buf[..n].iter().rposition(|&b| b == b'\n') {
-            end = start + pos as u64 + 1;
-            file.seek(std::io::SeekFrom::Start(0)).await?;
-            return Ok(Some((file, end)));
-        }
-        end = start;
-    }
-    Ok(None)
+    Ok(match api.hooks.lines_so_far(id, file).await? {
+        Some(lines) => (jsonl, Body::from_stream(lines)).into_response(),
+        None => (jsonl, Body::empty()).into_response(),
+    })
 }

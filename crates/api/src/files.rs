@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
 
-use crate::{limit, list_body, Api, ApiError, Form, Id, ListParams, Tenant};
+use crate::{limit, list_body, Api, ApiError, ErrorCode, Form, Id, ListParams, Tenant};
 
 /// Batch input files expire after 30 days unless the upload says otherwise.
 const DEFAULT_INPUT_EXPIRY_SECS: i64 = 30 * 24 * 3600;
@@ -62,7 +62,7 @@ pub(crate) async fn upload(
                         Ok(bytes) => bytes,
                         Err(e) => {
                             if matches!(
-                                e.status,
+                                e.code.status(),
                                 axum::http::StatusCode::PAYLOAD_TOO_LARGE
                                     | axum::http::StatusCode::TOO_MANY_REQUESTS
                             ) {
@@ -147,17 +147,19 @@ pub(crate) async fn upload(
 }
 
 fn files_quota(max: u64) -> ApiError {
-    ApiError::over_quota(
+    ApiError::new(
+        ErrorCode::InsufficientQuota,
         format!("This tenant already stores {max} files, its quota (serve.tenant_max_files); delete some first."),
-        Some("file"),
     )
+    .param("file")
 }
 
 fn bytes_quota(max: u64) -> ApiError {
-    ApiError::over_quota(
+    ApiError::new(
+        ErrorCode::InsufficientQuota,
         format!("This file would take the tenant's stored bytes over its quota of {max} (serve.tenant_max_stored_bytes); delete some files first."),
-        Some("file"),
     )
+    .param("file")
 }
 
 /// Reads and drops the rest of a refused upload (up to a bound), so that the client, which is
@@ -262,13 +264,14 @@ async fn store_file(
     match api.storage.put_stream(key, counted).await {
         Ok(n) => Ok(n),
         Err(e) => match over.load(Ordering::Relaxed) {
-            TOO_MANY_BYTES => Err(ApiError::too_large(format!(
-                "The file is larger than this service's limit of {max_bytes} bytes."
-            ))),
-            TOO_MANY_LINES => Err(ApiError::too_large(format!(
-                "The file holds more than this service's limit of {max_lines} requests."
-            ))
-            .with_code(batch_wire::error_codes::TOO_MANY_REQUESTS_IN_FILE)),
+            TOO_MANY_BYTES => Err(ApiError::new(
+                ErrorCode::FileTooLarge,
+                format!("The file is larger than this service's limit of {max_bytes} bytes."),
+            )),
+            TOO_MANY_LINES => Err(ApiError::new(
+                ErrorCode::TooManyRequestsInFile,
+                format!("The file holds more than this service's limit of {max_lines} requests."),
+            )),
             OVER_QUOTA => Err(bytes_quota(quota)),
             _ => match e {
                 batch_storage::StorageError::Source { message, .. } => Err(ApiError::invalid(
@@ -318,7 +321,10 @@ pub(crate) async fn owned_file(
 ) -> Result<StoredFile, ApiError> {
     match api.store.file(id).await? {
         Some(f) if f.tenant == tenant.0 && !expired(&f.file) => Ok(f),
-        _ => Err(ApiError::not_found(format!("No such File object: {id}"))),
+        _ => Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("No such File object: {id}"),
+        )),
     }
 }
 

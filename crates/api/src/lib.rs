@@ -3,8 +3,8 @@
 //!
 //! The router keeps no state of its own: records live in Redis ([`batch_state::Store`]), bytes in
 //! storage ([`batch_storage::Storage`]), so any replica answers for any object. What only the
-//! process running jobs knows (a new batch to wake for, the lines a running batch wrote so far,
-//! where its latest checkpoint is) comes through [`Hooks`].
+//! process running jobs knows (a new batch to wake for, the lines a running batch holds so far)
+//! comes through [`Hooks`].
 //!
 //! ```no_run
 //! # async fn demo(store: batch_state::Store, storage: batch_storage::Storage,
@@ -31,7 +31,6 @@ mod files;
 mod webhooks;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -45,7 +44,7 @@ use axum::Router;
 use batch_config::{ApiKey, InputLimits};
 use futures::future::BoxFuture;
 
-pub use error::ApiError;
+pub use error::{ApiError, ErrorCode};
 
 /// The request id header, echoed or generated on every response.
 pub const REQUEST_ID: &str = "x-request-id";
@@ -107,7 +106,8 @@ impl Keys {
             return Ok(Tenant(DEFAULT_TENANT.to_owned()));
         }
         let Some(value) = authorization else {
-            return Err(ApiError::unauthorized(
+            return Err(ApiError::new(
+                ErrorCode::InvalidApiKey,
                 "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
             ));
         };
@@ -116,14 +116,18 @@ impl Keys {
         let key = match value.trim().split_once(' ') {
             Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim(),
             _ => {
-                return Err(ApiError::unauthorized(
+                return Err(ApiError::new(
+                    ErrorCode::InvalidApiKey,
                     "Send the API key as 'Authorization: Bearer <key>'.",
                 ))
             }
         };
         match self.by_key.get(key) {
             Some(tenant) => Ok(Tenant(tenant.clone())),
-            None => Err(ApiError::unauthorized("Incorrect API key provided.")),
+            None => Err(ApiError::new(
+                ErrorCode::InvalidApiKey,
+                "Incorrect API key provided.",
+            )),
         }
     }
 }
@@ -135,9 +139,12 @@ fn tenant_from_header(
     headers: &axum::http::HeaderMap,
 ) -> Result<Tenant, ApiError> {
     let missing = || {
-        ApiError::unauthorized(format!(
-            "The request has no {name} header: it must come through the authenticating proxy."
-        ))
+        ApiError::new(
+            ErrorCode::InvalidApiKey,
+            format!(
+                "The request has no {name} header: it must come through the authenticating proxy."
+            ),
+        )
     };
     let last = headers
         .get_all(name)
@@ -166,19 +173,21 @@ fn tenant_from_header(
     }
 }
 
+/// Bytes of whole JSONL lines, as [`Hooks::lines_so_far`] gives them.
+pub type LineStream = futures::stream::BoxStream<'static, std::io::Result<bytes::Bytes>>;
+
 /// What the API needs from the part of the process that runs jobs.
 pub trait Hooks: Send + Sync + 'static {
     /// A batch was created or a cancel asked for: look at the queues now.
     fn wake(&self);
-    /// The local file (`output.jsonl` or `error.jsonl`) a batch running in this process writes.
-    fn local_result(&self, batch_id: &str, file: &str) -> Option<PathBuf>;
-    /// The storage key of that file in the latest checkpoint of a running batch (whole lines
-    /// only), if it has one: what a replica that does not run the batch shows of it.
-    fn checkpointed_result<'a>(
+    /// The whole lines a running batch's `file` (`output.jsonl` or `error.jsonl`) holds so
+    /// far: from the job itself while it runs in this process, else from its latest checkpoint;
+    /// `None` while there are none.
+    fn lines_so_far<'a>(
         &'a self,
         batch_id: &'a str,
         file: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, batch_state::StoreError>>;
+    ) -> BoxFuture<'a, Result<Option<LineStream>, ApiError>>;
     /// The Prometheus text of `/metrics`.
     fn render_metrics(&self) -> BoxFuture<'_, String>;
     /// Sends one sample `event_type` event to `endpoint`, signed with `secret`: the status it
@@ -462,25 +471,25 @@ async fn metrics_text(State(api): State<Api>) -> Response {
 }
 
 async fn not_found(request: Request) -> ApiError {
-    ApiError::not_found(format!(
-        "Unknown request URL: {} {}.",
-        request.method(),
-        request.uri().path()
-    ))
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!(
+            "Unknown request URL: {} {}.",
+            request.method(),
+            request.uri().path()
+        ),
+    )
 }
 
 async fn method_not_allowed(request: Request) -> ApiError {
-    ApiError {
-        status: StatusCode::METHOD_NOT_ALLOWED,
-        message: format!(
+    ApiError::new(
+        ErrorCode::MethodNotAllowed,
+        format!(
             "{} is not allowed on {}.",
             request.method(),
             request.uri().path()
         ),
-        kind: "invalid_request_error",
-        param: None,
-        code: None,
-    }
+    )
 }
 
 /// Gives every response a request id (the caller's, or a new one) and logs the request.
@@ -555,19 +564,11 @@ pub const MAX_HEADERS: usize = 100;
 
 /// A 414 or 431 in OpenAI's shape for a request head over the limits hyper lets through.
 fn head_too_large(request: &Request) -> Option<ApiError> {
-    let refuse = |status, message: String, code| ApiError {
-        status,
-        message,
-        kind: "invalid_request_error",
-        param: None,
-        code: Some(code),
-    };
     let uri = request.uri().to_string().len();
     if uri > MAX_URI_BYTES {
-        return Some(refuse(
-            StatusCode::URI_TOO_LONG,
+        return Some(ApiError::new(
+            ErrorCode::UriTooLong,
             format!("The request URL has {uri} bytes; at most {MAX_URI_BYTES} are answered."),
-            "uri_too_long",
         ));
     }
     let headers = request.headers();
@@ -576,13 +577,12 @@ fn head_too_large(request: &Request) -> Option<ApiError> {
         .map(|(name, value)| name.as_str().len() + value.len())
         .sum();
     if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
-        return Some(refuse(
-            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        return Some(ApiError::new(
+            ErrorCode::HeadersTooLarge,
             format!(
                 "The request has {} headers of {bytes} bytes; at most {MAX_HEADERS} headers of {MAX_HEADER_BYTES} bytes are answered.",
                 headers.len()
             ),
-            "headers_too_large",
         ));
     }
     None

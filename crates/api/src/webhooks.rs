@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::batches::json_rejection;
-use crate::{limit, list_body, Api, ApiError, Id, ListParams, Tenant};
+use crate::{limit, list_body, Api, ApiError, ErrorCode, Id, ListParams, Tenant};
 
 /// The longest endpoint name.
 const MAX_NAME: usize = 256;
@@ -111,9 +111,10 @@ fn with_secret(endpoint: &WebhookEndpoint, secret: &str) -> Value {
 async fn owned(api: &Api, tenant: &Tenant, id: &str) -> Result<StoredWebhook, ApiError> {
     match api.store.webhook(id).await? {
         Some(w) if w.tenant == tenant.0 => Ok(w),
-        _ => Err(ApiError::not_found(format!(
-            "No webhook endpoint found with id '{id}'."
-        ))),
+        _ => Err(ApiError::new(
+            ErrorCode::NotFound,
+            format!("No webhook endpoint found with id '{id}'."),
+        )),
     }
 }
 
@@ -256,10 +257,12 @@ pub(crate) async fn test(
     check_events(vec![event_type.clone()])?;
     // The URL is checked again: the rules may have changed since it was stored.
     check_url(&api, &stored.endpoint.url)?;
-    let secret =
-        api.store.webhook_secret(&id).await?.ok_or_else(|| {
-            ApiError::not_found(format!("No webhook endpoint found with id '{id}'."))
-        })?;
+    let secret = api.store.webhook_secret(&id).await?.ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::NotFound,
+            format!("No webhook endpoint found with id '{id}'."),
+        )
+    })?;
     let status = api
         .hooks
         .test_webhook(&stored.endpoint, &secret, &event_type)

@@ -513,6 +513,12 @@ impl Job {
         Ok(open.len() as u64)
     }
 
+    /// What the job's result files hold so far, counted as they were written (see
+    /// [`batch_sink::Totals`]).
+    pub fn totals(&self) -> batch_sink::Totals {
+        self.sink.lock().expect("sink lock").totals()
+    }
+
     /// Moves to `status` and writes `batch.json`.
     pub(crate) fn set_status(&self, status: BatchStatus) -> Result<Batch, ExecError> {
         let counts = self.sink.lock().expect("sink lock").counts();
@@ -560,6 +566,21 @@ impl Job {
             batch,
             manifest,
         })
+    }
+
+    /// The whole lines result file `file` (`output.jsonl`, `error.jsonl`) holds so far: the
+    /// file opened at its start and the length they take, the sink's last flushed line (one
+    /// being written is never in it); `None` for another name.
+    pub fn result_lines(&self, file: &str) -> Result<Option<(std::fs::File, u64)>, ExecError> {
+        let (output_len, error_len) = self.sink.lock().expect("sink lock").committed_lengths();
+        let len = match file {
+            batch_sink::OUTPUT_FILE => output_len,
+            batch_sink::ERROR_FILE => error_len,
+            _ => return Ok(None),
+        };
+        let path = self.dir.join(file);
+        let opened = std::fs::File::open(&path).map_err(|e| ExecError::io(&path, e))?;
+        Ok(Some((opened, len)))
     }
 
     /// The job's directory (its result files, `batch.json`, `job-state.json`).

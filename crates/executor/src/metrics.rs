@@ -60,8 +60,8 @@ impl Tally {
                 t.written += 1;
                 t.errors += (*status != 200) as u64;
                 if let Some(u) = usage {
-                    t.prompt_tokens += u.prompt_tokens;
-                    t.completion_tokens += u.completion_tokens;
+                    t.prompt_tokens += u.input_tokens;
+                    t.completion_tokens += u.output_tokens;
                 }
             }
             Written::Error => {

@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use batch_api::{Api, Hooks, Keys};
+use batch_api::{Api, ApiError, Hooks, Keys, LineStream};
 use batch_config::ProcessorConfig;
 use batch_executor::Executor;
 use batch_state::Store;
@@ -336,16 +336,12 @@ impl Hooks for ServiceHooks {
         self.runner.wake.notify_waiters();
     }
 
-    fn local_result(&self, batch_id: &str, file: &str) -> Option<PathBuf> {
-        self.runner.local_file(batch_id, file)
-    }
-
-    fn checkpointed_result<'a>(
+    fn lines_so_far<'a>(
         &'a self,
         batch_id: &'a str,
         file: &'a str,
-    ) -> BoxFuture<'a, Result<Option<String>, batch_state::StoreError>> {
-        Box::pin(self.runner.checkpointed_file(batch_id, file))
+    ) -> BoxFuture<'a, Result<Option<LineStream>, ApiError>> {
+        Box::pin(self.runner.lines_so_far(batch_id, file))
     }
 
     fn render_metrics(&self) -> BoxFuture<'_, String> {

@@ -3,8 +3,11 @@
 //! [`JobSink`] writes exactly one line per request index, whatever arrives twice, maps each
 //! [`Outcome`] to its file as the original processor does (an HTTP answer goes to
 //! `output.jsonl`, whatever its status; no answer goes to `error.jsonl`), and keeps the
-//! `request_counts`. Opening a job directory that already has lines resumes it: the lines are
-//! kept, counted and marked done, and a torn last line left by a crash is cut off.
+//! `request_counts`, and counts as it writes what the Batch object says once the job ended
+//! ([`Totals`]: the usage summed over the responses, the lines of each file, the requests
+//! closed by a cancel or the deadline). Opening a job directory that already has lines resumes
+//! it: the lines are kept, counted the same way and marked done, and a torn last line left by a
+//! crash is cut off.
 //!
 //! ```
 //! use batch_sink::{JobSink, Written};
@@ -18,26 +21,29 @@
 //! sink.record(1, "r2", &Outcome::Failed { code: "batch_expired", message: "too late" })?;
 //! sink.flush()?;
 //! assert_eq!((sink.counts().completed, sink.counts().failed, sink.remaining()), (1, 1, 0));
+//! assert_eq!(sink.totals().expired, 1);
 //!
 //! // Reopening resumes from the files.
 //! let again = JobSink::open(dir.path(), "batch_1", 2)?;
 //! assert!(again.is_done(0) && again.is_done(1));
+//! assert_eq!(again.totals(), sink.totals());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 mod done;
 mod render;
+mod usage;
 
 use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use batch_wire::{parse_request_id, Batch, Outcome, RequestCounts};
+use batch_wire::{error_codes, parse_request_id, Batch, Outcome, RequestCounts, Usage};
 use serde::Deserialize;
 
 pub use done::DoneSet;
-pub use render::{render, render_into, LineKind, Rendered, Usage};
+pub use render::{render, render_into, LineKind, Rendered};
 
 /// The output file's name in a job directory.
 pub const OUTPUT_FILE: &str = "output.jsonl";
@@ -106,6 +112,42 @@ pub enum Written {
     Duplicate,
 }
 
+/// What a job's result files hold, counted as the lines are written (and on resume, from the
+/// lines kept).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Lines in `output.jsonl`.
+    pub output_lines: u64,
+    /// Lines in `error.jsonl`.
+    pub error_lines: u64,
+    /// Token counts summed over the 2xx responses.
+    pub usage: Usage,
+    /// Requests closed by a cancel (`batch_cancelled` error lines).
+    pub cancelled: u64,
+    /// Requests closed by the deadline (`batch_expired` error lines).
+    pub expired: u64,
+}
+
+impl Totals {
+    /// Counts an error line with `code`.
+    fn error_line(&mut self, code: &str) {
+        self.error_lines += 1;
+        match code {
+            error_codes::BATCH_CANCELLED => self.cancelled += 1,
+            error_codes::BATCH_EXPIRED => self.expired += 1,
+            _ => {}
+        }
+    }
+
+    /// Counts an output line whose response has `usage`.
+    fn output_line(&mut self, usage: Option<Usage>) {
+        self.output_lines += 1;
+        if let Some(u) = usage {
+            self.usage += u;
+        }
+    }
+}
+
 /// The result files of one job.
 ///
 /// Lines are written in batches: everything recorded since the last successful
@@ -119,6 +161,9 @@ pub struct JobSink {
     error: Appender,
     done: DoneSet,
     counts: RequestCounts,
+    totals: Totals,
+    /// `totals` at the last successful flush.
+    committed_totals: Totals,
     /// Requests recorded since the last flush, and whether each counted as completed.
     pending: Vec<(u64, bool)>,
     /// The line being rendered, kept to reuse its allocation.
@@ -184,14 +229,23 @@ impl JobSink {
         };
         let output_path = dir.join(OUTPUT_FILE);
         let error_path = dir.join(ERROR_FILE);
-        let (output, out_len) = resume_file(&output_path, job_id, &mut done, &mut counts)?;
-        let (error, err_len) = resume_file(&error_path, job_id, &mut done, &mut counts)?;
+        let mut totals = Totals::default();
+        let mut resumed = Resumed {
+            job_id,
+            done: &mut done,
+            counts: &mut counts,
+            totals: &mut totals,
+        };
+        let (output, out_len) = resumed.file(&output_path)?;
+        let (error, err_len) = resumed.file(&error_path)?;
         Ok(Self {
             job_id: job_id.to_owned(),
             output: Appender::new(output_path, output, out_len),
             error: Appender::new(error_path, error, err_len),
             done,
             counts,
+            totals,
+            committed_totals: totals,
             pending: Vec::new(),
             scratch: Vec::new(),
             id_prefix: id_prefix(job_id),
@@ -230,6 +284,12 @@ impl JobSink {
             return Err(self.roll_back(path, e));
         }
         self.done.insert(index);
+        match (rendered.status, outcome) {
+            (Some(_), _) => self.totals.output_line(rendered.usage),
+            (None, Outcome::Failed { code, .. }) => self.totals.error_line(code),
+            // A 2xx without a JSON body: a `server_error` or `parse_error` line.
+            (None, Outcome::Http { .. }) => self.totals.error_line(""),
+        }
         let completed = rendered.status == Some(200);
         if completed {
             self.counts.completed += 1;
@@ -266,6 +326,11 @@ impl JobSink {
         self.counts
     }
 
+    /// What the files hold so far (see [`Totals`]).
+    pub fn totals(&self) -> Totals {
+        self.totals
+    }
+
     /// Hands buffered lines to the operating system; after this a crash of the process loses
     /// nothing written. When it fails, every line recorded since the last successful flush is
     /// taken back (see [`JobSink`]) and its request counts as not done.
@@ -284,6 +349,7 @@ impl JobSink {
         // Both files hold every pending line: only now are they kept.
         self.output.committed = self.output.written;
         self.error.committed = self.error.written;
+        self.committed_totals = self.totals;
         self.pending.clear();
         Ok(())
     }
@@ -296,6 +362,7 @@ impl JobSink {
                 tracing::error!(path = %file.path.display(), error = %e, "could not cut a result file back to its last line");
             }
         }
+        self.totals = self.committed_totals;
         for (index, completed) in self.pending.drain(..) {
             self.done.remove(index);
             if completed {
@@ -347,68 +414,107 @@ mod tests {
 struct LineHead<'a> {
     #[serde(borrow)]
     id: std::borrow::Cow<'a, str>,
-    #[serde(default)]
-    response: Option<StatusOnly>,
+    #[serde(default, borrow)]
+    response: Option<ResponseHead<'a>>,
+    #[serde(default, borrow)]
+    error: Option<ErrorHead<'a>>,
 }
 
 #[derive(Deserialize)]
-struct StatusOnly {
+struct ResponseHead<'a> {
     status_code: u16,
+    #[serde(default, borrow)]
+    body: Option<&'a serde_json::value::RawValue>,
 }
 
-/// Opens `path` for appending after reading back what it holds; cuts a torn last line. Returns
-/// the file and its length.
-fn resume_file(
-    path: &Path,
-    job_id: &str,
-    done: &mut DoneSet,
-    counts: &mut RequestCounts,
-) -> Result<(File, u64), SinkError> {
-    let mut file = OpenOptions::new()
-        .read(true)
-        .append(true)
-        .create(true)
-        .open(path)
-        .map_err(io(path))?;
-    let mut reader = BufReader::new(&mut file);
-    let mut buf = Vec::new();
-    let (mut kept, mut line_no) = (0u64, 0u64);
-    loop {
-        buf.clear();
-        let n = reader.read_until(b'\n', &mut buf).map_err(io(path))?;
-        if n == 0 || buf.last() != Some(&b'\n') {
-            break;
+#[derive(Deserialize)]
+struct ErrorHead<'a> {
+    #[serde(default, borrow)]
+    code: std::borrow::Cow<'a, str>,
+}
+
+/// What opening a job's files counts of the lines they hold.
+struct Resumed<'a> {
+    job_id: &'a str,
+    done: &'a mut DoneSet,
+    counts: &'a mut RequestCounts,
+    totals: &'a mut Totals,
+}
+
+impl Resumed<'_> {
+    /// Opens `path` for appending after reading back what it holds; cuts a torn last line.
+    /// Returns the file and its length.
+    fn file(&mut self, path: &Path) -> Result<(File, u64), SinkError> {
+        let mut file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(path)
+            .map_err(io(path))?;
+        let mut reader = BufReader::new(&mut file);
+        let mut buf = Vec::new();
+        let (mut kept, mut line_no) = (0u64, 0u64);
+        loop {
+            buf.clear();
+            let n = reader.read_until(b'\n', &mut buf).map_err(io(path))?;
+            if n == 0 || buf.last() != Some(&b'\n') {
+                break;
+            }
+            line_no += 1;
+            let foreign = |reason: String| SinkError::Foreign {
+                path: path.to_owned(),
+                line: line_no,
+                job_id: self.job_id.to_owned(),
+                reason,
+            };
+            let head: LineHead = serde_json::from_slice(&buf)
+                .map_err(|e| foreign(format!("not an output line: {e}")))?;
+            let index = match parse_request_id(&head.id) {
+                Some((job, index)) if job == self.job_id => index,
+                _ => return Err(foreign(format!("id {:?}", head.id))),
+            };
+            if index >= self.counts.total {
+                return Err(foreign(format!("index {index} is beyond the job")));
+            }
+            kept += n as u64;
+            if self.done.insert(index) {
+                self.count(&head);
+            }
         }
-        line_no += 1;
-        let foreign = |reason: String| SinkError::Foreign {
-            path: path.to_owned(),
-            line: line_no,
-            job_id: job_id.to_owned(),
-            reason,
-        };
-        let head: LineHead = serde_json::from_slice(&buf)
-            .map_err(|e| foreign(format!("not an output line: {e}")))?;
-        let index = match parse_request_id(&head.id) {
-            Some((job, index)) if job == job_id => index,
-            _ => return Err(foreign(format!("id {:?}", head.id))),
-        };
-        if index >= counts.total {
-            return Err(foreign(format!("index {index} is beyond the job")));
+        drop(reader);
+        if file.seek(SeekFrom::End(0)).map_err(io(path))? != kept {
+            // A crash mid-write left a partial line: its request is not done and will be written again.
+            file.set_len(kept).map_err(io(path))?;
         }
-        kept += n as u64;
-        if done.insert(index) {
-            match head.response {
-                Some(StatusOnly { status_code: 200 }) => counts.completed += 1,
-                _ => counts.failed += 1,
+        Ok((file, kept))
+    }
+
+    /// Counts a kept line as [`JobSink::record`] counted it when it wrote it.
+    fn count(&mut self, head: &LineHead<'_>) {
+        match &head.response {
+            Some(r) => {
+                if r.status_code == 200 {
+                    self.counts.completed += 1;
+                } else {
+                    self.counts.failed += 1;
+                }
+                let usage = r
+                    .body
+                    .filter(|_| (200..300).contains(&r.status_code))
+                    .and_then(|body| {
+                        let body = body.get().as_bytes();
+                        let doc = batch_wire::json::check(body).ok()?;
+                        usage::usage(body, &doc)
+                    });
+                self.totals.output_line(usage);
+            }
+            None => {
+                self.counts.failed += 1;
+                let code = head.error.as_ref().map_or("", |e| e.code.as_ref());
+                self.totals.error_line(code);
             }
         }
     }
-    drop(reader);
-    if file.seek(SeekFrom::End(0)).map_err(io(path))? != kept {
-        // A crash mid-write left a partial line: its request is not done and will be written again.
-        file.set_len(kept).map_err(io(path))?;
-    }
-    Ok((file, kept))
 }
 
 /// Writes `batch.json` into `dir` atomically (a temporary file renamed over the old one).

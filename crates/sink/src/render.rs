@@ -4,26 +4,10 @@
 //! it belongs in the line and checked there ([`batch_wire::json::check`], which finds its `usage`
 //! in the same pass); only a line that turns out otherwise is written again.
 
-use batch_wire::{error_codes, json};
-use serde::Deserialize;
+use batch_wire::{error_codes, json, Usage};
 use serde_json::value::RawValue;
 
-/// Token counts of a response, from its `usage`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-pub struct Usage {
-    /// Prompt tokens.
-    #[serde(default)]
-    pub prompt_tokens: u64,
-    /// Generated tokens.
-    #[serde(default)]
-    pub completion_tokens: u64,
-}
-
-#[derive(Deserialize)]
-struct UsageOnly {
-    #[serde(default)]
-    usage: Option<Usage>,
-}
+use crate::usage::usage;
 
 /// One rendered line.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,95 +128,6 @@ fn trimmed(body: &[u8]) -> (usize, usize) {
     let inner = text.trim();
     let lo = inner.as_ptr() as usize - text.as_ptr() as usize;
     (lo, lo + inner.len())
-}
-
-/// The token counts of a JSON body, as a `{usage: Option<Usage>}` would read them.
-fn usage(body: &[u8], doc: &json::Document) -> Option<Usage> {
-    if !doc.object {
-        // serde reads an array into a struct's fields: keep what it made of them.
-        return serde_json::from_slice::<UsageOnly>(body).ok()?.usage;
-    }
-    let at = doc.usage.clone().filter(|_| !doc.usage_repeated)?;
-    let value = &body[at];
-    plain_usage(value).unwrap_or_else(|| serde_json::from_slice::<Option<Usage>>(value).ok()?)
-}
-
-/// The usual `usage`, read by hand: `null`, or an object whose members are integers or `null`
-/// under plain keys. `None` for anything else, which serde reads. `value` is JSON.
-fn plain_usage(value: &[u8]) -> Option<Option<Usage>> {
-    if value == b"null" {
-        return Some(None);
-    }
-    let mut usage = Usage::default();
-    let (mut prompt, mut completion) = (false, false);
-    let mut i = ws(value, 1);
-    if value.first() != Some(&b'{') {
-        return None;
-    }
-    if value.get(i) == Some(&b'}') {
-        return Some(Some(usage));
-    }
-    loop {
-        // A key without escapes: JSON, so it ends at the next quote.
-        let key_start = i + 1;
-        let key_end = key_start + value[key_start..].iter().position(|&b| b == b'"')?;
-        let key = &value[key_start..key_end];
-        if key.contains(&b'\\') {
-            return None;
-        }
-        i = ws(value, key_end + 1) + 1;
-        i = ws(value, i);
-        let digits = value[i..].iter().take_while(|b| b.is_ascii_digit()).count();
-        let number = match digits {
-            0 if value[i..].starts_with(b"null") => {
-                i += 4;
-                None
-            }
-            1..=19 => {
-                let n = std::str::from_utf8(&value[i..i + digits])
-                    .ok()?
-                    .parse()
-                    .ok()?;
-                i += digits;
-                Some(n)
-            }
-            _ => return None,
-        };
-        // A fraction or exponent: a float, which serde judges.
-        if let Some(b'.' | b'e' | b'E') = value.get(i) {
-            return None;
-        }
-        let (slot, seen) = match key {
-            b"prompt_tokens" => (&mut usage.prompt_tokens, &mut prompt),
-            b"completion_tokens" => (&mut usage.completion_tokens, &mut completion),
-            _ => {
-                i = ws(value, i);
-                match value.get(i) {
-                    Some(b',') => i = ws(value, i + 1),
-                    _ => break,
-                }
-                continue;
-            }
-        };
-        // A repeated field, or a count that is `null`: serde's error, which it reports.
-        if std::mem::replace(seen, true) {
-            return None;
-        }
-        *slot = number?;
-        i = ws(value, i);
-        match value.get(i) {
-            Some(b',') => i = ws(value, i + 1),
-            _ => break,
-        }
-    }
-    Some(Some(usage))
-}
-
-fn ws(s: &[u8], mut i: usize) -> usize {
-    while let Some(b' ' | b'\t' | b'\n' | b'\r') = s.get(i) {
-        i += 1;
-    }
-    i
 }
 
 /// A JSON string, escaped as serde_json escapes it.
@@ -377,7 +272,7 @@ mod tests {
         if !(200..300).contains(&status) || serde_json::from_str::<&RawValue>(trimmed).is_err() {
             return None;
         }
-        serde_json::from_str::<UsageOnly>(trimmed).ok()?.usage
+        crate::usage::read(trimmed.as_bytes())
     }
 
     fn text() -> impl Strategy<Value = String> {
@@ -442,71 +337,6 @@ mod tests {
         }
     }
 
-    fn usage_value() -> impl Strategy<Value = String> {
-        let key = prop::sample::select(vec![
-            "prompt_tokens",
-            "completion_tokens",
-            "total_tokens",
-            "x",
-            "prompt\\u005ftokens",
-        ]);
-        let value = prop::sample::select(vec![
-            "0",
-            "7",
-            "512",
-            "null",
-            "-1",
-            "1.5",
-            "2e3",
-            "\"s\"",
-            "{}",
-            "[1]",
-            "true",
-            "18446744073709551615",
-            "18446744073709551616",
-            "1234567890123456789",
-        ]);
-        let space = prop::sample::select(vec!["", " ", "\n\t"]);
-        prop_oneof![
-            Just("null".to_owned()),
-            Just("[3, 4]".to_owned()),
-            prop::collection::vec((key, value, space), 0..5).prop_map(|members| {
-                let members: Vec<String> = members
-                    .iter()
-                    .map(|(k, v, s)| format!("{s}\"{k}\"{s}:{s}{v}{s}"))
-                    .collect();
-                format!("{{{}}}", members.join(","))
-            }),
-        ]
-    }
-
-    #[test]
-    fn the_usual_usage_is_read_by_hand() {
-        let usual = br#"{"prompt_tokens":512, "completion_tokens":180,"total_tokens":692}"#;
-        let read = Some(Usage {
-            prompt_tokens: 512,
-            completion_tokens: 180,
-        });
-        assert_eq!(plain_usage(usual), Some(read));
-        assert_eq!(plain_usage(b"null"), Some(None));
-        assert_eq!(
-            plain_usage(br#"{"prompt_tokens":1,"prompt_tokens":2}"#),
-            None
-        );
-        assert_eq!(plain_usage(br#"{"details":{}}"#), None);
-    }
-
-    proptest! {
-        /// `usage` read by hand is what serde reads.
-        #[test]
-        fn usage_is_read_as_serde_reads_it(value in usage_value()) {
-            let body = format!("{{\"usage\":{value}}}");
-            let doc = json::check(body.as_bytes()).unwrap();
-            let serde = serde_json::from_str::<UsageOnly>(&body).ok().and_then(|u| u.usage);
-            prop_assert_eq!(usage(body.as_bytes(), &doc), serde, "{}", body);
-        }
-    }
-
     fn http(status: u16, body: &str) -> Rendered {
         render("batch_req_j_0", "c", &Outcome::Http { status, body })
     }
@@ -525,8 +355,10 @@ mod tests {
         assert_eq!(
             r.usage,
             Some(Usage {
-                prompt_tokens: 3,
-                completion_tokens: 5
+                input_tokens: 3,
+                output_tokens: 5,
+                total_tokens: 8,
+                ..Usage::default()
             })
         );
     }

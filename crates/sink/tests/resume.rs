@@ -120,3 +120,89 @@ fn batch_json_is_replaced_atomically() {
         .collect();
     assert_eq!(names, ["batch.json"], "no temporary file left");
 }
+
+/// Outcomes of every kind the totals tell apart.
+fn mixed() -> Vec<Outcome<'static>> {
+    vec![
+        Outcome::Http {
+            status: 200,
+            body: r#"{"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7,"prompt_tokens_details":{"cached_tokens":1}}}"#,
+        },
+        Outcome::Http {
+            status: 200,
+            body: r#"{"usage":{"input_tokens":10,"output_tokens":5,"output_tokens_details":{"reasoning_tokens":2}}}"#,
+        },
+        // Not a success: its usage does not count.
+        Outcome::Http {
+            status: 400,
+            body: r#"{"usage":{"prompt_tokens":100}}"#,
+        },
+        Outcome::Failed {
+            code: "batch_cancelled",
+            message: "x",
+        },
+        EXPIRED,
+        Outcome::Failed {
+            code: "server_error",
+            message: "x",
+        },
+        // A 2xx without a body: a `server_error` line.
+        Outcome::Http {
+            status: 200,
+            body: "",
+        },
+        Outcome::Http {
+            status: 201,
+            body: r#"{"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
+        },
+    ]
+}
+
+#[test]
+fn totals_are_counted_as_written_and_a_resume_from_a_checkpoint_counts_the_same() {
+    let outcomes = mixed();
+    let n = outcomes.len() as u64;
+    let whole = tempdir().unwrap();
+    let mut sink = JobSink::open(whole.path(), "job", n).unwrap();
+    for (i, o) in outcomes.iter().enumerate() {
+        sink.record(i as u64, "c", o).unwrap();
+    }
+    sink.flush().unwrap();
+    let (totals, counts) = (sink.totals(), sink.counts());
+    assert_eq!((totals.output_lines, totals.error_lines), (4, 4));
+    assert_eq!((totals.cancelled, totals.expired), (1, 1));
+    let u = totals.usage;
+    assert_eq!(
+        (u.input_tokens, u.output_tokens, u.total_tokens),
+        (14, 10, 24)
+    );
+    assert_eq!(u.input_tokens_details.cached_tokens, 1);
+    assert_eq!(u.output_tokens_details.reasoning_tokens, 2);
+
+    // The same job checkpointed after four lines (two more written, but not flushed, are
+    // lost) and resumed elsewhere from the checkpoint's prefixes.
+    let first = tempdir().unwrap();
+    let mut sink = JobSink::open(first.path(), "job", n).unwrap();
+    for (i, o) in outcomes.iter().enumerate().take(4) {
+        sink.record(i as u64, "c", o).unwrap();
+    }
+    sink.flush().unwrap();
+    let (output_len, error_len) = sink.committed_lengths();
+    sink.record(5, "c", &outcomes[5]).unwrap();
+    sink.record(4, "c", &outcomes[4]).unwrap();
+    let resumed = tempdir().unwrap();
+    for (file, len) in [(OUTPUT_FILE, output_len), (ERROR_FILE, error_len)] {
+        let bytes = std::fs::read(first.path().join(file)).unwrap();
+        std::fs::write(resumed.path().join(file), &bytes[..len as usize]).unwrap();
+    }
+    drop(sink);
+    let mut sink = JobSink::open(resumed.path(), "job", n).unwrap();
+    let open: Vec<u64> = sink.unresolved().collect();
+    assert_eq!(open, [4, 5, 6, 7]);
+    for i in open {
+        sink.record(i, "c", &outcomes[i as usize]).unwrap();
+    }
+    sink.flush().unwrap();
+    assert_eq!(sink.totals(), totals);
+    assert_eq!(sink.counts(), counts);
+}

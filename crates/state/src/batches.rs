@@ -1,34 +1,19 @@
 //! Batches: their records, each tenant's listing, the counts by status and of each tenant's
-//! unfinished batches, and cancel requests.
+//! unfinished batches. Their status moves in [`crate::status`].
 
 use std::sync::LazyLock;
 
-use batch_wire::BatchStatus;
 use fred::interfaces::{HashesInterface, KeysInterface};
 use fred::types::scripts::Script;
 
 use crate::{
-    now_unix, parse, split_more, JobLease, Order, Page, QuotaExceeded, Store, StoreError,
-    StoredBatch,
+    parse, split_more, JobLease, Order, Page, QuotaExceeded, Store, StoreError, StoredBatch,
 };
 
 static CREATE_BATCH: LazyLock<Script> =
     LazyLock::new(|| Script::from_lua(include_str!("batches/create_batch.lua")));
 static SAVE_BATCH: LazyLock<Script> =
     LazyLock::new(|| Script::from_lua(include_str!("batches/save_batch.lua")));
-static CANCEL: LazyLock<Script> =
-    LazyLock::new(|| Script::from_lua(include_str!("batches/cancel.lua")));
-
-/// What a cancel request found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CancelRequest {
-    /// Asked now; the job was waiting in the queue and moved to the cancel queue.
-    WasQueued,
-    /// Asked now; the job is running somewhere (its runner sees the request).
-    WasRunning,
-    /// Asked before.
-    Already,
-}
 
 impl Store {
     /// Stores a new batch, lists it and queues it by its deadline (`expires_at`).
@@ -85,13 +70,15 @@ impl Store {
         Ok(n.unwrap_or(0))
     }
 
-    /// Replaces a batch's record, as the holder of `lease` (`None`: unfenced, for tools).
-    /// Returns false, writing nothing, when the lease is no longer held.
-    pub async fn save_batch(
+    /// Replaces a batch's record, as the holder of `lease` (`None`: unfenced), in Redis and its
+    /// storage copy; only [`Store::advance`] calls it. Returns 1 when saved, 0 (nothing written)
+    /// when the lease is no longer held, 2 when the batch is cancelling and `batch` would move
+    /// it back (see `save_batch.lua`).
+    pub(crate) async fn save_batch(
         &self,
         batch: &StoredBatch,
         lease: Option<&JobLease>,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<i64, StoreError> {
         let b = &batch.batch.batch;
         let keys = vec![
             self.key(&["batch", &b.id]),
@@ -113,39 +100,35 @@ impl Store {
         if n == 1 {
             self.mirror_batch(batch, lease).await?;
         }
-        Ok(n == 1)
+        Ok(n)
     }
 
-    /// The batch `id` as the API shows it: a pending cancel request shows as `cancelling`.
+    /// The batch `id`, as stored.
     pub async fn batch(&self, id: &str) -> Result<Option<StoredBatch>, StoreError> {
-        Ok(self.batches(&[id.to_owned()]).await?.pop().flatten())
+        Ok(self.batch_json(id).await?.map(|(_, b)| b))
     }
 
-    /// The batches `ids` (`None` for those that do not exist), cancel requests applied.
+    /// The batch `id` and its record's JSON as stored.
+    pub(crate) async fn batch_json(
+        &self,
+        id: &str,
+    ) -> Result<Option<(String, StoredBatch)>, StoreError> {
+        let key = self.key(&["batch", id]);
+        let json: Option<String> = self.client.get(&key).await?;
+        json.map(|j| parse(&key, &j).map(|b| (j, b))).transpose()
+    }
+
+    /// The batches `ids` (`None` for those that do not exist), as stored.
     pub async fn batches(&self, ids: &[String]) -> Result<Vec<Option<StoredBatch>>, StoreError> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let mut keys: Vec<String> = ids.iter().map(|id| self.key(&["batch", id])).collect();
-        keys.extend(ids.iter().map(|id| self.key(&["cancel", id])));
+        let keys: Vec<String> = ids.iter().map(|id| self.key(&["batch", id])).collect();
         let values: Vec<Option<String>> = self.client.mget(keys.clone()).await?;
-        let (records, cancels) = values.split_at(ids.len());
-        let mut out = Vec::with_capacity(ids.len());
-        for ((key, record), cancel) in keys.iter().zip(records).zip(cancels) {
-            let Some(json) = record else {
-                out.push(None);
-                continue;
-            };
-            let mut batch: StoredBatch = parse(key, json)?;
-            if let Some(at) = cancel.as_deref().and_then(|c| c.parse::<i64>().ok()) {
-                let b = &mut batch.batch.batch;
-                if !b.status.is_terminal() && b.status != BatchStatus::Cancelling {
-                    b.set_status(BatchStatus::Cancelling, at);
-                }
-            }
-            out.push(Some(batch));
-        }
-        Ok(out)
+        keys.iter()
+            .zip(values)
+            .map(|(key, json)| json.map(|j| parse(key, &j)).transpose())
+            .collect()
     }
 
     /// A page of `tenant`'s batches, newest first, after the id `after`.
@@ -160,37 +143,6 @@ impl Store {
         let (ids, has_more) = split_more(ids, limit);
         let data = self.batches(&ids).await?.into_iter().flatten().collect();
         Ok(Page { data, has_more })
-    }
-
-    /// Asks for batch `id` to be cancelled. A job still waiting in the queue moves to the cancel
-    /// queue, which runners take from without waiting for a free slot.
-    pub async fn request_cancel(&self, id: &str) -> Result<CancelRequest, StoreError> {
-        // A batch's tenant never changes: read first, its queue's key goes in KEYS.
-        let tenant: Option<String> =
-            HashesInterface::hget(&self.client, self.key(&["tenant_of"]), id).await?;
-        let mut keys = vec![
-            self.key(&["cancel", id]),
-            self.key(&["queue"]),
-            self.key(&["cancelq"]),
-            self.key(&["tenant_of"]),
-            self.key(&["tenants_queued"]),
-        ];
-        keys.extend(tenant.map(|t| self.key(&["tqueue", &t])));
-        let n: i64 = CANCEL
-            .evalsha_with_reload(
-                &self.client,
-                keys,
-                vec![id.to_owned(), now_unix().to_string()],
-            )
-            .await?;
-        if n != 0 {
-            self.mirror_cancel(id).await?;
-        }
-        Ok(match n {
-            0 => CancelRequest::Already,
-            1 => CancelRequest::WasQueued,
-            _ => CancelRequest::WasRunning,
-        })
     }
 
     /// Whether a cancel of batch `id` was asked for.

@@ -10,7 +10,7 @@
 //! lexicographic range and its cursor is the last id of a page.
 //!
 //! One module per resource: [`files`](Store::put_file), batches and their listings
-//! ([`Store::create_batch`]), the job queue ([`Store::claim_queued`]), leases
+//! ([`Store::create_batch`]), their status ([`Store::advance`]), the job queue ([`Store::claim_queued`]), leases
 //! ([`Store::adopt`]), checkpoints ([`Store::save_checkpoint`]), webhooks
 //! ([`Store::put_webhook`]) and recovery ([`Store::rebuild`]). Each script is a `.lua` file
 //! next to its module, its header saying its KEYS, ARGV and what it returns.
@@ -33,6 +33,7 @@ mod leases;
 mod queue;
 mod records;
 mod recovery;
+mod status;
 mod webhooks;
 
 use std::collections::{BTreeMap, HashMap};
@@ -45,15 +46,15 @@ use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::{ClusterHash, CustomCommand, Value};
 use serde::de::DeserializeOwned;
 
-pub use batches::CancelRequest;
+pub use batch_wire::{CachedTokens, ReasoningTokens, Usage};
 pub use files::FileQuota;
 pub use layout::STATE_PREFIX;
 pub use leases::{JobLease, Renewal};
 pub use records::{
-    BatchObject, CachedTokens, FileObject, FineCounts, Page, ReasoningTokens, StoredBatch,
-    StoredFile, Usage, FINE_COUNTS_KEY,
+    BatchObject, FileObject, FineCounts, Page, StoredBatch, StoredFile, FINE_COUNTS_KEY,
 };
 pub use recovery::RebuildReport;
+pub use status::{Advance, CancelRequest, Change};
 pub use webhooks::{Delivery, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
 
 /// Why a state operation failed.

@@ -1,6 +1,6 @@
 //! The records the service keeps: OpenAI's File and Batch objects, with the tenant that owns them.
 
-use batch_wire::{Batch, BatchStatus};
+use batch_wire::{Batch, BatchStatus, Usage};
 use serde::{Deserialize, Serialize};
 
 use crate::layout;
@@ -50,35 +50,6 @@ impl StoredFile {
     }
 }
 
-/// Token counts summed over a batch's responses, in the Batch object's shape.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    /// Prompt tokens.
-    pub input_tokens: u64,
-    /// Of which were cached.
-    pub input_tokens_details: CachedTokens,
-    /// Generated tokens.
-    pub output_tokens: u64,
-    /// Of which were reasoning.
-    pub output_tokens_details: ReasoningTokens,
-    /// Both.
-    pub total_tokens: u64,
-}
-
-/// `input_tokens_details`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CachedTokens {
-    /// Prompt tokens served from a cache.
-    pub cached_tokens: u64,
-}
-
-/// `output_tokens_details`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReasoningTokens {
-    /// Generated tokens spent on reasoning.
-    pub reasoning_tokens: u64,
-}
-
 /// Finer counts than OpenAI's `request_counts`, as Anthropic's Message Batches give them; the
 /// Batch object carries them under [`FINE_COUNTS_KEY`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,18 +91,6 @@ impl BatchObject {
     pub fn status(&self) -> BatchStatus {
         self.batch.status
     }
-
-    /// Fine counts derived from `request_counts` while the batch runs.
-    pub fn running_counts(&mut self) {
-        let c = self.batch.request_counts;
-        self.x_request_counts = FineCounts {
-            processing: c.total.saturating_sub(c.completed + c.failed),
-            succeeded: c.completed,
-            errored: c.failed,
-            cancelled: 0,
-            expired: 0,
-        };
-    }
 }
 
 /// A batch and what the service needs to run it, as stored.
@@ -150,28 +109,6 @@ pub struct StoredBatch {
     /// sent on each of the batch's inference requests.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub headers: std::collections::BTreeMap<String, String>,
-}
-
-impl StoredBatch {
-    /// Copies what the executor knows of the job into the record (which keeps the service's
-    /// own fields: the input file id, window, metadata).
-    pub fn merge(&mut self, batch: &Batch) {
-        let b = &mut self.batch.batch;
-        b.status = batch.status;
-        b.errors = batch.errors.clone();
-        b.request_counts = batch.request_counts;
-        if b.endpoint.is_none() {
-            b.endpoint = batch.endpoint.clone();
-        }
-        b.in_progress_at = b.in_progress_at.or(batch.in_progress_at);
-        b.finalizing_at = b.finalizing_at.or(batch.finalizing_at);
-        b.completed_at = batch.completed_at;
-        b.failed_at = batch.failed_at;
-        b.expired_at = batch.expired_at;
-        b.cancelling_at = b.cancelling_at.or(batch.cancelling_at);
-        b.cancelled_at = batch.cancelled_at;
-        self.batch.running_counts();
-    }
 }
 
 /// One page of a listing.

@@ -66,6 +66,16 @@ async fn read_opt(storage: &Storage, key: &str) -> Result<Option<Bytes>, Storage
     }
 }
 
+async fn put_batch_copy(m: &Storage, record: &StoredBatch, epoch: u64) -> Result<(), StoreError> {
+    let copy = BatchCopy {
+        epoch,
+        record: record.clone(),
+    };
+    let key = layout::batch_copy(&record.batch.batch.id);
+    m.put_bytes(&key, json(&copy)).await?;
+    Ok(())
+}
+
 fn json(value: &impl Serialize) -> Bytes {
     Bytes::from(serde_json::to_vec(value).expect("a record serializes"))
 }
@@ -107,11 +117,7 @@ impl Store {
                 return Ok(());
             }
         }
-        let copy = BatchCopy {
-            epoch: lease.map_or(0, |l| l.epoch),
-            record: batch.clone(),
-        };
-        m.put_bytes(&layout::batch_copy(id), json(&copy)).await?;
+        put_batch_copy(m, batch, epoch).await?;
         if batch.batch.status().is_terminal() {
             // An ended batch's cancel request means nothing any more.
             m.delete(&layout::cancel_copy(id)).await?;
@@ -119,11 +125,19 @@ impl Store {
         Ok(())
     }
 
-    pub(crate) async fn mirror_cancel(&self, id: &str) -> Result<(), StoreError> {
+    /// Copies a cancel request and the `cancelling` record it made, under the job's lease
+    /// `epoch` (0: never claimed).
+    pub(crate) async fn mirror_cancel(
+        &self,
+        id: &str,
+        record: &StoredBatch,
+        epoch: u64,
+    ) -> Result<(), StoreError> {
         if let Some(m) = &self.mirror {
             let at = crate::now_unix().to_string();
             m.put_bytes(&layout::cancel_copy(id), Bytes::from(at))
                 .await?;
+            put_batch_copy(m, record, epoch).await?;
         }
         Ok(())
     }
@@ -266,9 +280,13 @@ impl Store {
             .and_then(|v| v.get("epoch").and_then(|e| e.as_u64()))
             .unwrap_or(0);
         let floor = copy.epoch.max(checkpoint_epoch) + 1;
-        // A batch nobody claimed yet (validating, no epoch written) goes back to its queue;
-        // any other unfinished one to the running set, to be adopted with its checkpoint.
-        let started = copy.epoch > 0 || checkpoint_epoch > 0 || status != BatchStatus::Validating;
+        // A batch nobody claimed yet (validating, or cancelled while queued; no epoch written)
+        // goes back to its queue; any other unfinished one to the running set, to be adopted
+        // with its checkpoint.
+        let started = copy.epoch > 0
+            || checkpoint_epoch > 0
+            || b.in_progress_at.is_some()
+            || !matches!(status, BatchStatus::Validating | BatchStatus::Cancelling);
         let mode = match (terminal, started, cancel.is_some()) {
             (true, _, _) => "done",
             (false, false, false) => "queue",

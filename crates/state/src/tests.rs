@@ -171,6 +171,51 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
 }
 
 #[tokio::test]
+async fn a_cancel_request_moves_the_record_and_a_racing_save_keeps_it() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    s.create_batch(&batch("a", "batch_1", 100)).await.unwrap();
+    let lease = s.claim_queued("r1", TTL, 0).await.unwrap().unwrap();
+    // The runner's copy of the record, read before the cancel.
+    let mut runner = s.batch("batch_1").await.unwrap().unwrap();
+    let running = Change::Running {
+        status: BatchStatus::InProgress,
+        counts: batch_wire::RequestCounts {
+            total: 4,
+            completed: 1,
+            failed: 0,
+        },
+    };
+    assert_eq!(
+        s.advance(&mut runner, running, Some(&lease)).await.unwrap(),
+        Advance::Saved
+    );
+    assert_eq!(
+        s.request_cancel("batch_1").await.unwrap(),
+        CancelRequest::WasRunning
+    );
+    let stored = s.batch("batch_1").await.unwrap().unwrap();
+    assert_eq!(stored.batch.status(), BatchStatus::Cancelling);
+    let counts = s.status_counts().await.unwrap();
+    assert_eq!(counts.get("cancelling"), Some(&1));
+    assert_eq!(counts.get("in_progress"), Some(&0));
+    // The runner's next progress save, from its stale copy, does not move it back.
+    assert_eq!(runner.batch.status(), BatchStatus::InProgress);
+    assert_eq!(
+        s.advance(&mut runner, running, Some(&lease)).await.unwrap(),
+        Advance::Saved
+    );
+    assert_eq!(runner.batch.status(), BatchStatus::Cancelling);
+    let stored = s.batch("batch_1").await.unwrap().unwrap();
+    assert_eq!(stored.batch.status(), BatchStatus::Cancelling);
+    assert_eq!(stored.batch.batch.request_counts.completed, 1);
+    assert_eq!(
+        stored.batch.batch.cancelling_at,
+        runner.batch.batch.cancelling_at
+    );
+}
+
+#[tokio::test]
 async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder() {
     let redis = RedisServer::start();
     let s = store(&redis).await;
@@ -178,7 +223,7 @@ async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder()
     let short = std::time::Duration::from_millis(300);
     let first = s.claim_queued("r1", short, 0).await.unwrap().unwrap();
     let record = s.batch("batch_1").await.unwrap().unwrap();
-    assert!(s.save_batch(&record, Some(&first)).await.unwrap());
+    assert_eq!(s.save_batch(&record, Some(&first)).await.unwrap(), 1);
 
     // Held: nobody else may take it, and renewing keeps it.
     assert_eq!(s.adopt("batch_1", "r2", TTL).await.unwrap(), None);
@@ -198,7 +243,7 @@ async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder()
     assert_eq!(renewal.lost, std::slice::from_ref(&first));
     assert!(renewal.regained.is_empty());
     assert!(!s.hold(&first, TTL).await.unwrap());
-    assert!(!s.save_batch(&record, Some(&first)).await.unwrap());
+    assert_eq!(s.save_batch(&record, Some(&first)).await.unwrap(), 0);
     assert!(!s.save_checkpoint(&first, "{}").await.unwrap());
     assert!(!s.release(&first).await.unwrap());
     assert!(s.save_checkpoint(&second, r#"{"n":1}"#).await.unwrap());
@@ -206,7 +251,7 @@ async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder()
         s.checkpoint("batch_1").await.unwrap().as_deref(),
         Some(r#"{"n":1}"#)
     );
-    assert!(s.save_batch(&record, Some(&second)).await.unwrap());
+    assert_eq!(s.save_batch(&record, Some(&second)).await.unwrap(), 1);
 
     // A shutdown hands it over at once; a restarted r2 may take its own job back.
     s.release_lease(&second).await.unwrap();
@@ -233,7 +278,7 @@ async fn a_lapsed_lease_nobody_took_is_held_again_by_its_replica() {
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     let record = s.batch("batch_1").await.unwrap().unwrap();
     // Lapsed: writes are refused until the lease is held again.
-    assert!(!s.save_batch(&record, Some(&leases[0])).await.unwrap());
+    assert_eq!(s.save_batch(&record, Some(&leases[0])).await.unwrap(), 0);
     // batch_2 was taken by r2 meanwhile; batch_3 is nobody's any more.
     let taken = s.adopt("batch_2", "r2", TTL).await.unwrap().unwrap();
     s.forget_running("batch_3").await.unwrap();
@@ -242,7 +287,7 @@ async fn a_lapsed_lease_nobody_took_is_held_again_by_its_replica() {
     assert_eq!(renewal.regained, [leases[0].clone()]);
     assert_eq!(renewal.lost, [leases[1].clone(), leases[2].clone()]);
     // Held again under the same epoch: writes go through, others are kept out.
-    assert!(s.save_batch(&record, Some(&leases[0])).await.unwrap());
+    assert_eq!(s.save_batch(&record, Some(&leases[0])).await.unwrap(), 1);
     assert!(s.save_checkpoint(&leases[0], "{}").await.unwrap());
     assert_eq!(s.adopt("batch_1", "r2", TTL).await.unwrap(), None);
     assert!(s.unleased(&["batch_1".into()]).await.unwrap().is_empty());
@@ -335,8 +380,8 @@ async fn unfinished_batches_and_stored_files_are_counted_against_quotas() {
     assert_eq!(s.create_batch_within(&other, 2).await.unwrap(), Ok(()));
     let mut ended = s.batch("batch_0").await.unwrap().unwrap();
     ended.batch.batch.status = BatchStatus::Completed;
-    assert!(s.save_batch(&ended, None).await.unwrap());
-    assert!(s.save_batch(&ended, None).await.unwrap());
+    assert_eq!(s.save_batch(&ended, None).await.unwrap(), 1);
+    assert_eq!(s.save_batch(&ended, None).await.unwrap(), 1);
     assert_eq!(s.unfinished("a").await.unwrap(), 1);
     assert_eq!(s.create_batch_within(&third, 2).await.unwrap(), Ok(()));
     assert_eq!(s.unfinished("a").await.unwrap(), 2);
@@ -453,12 +498,12 @@ async fn a_flushed_redis_is_rebuilt_from_the_storage_copy() {
     let l2 = s.claim_queued("r0", ttl, 0).await.unwrap().unwrap();
     let mut done = batch("a", "batch_1", 101);
     done.batch.batch.set_status(BatchStatus::Completed, 5);
-    assert!(s.save_batch(&done, Some(&l2)).await.unwrap());
+    assert_eq!(s.save_batch(&done, Some(&l2)).await.unwrap(), 1);
     s.release(&l2).await.unwrap();
     // batch_0 runs (l1): in progress, checkpointed at its epoch.
     let mut running = batch("a", "batch_0", 100);
     running.batch.batch.set_status(BatchStatus::InProgress, 3);
-    assert!(s.save_batch(&running, Some(&l1)).await.unwrap());
+    assert_eq!(s.save_batch(&running, Some(&l1)).await.unwrap(), 1);
     let checkpoint = format!(r#"{{"epoch":{},"at":3}}"#, l1.epoch);
     assert!(s.save_checkpoint(&l1, &checkpoint).await.unwrap());
     assert_eq!(

@@ -200,6 +200,47 @@ pub struct RequestCounts {
     pub failed: u64,
 }
 
+/// Token counts in the Batch object's `usage` shape: one response's, or summed over a batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub input_tokens: u64,
+    /// Of which were cached.
+    pub input_tokens_details: CachedTokens,
+    /// Generated tokens.
+    pub output_tokens: u64,
+    /// Of which were reasoning.
+    pub output_tokens_details: ReasoningTokens,
+    /// Both.
+    pub total_tokens: u64,
+}
+
+/// `input_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachedTokens {
+    /// Prompt tokens served from a cache.
+    pub cached_tokens: u64,
+}
+
+/// `output_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReasoningTokens {
+    /// Generated tokens spent on reasoning.
+    pub reasoning_tokens: u64,
+}
+
+impl std::ops::AddAssign for Usage {
+    fn add_assign(&mut self, o: Self) {
+        self.input_tokens = self.input_tokens.saturating_add(o.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(o.output_tokens);
+        self.total_tokens = self.total_tokens.saturating_add(o.total_tokens);
+        let cached = &mut self.input_tokens_details.cached_tokens;
+        *cached = cached.saturating_add(o.input_tokens_details.cached_tokens);
+        let reasoning = &mut self.output_tokens_details.reasoning_tokens;
+        *reasoning = reasoning.saturating_add(o.output_tokens_details.reasoning_tokens);
+    }
+}
+
 /// One entry of `errors.data`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchError {

@@ -34,8 +34,9 @@ mod raw;
 mod result;
 
 pub use batch::{
-    deadline, error_codes, Batch, BatchError, BatchErrors, BatchStatus, ErrorBody, InputLine,
-    OutputLine, RequestCounts, ResponseBody, ALLOWED_URLS, MAX_COMPLETION_WINDOW,
+    deadline, error_codes, Batch, BatchError, BatchErrors, BatchStatus, CachedTokens, ErrorBody,
+    InputLine, OutputLine, ReasoningTokens, RequestCounts, ResponseBody, Usage, ALLOWED_URLS,
+    MAX_COMPLETION_WINDOW,
 };
 pub use envelope::{Envelope, Internal, RequestKind, RequestMessage};
 pub use id::{

@@ -5,8 +5,13 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use batch_api::{ApiError, ErrorCode, LineStream};
 use batch_state::{layout, now_unix, JobLease};
+use batch_storage::StorageError;
+use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt;
+use tokio_util::io::ReaderStream;
 
 use super::{RunError, Runner};
 
@@ -27,8 +32,43 @@ struct CheckpointRecord {
 }
 
 impl Runner {
+    /// The whole lines `file` (`output.jsonl`, `error.jsonl`) of running job `id` holds so
+    /// far: from the executor's job while it runs here (up to the sink's last flushed line),
+    /// else from its latest checkpoint (it runs on another replica, or here but is not prepared
+    /// yet: still being restored from that checkpoint); `None` while there are none.
+    pub(crate) async fn lines_so_far(
+        &self,
+        id: &str,
+        file: &str,
+    ) -> Result<Option<LineStream>, ApiError> {
+        if let Some(job) = self.running_job(id) {
+            let read = |e: &dyn std::fmt::Display| {
+                ApiError::new(
+                    ErrorCode::Internal,
+                    format!("Reading the lines so far failed: {e}"),
+                )
+            };
+            return match job.result_lines(file).map_err(|e| read(&e))? {
+                Some((opened, len)) if len > 0 => {
+                    let lines = tokio::fs::File::from_std(opened).take(len);
+                    Ok(Some(ReaderStream::new(lines).boxed()))
+                }
+                _ => Ok(None),
+            };
+        }
+        let Some(key) = self.checkpointed_file(id, file).await? else {
+            return Ok(None);
+        };
+        match self.storage.get(&key).await {
+            Ok(object) => Ok(Some(object.stream.map_err(std::io::Error::other).boxed())),
+            // The batch ended meanwhile, and its checkpoints went.
+            Err(StorageError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// The storage key of `file` in job `id`'s latest checkpoint, if it has one.
-    pub(crate) async fn checkpointed_file(
+    async fn checkpointed_file(
         &self,
         id: &str,
         file: &str,

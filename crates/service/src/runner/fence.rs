@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use batch_state::{JobLease, Store, StoreError, StoredBatch};
+use batch_state::{Advance, Change, JobLease, Store, StoreError, StoredBatch};
 use batch_storage::StorageError;
 use tokio_util::sync::CancellationToken;
 
@@ -103,12 +103,33 @@ impl Fence<'_> {
         Err(RunError::Fenced)
     }
 
-    /// Saves `record` as the holder of the lease; [`RunError::Fenced`] when it no longer is.
-    pub(crate) async fn save(&self, record: &StoredBatch) -> Result<(), RunError> {
-        self.write("saving a batch", || {
-            self.store.save_batch(record, Some(self.lease))
-        })
-        .await
+    /// Applies `change` to `record` and saves it as the holder of the lease (see
+    /// [`Store::advance`]), once more if the lease had only lapsed; [`RunError::Fenced`] when
+    /// another replica holds the job.
+    pub(crate) async fn advance(
+        &self,
+        record: &mut StoredBatch,
+        change: Change<'_>,
+    ) -> Result<(), RunError> {
+        for regained in [false, true] {
+            if regained && !self.regain().await? {
+                break;
+            }
+            let (advance, saved) = self
+                .retry("saving a batch", || {
+                    let mut r = record.clone();
+                    async move {
+                        let a = self.store.advance(&mut r, change, Some(self.lease)).await?;
+                        Ok((a, r))
+                    }
+                })
+                .await?;
+            if advance == Advance::Saved {
+                *record = saved;
+                return Ok(());
+            }
+        }
+        Err(RunError::Fenced)
     }
 }
 

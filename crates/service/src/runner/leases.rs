@@ -93,6 +93,16 @@ impl Runner {
             .is_some_and(|a| a.lease.epoch == lease.epoch)
     }
 
+    /// Job `lease.job` was prepared: the API shows its lines from the job itself now.
+    pub(super) fn prepared(&self, lease: &JobLease, job: &Arc<batch_executor::Job>) {
+        let mut active = self.active.lock().expect("active lock");
+        if let Some(a) = active.get_mut(&lease.job) {
+            if a.lease.epoch == lease.epoch {
+                a.job = Some(job.clone());
+            }
+        }
+    }
+
     pub(super) fn forget_active(&self, lease: &JobLease) {
         let mut active = self.active.lock().expect("active lock");
         if active

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batch_executor::{JobSpec, Prepared};
-use batch_state::{layout, now_unix, JobLease, StoredBatch};
+use batch_sink::JobSink;
+use batch_state::{layout, Change, JobLease, StoredBatch};
 use batch_storage::StorageError;
-use batch_wire::{Batch, BatchError, BatchErrors, BatchStatus};
+use batch_wire::Batch;
 use tokio_util::sync::CancellationToken;
 
 use super::checkpoints::write_epoch;
@@ -94,9 +95,17 @@ impl Runner {
                     .await;
             }
         };
-        let batch = match prepared {
-            Prepared::Finished(batch) => *batch,
+        let (batch, totals) = match prepared {
+            // Ended before (finishing it was cut short): the sink counts its files again.
+            Prepared::Finished(batch) => {
+                let out = dir.join("out");
+                let totals = JobSink::open(&out, id, batch.request_counts.total)
+                    .map_err(|e| RunError::Other(e.to_string()))?
+                    .totals();
+                (*batch, totals)
+            }
             Prepared::Ready(job) => {
+                self.prepared(lease, &job);
                 let mut models = job.models();
                 if let (Some(model), None) = (models.next(), models.next()) {
                     record.batch.model = Some(model.to_owned());
@@ -121,7 +130,7 @@ impl Runner {
                     Ok(batch) if !batch.status.is_terminal() => {
                         return self.paused(&job, &mut record, &batch, lease).await;
                     }
-                    Ok(batch) => batch,
+                    Ok(batch) => (batch, job.totals()),
                     Err(e) => {
                         let message = format!("The batch failed: {e}");
                         return self
@@ -136,6 +145,7 @@ impl Runner {
             &self.storage,
             &mut record,
             &batch,
+            &totals,
             &dir,
         )
         .await?;
@@ -151,8 +161,9 @@ impl Runner {
         batch: &Batch,
         lease: &JobLease,
     ) -> Result<(), RunError> {
-        record.merge(batch);
-        self.fencing(lease).save(record).await?;
+        self.fencing(lease)
+            .advance(record, Change::Stopped(batch))
+            .await?;
         if let Err(e) = self.checkpoint(job, lease).await {
             tracing::warn!(job = %lease.job, error = %e, "no checkpoint at shutdown; the next holder redoes more");
         }
@@ -200,15 +211,9 @@ impl Runner {
         message: &str,
     ) -> Result<(), RunError> {
         tracing::warn!(job = %record.batch.batch.id, message, "batch failed");
-        let b = &mut record.batch.batch;
-        b.errors = Some(BatchErrors::new(vec![BatchError {
-            code: code.to_owned(),
-            message: message.to_owned(),
-            param: None,
-            line: None,
-        }]));
-        b.set_status(BatchStatus::Failed, now_unix());
-        self.fencing(lease).save(record).await?;
+        self.fencing(lease)
+            .advance(record, Change::Failed { code, message })
+            .await?;
         let dir = self.job_dir(&lease.job);
         self.end(lease, &dir).await
     }

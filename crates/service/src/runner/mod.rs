@@ -51,7 +51,8 @@ pub(crate) struct RunnerConfig {
 
 /// A job this replica runs now.
 struct Active {
-    dir: PathBuf,
+    /// The executor's job, once prepared: what the API shows of its lines so far.
+    job: Option<Arc<batch_executor::Job>>,
     lease: JobLease,
     /// Fired when the lease is lost: the job stops writing at once.
     fenced: CancellationToken,
@@ -124,10 +125,10 @@ impl Runner {
         self.config.work_dir.join("serve").join(id)
     }
 
-    /// Where the running job `id` writes `file` (`output.jsonl`, `error.jsonl`), when it runs here.
-    pub(crate) fn local_file(&self, id: &str, file: &str) -> Option<PathBuf> {
+    /// The executor's job `id`, when it runs here and was prepared.
+    fn running_job(&self, id: &str) -> Option<Arc<batch_executor::Job>> {
         let active = self.active.lock().expect("active lock");
-        active.get(id).map(|a| a.dir.join("out").join(file))
+        active.get(id).and_then(|a| a.job.clone())
     }
 
     /// How many jobs run here now.

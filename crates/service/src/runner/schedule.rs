@@ -180,7 +180,7 @@ impl Runner {
         me.active.lock().expect("active lock").insert(
             id.clone(),
             Active {
-                dir: me.job_dir(&id),
+                job: None,
                 lease: lease.clone(),
                 fenced: fenced.clone(),
                 losses: self.state.losses(),

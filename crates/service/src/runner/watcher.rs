@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use batch_state::{now_unix, JobLease, StoredBatch};
+use batch_state::{Advance, Change, JobLease, StoredBatch};
 use tokio_util::sync::CancellationToken;
 
 use super::{RunError, Runner};
@@ -46,16 +46,13 @@ impl Runner {
                 last_checkpoint = tokio::time::Instant::now();
             }
             if last.as_ref() != Some(&now) {
-                let b = &mut record.batch.batch;
-                b.request_counts = now.counts;
-                // A terminal status shows once the result files are up, not before.
-                if !now.status.is_terminal() && b.status != now.status {
-                    b.set_status(now.status, now_unix());
-                }
-                record.batch.running_counts();
-                match self.store.save_batch(&record, Some(&lease)).await {
-                    Ok(true) => last = Some(now),
-                    Ok(false) => match self.fencing(&lease).regain().await {
+                let change = Change::Running {
+                    status: now.status,
+                    counts: now.counts,
+                };
+                match self.store.advance(&mut record, change, Some(&lease)).await {
+                    Ok(Advance::Saved) => last = Some(now),
+                    Ok(Advance::Fenced) => match self.fencing(&lease).regain().await {
                         // Published at the next turn.
                         Ok(true) => {}
                         Ok(false) => {

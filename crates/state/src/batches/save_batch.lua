@@ -4,12 +4,18 @@
 -- then pushed on the list the webhook sender reads.
 -- KEYS: [1] record, [2] status counts, [3] lease, [4] active, [5] tenant_of, [6] webhook ended.
 -- ARGV: [1] record json, [2] new status, [3] the lease it needs ("" for none), [4] id.
--- Returns 1 when saved, 0 when the writer no longer holds the lease.
+-- A batch asked to cancel stays `cancelling` until it ends: a save that would move it back (it
+-- raced the cancel request) is refused.
+-- Returns 1 when saved, 0 when the writer no longer holds the lease, 2 when the stored record is
+-- `cancelling` and the new status neither that nor a final one.
 if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then return 0 end
+local s = ARGV[2]
+local final = s == 'completed' or s == 'failed' or s == 'expired' or s == 'cancelled'
 local old = redis.call('GET', KEYS[1])
+local was = old and cjson.decode(old)['batch']['status']
+if was == 'cancelling' and s ~= 'cancelling' and not final then return 2 end
 redis.call('SET', KEYS[1], ARGV[1])
 if old then
-  local was = cjson.decode(old)['batch']['status']
   if was ~= ARGV[2] then
     redis.call('HINCRBY', KEYS[2], was, -1)
     redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
@@ -17,8 +23,7 @@ if old then
 else
   redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
 end
-local s = ARGV[2]
-if s == 'completed' or s == 'failed' or s == 'expired' or s == 'cancelled' then
+if final then
   local tenant = redis.call('HGET', KEYS[5], ARGV[4])
   if tenant and redis.call('HDEL', KEYS[5], ARGV[4]) == 1 then
     local left = redis.call('HINCRBY', KEYS[4], tenant, -1)
