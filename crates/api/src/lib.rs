@@ -416,9 +416,11 @@ async fn openapi() -> Response {
 /// it) instead of waiting out the reconnection and then failing the same way.
 async fn redis_gate(State(api): State<Api>, request: Request, next: Next) -> Response {
     if request.uri().path().starts_with("/v1/") && !api.store.is_connected() {
-        let mut response =
-            ApiError::unavailable("The service's state store is not connected; retry shortly.")
-                .into_response();
+        let mut response = ApiError::new(
+            ErrorCode::Unavailable,
+            "The service's state store is not connected; retry shortly.",
+        )
+        .into_response();
         response.headers_mut().insert(
             axum::http::header::RETRY_AFTER,
             axum::http::HeaderValue::from_static("1"),
