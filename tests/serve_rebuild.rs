@@ -1,7 +1,7 @@
 //! Rebuilding the service's Redis state from storage on its own terms (issue #29): `/ready`
-//! fails while a loss is being repaired and answers again once the state is back, and
+//! fails while a loss is being repaired and answers again once the state is back;
 //! `processor serve --rebuild-state` puts back what Redis lost though its marker survived, and
-//! prints what it found.
+//! prints what it found; a batch caught finalizing when Redis forgets still ends once.
 
 mod support;
 
@@ -9,7 +9,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dispatcher_sim::GatewayConfig;
+use batch_testkit::S3Server;
+use dispatcher_sim::{GatewayConfig, DEFAULT_BUDGET_KEY};
 use serde_json::Value;
 use support::serve::*;
 use support::*;
@@ -203,5 +204,84 @@ async fn rebuild_state_puts_back_a_lost_record_and_reports_what_it_found() {
         "newest first, both listed"
     );
     drop(child);
+    sim.shutdown().await;
+}
+
+/// A batch whose last answers came while S3 hung is caught in `finalizing` (its result files
+/// cannot go up) when Redis forgets everything. Once S3 answers again, the state is rebuilt
+/// and the batch completes, each line once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_caught_finalizing_when_redis_forgets_completes_each_line_once() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let s3 = S3Server::start();
+    let config = async_service(&env, &[(KEY, "alpha")], "", "");
+    let yaml = std::fs::read_to_string(&config).unwrap();
+    let file_storage = format!("storage: file://{}", env.path("storage").display());
+    assert!(yaml.contains(&file_storage), "{yaml}");
+    let yaml = yaml.replace(&file_storage, &format!("storage: s3://{}/svc", s3.bucket()));
+    std::fs::write(&config, yaml).unwrap();
+    let sim = env
+        .dispatcher(&["pool-a"], |c| {
+            closed_gate(c);
+            c.batch_size = 1;
+        })
+        .await;
+    let gate = |open: bool| {
+        env.redis
+            .command(&["SET", DEFAULT_BUDGET_KEY, if open { "1" } else { "0" }]);
+    };
+    // A budget key that is not set leaves the gate open: shut it first.
+    gate(false);
+    let service = Launch::new(&config).s3(&s3).start();
+    let api = service.client(Some(KEY));
+    let (text, lines) = input_jsonl("fin", 40, "llama-3");
+    let file = api.upload_ok("fin.jsonl", text.as_bytes()).await;
+    let id = api.create_batch_ok(&file).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    gate(true);
+    api.wait_batch(&id, Duration::from_secs(120), "10 lines done", |b| {
+        b["request_counts"]["completed"].as_u64() >= Some(10)
+    })
+    .await;
+    gate(false);
+
+    // S3 hangs; the last answers come; the job ends and cannot upload its files.
+    s3.freeze();
+    gate(true);
+    let start = Instant::now();
+    loop {
+        let batch = api.batch(&id).await;
+        if batch["status"] == "finalizing" {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "not finalizing: {batch}\n{}",
+            service.stderr_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(env.redis.command(&["FLUSHALL"]), "+OK");
+    s3.thaw();
+
+    // Found again once the loss is noticed and the state rebuilt (the issue's bound: 30 s).
+    let path = format!("/v1/batches/{id}");
+    eventually(
+        "the batch found again",
+        Duration::from_secs(30),
+        async || api.get(&path).await.status == 200,
+    )
+    .await;
+    let done = api.wait_final(&id, Duration::from_secs(120)).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["request_counts"]["completed"], 40, "{done}");
+    api.results(&done).await.assert_each_once(&lines);
+    let listed = ids(&api.list_all("/v1/batches", "", 10).await);
+    assert_eq!(listed, vec![id.clone()]);
+    let log = service.all_stderr();
+    assert!(log.contains("Redis lost the service's state"), "{log}");
+    drop(service);
     sim.shutdown().await;
 }

@@ -369,8 +369,9 @@ pub fn spawn_runs<'a>(
         .collect()
 }
 
-/// Every queue of the simulated dispatcher behind a `redis` gate whose budget key is unset (0):
-/// nothing is taken until a test sets it.
+/// Every queue of the simulated dispatcher behind a `redis` gate on `DEFAULT_BUDGET_KEY`. As
+/// with the real dispatcher, a key that is not set leaves the gate open: a test that needs it
+/// shut sets the key to 0 first, and nothing is taken until it sets it above 0.
 pub fn closed_gate(config: &mut DispatcherConfig) {
     for q in &mut config.queues {
         q.gate_type = Some("redis".into());

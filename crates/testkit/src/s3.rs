@@ -225,6 +225,24 @@ impl S3Server {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }
 
+    /// Freezes the server (SIGSTOP): connections stay open and requests get no answer until
+    /// [`S3Server::thaw`], as with a store that hangs.
+    pub fn freeze(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Lets a frozen server go on (SIGCONT); the requests it held are answered.
+    pub fn thaw(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, signal: i32) {
+        let child = self.child.as_ref().expect("the S3 server runs");
+        // SAFETY: kill(2) on our own child's pid has no memory effects.
+        let rc = unsafe { libc::kill(child.id() as i32, signal) };
+        assert_eq!(rc, 0, "signalling the S3 server");
+    }
+
     fn request(&self, method: &str, target: &str, body: &[u8]) -> (u16, String) {
         let (status, _, body) = self.exchange(method, target, body);
         (status, body)
