@@ -13,7 +13,7 @@ use futures::future::{self, BoxFuture};
 use futures::stream::{self, StreamExt};
 use tokio::sync::mpsc;
 
-use crate::job::{End, Job};
+use crate::job::{End, Job, JobFailure};
 use crate::metrics as m;
 use crate::stop::Stop;
 use crate::{blocking, Dispatch, ExecError};
@@ -70,9 +70,9 @@ impl SyncMode {
         }
         tokio::select! {
             sent = self.send_all(job, stop) => match sent {
-                Err(e) => End::Failed(e.to_string()),
+                Err(e) => End::Failed(e.into()),
                 Ok(()) if job.remaining() == 0 => End::Completed,
-                Ok(()) => stop.end().unwrap_or_else(|| End::Failed(format!("{} requests were left without an answer", job.remaining()))),
+                Ok(()) => stop.end().unwrap_or_else(|| End::Failed(JobFailure::Unanswered(job.remaining()))),
             },
             _ = stop.halt.cancelled() => stop.end().unwrap_or(End::Expired),
         }
