@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use batch_config::ProcessorConfig;
+use batch_redis::Backoff;
 use batch_sync_dispatch::{
     EndpointOptions, LimitOptions, SyncDispatcher, SyncOutcome, SyncRequest, TlsOptions,
 };
@@ -185,7 +186,7 @@ impl SyncMode {
 /// Writes answers, retrying a failed write (a full disk) until it succeeds or the job stops.
 async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop) {
     let outcomes = Arc::new(outcomes);
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::default();
     loop {
         let (j, o) = (job.clone(), outcomes.clone());
         let write = move || j.record_all(o.iter().map(|(index, o)| (*index, o.as_outcome())));
@@ -193,11 +194,9 @@ async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop
             Ok(()) => return,
             Err(e) => {
                 tracing::error!(job = %job.id, error = %e, "could not write answers; retrying");
-                tokio::select! {
-                    _ = stop.halt.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => {}
+                if !backoff.wait(&stop.halt).await {
+                    return;
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
     }
