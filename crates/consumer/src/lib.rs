@@ -76,6 +76,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use batch_queue_names::ListKeys;
+use batch_redis::Backoff;
 use batch_wire::{split_request_id, RawResult};
 use fred::bytes_utils::Str;
 use fred::clients::Client;
@@ -285,7 +286,7 @@ impl ResultConsumer {
     /// Handles what a predecessor left in flight, then consumes until `shutdown` fires.
     pub async fn run(self, mut lease: Option<Lease>, shutdown: CancellationToken) {
         tracing::info!(results = %self.keys.list, "result consumer started");
-        let mut backoff = self.options.min_backoff;
+        let mut backoff = Backoff::new(self.options.min_backoff, self.options.max_backoff);
         let mut outage = false;
         while !shutdown.is_cancelled() {
             let Some(held) = lease.take() else {
@@ -316,15 +317,13 @@ impl ResultConsumer {
                         outage = true;
                         tracing::warn!(results = %self.keys.list, error = %e, "result consumer error, retrying with backoff (logged once until it recovers)");
                     }
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(backoff) => {}
+                    if !backoff.wait(&shutdown).await {
+                        break;
                     }
-                    backoff = (backoff * 2).min(self.options.max_backoff);
                     continue;
                 }
             }
-            backoff = self.options.min_backoff;
+            backoff.reset();
             outage = false;
         }
         if let Some(lease) = lease {
@@ -669,7 +668,7 @@ impl ResultConsumer {
         if routed.is_empty() {
             return Some(Vec::new());
         }
-        let mut backoff = self.options.min_backoff;
+        let mut backoff = Backoff::new(self.options.min_backoff, self.options.max_backoff);
         let mut failing = false;
         loop {
             let handler = self.handler.clone();
@@ -698,11 +697,9 @@ impl ResultConsumer {
                 Err(e) => tracing::error!(error = %e, "result handler panicked; retrying"),
             }
             self.stats.handler_error();
-            tokio::select! {
-                _ = shutdown.cancelled() => return None,
-                _ = tokio::time::sleep(backoff) => {}
+            if !backoff.wait(shutdown).await {
+                return None;
             }
-            backoff = (backoff * 2).min(self.options.max_backoff);
         }
     }
 }

@@ -460,7 +460,7 @@ impl Dispatch for AsyncMode {
         Box::pin(async move {
             let end = match self.dispatch(job, stop).await {
                 Ok(end) => end,
-                Err(e) => End::Failed(e.to_string()),
+                Err(e) => End::Failed(e.into()),
             };
             if matches!(end, End::Completed | End::Failed(_)) {
                 self.close_job(job).await;

@@ -124,7 +124,18 @@ pub(crate) enum End {
     Cancelled,
     /// Stopped to be resumed later (SIGTERM): nothing withdrawn, nothing closed.
     Paused,
-    Failed(String),
+    Failed(JobFailure),
+}
+
+/// Why a job's dispatch failed; its text is what the job's error lines and log say.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum JobFailure {
+    /// Dispatching returned an error (its `source()` chain kept).
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// Every call ended but some lines had no answer and no stop explains it.
+    #[error("{0} requests were left without an answer")]
+    Unanswered(u64),
 }
 
 /// A job being executed.

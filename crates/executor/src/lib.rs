@@ -449,7 +449,7 @@ impl Executor {
             ),
             End::Failed(e) => {
                 tracing::error!(job = %job.id, error = %e, "job failed");
-                job.add_error("system_error", e);
+                job.add_error("system_error", &e.to_string());
                 (
                     BatchStatus::Failed,
                     "system_error",

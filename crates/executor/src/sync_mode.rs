@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use batch_config::ProcessorConfig;
+use batch_redis::Backoff;
 use batch_sync_dispatch::{
     EndpointOptions, LimitOptions, SyncDispatcher, SyncOutcome, SyncRequest, TlsOptions,
 };
@@ -13,7 +14,7 @@ use futures::future::{self, BoxFuture};
 use futures::stream::{self, StreamExt};
 use tokio::sync::mpsc;
 
-use crate::job::{End, Job};
+use crate::job::{End, Job, JobFailure};
 use crate::metrics as m;
 use crate::stop::Stop;
 use crate::{blocking, Dispatch, ExecError};
@@ -70,9 +71,9 @@ impl SyncMode {
         }
         tokio::select! {
             sent = self.send_all(job, stop) => match sent {
-                Err(e) => End::Failed(e.to_string()),
+                Err(e) => End::Failed(e.into()),
                 Ok(()) if job.remaining() == 0 => End::Completed,
-                Ok(()) => stop.end().unwrap_or_else(|| End::Failed(format!("{} requests were left without an answer", job.remaining()))),
+                Ok(()) => stop.end().unwrap_or_else(|| End::Failed(JobFailure::Unanswered(job.remaining()))),
             },
             _ = stop.halt.cancelled() => stop.end().unwrap_or(End::Expired),
         }
@@ -190,7 +191,7 @@ impl SyncMode {
 /// Writes answers, retrying a failed write (a full disk) until it succeeds or the job stops.
 async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop) {
     let outcomes = Arc::new(outcomes);
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::default();
     loop {
         let (j, o) = (job.clone(), outcomes.clone());
         let write = move || j.record_all(o.iter().map(|(index, o)| (*index, o.as_outcome())));
@@ -198,11 +199,9 @@ async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop
             Ok(()) => return,
             Err(e) => {
                 tracing::error!(job = %job.id, error = %e, "could not write answers; retrying");
-                tokio::select! {
-                    _ = stop.halt.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => {}
+                if !backoff.wait(&stop.halt).await {
+                    return;
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
     }

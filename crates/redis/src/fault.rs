@@ -5,6 +5,9 @@
 //! [`Retry::run`] waits them out with capped backoff until its stop token fires, logging one
 //! WARN per outage and one INFO when Redis answers again. A wrong type, a missing permission or a
 //! bad password will not pass by waiting: they are returned at once.
+//!
+//! [`Backoff`] is the schedule of waits [`Retry`] keeps, for loops that retry something other
+//! than a Redis command (a write to disk, a connection, a lease).
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -59,12 +62,58 @@ pub enum RetryError {
     },
 }
 
+/// Capped doubling waits between attempts: `first`, twice that, and so on up to `max`.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    first: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Default for Backoff {
+    /// 100 ms doubling to 5 s.
+    fn default() -> Self {
+        Self::new(Duration::from_millis(100), Duration::from_secs(5))
+    }
+}
+
+impl Backoff {
+    /// Waits from `first`, doubled after each, up to `max`.
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Self {
+            first,
+            max,
+            next: first,
+        }
+    }
+
+    /// The wait before the next attempt; the one after is twice as long, up to the cap.
+    pub fn next_wait(&mut self) -> Duration {
+        let wait = self.next;
+        self.next = self.next.saturating_mul(2).min(self.max);
+        wait
+    }
+
+    /// Sleeps the next wait; false when `stop` fired first.
+    pub async fn wait(&mut self, stop: &CancellationToken) -> bool {
+        let wait = self.next_wait();
+        tokio::select! {
+            _ = stop.cancelled() => false,
+            _ = tokio::time::sleep(wait) => true,
+        }
+    }
+
+    /// Starts again from the first wait (the operation succeeded).
+    pub fn reset(&mut self) {
+        self.next = self.first;
+    }
+}
+
 /// Retries an operation while Redis is out, until a stop token fires.
 #[derive(Debug, Clone)]
 pub struct Retry {
     what: String,
-    first: Duration,
-    max: Duration,
+    backoff: Backoff,
 }
 
 impl Retry {
@@ -72,14 +121,14 @@ impl Retry {
     pub fn new(what: impl Into<String>) -> Self {
         Self {
             what: what.into(),
-            first: Duration::from_millis(100),
-            max: Duration::from_secs(5),
+            backoff: Backoff::default(),
         }
     }
 
     /// The longest wait between attempts.
     pub fn max_backoff(mut self, max: Duration) -> Self {
-        self.max = max.max(self.first);
+        let first = self.backoff.first;
+        self.backoff = Backoff::new(first, max.max(first));
         self
     }
 
@@ -89,7 +138,7 @@ impl Retry {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, Error>>,
     {
-        let mut backoff = self.first;
+        let mut backoff = self.backoff.clone();
         let mut outage: Option<Instant> = None;
         loop {
             let result = tokio::select! {
@@ -111,11 +160,9 @@ impl Retry {
                     } else {
                         tracing::debug!(operation = %self.what, error = %e, "Redis still not answering");
                     }
-                    tokio::select! {
-                        _ = stop.cancelled() => return Err(RetryError::Stopped),
-                        _ = tokio::time::sleep(backoff) => {}
+                    if !backoff.wait(stop).await {
+                        return Err(RetryError::Stopped);
                     }
-                    backoff = (backoff * 2).min(self.max);
                 }
                 Err(error) => {
                     return Err(RetryError::Failed {
@@ -158,6 +205,16 @@ mod tests {
             );
         }
         assert!(!is_transient(&Error::new(ErrorKind::Auth, "WRONGPASS")));
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_cap_and_starts_over() {
+        let ms = Duration::from_millis;
+        let mut b = Backoff::new(ms(100), ms(350));
+        let waits: Vec<_> = (0..4).map(|_| b.next_wait()).collect();
+        assert_eq!(waits, [ms(100), ms(200), ms(350), ms(350)]);
+        b.reset();
+        assert_eq!(b.next_wait(), ms(100));
     }
 
     #[tokio::test]

@@ -45,7 +45,7 @@ mod url;
 pub use crate::tls::{RedisTls, TlsSetupError};
 pub use crate::url::{parse_url, RedisUrl, Topology, UrlError};
 pub use durability::{check_durability, durability, Durability, EvictionRefused};
-pub use fault::{is_transient, Retry, RetryError};
+pub use fault::{is_transient, Backoff, Retry, RetryError};
 
 /// How [`connect`] connects and how hard it tries.
 #[derive(Debug, Clone)]
@@ -244,7 +244,7 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
     })?;
     let tls = options.tls.clone().unwrap_or_default();
     let attempts = options.attempts.max(1);
-    let mut backoff = options.initial_backoff;
+    let mut backoff = Backoff::new(options.initial_backoff, options.max_backoff);
     let mut last = String::new();
     for attempt in 1..=attempts {
         let client = builder.build().map_err(|e| ConnectError::BadUrl {
@@ -284,9 +284,9 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
                     }
                 }
                 if attempt < attempts {
-                    tracing::warn!(url = %shown, attempt, error = %last, "Redis not reachable, retrying in {backoff:?}");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(options.max_backoff);
+                    let wait = backoff.next_wait();
+                    tracing::warn!(url = %shown, attempt, error = %last, "Redis not reachable, retrying in {wait:?}");
+                    tokio::time::sleep(wait).await;
                 }
             }
         }

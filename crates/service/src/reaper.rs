@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use batch_state::{now_unix, Store};
-use batch_storage::Storage;
+use batch_state::{now_unix, Store, StoreError};
+use batch_storage::{Storage, StorageError};
 use tokio_util::sync::CancellationToken;
 
 /// Files deleted per look.
@@ -26,29 +26,34 @@ pub(crate) async fn run(store: Store, storage: Storage, every: Duration, stop: C
     }
 }
 
+/// Why a pass stopped; the next pass tries again.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReapError {
+    /// Reading or deleting a file's record failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Deleting a file's bytes failed.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+}
+
 /// One pass: every file expired now.
-pub(crate) async fn reap(store: &Store, storage: &Storage) -> Result<usize, String> {
+pub(crate) async fn reap(store: &Store, storage: &Storage) -> Result<usize, ReapError> {
     let mut deleted = 0;
     loop {
-        let ids = store
-            .expired_files(now_unix(), CHUNK)
-            .await
-            .map_err(|e| e.to_string())?;
+        let ids = store.expired_files(now_unix(), CHUNK).await?;
         if ids.is_empty() {
             return Ok(deleted);
         }
         for id in &ids {
-            match store.file(id).await.map_err(|e| e.to_string())? {
+            match store.file(id).await? {
                 Some(file) => {
-                    storage
-                        .delete(&file.storage_key())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    store.delete_file(&file).await.map_err(|e| e.to_string())?;
+                    storage.delete(&file.storage_key()).await?;
+                    store.delete_file(&file).await?;
                     metrics::counter!("batch_service_files_expired_total").increment(1);
                     deleted += 1;
                 }
-                None => store.forget_expiry(id).await.map_err(|e| e.to_string())?,
+                None => store.forget_expiry(id).await?,
             }
         }
     }

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use batch_redis::Backoff;
 use batch_state::{Advance, Change, JobLease, Store, StoreError, StoredBatch};
 use batch_storage::StorageError;
 use tokio_util::sync::CancellationToken;
@@ -34,7 +35,7 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, StoreError>>,
 {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::default();
     let mut warned = false;
     loop {
         match op().await {
@@ -47,11 +48,9 @@ where
             }
             Err(e) => return Err(e.into()),
         }
-        tokio::select! {
-            _ = stop.cancelled() => return Err(RunError::Stopped),
-            _ = tokio::time::sleep(backoff) => {}
+        if !backoff.wait(stop).await {
+            return Err(RunError::Stopped);
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
