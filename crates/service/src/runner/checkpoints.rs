@@ -97,8 +97,10 @@ impl Runner {
             let job = job.clone();
             tokio::task::spawn_blocking(move || job.checkpoint())
                 .await
-                .map_err(|e| RunError::Other(format!("checkpoint panicked: {e}")))?
-                .map_err(|e| RunError::Other(e.to_string()))?
+                .map_err(|error| RunError::Panicked {
+                    what: "checkpoint",
+                    error,
+                })??
         };
         let out = job.dir();
         let output_key = layout::checkpoint(&lease.job, lease.epoch, batch_sink::OUTPUT_FILE);
@@ -154,7 +156,10 @@ impl Runner {
         if dir.exists() {
             tokio::fs::remove_dir_all(dir)
                 .await
-                .map_err(|e| RunError::Other(format!("{}: {e}", dir.display())))?;
+                .map_err(|error| RunError::Io {
+                    path: dir.to_owned(),
+                    error,
+                })?;
         }
         let Some(c) = checkpoint else {
             tracing::info!(job = %lease.job, "no checkpoint: the job starts again from its input");
@@ -166,8 +171,7 @@ impl Runner {
         self.storage
             .download(&c.error_key, &out.join(batch_sink::ERROR_FILE))
             .await?;
-        batch_executor::restore_checkpoint(&out, c.batch.as_bytes(), c.manifest.as_bytes())
-            .map_err(|e| RunError::Other(e.to_string()))?;
+        batch_executor::restore_checkpoint(&out, c.batch.as_bytes(), c.manifest.as_bytes())?;
         tracing::info!(job = %lease.job, from_epoch = c.epoch, output_bytes = c.output_len, error_bytes = c.error_len, "resuming from a checkpoint");
         Ok(())
     }

@@ -16,8 +16,24 @@ pub(crate) enum RunError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Storage(#[from] StorageError),
-    #[error("{0}")]
-    Other(String),
+    #[error(transparent)]
+    Exec(#[from] batch_executor::ExecError),
+    #[error(transparent)]
+    Sink(#[from] batch_sink::SinkError),
+    /// A blocking task of the job's bookkeeping panicked.
+    #[error("{what} panicked: {error}")]
+    Panicked {
+        what: &'static str,
+        #[source]
+        error: tokio::task::JoinError,
+    },
+    /// A file of the job's work directory.
+    #[error("{}: {error}", path.display())]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
     #[error("stopped")]
     Stopped,
     /// Another replica holds the job now.

@@ -40,8 +40,10 @@ impl Runner {
         if adopted {
             self.restore(lease, &dir).await?;
         }
-        write_epoch(&dir, lease.epoch)
-            .map_err(|e| RunError::Other(format!("{}: {e}", dir.display())))?;
+        write_epoch(&dir, lease.epoch).map_err(|error| RunError::Io {
+            path: dir.to_owned(),
+            error,
+        })?;
         let input = dir.join("input.jsonl");
         if !input.exists() {
             let key = layout::upload(&record.batch.batch.input_file_id);
@@ -99,9 +101,7 @@ impl Runner {
             // Ended before (finishing it was cut short): the sink counts its files again.
             Prepared::Finished(batch) => {
                 let out = dir.join("out");
-                let totals = JobSink::open(&out, id, batch.request_counts.total)
-                    .map_err(|e| RunError::Other(e.to_string()))?
-                    .totals();
+                let totals = JobSink::open(&out, id, batch.request_counts.total)?.totals();
                 (*batch, totals)
             }
             Prepared::Ready(job) => {
