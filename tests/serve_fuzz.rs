@@ -99,15 +99,20 @@ fn requests_by_status(metrics: &str) -> BTreeMap<u16, f64> {
     by
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn generated_requests_get_documented_answers_and_never_a_5xx() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(
-        &env,
+/// The fuzzed service: two tenants, small bodies and files so that limits are met often.
+fn fuzz_config(env: &Env) -> PathBuf {
+    async_service(
+        env,
         &[(KEY_A, "alpha"), (KEY_B, "beta")],
         "  max_json_body_bytes: 64KiB\n",
         "input:\n  max_file_bytes: 1MiB\n",
-    );
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn generated_requests_get_documented_answers_and_never_a_5xx() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = fuzz_config(&env);
     let sim = env.dispatcher(&["pool-a"], |_| {}).await;
     let service = Service::start(&config);
     let pid = service.pid();
@@ -158,12 +163,7 @@ async fn generated_requests_get_documented_answers_and_never_a_5xx() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn under_a_redis_outage_the_only_server_error_is_503() {
     let mut env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(
-        &env,
-        &[(KEY_A, "alpha"), (KEY_B, "beta")],
-        "  max_json_body_bytes: 64KiB\n",
-        "input:\n  max_file_bytes: 1MiB\n",
-    );
+    let config = fuzz_config(&env);
     let sim = env.dispatcher(&["pool-a"], |_| {}).await;
     let service = Service::start(&config);
     let a = service.client(Some(KEY_A));
