@@ -10,6 +10,9 @@ use crate::limiter::{Algorithm, Limiter, Sample};
 use crate::work::WorkModel;
 use crate::{AimdError, Change};
 
+/// The most round trips one slow-start window counts for (a growth of at most eight times).
+const SLOW_START_ROUNDS: f64 = 3.0;
+
 /// Parameters of a [`GradientLimiter`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GradientConfig {
@@ -18,7 +21,7 @@ pub struct GradientConfig {
     /// The ceiling.
     pub max: usize,
     /// The starting limit, in `[min, max]`. Until the first decrease the limit doubles each
-    /// unqueued window (slow start), so a low start finds the gateway's latency floor before
+    /// unqueued round trip (slow start), so a low start finds the gateway's latency floor before
     /// it fills the gateway.
     pub initial: usize,
     /// The first increase after a decrease; later increases double it, up to a quarter of
@@ -35,8 +38,9 @@ pub struct GradientConfig {
     /// windows are forgotten, so a gateway that became slower is followed.
     pub floor_windows: usize,
     /// A window is `max(limit, min_window)` successes (in slow start, `limit`: one round
-    /// trip, so the limit doubles per round trip as TCP's does, but not with `per_work`); at
-    /// least 1.
+    /// trip, so the limit doubles per round trip as TCP's does; with `per_work`, where a few
+    /// answers say little, the window stays this long and the limit grows once per round trip
+    /// it spanned); at least 1.
     pub min_window: usize,
     /// Windows without an overload before the limit may pass the concurrency that was last
     /// refused.
@@ -154,7 +158,9 @@ struct Closed {
 
 /// A concurrency limit that fills the gateway without queueing in it.
 ///
-/// It starts at `initial` and doubles per window until the first decrease (slow start).
+/// It starts at `initial` and doubles per round trip until the first decrease (slow start):
+/// per window, or up to eight times over a window of `min_window` answers that spanned up
+/// to three round trips at a low limit.
 /// Then the rules, applied per window of `max(limit, min_window)` successful answers (about
 /// one round trip):
 /// - **Floor**: the least window mean over the last `floor_windows` windows, the gateway's
@@ -427,8 +433,13 @@ impl GradientLimiter {
             self.step = self.config.initial_step;
         }
         let mut to = if self.slow_start {
+            // Doubling per round trip, as TCP's slow start: a window longer than the limit
+            // spans several.
+            let rounds = window.count as f64 / self.limit.max(1) as f64;
+            let factor = 2f64.powf(rounds.clamp(1.0, SLOW_START_ROUNDS));
+            let grown = (self.limit as f64 * factor).floor() as usize;
             match self.slow_start_cap {
-                Some(cap) if self.limit.saturating_mul(2) >= cap => {
+                Some(cap) if grown >= cap => {
                     // Back where the gateway served before: past it only step by step, after
                     // calm windows, as past a refusal.
                     self.slow_start = false;
@@ -438,7 +449,7 @@ impl GradientLimiter {
                     self.step = self.config.initial_step;
                     cap
                 }
-                _ => self.limit.saturating_mul(2),
+                _ => grown,
             }
         } else {
             self.limit.saturating_add(self.step)
@@ -665,8 +676,29 @@ mod tests {
             window(&mut l, L);
             trace.push(l.limit());
         }
-        // Past it by a quarter (13 of 11), the old refusal is stale: doubling.
-        assert_eq!(trace, vec![10, 10, 10, 10, 11, 13, 26]);
+        // Past it by a quarter (13 of 11), the old refusal is stale: slow start, doubling per
+        // round trip (a window of 16 answers at 13 is about 1.2 of them).
+        assert_eq!(trace, vec![10, 10, 10, 10, 11, 13, 30]);
+    }
+
+    #[test]
+    fn a_slow_start_window_of_several_round_trips_grows_as_many_times() {
+        // Per unit of work a window is at least 16 answers: at 5 that is three round trips
+        // and more, so the limit grows eight times (the most), then twice per window of 40.
+        let mut l = GradientLimiter::new(GradientConfig {
+            min: 5,
+            max: 1000,
+            initial: 5,
+            per_work: true,
+            ..GradientConfig::default()
+        })
+        .unwrap();
+        let mut trace = vec![l.limit()];
+        for _ in 0..2 {
+            window(&mut l, L);
+            trace.push(l.limit());
+        }
+        assert_eq!(trace, vec![5, 40, 80]);
     }
 
     #[test]
