@@ -1,6 +1,7 @@
 //! `/v1/batches`: create, retrieve, list, cancel, and the lines written so far.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -69,7 +70,7 @@ struct ExpiresAfter {
 }
 
 pub(crate) async fn create(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     request_headers: axum::http::HeaderMap,
     body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
@@ -247,7 +248,7 @@ async fn owned_batch(api: &Api, tenant: &Tenant, id: &str) -> Result<StoredBatch
 }
 
 pub(crate) async fn retrieve(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Json<BatchObject>, ApiError> {
@@ -261,7 +262,7 @@ pub(crate) struct ListQuery {
 }
 
 pub(crate) async fn list(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     ListParams(q): ListParams<ListQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
@@ -276,7 +277,7 @@ pub(crate) async fn list(
 }
 
 pub(crate) async fn cancel(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Json<BatchObject>, ApiError> {
@@ -298,7 +299,7 @@ pub(crate) async fn cancel(
 }
 
 pub(crate) async fn output(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Response, ApiError> {
@@ -306,7 +307,7 @@ pub(crate) async fn output(
 }
 
 pub(crate) async fn errors(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Response, ApiError> {

@@ -21,7 +21,7 @@ const DEFAULT_INPUT_EXPIRY_SECS: i64 = 30 * 24 * 3600;
 const MAX_EXPIRY_SECS: i64 = 30 * 24 * 3600;
 
 pub(crate) async fn upload(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Form(mut form): Form,
 ) -> Result<Json<FileObject>, ApiError> {
@@ -334,7 +334,7 @@ fn expired(file: &FileObject) -> bool {
 }
 
 pub(crate) async fn retrieve(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Json<FileObject>, ApiError> {
@@ -342,7 +342,7 @@ pub(crate) async fn retrieve(
 }
 
 pub(crate) async fn content(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Response, ApiError> {
@@ -367,7 +367,7 @@ pub(crate) async fn content(
 }
 
 pub(crate) async fn delete(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Json<serde_json::Value>, ApiError> {
@@ -389,7 +389,7 @@ pub(crate) struct ListQuery {
 }
 
 pub(crate) async fn list(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     ListParams(q): ListParams<ListQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {

@@ -280,10 +280,13 @@ pub struct Api {
     pub hooks: Arc<dyn Hooks>,
 }
 
-impl FromRequestParts<Api> for Tenant {
+impl FromRequestParts<Arc<Api>> for Tenant {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, api: &Api) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut Parts,
+        api: &Arc<Api>,
+    ) -> Result<Self, Self::Rejection> {
         api.keys.tenant(&parts.headers)
     }
 }
@@ -349,6 +352,9 @@ impl<S: Send + Sync> axum::extract::FromRequest<S> for Form {
 
 /// The whole API.
 pub fn router(api: Api) -> Router {
+    // Every request clones the state a few times (each middleware and handler): one counter,
+    // not every field's.
+    let api = Arc::new(api);
     let json_limit = usize::try_from(api.edge.max_json_body_bytes).unwrap_or(usize::MAX);
     Router::new()
         .route(
@@ -414,7 +420,7 @@ async fn openapi() -> Response {
 
 /// While the state store has no connection, a `/v1/` request is a 503 at once (the SDKs retry
 /// it) instead of waiting out the reconnection and then failing the same way.
-async fn redis_gate(State(api): State<Api>, request: Request, next: Next) -> Response {
+async fn redis_gate(State(api): State<Arc<Api>>, request: Request, next: Next) -> Response {
     if request.uri().path().starts_with("/v1/") && !api.store.is_connected() {
         let mut response = ApiError::new(
             ErrorCode::Unavailable,
@@ -434,7 +440,7 @@ async fn health() -> &'static str {
     "ok\n"
 }
 
-async fn ready(State(api): State<Api>) -> Response {
+async fn ready(State(api): State<Arc<Api>>) -> Response {
     if let Some(why) = api.hooks.not_ready() {
         return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
     }
@@ -460,7 +466,7 @@ async fn ready(State(api): State<Api>) -> Response {
     }
 }
 
-async fn metrics_text(State(api): State<Api>) -> Response {
+async fn metrics_text(State(api): State<Arc<Api>>) -> Response {
     let text = api.hooks.render_metrics().await;
     (
         [(

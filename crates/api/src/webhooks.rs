@@ -2,6 +2,8 @@
 //! (`client.webhooks`). A URL is accepted only within `serve.webhooks` (allowed hosts, https
 //! unless http is allowed); the signing secret is shown once, when created or rotated.
 
+use std::sync::Arc;
+
 use axum::extract::State;
 use axum::Json;
 use batch_state::{new_id, now_unix, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
@@ -119,7 +121,7 @@ async fn owned(api: &Api, tenant: &Tenant, id: &str) -> Result<StoredWebhook, Ap
 }
 
 pub(crate) async fn create(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     body: Body<EndpointBody>,
 ) -> Result<Json<Value>, ApiError> {
@@ -154,7 +156,7 @@ pub(crate) async fn create(
 }
 
 pub(crate) async fn list(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     ListParams(q): ListParams<ListQuery>,
 ) -> Result<Json<Value>, ApiError> {
@@ -180,7 +182,7 @@ pub(crate) async fn list(
 }
 
 pub(crate) async fn retrieve(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Json<WebhookEndpoint>, ApiError> {
@@ -188,7 +190,7 @@ pub(crate) async fn retrieve(
 }
 
 pub(crate) async fn update(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
     body: Body<EndpointBody>,
@@ -220,7 +222,7 @@ pub(crate) async fn update(
 }
 
 pub(crate) async fn delete(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Json<Value>, ApiError> {
@@ -232,7 +234,7 @@ pub(crate) async fn delete(
 }
 
 pub(crate) async fn rotate_secret(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Json<Value>, ApiError> {
@@ -246,7 +248,7 @@ pub(crate) async fn rotate_secret(
 }
 
 pub(crate) async fn test(
-    State(api): State<Api>,
+    State(api): State<Arc<Api>>,
     tenant: Tenant,
     Id(id): Id,
     body: Body<TestBody>,
