@@ -1,10 +1,12 @@
 //! Several `processor serve` replicas on one Redis, one simulated dispatcher and one storage
 //! directory (issue #12): batches spread over replicas, a replica killed with its disk, a rolling
-//! restart, a replica frozen past its leases (fencing), a cancel sent through another replica.
+//! restart, a replica frozen past its leases (fencing), a cancel sent through another replica;
+//! and, on a gated dispatcher, a dead or stopped replica's jobs taken over (before queued
+//! batches) and a frozen replica with nobody to take over going on with its job.
 //!
 //! Each replica is the real binary with its own `work_dir` and `replica_id`, short leases
-//! (`lease_ttl` 3 s) and checkpoints (1 s), and a short `lost_request_timeout` (4 s) so that
-//! requests lost with a dead replica's disk are sent again soon.
+//! (`lease_ttl` 2-3 s) and checkpoints, and a short `lost_request_timeout` so that requests
+//! lost with a dead replica's disk are sent again soon.
 
 mod support;
 
@@ -18,8 +20,9 @@ use bytes::Bytes;
 use dispatcher_sim::{DispatcherHandle, GatewayConfig};
 use hyper::Method;
 use serde_json::Value;
-use support::serve::{input_jsonl, is_final, Api, Launch, Service};
-use support::{eventually, Env};
+use support::batches::*;
+use support::serve::*;
+use support::*;
 use tokio_util::sync::CancellationToken;
 
 /// The service's Redis key prefix (the default `state_prefix`, in braces: one hash slot).
@@ -1079,4 +1082,234 @@ async fn a_flushall_loses_no_batch_on_s3() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_restarted_empty_loses_no_batch_on_s3() {
     batches_survive_a_redis_that_forgets(true, Loss::RestartEmpty).await;
+}
+
+// Two replicas on a gated dispatcher: takeover of a dead or stopped replica's jobs, and a
+// frozen replica with nobody to take over.
+
+/// The config of replica `n` of one service: shared Redis, storage and keys; its own work
+/// directory (its own disk) and name; a 2 s job lease, checkpoints every 300 ms, two jobs at
+/// once. Lines whose results went down with a replica's disk are sent again after 3 s.
+fn replica_config(env: &Env, n: usize) -> PathBuf {
+    let shared = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 3s\n");
+    let own_work_dir = std::fs::read_to_string(&shared).unwrap().replace(
+        &format!("work_dir: {}\n", env.path("work").display()),
+        &format!("work_dir: {}\n", env.path(&format!("work-{n}")).display()),
+    );
+    let config = env.path(&format!("replica-{n}.yaml"));
+    std::fs::write(&config, own_work_dir).unwrap();
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(
+        &config,
+        &storage,
+        TWO_TENANTS,
+        &format!(
+            "  replica_id: replica-{n}\n  lease_ttl: 2s\n  checkpoint_interval: 300ms\n  max_active_jobs: 2\n"
+        ),
+        "",
+    );
+    config
+}
+
+/// Two replicas running one job at a time, four batches: replica 1 dies with its job mid-way.
+/// The slot replica 2 frees next goes to that job, before the two batches still queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_freed_slot_takes_over_a_dead_replicas_job_before_a_queued_one() {
+    let env = Env::start(slow_gateway()).await;
+    let sim = gated_dispatcher(&env).await;
+    let one_at_a_time = |n| {
+        let config = replica_config(&env, n);
+        let yaml = std::fs::read_to_string(&config).unwrap();
+        std::fs::write(
+            &config,
+            yaml.replace("max_active_jobs: 2", "max_active_jobs: 1"),
+        )
+        .unwrap();
+        config
+    };
+    let mut one = Service::start(&one_at_a_time(1));
+    let two = Service::start(&one_at_a_time(2));
+    let api = two.client(Some(KEY_A));
+    let mut batches = Vec::new();
+    for i in 0..4 {
+        let (text, lines) = input_jsonl(&format!("q{i}"), 150, "llama-3");
+        let file = api.upload_ok(&format!("q{i}.jsonl"), text.as_bytes()).await;
+        batches.push((id_of(&api.create_batch_ok(&file).await), lines));
+    }
+    let running = || -> BTreeMap<String, String> {
+        let flat = env
+            .redis
+            .command_list(&["HGETALL", "{batch-processor}:running"]);
+        flat.chunks(2)
+            .map(|kv| (kv[0].clone(), kv[1].clone()))
+            .collect()
+    };
+    let deadline = Instant::now() + FINISH;
+    while running().len() < 2 {
+        assert!(Instant::now() < deadline, "two jobs did not start");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let held = running();
+    let dead = held
+        .iter()
+        .find(|(_, r)| r.as_str() == "replica-1")
+        .map(|(id, _)| id.clone())
+        .expect("replica 1 runs a job");
+    let queued: Vec<String> = batches
+        .iter()
+        .map(|(id, _)| id.clone())
+        .filter(|id| !held.contains_key(id))
+        .collect();
+    // The gate stays closed until the dead replica's lease is gone, so replica 2's own job
+    // cannot finish and free its slot while the dead job still looks alive, however fast or
+    // slow the machine (the dispatcher sends the older job's lines first, so any opening before
+    // could finish replica 2's job).
+    one.kill9();
+    let lease = format!("{{batch-processor}}:lease:{dead}");
+    while env.redis.command(&["EXISTS", &lease]) != ":0" {
+        assert!(
+            Instant::now() < deadline,
+            "the dead replica's lease did not lapse"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let own = held
+        .keys()
+        .find(|id| **id != dead)
+        .expect("replica 2 runs a job");
+    let own = api.batch(own).await;
+    assert_eq!(
+        count(&own, "completed"),
+        0,
+        "lines went through a closed gate: {own}"
+    );
+    gate(&env, true);
+    for (id, lines) in &batches {
+        let batch = api.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        api.results(&batch).await.assert_each_once(lines);
+    }
+    let adopted = api.batch(&dead).await;
+    for id in &queued {
+        let later = api.batch(id).await;
+        assert!(
+            adopted["completed_at"].as_u64() <= later["in_progress_at"].as_u64(),
+            "a queued batch started before the dead replica's job was done: {adopted} {later}"
+        );
+    }
+    sim.shutdown().await;
+}
+
+/// Four batches of 60 lines on two replicas, two each at once; `stop` ends replica 1 mid-way.
+/// Replica 2 finishes every batch, each line exactly once, and lists everything as before.
+async fn a_replica_stopped_mid_job_is_taken_over(stop: impl FnOnce(&mut Service)) {
+    let env = Env::start(slow_gateway()).await;
+    let sim = gated_dispatcher(&env).await;
+    let mut one = Service::start(&replica_config(&env, 1));
+    let two = Service::start(&replica_config(&env, 2));
+    let a1 = one.client(Some(KEY_A));
+    let a2 = two.client(Some(KEY_A));
+    let mut batches = Vec::new();
+    for i in 0..4 {
+        let (text, lines) = input_jsonl(&format!("r{i}"), 60, "llama-3");
+        // Uploaded through one replica, created through the other: the state is shared.
+        let file = a1.upload_ok(&format!("r{i}.jsonl"), text.as_bytes()).await;
+        batches.push((id_of(&a2.create_batch_ok(&file).await), lines));
+    }
+    // All four start while the gate is closed, so none can end before the stop: two at most
+    // on each replica, so replica 1 holds two.
+    let deadline = Instant::now() + FINISH;
+    for (id, _) in &batches {
+        while a1.batch(id).await["status"] != "in_progress" {
+            assert!(Instant::now() < deadline, "{id} did not start");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    gate(&env, true);
+    loop {
+        let mut done = 0;
+        for (id, _) in &batches {
+            done += count(&a1.batch(id).await, "completed");
+        }
+        if done >= 30 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "fewer than 30 lines done");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = inventory(&a2).await;
+    stop(&mut one);
+    for (id, lines) in &batches {
+        let batch = a2.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        assert_eq!(count(&batch, "completed"), 60, "{batch}");
+        let results = a2.results(&batch).await;
+        results.assert_each_once(lines);
+        results.assert_answers_match(lines);
+    }
+    assert_kept(&before, &inventory(&a2).await);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_jobs_of_a_replica_killed_with_9_are_taken_over_by_another() {
+    a_replica_stopped_mid_job_is_taken_over(|one| one.kill9()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_hands_a_replicas_jobs_over_to_another() {
+    a_replica_stopped_mid_job_is_taken_over(|one| {
+        let (status, took) = one.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+        assert_eq!(status.code(), Some(0), "{}", one.stderr_text());
+        assert!(took < Duration::from_secs(10), "took {took:?} to stop");
+    })
+    .await;
+}
+
+/// A replica frozen past its lease with no other replica to take the job: once it runs again it
+/// takes the same lease back (same epoch: nobody wrote meanwhile) and goes on with the job where
+/// it was, instead of stopping it and starting it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_frozen_past_its_lease_with_nobody_to_take_over_goes_on() {
+    let env = Env::start(slow_gateway()).await;
+    let sim = gated_dispatcher(&env).await;
+    let one = Service::start(&replica_config(&env, 1));
+    let api = one.client(Some(KEY_A));
+    let (_, id, lines) = submit(&api, "frozen", 60).await;
+    let deadline = Instant::now() + FINISH;
+    while count(&api.batch(&id).await, "completed") < 10 {
+        if api.batch(&id).await["status"] == "in_progress" {
+            gate(&env, true);
+        }
+        assert!(Instant::now() < deadline, "fewer than 10 lines done");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let epoch_key = format!("{{batch-processor}}:epoch:{id}");
+    let lease_key = format!("{{batch-processor}}:lease:{id}");
+    assert_eq!(env.redis.command(&["GET", &epoch_key]), "1");
+    // Frozen for twice the 2 s lease.
+    assert_eq!(unsafe { libc::kill(one.pid(), libc::SIGSTOP) }, 0);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        env.redis.command(&["EXISTS", &lease_key]),
+        ":0",
+        "the lease outlived the freeze"
+    );
+    assert_eq!(unsafe { libc::kill(one.pid(), libc::SIGCONT) }, 0);
+    let batch = api.wait_final(&id, FINISH).await;
+    assert_eq!(batch["status"], "completed", "{batch}");
+    let results = api.results(&batch).await;
+    results.assert_each_once(&lines);
+    results.assert_answers_match(&lines);
+    let log = one.stderr_text();
+    assert!(log.contains("holding it again"), "{log}");
+    assert!(!log.contains("lost the job's lease"), "{log}");
+    assert!(!log.contains("taking over"), "{log}");
+    assert_eq!(
+        env.redis.command(&["GET", &epoch_key]),
+        "1",
+        "the job was adopted again instead of going on: {log}"
+    );
+    sim.shutdown().await;
 }

@@ -2,6 +2,7 @@
 //! result files that every test repeats.
 #![allow(dead_code)]
 
+pub mod batches;
 pub mod serve;
 
 use std::collections::{BTreeMap, HashMap};

@@ -26,152 +26,30 @@
 //! ```
 
 mod batches;
+mod edge;
 mod error;
 mod files;
+mod tenant;
 mod webhooks;
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 
-use axum::extract::{FromRequestParts, MatchedPath, Request, State};
+use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
-use axum::http::{HeaderValue, StatusCode};
-use axum::middleware::Next;
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use batch_config::{ApiKey, InputLimits};
+use batch_config::InputLimits;
 use futures::future::BoxFuture;
 
+use edge::{count, path_limit, redis_gate, request_id};
+pub use edge::{MAX_HEADERS, MAX_HEADER_BYTES, MAX_URI_BYTES};
 pub use error::{ApiError, ErrorCode};
+pub use tenant::{Keys, Tenant, DEFAULT_TENANT};
 
 /// The request id header, echoed or generated on every response.
 pub const REQUEST_ID: &str = "x-request-id";
-
-/// The tenant a request acts for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Tenant(pub String);
-
-/// How a request's tenant is known: API keys and the tenants they stand for, or a header a
-/// trusted proxy sets.
-#[derive(Clone)]
-pub struct Keys {
-    by_key: Arc<HashMap<String, String>>,
-    header: Option<axum::http::HeaderName>,
-}
-
-/// The tenant of a service without keys.
-pub const DEFAULT_TENANT: &str = "default";
-
-impl Keys {
-    /// No keys: every request is tenant [`DEFAULT_TENANT`].
-    pub fn single_tenant() -> Self {
-        Self {
-            by_key: Arc::new(HashMap::new()),
-            header: None,
-        }
-    }
-
-    /// The tenant is the value of `header`, set by an authenticating proxy in front of the
-    /// service (`serve.tenant_header`); `None` when `header` is not a header name.
-    pub fn from_header(header: &str) -> Option<Self> {
-        let header = axum::http::HeaderName::from_bytes(header.as_bytes()).ok()?;
-        Some(Self {
-            by_key: Arc::new(HashMap::new()),
-            header: Some(header),
-        })
-    }
-
-    /// These keys; an empty list means [`Keys::single_tenant`].
-    pub fn new(keys: &[ApiKey]) -> Self {
-        let by_key = keys
-            .iter()
-            .map(|k| (k.key.expose().to_owned(), k.tenant.clone()))
-            .collect();
-        Self {
-            by_key: Arc::new(by_key),
-            header: None,
-        }
-    }
-
-    fn tenant(&self, headers: &axum::http::HeaderMap) -> Result<Tenant, ApiError> {
-        if let Some(name) = &self.header {
-            return tenant_from_header(name, headers);
-        }
-        let authorization = headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
-        if self.by_key.is_empty() {
-            return Ok(Tenant(DEFAULT_TENANT.to_owned()));
-        }
-        let Some(value) = authorization else {
-            return Err(ApiError::new(
-                ErrorCode::InvalidApiKey,
-                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
-            ));
-        };
-        // `<scheme> <key>`, the scheme `Bearer` in any case (RFC 9110 11.1); a bare key or
-        // another scheme is not a bearer token.
-        let key = match value.trim().split_once(' ') {
-            Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim(),
-            _ => {
-                return Err(ApiError::new(
-                    ErrorCode::InvalidApiKey,
-                    "Send the API key as 'Authorization: Bearer <key>'.",
-                ))
-            }
-        };
-        match self.by_key.get(key) {
-            Some(tenant) => Ok(Tenant(tenant.clone())),
-            None => Err(ApiError::new(
-                ErrorCode::InvalidApiKey,
-                "Incorrect API key provided.",
-            )),
-        }
-    }
-}
-
-/// The tenant a trusted proxy named in `name`: its last value, as a proxy appends the caller it
-/// checked after whatever the client sent (as another line or after a comma).
-fn tenant_from_header(
-    name: &axum::http::HeaderName,
-    headers: &axum::http::HeaderMap,
-) -> Result<Tenant, ApiError> {
-    let missing = || {
-        ApiError::new(
-            ErrorCode::InvalidApiKey,
-            format!(
-                "The request has no {name} header: it must come through the authenticating proxy."
-            ),
-        )
-    };
-    let last = headers
-        .get_all(name)
-        .iter()
-        .next_back()
-        .ok_or_else(missing)?;
-    let Ok(value) = last.to_str() else {
-        return Err(ApiError::invalid(
-            format!("The {name} header is not plain ASCII."),
-            None,
-        ));
-    };
-    let value = value.rsplit(',').next().unwrap_or("").trim();
-    if value.is_empty() {
-        return Err(missing());
-    }
-    match batch_config::check_tenant(value) {
-        Ok(()) => Ok(Tenant(value.to_owned())),
-        // The value itself is not echoed: it is whatever the client or proxy sent.
-        Err(_) => Err(ApiError::invalid(
-            format!(
-                "The {name} header is not a valid user name: 1 to 64 ASCII letters, digits, '-', '_', '.' or '@'."
-            ),
-            None,
-        )),
-    }
-}
 
 /// Bytes of whole JSONL lines, as [`Hooks::lines_so_far`] gives them.
 pub type LineStream = futures::stream::BoxStream<'static, std::io::Result<bytes::Bytes>>;
@@ -278,17 +156,6 @@ pub struct Api {
     pub webhooks: batch_config::WebhooksConfig,
     /// The job-running side.
     pub hooks: Arc<dyn Hooks>,
-}
-
-impl FromRequestParts<Arc<Api>> for Tenant {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(
-        parts: &mut Parts,
-        api: &Arc<Api>,
-    ) -> Result<Self, Self::Rejection> {
-        api.keys.tenant(&parts.headers)
-    }
 }
 
 /// `Query`, with its rejections in OpenAI's error shape.
@@ -418,24 +285,6 @@ async fn openapi() -> Response {
         .into_response()
 }
 
-/// While the state store has no connection, a `/v1/` request is a 503 at once (the SDKs retry
-/// it) instead of waiting out the reconnection and then failing the same way.
-async fn redis_gate(State(api): State<Arc<Api>>, request: Request, next: Next) -> Response {
-    if request.uri().path().starts_with("/v1/") && !api.store.is_connected() {
-        let mut response = ApiError::new(
-            ErrorCode::Unavailable,
-            "The service's state store is not connected; retry shortly.",
-        )
-        .into_response();
-        response.headers_mut().insert(
-            axum::http::header::RETRY_AFTER,
-            axum::http::HeaderValue::from_static("1"),
-        );
-        return response;
-    }
-    next.run(request).await
-}
-
 async fn health() -> &'static str {
     "ok\n"
 }
@@ -500,125 +349,6 @@ async fn method_not_allowed(request: Request) -> ApiError {
     )
 }
 
-/// Gives every response a request id (the caller's, or a new one) and logs the request.
-async fn request_id(request: Request, next: Next) -> Response {
-    let id = request
-        .headers()
-        .get(REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| plain_request_id(v))
-        .map(str::to_owned)
-        .unwrap_or_else(|| format!("req_{:032x}", rand::random::<u128>()));
-    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
-    let has_body = request
-        .headers()
-        .contains_key(axum::http::header::CONTENT_LENGTH)
-        || request
-            .headers()
-            .contains_key(axum::http::header::TRANSFER_ENCODING);
-    let started = Instant::now();
-    let mut response = match head_too_large(&request) {
-        Some(refusal) => refusal.into_response(),
-        None => next.run(request).await,
-    };
-    if has_body && !response.status().is_success() {
-        // A refusal (a wrong key, a bad form) may leave the body unread, and then the server
-        // drops the connection: say so, or the client reuses it and its next request fails.
-        response.headers_mut().insert(
-            axum::http::header::CONNECTION,
-            HeaderValue::from_static("close"),
-        );
-    }
-    tracing::debug!(request_id = %id, %method, path, status = response.status().as_u16(), elapsed = ?started.elapsed(), "request");
-    if let Ok(value) = HeaderValue::from_str(&id) {
-        response.headers_mut().insert(REQUEST_ID, value);
-    }
-    response
-}
-
-/// Refuses a path with a segment (an id) longer than `max` bytes before any handler or store
-/// sees it.
-async fn path_limit(State(max): State<usize>, request: Request, next: Next) -> Response {
-    if request.uri().path().split('/').any(|part| part.len() > max) {
-        return ApiError::invalid(
-            format!("A part of the request path is longer than the {max} bytes an id may have."),
-            Some("id"),
-        )
-        .into_response();
-    }
-    next.run(request).await
-}
-
-/// The longest caller's request id kept.
-const MAX_REQUEST_ID: usize = 128;
-
-/// Whether a caller's `x-request-id` is kept: up to [`MAX_REQUEST_ID`] letters, digits, `-`,
-/// `_`, `.` and `:`. Anything else (spaces, `=`, quotes) could forge fields of a log line, and is
-/// replaced by a new id.
-fn plain_request_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= MAX_REQUEST_ID
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
-}
-
-/// The longest request target answered (8 KiB); hyper itself cuts at 64 KiB, with no body.
-pub const MAX_URI_BYTES: usize = 8 << 10;
-/// The most header bytes (names and values) answered (32 KiB); hyper's buffer cuts at 64 KiB.
-pub const MAX_HEADER_BYTES: usize = 32 << 10;
-/// The most headers answered; hyper's own limit is set above it.
-pub const MAX_HEADERS: usize = 100;
-
-/// A 414 or 431 in OpenAI's shape for a request head over the limits hyper lets through.
-fn head_too_large(request: &Request) -> Option<ApiError> {
-    let uri = request.uri().to_string().len();
-    if uri > MAX_URI_BYTES {
-        return Some(ApiError::new(
-            ErrorCode::UriTooLong,
-            format!("The request URL has {uri} bytes; at most {MAX_URI_BYTES} are answered."),
-        ));
-    }
-    let headers = request.headers();
-    let bytes: usize = headers
-        .iter()
-        .map(|(name, value)| name.as_str().len() + value.len())
-        .sum();
-    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
-        return Some(ApiError::new(
-            ErrorCode::HeadersTooLarge,
-            format!(
-                "The request has {} headers of {bytes} bytes; at most {MAX_HEADERS} headers of {MAX_HEADER_BYTES} bytes are answered.",
-                headers.len()
-            ),
-        ));
-    }
-    None
-}
-
-/// Counts requests by route (the pattern, not the ids in it) and status.
-async fn count(request: Request, next: Next) -> Response {
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|p| p.as_str().to_owned())
-        .unwrap_or_default();
-    // hyper takes any token as a method: only the standard ones become label values.
-    let method = match request.method().as_str() {
-        m @ ("GET" | "POST" | "PUT" | "PATCH" | "DELETE" | "HEAD" | "OPTIONS") => m.to_owned(),
-        _ => "other".to_owned(),
-    };
-    let response = next.run(request).await;
-    metrics::counter!(
-        "batch_service_api_requests_total",
-        "route" => route,
-        "method" => method,
-        "status" => response.status().as_u16().to_string()
-    )
-    .increment(1);
-    response
-}
-
 /// `limit` of a listing: `default` when absent, an error outside `1..=max`.
 pub(crate) fn limit(value: Option<i64>, default: usize, max: usize) -> Result<usize, ApiError> {
     match value {
@@ -649,6 +379,7 @@ pub(crate) fn list_body<T: serde::Serialize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::edge::plain_request_id;
 
     /// The document describes exactly the routes of [`router`], and parses.
     #[test]

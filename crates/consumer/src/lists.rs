@@ -14,7 +14,7 @@ use fred::clients::Client;
 use fred::interfaces::{HashesInterface, KeysInterface};
 use tokio_util::sync::CancellationToken;
 
-use crate::{route_value, waiting_ids, Acquired, Lease};
+use crate::{scripts, Acquired, Lease};
 
 /// How many lists named `<consumer_id>`, `<consumer_id>-2`, ... a process tries by itself.
 pub const AUTO_LISTS: usize = 64;
@@ -165,4 +165,48 @@ pub async fn waiting_lines(
         }));
     }
     Ok(lines)
+}
+
+/// Ids starting with `prefix` of the results waiting anywhere a reader of `list` keeps them:
+/// the list, its in-flight list, and the parked list of `job` with its own in-flight list.
+///
+/// The lost-line search asks this before it puts a line back: a line whose result waits
+/// unread is not lost.
+pub async fn waiting_ids(
+    client: &Client,
+    list: &str,
+    job: &str,
+    prefix: &str,
+) -> Result<Vec<String>, fred::error::Error> {
+    let keys = ListKeys::new(list);
+    let parked = ListKeys::parked(list, job);
+    let mut out = Vec::new();
+    for key in [&keys.list, &keys.inflight, &parked.list, &parked.inflight] {
+        out.extend(scripts::ids_in_list(client, key, prefix, 1000).await?);
+    }
+    Ok(out)
+}
+
+/// Says, once per process, that the dispatcher sends results of requests that name
+/// `requested` to `actual`: its queue entry sets `result_queue_name`.
+pub fn warn_lists_differ(requested: &str, actual: &str) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            requested,
+            actual,
+            "the dispatcher sends results of requests that name {requested} to {actual}: its queue entry for the pool sets result_queue_name. Each result is handed on to the process that runs its job, one hop later, and waits while no process reads {actual}. Remove result_queue_name from the queue entry so that each process reads its own list, or run one process per pool with async_dispatch.consumer_id set to the list's last part"
+        );
+    }
+}
+
+/// A route's value: `<deadline> <list>`.
+pub(crate) fn parse_route(value: &str) -> Option<(i64, &str)> {
+    let (deadline, list) = value.split_once(' ')?;
+    Some((deadline.parse().ok()?, list))
+}
+
+/// The value of a job's route: its deadline and the result list its requests name.
+pub fn route_value(deadline: i64, list: &str) -> String {
+    format!("{deadline} {list}")
 }
