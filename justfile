@@ -15,3 +15,7 @@ ci:
 # Measure the processor against the limits of this machine; writes docs/benchmarks.md and docs/*.svg.
 bench:
     bash scripts/bench.sh
+
+# Fuzz the JSON scanner against serde_json, both of its paths, SECONDS each (nightly, cargo-fuzz).
+fuzz SECONDS="300":
+    bash scripts/fuzz.sh {{SECONDS}}

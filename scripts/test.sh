@@ -10,4 +10,8 @@ ensure_redis
 ensure_venv   # exports BATCH_VENV
 ensure_moto   # the same virtualenv
 ensure_schemathesis   # the same virtualenv: the fuzz of the running service
-cargo test --workspace --no-fail-fast "$@"
+status=0
+cargo test --workspace --no-fail-fast "$@" || status=$?
+# The JSON scanner's portable path, which targets other than x86-64 run, tested here too.
+cargo test -p batch-wire --features portable --lib || status=$?
+exit "$status"

@@ -479,6 +479,22 @@ mod tests {
         }
     }
 
+    /// A string cut anywhere before its closing quote is no string, escapes or not (the
+    /// fuzz target found `read_string` taking the end of the text for the quote).
+    #[test]
+    fn a_string_cut_before_its_quote_is_not_read() {
+        let quoted = r#""ab\"c\\\u00e9\ud83d\ude00 0123456789abcdef0123456789abcdef\n""#;
+        for cut in 1..quoted.len() {
+            let text = &quoted.as_bytes()[..cut];
+            let mut out = b"keep".to_vec();
+            assert_eq!(read_string(text, 1, &mut out), None, "{cut}");
+            assert_eq!(out, b"keep");
+            assert_eq!(string_end(text, 1), None, "{cut}");
+        }
+        let whole = read_string(quoted.as_bytes(), 1, &mut Vec::new()).unwrap();
+        assert_eq!(whole.quote, quoted.len() - 1);
+    }
+
     fn json_text() -> impl Strategy<Value = String> {
         let leaf = prop_oneof![
             Just("null".to_owned()),

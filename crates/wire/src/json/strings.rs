@@ -2,9 +2,10 @@
 //! time.
 
 /// String text is looked at a block at a time: 32 bytes as two SSE2 vectors (SSE2 is part of
-/// every x86-64 CPU), else 8 bytes in a `u64`. A block's mask marks its stops (`"`, `\` and
-/// control characters) exactly, so one mask serves every stop of its block.
-#[cfg(target_arch = "x86_64")]
+/// every x86-64 CPU), else (and with the `portable` feature) 8 bytes in a `u64`. A block's mask
+/// marks its stops (`"`, `\` and control characters) exactly, so one mask serves every stop of
+/// its block.
+#[cfg(all(target_arch = "x86_64", not(feature = "portable")))]
 mod block {
     use std::arch::x86_64::{
         __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_max_epu8, _mm_movemask_epi8, _mm_or_si128,
@@ -56,7 +57,7 @@ mod block {
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(any(not(target_arch = "x86_64"), feature = "portable"))]
 mod block {
     pub(super) const LEN: usize = 8;
 
@@ -242,7 +243,8 @@ pub fn read_string(s: &[u8], start: usize, out: &mut Vec<u8>) -> Option<StringEn
     let base = out.len();
     // Unescaping never lengthens: room for the rest of `s`, and a block for the last copy.
     out.resize(base + (s.len() - start) + block::LEN, 0);
-    let read = unescape(s, start, &mut out[base..]);
+    // `unescape` takes the end of `s` for the quote of an unterminated string.
+    let read = unescape(s, start, &mut out[base..]).filter(|&(quote, _)| quote < s.len());
     let (quote, written) = read.unwrap_or((0, 0));
     out.truncate(base + written);
     read.map(|_| StringEnd {
