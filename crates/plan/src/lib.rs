@@ -51,7 +51,7 @@ use blocks::{
 };
 pub use custom_ids::CustomIds;
 pub use records::{InputFile, Record, RecordReader, RECORD_LEN};
-pub use validate::{check_line, CheckedLine, NO_PREFIX};
+pub use validate::{check_line, check_line_with_serde, CheckedLine, NO_PREFIX};
 
 /// At most this many validation errors are listed; one more entry says how many were left out.
 pub const MAX_REPORTED_ERRORS: usize = 10_000;

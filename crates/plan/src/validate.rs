@@ -375,11 +375,8 @@ pub fn check_line(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Vec<Batch
 }
 
 /// [`check_line`] through serde's visitors: every line the hand reading does not take, and the
-/// reference the tests hold that reading to.
-pub(crate) fn check_line_with_serde(
-    text: &str,
-    line_no: u64,
-) -> Result<CheckedLine<'_>, Vec<BatchError>> {
+/// reference the tests hold that reading to (public for the benchmark that compares the two).
+pub fn check_line_with_serde(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Vec<BatchError>> {
     // serde would read a JSON array into the struct's fields in order: only objects are lines.
     let parsed = match text.trim_start().starts_with('{') {
         true => serde_json::from_str::<LineView>(text).map_err(|e| e.to_string()),

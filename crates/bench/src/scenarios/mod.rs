@@ -5,6 +5,7 @@ pub(crate) mod cluster;
 mod drain;
 mod e2e;
 mod enqueue;
+mod json;
 mod memory;
 mod prefix;
 mod replicas;
@@ -44,11 +45,13 @@ pub enum Scenario {
     /// 3 `processor serve` replicas against 1 on the same batches, and the time from a
     /// replica's SIGKILL to its jobs running on another.
     Replicas,
+    /// The hand-written JSON passes against serde_json doing the same work.
+    Json,
 }
 
 impl Scenario {
     /// Every scenario, in run order.
-    pub const ALL: [Scenario; 8] = [
+    pub const ALL: [Scenario; 9] = [
         Scenario::Enqueue,
         Scenario::Drain,
         Scenario::EndToEnd,
@@ -57,6 +60,7 @@ impl Scenario {
         Scenario::Memory,
         Scenario::Serve,
         Scenario::Replicas,
+        Scenario::Json,
     ];
 
     /// The command-line name.
@@ -70,6 +74,7 @@ impl Scenario {
             Scenario::Prefix => "prefix",
             Scenario::Serve => "serve",
             Scenario::Replicas => "replicas",
+            Scenario::Json => "json",
         }
     }
 }
@@ -105,6 +110,7 @@ pub(crate) async fn run(
         Scenario::Prefix => prefix::run(lab, settings, report, progress).await,
         Scenario::Serve => serve::run(lab, settings, report, progress).await,
         Scenario::Replicas => replicas::run(lab, settings, report, progress).await,
+        Scenario::Json => json::run(lab, settings, report, progress).await,
     }
 }
 
