@@ -223,11 +223,7 @@ async fn cancel_removes_only_that_jobs_pending_members() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn garbage_and_unknown_results_do_not_stop_the_job() {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(5),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(5))).await;
     let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let results_list = "llm-d-async:results:pool-a:$batch";
@@ -268,11 +264,7 @@ async fn garbage_and_unknown_results_do_not_stop_the_job() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn requests_lost_by_a_crashed_dispatcher_are_enqueued_again() {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(50),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(50))).await;
     let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 1s\n");
     let crashing = env
@@ -304,11 +296,7 @@ async fn requests_lost_by_a_crashed_dispatcher_are_enqueued_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_processor_killed_mid_job_and_run_again_writes_each_line_once() {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(10),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(10))).await;
     let lines = write_input(&env.path("in.jsonl"), 2000, &["llama-3", "mistral"]);
     let config = env.async_config(&[("llama-3", "pool-a"), ("mistral", "pool-b")], "");
     let sim = env
@@ -330,11 +318,7 @@ async fn a_processor_killed_mid_job_and_run_again_writes_each_line_once() {
 /// seconds apart, before it puts a line back, and the gateway gets each line once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_resume_does_not_send_again_what_the_dispatcher_is_sending() {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(1500),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(1500))).await;
     let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env.dispatcher(&["pool-a"], |c| c.batch_size = 20).await;
@@ -380,16 +364,7 @@ async fn sigint_cancels_the_job_and_empties_its_queue() {
     let lines = write_input(&env.path("in.jsonl"), 100, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env.dispatcher(&["pool-a"], closed_gate).await;
-    let child = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut child = Child(child);
-    eventually("the job enqueued", Duration::from_secs(30), || {
-        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]) == ":100"
-    })
-    .await;
+    let mut child = run_until_queued(&env, &config, &env.path("out"), 100, Stdio::piped).await;
     // SAFETY: sending a signal to our own child process.
     unsafe { libc::kill(child.0.id() as i32, libc::SIGINT) };
     let status = child.0.wait().unwrap();
@@ -496,16 +471,7 @@ async fn health_ready_and_metrics_are_served_while_a_job_runs() {
         + &format!("observability:\n  addr: 127.0.0.1:{port}\n");
     std::fs::write(&config, yaml).unwrap();
     let sim = env.dispatcher(&["pool-a"], closed_gate).await;
-    let child = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut child = Child(child);
-    eventually("the job enqueued", Duration::from_secs(30), || {
-        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]) == ":30"
-    })
-    .await;
+    let mut child = run_until_queued(&env, &config, &env.path("out"), 30, Stdio::null).await;
     assert_eq!(http_get(port, "/health"), (200, "ok".into()));
     assert_eq!(http_get(port, "/ready").0, 200);
     // The counters move right after the ZADDs return.

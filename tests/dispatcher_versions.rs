@@ -195,11 +195,7 @@ both_versions!(a_dispatcher_past_the_deadline);
 
 /// Cancelled half way: what was answered stays, the rest is `batch_cancelled`, the queue is empty.
 async fn cancel_mid_job(version: DispatcherVersion) {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(20),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(20))).await;
     let lines = write_input(&env.path("in.jsonl"), 600, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env
@@ -252,11 +248,7 @@ both_versions!(cancel_mid_job);
 // ---- Resume after kill -9 ------------------------------------------------------------------------
 
 async fn resume_after_kill_9(version: DispatcherVersion) {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(10),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(10))).await;
     let lines = write_input(&env.path("in.jsonl"), 1500, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env
@@ -280,11 +272,7 @@ both_versions!(resume_after_kill_9);
 /// brings it back. v0.10 keeps it claimed: the next dispatcher's reclaimer puts it back once
 /// the lease runs out, and the processor's timeout (10 minutes here) never comes into play.
 async fn dispatcher_killed_mid_job(version: DispatcherVersion) {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(50),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(50))).await;
     let v0_10 = version == DispatcherVersion::V0_10;
     let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
     let lost = if v0_10 { "10m" } else { "1s" };

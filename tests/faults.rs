@@ -198,11 +198,7 @@ async fn a_redis_restart_in_the_middle_of_a_job_is_waited_out() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_gate_closed_for_three_lost_timeouts_sends_each_request_once() {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(200),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(200))).await;
     let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 1s\n");
     env.redis
@@ -364,11 +360,7 @@ async fn a_sync_write_that_fails_half_way_leaves_the_job_resumable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_pauses_and_a_rerun_completes_with_nothing_cancelled() {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(5),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(5))).await;
     let lines = write_input(&env.path("in.jsonl"), 2000, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env.dispatcher(&["pool-a"], |c| c.batch_size = 10).await;
@@ -428,17 +420,7 @@ async fn processor_cancel_closes_a_stopped_job() {
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let _sim = env.dispatcher(&["pool-a"], closed_gate).await;
     let out = env.path("out");
-    let mut child = Child(
-        run_cmd(&config, &env.path("in.jsonl"), &out)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    eventually("the job enqueued", Duration::from_secs(30), || {
-        env.redis.command(&["ZCARD", QUEUE]) == ":100"
-    })
-    .await;
+    let mut child = run_until_queued(&env, &config, &out, 100, Stdio::null).await;
     signal(&child.0, libc::SIGTERM);
     assert_eq!(
         wait_exit(&mut child.0, Duration::from_secs(15)).code(),
@@ -473,17 +455,7 @@ async fn a_second_writer_and_a_changed_input_are_refused() {
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let _sim = env.dispatcher(&["pool-a"], closed_gate).await;
     let out = env.path("out");
-    let mut first = Child(
-        run_cmd(&config, &env.path("in.jsonl"), &out)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    eventually("the job enqueued", Duration::from_secs(30), || {
-        env.redis.command(&["ZCARD", QUEUE]) == ":50"
-    })
-    .await;
+    let mut first = run_until_queued(&env, &config, &out, 50, Stdio::null).await;
     let second = run_cmd(&config, &env.path("in.jsonl"), &out)
         .output()
         .unwrap();
@@ -712,11 +684,7 @@ async fn a_redis_that_may_evict_keys_is_refused_unless_the_config_accepts_it() {
 /// completes before its deadline with each line once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_redis_restarted_empty_mid_job_loses_no_line() {
-    let mut env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(100),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let mut env = Env::start(fixed_latency(Duration::from_millis(100))).await;
     let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 2s\n");
     // A few requests at a time in the dispatcher's hands: most wait in Redis, and go with it.

@@ -17,10 +17,7 @@ use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn file_routes_paginate_and_keep_tenants_apart() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
+    let (_env, service, a) = two_tenants(GatewayConfig::default(), "").await;
     let b = service.client(Some(KEY_B));
 
     let mut uploaded = Vec::new();
@@ -327,10 +324,7 @@ async fn bad_requests_get_openai_errors_with_their_statuses() {
 /// shape as the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn malformed_forms_and_queries_get_openai_errors_too() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
+    let (_env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
     let mut wrong = Vec::new();
     for (what, resp) in [
         (
@@ -361,11 +355,8 @@ async fn malformed_forms_and_queries_get_openai_errors_too() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_shows_live_counts_and_partial_output_then_completes() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let b = service.client(Some(KEY_B));
     let (text, lines) = input_jsonl("live", 200, "llama-3");
     let file = a.upload_ok("live.jsonl", text.as_bytes()).await;
@@ -485,11 +476,8 @@ async fn a_batch_shows_live_counts_and_partial_output_then_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancel_is_idempotent_and_keeps_the_partial_results() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let (_, id, lines) = submit(&a, "cancel", 200).await;
     let_through(&env, &a, &id, 10).await;
 
@@ -520,12 +508,8 @@ async fn cancel_is_idempotent_and_keeps_the_partial_results() {
     assert_eq!(x_count(&batch, "cancelled"), 200 - done, "{batch}");
     assert_eq!(x_count(&batch, "processing"), 0, "{batch}");
     let results = a.results(&batch).await;
-    results.assert_each_once(&lines);
+    results.assert_each_once_with_errors(&lines, "batch_cancelled", 200 - done);
     assert_eq!(results.output.len() as u64, done);
-    assert_eq!(
-        results.error_codes(),
-        BTreeMap::from([("batch_cancelled".to_owned(), 200 - done as usize)])
-    );
     // Cancelling a cancelled batch changes nothing.
     let third = a
         .post_empty(&format!("/v1/batches/{id}/cancel"))
@@ -538,12 +522,9 @@ async fn cancel_is_idempotent_and_keeps_the_partial_results() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_cancelled_while_queued_never_runs() {
-    let env = Env::start(GatewayConfig::default()).await;
     // One job at a time, and the first waits at the closed gate: the second stays queued.
-    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 1\n", "");
+    let (env, _service, a) = two_tenants(GatewayConfig::default(), "  max_active_jobs: 1\n").await;
     let sim = gated_dispatcher(&env).await;
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let (text, lines) = input_jsonl("first", 20, "llama-3");
     let (queued_text, _) = input_jsonl("queued", 20, "llama-3");
     let file = a.upload_ok("first.jsonl", text.as_bytes()).await;
@@ -576,11 +557,8 @@ async fn a_batch_cancelled_while_queued_never_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let (text, lines) = input_jsonl("late", 100, "llama-3");
     let file = a.upload_ok("late.jsonl", text.as_bytes()).await;
     let id = id_of(&a.create_batch(&file, "6s").await.expect(200));
@@ -593,21 +571,14 @@ async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
     assert_eq!(x_count(&batch, "succeeded"), done, "{batch}");
     assert_eq!(x_count(&batch, "expired"), 100 - done, "{batch}");
     let results = a.results(&batch).await;
-    results.assert_each_once(&lines);
-    assert_eq!(
-        results.error_codes(),
-        BTreeMap::from([("batch_expired".to_owned(), 100 - done as usize)])
-    );
+    results.assert_each_once_with_errors(&lines, "batch_expired", 100 - done);
     sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cancel_interrupted_by_kill_9_ends_cancelled_after_a_restart() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, mut service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let mut service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let (_, id, lines) = submit(&a, "cut", 100).await;
     let_through(&env, &a, &id, 10).await;
     a.post_empty(&format!("/v1/batches/{id}/cancel"))
@@ -620,21 +591,14 @@ async fn a_cancel_interrupted_by_kill_9_ends_cancelled_after_a_restart() {
     assert_eq!(batch["status"], "cancelled", "{batch}");
     let done = count(&batch, "completed");
     let results = a.results(&batch).await;
-    results.assert_each_once(&lines);
-    assert_eq!(
-        results.error_codes(),
-        BTreeMap::from([("batch_cancelled".to_owned(), 100 - done as usize)])
-    );
+    results.assert_each_once_with_errors(&lines, "batch_cancelled", 100 - done);
     sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_invalid_input_fails_the_batch_naming_every_bad_line() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = env.dispatcher(&["pool-a"], |_| {}).await;
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let line = |custom_id: Option<&str>, method: &str| {
         let mut l = json!({
             "method": method, "url": "/v1/chat/completions",
@@ -683,11 +647,8 @@ async fn an_invalid_input_fails_the_batch_naming_every_bad_line() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batches_list_newest_first_page_by_page_per_tenant() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = env.dispatcher(&["pool-a"], |_| {}).await;
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let b = service.client(Some(KEY_B));
     // One line of the first batch names a model no gateway serves.
     let (mut first_text, mut first_lines) = input_jsonl("first", 4, "llama-3");
@@ -746,11 +707,7 @@ async fn batches_list_newest_first_page_by_page_per_tenant() {
     assert_eq!(count(&first, "failed"), 1, "{first}");
     assert_eq!(x_count(&first, "errored"), 1, "{first}");
     let results = a.results(&first).await;
-    results.assert_each_once(&first_lines);
-    assert_eq!(
-        results.error_codes(),
-        BTreeMap::from([("model_not_found".to_owned(), 1)])
-    );
+    results.assert_each_once_with_errors(&first_lines, "model_not_found", 1);
     assert_eq!(results.error[0]["custom_id"], "ghost-0");
     let errors = a.get(&format!("/v1/batches/{}/errors", created[0])).await;
     assert_eq!(errors.jsonl(), results.error);
@@ -770,12 +727,9 @@ async fn batches_list_newest_first_page_by_page_per_tenant() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
-    let env = Env::start(slow_gateway()).await;
     // One job at a time: the last batch is still queued when the service is killed.
-    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 1\n", "");
+    let (env, mut service, a) = two_tenants(slow_gateway(), "  max_active_jobs: 1\n").await;
     let sim = gated_dispatcher(&env).await;
-    let mut service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let (text, lines) = input_jsonl("kill", 300, "llama-3");
     let (other_text, other_lines) = input_jsonl("other", 5, "llama-3");
     let file = a.upload_ok("kill.jsonl", text.as_bytes()).await;
@@ -818,11 +772,8 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_kills_across_six_batches_lose_and_double_nothing() {
-    let env = Env::start(slow_gateway()).await;
-    let config = async_service(&env, TWO_TENANTS, "  max_active_jobs: 2\n", "");
+    let (env, mut service, a) = two_tenants(slow_gateway(), "  max_active_jobs: 2\n").await;
     let sim = gated_dispatcher(&env).await;
-    let mut service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let mut batches = Vec::new();
     for i in 0..6 {
         let (text, lines) = input_jsonl(&format!("k{i}"), 50, "llama-3");
@@ -886,11 +837,8 @@ async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_window_that_passes_while_the_service_is_stopped_expires_the_batch_on_restart() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, mut service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let mut service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let (text, lines) = input_jsonl("stale", 100, "llama-3");
     let file = a.upload_ok("stale.jsonl", text.as_bytes()).await;
     let id = id_of(&a.create_batch(&file, "8s").await.expect(200));
@@ -905,11 +853,7 @@ async fn a_window_that_passes_while_the_service_is_stopped_expires_the_batch_on_
     let done = count(&batch, "completed");
     assert!(done >= 10, "{batch}");
     let results = a.results(&batch).await;
-    results.assert_each_once(&lines);
-    assert_eq!(
-        results.error_codes(),
-        BTreeMap::from([("batch_expired".to_owned(), 100 - done as usize)])
-    );
+    results.assert_each_once_with_errors(&lines, "batch_expired", 100 - done);
     sim.shutdown().await;
 }
 
@@ -984,11 +928,8 @@ async fn sigint_mid_job_pauses_it_too() {
 /// `signal` mid-job: the service exits 0 within 10 s, the job is paused (its requests stay
 /// queued, nothing is closed), and a restart completes it with every line once.
 async fn signal_mid_job_pauses_it(signal: i32) {
-    let env = Env::start(slow_gateway()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, mut service, a) = two_tenants(slow_gateway(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let mut service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let (text, lines) = input_jsonl("term", 300, "llama-3");
     let file = a.upload_ok("term.jsonl", text.as_bytes()).await;
     let id = id_of(&a.create_batch_ok(&file).await);
@@ -1036,11 +977,8 @@ async fn signal_mid_job_pauses_it(signal: i32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn expired_files_are_deleted_and_their_batches_stay_listed() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = env.dispatcher(&["pool-a"], |_| {}).await;
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let storage = env.path("storage");
     let (short_text, short_lines) = input_jsonl("short-lived", 3, "llama-3");
     let (kept_text, kept_lines) = input_jsonl("kept", 3, "llama-3");
@@ -1129,10 +1067,7 @@ async fn expired_files_are_deleted_and_their_batches_stay_listed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_file_that_expires_while_the_service_is_down_is_deleted_after_a_restart() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
-    let mut service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
+    let (env, mut service, a) = two_tenants(GatewayConfig::default(), "").await;
     let storage = env.path("storage");
     let (text, _) = input_jsonl("down", 3, "llama-3");
     let id = id_of(
@@ -1438,11 +1373,8 @@ async fn tenants_from_a_trusted_header_stay_apart_and_the_last_value_wins() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn downloads_are_named_as_the_batch_gateway_names_them_and_cancel_follows_openai() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, TWO_TENANTS, "", "");
+    let (env, service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = env.dispatcher(&["pool-a"], |_| {}).await;
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
     let (mut text, _) = input_jsonl("named", 3, "llama-3");
     text.push_str(&input_jsonl("ghost", 1, "ghost").0);
     let upload = a

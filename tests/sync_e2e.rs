@@ -357,11 +357,7 @@ async fn only_the_failing_endpoints_limit_drops() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_global_limit_holds_across_two_jobs() {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(20),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(20))).await;
     let a = write_input(&env.path("a.jsonl"), 300, &["llama-3", "mistral"]);
     let b = write_input(&env.path("b.jsonl"), 300, &["mistral", "llama-3"]);
     let config = env.sync_config(
@@ -393,11 +389,7 @@ async fn the_global_limit_holds_across_two_jobs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn expiry_and_cancel_stop_calls_in_flight() {
-    let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(400),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let env = Env::start(fixed_latency(Duration::from_millis(400))).await;
     let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
     let config = env.sync_config(&["llama-3"], "", "");
     let executor = Executor::new(load(&config)).await.unwrap();

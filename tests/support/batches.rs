@@ -7,7 +7,7 @@ use std::time::Duration;
 use dispatcher_sim::{DispatcherHandle, GatewayConfig, DEFAULT_BUDGET_KEY};
 use serde_json::{json, Value};
 
-use super::serve::{add_serve_section, input_jsonl, Api, Resp};
+use super::serve::{add_serve_section, async_service, input_jsonl, Api, Resp, Service};
 use super::{closed_gate, Env};
 
 /// Two tenants' keys, and the `(key, tenant)` pairs of the keys file.
@@ -36,10 +36,7 @@ pub fn gate(env: &Env, open: bool) {
 
 /// A gateway answering each request after 200 ms, so that some are always in flight.
 pub fn slow_gateway() -> GatewayConfig {
-    GatewayConfig {
-        latency_fixed: Duration::from_millis(200),
-        ..GatewayConfig::default()
-    }
+    super::fixed_latency(Duration::from_millis(200))
 }
 
 /// A sync-mode service config of the two tenants for `llama-3` at the env's gateway, with
@@ -158,4 +155,15 @@ pub async fn inventory(api: &Api) -> (Vec<Value>, Vec<Value>) {
         files.iter().map(file_identity).collect(),
         batches.iter().map(batch_identity).collect(),
     )
+}
+
+/// The start most serve tests share: an [`Env`] on `gateway`, the two tenants' async service
+/// (`serve_extra` added to its `serve:` section) running, and tenant A's client. Keep the first
+/// two for the whole test (as `_env`, `_service` when unused: `_` would drop them at once).
+pub async fn two_tenants(gateway: GatewayConfig, serve_extra: &str) -> (Env, Service, Api) {
+    let env = Env::start(gateway).await;
+    let config = async_service(&env, TWO_TENANTS, serve_extra, "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    (env, service, a)
 }

@@ -18,6 +18,14 @@ use dispatcher_sim::{
 };
 use serde_json::Value;
 
+/// A gateway answering every request after `latency`, the rest as by default.
+pub fn fixed_latency(latency: Duration) -> GatewayConfig {
+    GatewayConfig {
+        latency_fixed: latency,
+        ..GatewayConfig::default()
+    }
+}
+
 /// The processor binary built for these tests.
 pub const PROCESSOR: &str = env!("CARGO_BIN_EXE_processor");
 
@@ -237,6 +245,16 @@ impl Results {
         assert!(checked > 0, "no 200 answers to check");
     }
 
+    /// [`Results::assert_each_once`], and the error lines are `n` of code `code`, no other.
+    #[track_caller]
+    pub fn assert_each_once_with_errors(&self, lines: &[String], code: &str, n: u64) {
+        self.assert_each_once(lines);
+        assert_eq!(
+            self.error_codes(),
+            BTreeMap::from([(code.to_owned(), n as usize)])
+        );
+    }
+
     pub fn error_codes(&self) -> BTreeMap<String, usize> {
         let mut codes = BTreeMap::new();
         for l in &self.error {
@@ -335,6 +353,31 @@ pub async fn kill_9_and_rerun(
     let batch = batch_json(out);
     assert_eq!(batch["status"], "completed");
     assert_eq!(batch["request_counts"]["completed"], lines.len());
+}
+
+/// Starts `processor run` of the env's `in.jsonl` into `out` (its stdout and stderr made by
+/// `stdio`), and returns it once all `n` requests of its job are in pool-a's queue.
+pub async fn run_until_queued(
+    env: &Env,
+    config: &Path,
+    out: &Path,
+    n: usize,
+    stdio: fn() -> std::process::Stdio,
+) -> Child {
+    // Wrapped at once: a failed wait below kills it.
+    let child = Child(
+        run_cmd(config, &env.path("in.jsonl"), out)
+            .stdout(stdio())
+            .stderr(stdio())
+            .spawn()
+            .unwrap(),
+    );
+    let queued = format!(":{n}");
+    eventually("the job enqueued", Duration::from_secs(30), || {
+        env.redis.command(&["ZCARD", "llm-d-async:requests:pool-a"]) == queued
+    })
+    .await;
+    child
 }
 
 /// `processor run --config C --input I --output-dir O`, logging at INFO, no stdin.
