@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `just fuzz [SECONDS]`: fuzzes the JSON scanner of batch-wire against serde_json (fuzz/), on its
+# `just fuzz [SECONDS]`: fuzzes the JSON scanner (crates/json) against serde_json (fuzz/), on its
 # SSE2 path and then on its portable path (what targets other than x86-64 run), SECONDS each
 # (default 300). Needs the nightly toolchain and cargo-fuzz: installed here when missing.
 # Inputs that fail are kept in fuzz/artifacts/json/.

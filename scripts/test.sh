@@ -13,5 +13,5 @@ ensure_schemathesis   # the same virtualenv: the fuzz of the running service
 status=0
 cargo test --workspace --no-fail-fast "$@" || status=$?
 # The JSON scanner's portable path, which targets other than x86-64 run, tested here too.
-cargo test -p batch-wire --features portable --lib || status=$?
+cargo test -p batch-json -p batch-wire --features batch-json/portable --lib || status=$?
 exit "$status"

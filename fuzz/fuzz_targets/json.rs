@@ -1,9 +1,9 @@
-//! The JSON scanner of `batch_wire::json` against serde_json, on any text: a document is
+//! The JSON scanner of `batch_json` against serde_json, on any text: a document is
 //! accepted exactly when serde accepts it, and a string's text is unescaped exactly as serde
 //! reads it, whatever the blocks its escapes and stops fall in.
 #![no_main]
 
-use batch_wire::json;
+use batch_json as json;
 use libfuzzer_sys::fuzz_target;
 use serde_json::value::RawValue;
 

@@ -29,9 +29,11 @@ mod batch;
 mod envelope;
 pub mod hash;
 mod id;
-pub mod json;
 mod raw;
 mod result;
+
+/// The fast JSON passes (the [`batch_json`] crate), under the name the wire formats use.
+pub use batch_json as json;
 
 pub use batch::{
     deadline, error_codes, Batch, BatchError, BatchErrors, BatchStatus, CachedTokens, ErrorBody,

@@ -6,11 +6,13 @@
 //! each input line is mostly message text, so the drain's and the check's cost is mostly these
 //! passes. They look at string text 32 bytes at a time (two SSE2 vectors; 8 bytes off x86-64)
 //! and call no general parser. Each accepts exactly what serde_json accepts (the tests hold them
-//! to it, input by input), so using them changes no result; the walkers ([`members`],
-//! [`elements`], [`string`]) give `None` where serde would have to be asked.
+//! to it, input by input, and `fuzz/` fuzzes them against it), so using them changes no result;
+//! the walkers ([`members`], [`elements`], [`string`]) give `None` where serde would have to be
+//! asked. `batch_wire::json` is this crate; `bench --only json` measures each pass against
+//! serde_json doing the same work.
 //!
 //! ```
-//! use batch_wire::json;
+//! use batch_json as json;
 //!
 //! let text = br#"{"usage":{"prompt_tokens":3}}"#;
 //! let doc = json::check(text).expect("JSON");
