@@ -34,6 +34,7 @@
 mod blocks;
 mod custom_ids;
 mod records;
+mod rules;
 mod scan;
 mod validate;
 

@@ -10,6 +10,7 @@ use std::borrow::Cow;
 
 use batch_wire::json::{self, elements, members, string};
 
+use crate::rules;
 use crate::validate::{CheckedLine, NO_PREFIX};
 
 /// The line's check when it is valid and of the usual shape; `None` otherwise.
@@ -41,9 +42,8 @@ pub(crate) fn valid_line(text: &str) -> Option<CheckedLine<'_>> {
         return None;
     }
     let (custom_id, url, body) = (custom_id?, url?, body?);
-    let valid = !custom_id.trim().is_empty()
-        && method? == "POST"
-        && batch_wire::ALLOWED_URLS.contains(&url.as_ref());
+    let valid =
+        rules::named(&custom_id) && rules::method_allowed(&method?) && rules::url_allowed(&url);
     valid.then_some(CheckedLine {
         custom_id,
         model: body.model,
@@ -72,7 +72,7 @@ fn request_body(text: &str, i: usize) -> Option<(RequestBody<'_>, usize)> {
         b"stream" if !stream => {
             stream = true;
             let end = json::value_end(s, i).ok()?;
-            (&s[i..end] != b"true").then_some(end)
+            (!rules::streams(&s[i..end])).then_some(end)
         }
         b"messages" if prefix.is_none() => {
             let (hash, end) = messages(text, i)?;
@@ -82,7 +82,7 @@ fn request_body(text: &str, i: usize) -> Option<(RequestBody<'_>, usize)> {
         b"model" | b"stream" | b"messages" => None,
         _ => json::value_end(s, i).ok(),
     })?;
-    let model = model.filter(|m| !m.trim().is_empty())?;
+    let model = model.filter(|m| rules::named(m))?;
     let prefix_hash = prefix.unwrap_or(NO_PREFIX);
     Some((RequestBody { model, prefix_hash }, end))
 }
@@ -149,7 +149,7 @@ fn content_hash(text: &str, i: usize) -> Option<Option<u32>> {
         // `null` is no content; other values have no text.
         _ => return Some(None),
     };
-    Some((!prompt.is_empty()).then(|| batch_wire::hash::fnv1a_32(prompt.as_bytes())))
+    Some(rules::prompt_hash(&prompt))
 }
 
 /// The index after a `null` at `s[i]` (the walker checks what follows it).

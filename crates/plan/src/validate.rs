@@ -3,6 +3,8 @@
 use std::borrow::Cow;
 
 use batch_wire::{error_codes, BatchError, ALLOWED_URLS};
+
+use crate::rules;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -361,7 +363,7 @@ pub(crate) fn custom_id_problem(raw: Option<&RawValue>) -> &'static str {
 
 fn as_nonempty_str(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
     let s: Cow<str> = serde_json::from_str(raw?.get()).ok()?;
-    (!s.trim().is_empty()).then_some(s)
+    rules::named(&s).then_some(s)
 }
 
 /// Checks a line (without its newline) as OpenAI does; `line_no` is 1-based, for the errors.
@@ -408,11 +410,12 @@ pub fn check_line_with_serde(text: &str, line_no: u64) -> Result<CheckedLine<'_>
             line_no,
         ));
     }
-    if view.method.as_deref() != Some("POST") {
+    if !view.method.as_deref().is_some_and(rules::method_allowed) {
         errors.push(error(
             error_codes::INVALID_METHOD,
             format!(
-                "method must be POST, got {}",
+                "method must be {}, got {}",
+                rules::METHOD,
                 view.method
                     .as_deref()
                     .map_or("nothing".into(), |m| format!("{m:?}"))
@@ -421,10 +424,7 @@ pub fn check_line_with_serde(text: &str, line_no: u64) -> Result<CheckedLine<'_>
             line_no,
         ));
     }
-    let url_ok = view
-        .url
-        .as_deref()
-        .is_some_and(|u| ALLOWED_URLS.contains(&u));
+    let url_ok = view.url.as_deref().is_some_and(rules::url_allowed);
     if !url_ok {
         errors.push(error(
             error_codes::INVALID_URL,
@@ -462,7 +462,10 @@ pub fn check_line_with_serde(text: &str, line_no: u64) -> Result<CheckedLine<'_>
                     line_no,
                 ));
             }
-            if body.stream.is_some_and(|s| s.get() == "true") {
+            if body
+                .stream
+                .is_some_and(|s| rules::streams(s.get().as_bytes()))
+            {
                 errors.push(error(
                     error_codes::STREAMING_NOT_SUPPORTED,
                     "body.stream: streaming is not supported in batch requests",
@@ -499,7 +502,7 @@ fn content_hash(content: &RawValue) -> Option<u32> {
             .into(),
         _ => return None,
     };
-    (!text.is_empty()).then(|| batch_wire::hash::fnv1a_32(text.as_bytes()))
+    rules::prompt_hash(&text)
 }
 
 #[cfg(test)]
