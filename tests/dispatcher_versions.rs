@@ -71,8 +71,7 @@ async fn completes(version: DispatcherVersion) {
     assert_eq!(batch.status, BatchStatus::Completed);
     assert_eq!(batch.request_counts.completed, 400);
     let results = Results::read(&env.path("out"));
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
     let stats = &executor.consumer_stats().await["pool-a"];
     assert_eq!(stats.written_total(), 400);
     // v0.10 sends each line's own token back: none is refused.
@@ -92,8 +91,7 @@ both_versions!(completes);
 /// The gate stays closed: nothing is sent and the processor's own deadline ends the job.
 async fn expires_at_its_own_deadline(version: DispatcherVersion) {
     let env = Env::start(GatewayConfig::default()).await;
-    let lines = write_input(&env.path("in.jsonl"), 50, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let (lines, config) = one_pool_job(&env, 50);
     let sim = env
         .dispatcher_version(&["pool-a"], version, closed_gate)
         .await;
@@ -134,8 +132,7 @@ fn move_deadlines(env: &Env, deadline: i64) -> usize {
 /// processor writes as `batch_expired` without waiting for its own deadline.
 async fn a_dispatcher_past_the_deadline(version: DispatcherVersion) {
     let env = Env::start(GatewayConfig::default()).await;
-    let lines = write_input(&env.path("in.jsonl"), 50, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let (lines, config) = one_pool_job(&env, 50);
     let sim = env
         .dispatcher_version(&["pool-a"], version, closed_gate)
         .await;
@@ -196,8 +193,7 @@ both_versions!(a_dispatcher_past_the_deadline);
 /// Cancelled half way: what was answered stays, the rest is `batch_cancelled`, the queue is empty.
 async fn cancel_mid_job(version: DispatcherVersion) {
     let env = Env::start(fixed_latency(Duration::from_millis(20))).await;
-    let lines = write_input(&env.path("in.jsonl"), 600, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let (lines, config) = one_pool_job(&env, 600);
     let sim = env
         .dispatcher_version(&["pool-a"], version, |c| c.batch_size = 2)
         .await;
@@ -249,8 +245,7 @@ both_versions!(cancel_mid_job);
 
 async fn resume_after_kill_9(version: DispatcherVersion) {
     let env = Env::start(fixed_latency(Duration::from_millis(10))).await;
-    let lines = write_input(&env.path("in.jsonl"), 1500, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let (lines, config) = one_pool_job(&env, 1500);
     let sim = env
         .dispatcher_version(&["pool-a"], version, |c| c.batch_size = 10)
         .await;
@@ -304,8 +299,7 @@ async fn dispatcher_killed_mid_job(version: DispatcherVersion) {
     let batch = batch.unwrap();
     assert_eq!(batch.status, BatchStatus::Completed);
     let results = Results::read(&env.path("out"));
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
     assert_eq!(batch.request_counts.completed, 300);
     if v0_10 {
         assert!(
@@ -328,8 +322,7 @@ both_versions!(dispatcher_killed_mid_job);
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn results_are_checked_against_their_lines_token() {
     let env = Env::start(GatewayConfig::default()).await;
-    let lines = write_input(&env.path("in.jsonl"), 20, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let (lines, config) = one_pool_job(&env, 20);
     let sim = env
         .dispatcher_version(&["pool-a"], DispatcherVersion::V0_10, closed_gate)
         .await;

@@ -444,8 +444,7 @@ async fn a_batch_shows_live_counts_and_partial_output_then_completes() {
     // Every line names one model, so the batch does too.
     assert_eq!(batch["model"], "llama-3", "{batch}");
     let results = a.results(&batch).await;
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
     let output = a
         .get(&format!(
             "/v1/files/{}",
@@ -760,8 +759,7 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     assert_eq!(batch["status"], "completed", "{batch}");
     assert_eq!(count(&batch, "completed"), 300, "{batch}");
     let results = a.results(&batch).await;
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
     a.results(&other).await.assert_each_once(&other_lines);
     let queued = a.wait_final(&queued, FINISH).await;
     assert_eq!(queued["status"], "completed", "{queued}");
@@ -831,8 +829,7 @@ async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
     assert_eq!(batch["status"], "completed", "{batch}");
     assert_eq!(count(&batch, "completed"), 200, "{batch}");
     let results = a.results(&batch).await;
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1194,8 +1191,7 @@ async fn in_sync_mode_without_keys_a_batch_completes_for_the_default_tenant() {
     assert_eq!(batch["status"], "completed", "{batch}");
     assert_eq!(count(&batch, "completed"), 50);
     let results = api.results(&batch).await;
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
     assert!(env.gateway.stats().total >= 50);
     // A last line without its newline is a line.
     let (text, lines) = input_jsonl("unterminated", 3, "llama-3");

@@ -104,8 +104,7 @@ async fn ten_thousand_lines_on_a_cluster_complete_exactly_once() {
     .unwrap();
     assert_eq!(batch.status, BatchStatus::Completed);
     let results = Results::read(&out);
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
     let client = rig.client().await;
     assert_eq!(client.zcard::<u64, _>(QUEUE).await.unwrap(), 0);
     executor.shutdown().await;
@@ -133,17 +132,9 @@ async fn a_cluster_job_resumes_after_kill_9_and_a_cancel_empties_its_queue() {
     .await;
     first.0.kill().unwrap();
     first.0.wait().unwrap();
-    let rerun = run_cmd(&config, &rig.path("in.jsonl"), &out)
-        .output()
-        .unwrap();
-    assert!(
-        rerun.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rerun.stderr)
-    );
+    run_ok(&config, &rig.path("in.jsonl"), &out);
     let results = Results::read(&out);
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
     sim.shutdown().await;
 
     // A second job, gate closed, cancelled with Ctrl-C: nothing of it stays queued.
@@ -246,17 +237,9 @@ async fn tls_job(auth: ClientAuth) {
     let config = rig.config(&server.url(), &root, "");
     let sim = rig.dispatcher(|_| {}).await;
     let out = rig.path("out");
-    let run = run_cmd(&config, &rig.path("in.jsonl"), &out)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    run_ok(&config, &rig.path("in.jsonl"), &out);
     let results = Results::read(&out);
-    results.assert_each_once(&lines);
-    results.assert_answers_match(&lines);
+    results.assert_answered(&lines);
     sim.shutdown().await;
 }
 
@@ -311,21 +294,13 @@ async fn an_acl_user_with_the_documented_rule_runs_a_job_and_one_without_fails_c
         ]),
         "+OK"
     );
-    let lines = write_input(&env.path("in.jsonl"), 200, &["llama-3"]);
-    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let (lines, config) = one_pool_job(&env, 200);
     let url = format!("redis://batch:pw-batch@127.0.0.1:{}", env.redis.port());
     std::fs::write(&env.redis_url_file, &url).unwrap();
     let sim = env
         .dispatcher(&["pool-a"], |c| c.version = DispatcherVersion::V0_9)
         .await;
-    let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    run_ok(&config, &env.path("in.jsonl"), &env.path("out"));
     Results::read(&env.path("out")).assert_each_once(&lines);
 
     let weak = format!("redis://weak:pw-weak@127.0.0.1:{}", env.redis.port());

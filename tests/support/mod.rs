@@ -29,6 +29,13 @@ pub fn fixed_latency(latency: Duration) -> GatewayConfig {
 /// The processor binary built for these tests.
 pub const PROCESSOR: &str = env!("CARGO_BIN_EXE_processor");
 
+/// The usual job: `n` lines of `llama-3` written to the env's `in.jsonl`, and an async config
+/// sending them to `pool-a`; the lines and the config's path.
+pub fn one_pool_job(env: &Env, n: usize) -> (Vec<String>, PathBuf) {
+    let lines = write_input(&env.path("in.jsonl"), n, &["llama-3"]);
+    (lines, env.async_config(&[("llama-3", "pool-a")], ""))
+}
+
 /// Writes `n` chat requests, model `models[i % len]`, and returns the lines.
 pub fn write_input(path: &Path, n: usize, models: &[&str]) -> Vec<String> {
     let lines: Vec<String> = (0..n)
@@ -255,6 +262,14 @@ impl Results {
         );
     }
 
+    /// [`Results::assert_each_once`] and [`Results::assert_answers_match`]: every line answered
+    /// once, each by the answer to its own request.
+    #[track_caller]
+    pub fn assert_answered(&self, lines: &[String]) {
+        self.assert_each_once(lines);
+        self.assert_answers_match(lines);
+    }
+
     pub fn error_codes(&self) -> BTreeMap<String, usize> {
         let mut codes = BTreeMap::new();
         for l in &self.error {
@@ -378,6 +393,18 @@ pub async fn run_until_queued(
     })
     .await;
     child
+}
+
+/// Runs `processor run` to its end ([`run_cmd`]); panics with its stderr unless it succeeded.
+#[track_caller]
+pub fn run_ok(config: &Path, input: &Path, out: &Path) -> std::process::Output {
+    let run = run_cmd(config, input, out).output().unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    run
 }
 
 /// `processor run --config C --input I --output-dir O`, logging at INFO, no stdin.
