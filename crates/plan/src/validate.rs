@@ -3,11 +3,11 @@
 use std::borrow::Cow;
 
 use batch_wire::{error_codes, BatchError, ALLOWED_URLS};
-
-use crate::rules;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
+
+use crate::rules;
 
 /// What planning keeps of a valid line.
 #[derive(Debug, Clone, PartialEq, Eq)]

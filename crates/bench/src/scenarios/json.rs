@@ -11,6 +11,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use batch_wire::{json, RawResult, ResultMessage};
+use dispatcher_sim::GatewayConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
@@ -259,12 +260,13 @@ const ODD: [&str; 8] = ["\"", "\\", "é", "ü", "—", "😀", "→", "\t"];
 
 /// An answer of lognormal length, written with what a model writes besides words.
 fn answer(rng: &mut StdRng) -> String {
-    let normal: f64 = {
-        // Box-Muller, to keep to rand's core.
-        let (u, v): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    // The gateway simulator's own draw of answer lengths, in bytes here.
+    let lengths = GatewayConfig {
+        length_median: Some(1000),
+        length_sigma: 1.0,
+        ..GatewayConfig::default()
     };
-    let len = (1000.0 * normal.exp()).clamp(20.0, 65_536.0) as usize;
+    let len = (lengths.answer_tokens(0, rng) as usize).clamp(20, 65_536);
     let mut out = String::with_capacity(len + 16);
     let mut next_line = rng.random_range(40..120);
     while out.len() < len {
