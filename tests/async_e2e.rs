@@ -6,15 +6,11 @@ mod support;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use batch_executor::{Executor, JobSpec};
+use batch_executor::Executor;
 use batch_wire::{parse_request_id, BatchStatus, Envelope};
 use dispatcher_sim::{FailureKind, FailureRule, GatewayConfig};
 use support::*;
 use tokio_util::sync::CancellationToken;
-
-fn spec(env: &Env, input: &str, out: &str) -> JobSpec {
-    JobSpec::new(env.path(input), env.path(out))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_lines_over_two_pools_complete_and_answer_their_own_lines() {
@@ -22,12 +18,7 @@ async fn a_thousand_lines_over_two_pools_complete_and_answer_their_own_lines() {
     let lines = write_input(&env.path("in.jsonl"), 1000, &["llama-3", "mistral"]);
     let config = env.async_config(&[("llama-3", "pool-a"), ("mistral", "pool-b")], "");
     let sim = env.dispatcher(&["pool-a", "pool-b"], |_| {}).await;
-    let executor = Executor::new(load(&config)).await.unwrap();
-
-    let batch = executor
-        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
-        .await
-        .unwrap();
+    let (executor, batch) = run_job(&env, &config).await;
 
     assert_eq!(batch.status, BatchStatus::Completed);
     assert_eq!(
@@ -81,11 +72,7 @@ async fn http_errors_go_to_output_and_failures_to_error() {
             c.request_timeout = Duration::from_secs(2);
         })
         .await;
-    let executor = Executor::new(load(&config)).await.unwrap();
-    let batch = executor
-        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
-        .await
-        .unwrap();
+    let (executor, batch) = run_job(&env, &config).await;
 
     assert_eq!(batch.status, BatchStatus::Completed);
     let results = Results::read(&env.path("out"));
@@ -114,16 +101,11 @@ async fn http_errors_go_to_output_and_failures_to_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicated_results_never_double_a_line() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let (lines, config) = one_pool_job(&env, 3000);
-    let sim = env
-        .dispatcher(&["pool-a"], |c| c.sim.duplicate_rate = 0.1)
-        .await;
-    let executor = Executor::new(load(&config)).await.unwrap();
-    let batch = executor
-        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
-        .await
-        .unwrap();
+    let (env, lines, config, sim) = one_pool(GatewayConfig::default(), 3000, |c| {
+        c.sim.duplicate_rate = 0.1
+    })
+    .await;
+    let (executor, batch) = run_job(&env, &config).await;
     assert_eq!(batch.status, BatchStatus::Completed);
     Results::read(&env.path("out")).assert_each_once(&lines);
     // The doubles did arrive, and were recognised as such (some may come after the job ended).
@@ -138,10 +120,8 @@ async fn duplicated_results_never_double_a_line() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_job_whose_requests_never_run_expires_at_its_slo() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let (lines, config) = one_pool_job(&env, 50);
     // The gate stays closed: the dispatcher takes nothing, as under full online load.
-    let sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let (env, lines, config, sim) = one_pool(GatewayConfig::default(), 50, closed_gate).await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let mut job = spec(&env, "in.jsonl", "out");
     job.completion_window = Duration::from_secs(3);
@@ -289,33 +269,16 @@ async fn requests_lost_by_a_crashed_dispatcher_are_enqueued_again() {
 
 // ---- The binary ------------------------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_processor_killed_mid_job_and_run_again_writes_each_line_once() {
-    let env = Env::start(fixed_latency(Duration::from_millis(10))).await;
-    let lines = write_input(&env.path("in.jsonl"), 2000, &["llama-3", "mistral"]);
-    let config = env.async_config(&[("llama-3", "pool-a"), ("mistral", "pool-b")], "");
-    let sim = env
-        .dispatcher(&["pool-a", "pool-b"], |c| c.batch_size = 10)
-        .await;
-    kill_9_and_rerun(
-        &config,
-        &env.path("in.jsonl"),
-        &env.path("out"),
-        &lines,
-        300,
-    )
-    .await;
-    sim.shutdown().await;
-}
-
 /// A v0.9 dispatcher keeps the requests it is sending in no Redis key. A processor killed with
 /// every request enqueued and run again must not take those for lost: it looks twice, a few
 /// seconds apart, before it puts a line back, and the gateway gets each line once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_resume_does_not_send_again_what_the_dispatcher_is_sending() {
-    let env = Env::start(fixed_latency(Duration::from_millis(1500))).await;
-    let (lines, config) = one_pool_job(&env, 200);
-    let sim = env.dispatcher(&["pool-a"], |c| c.batch_size = 20).await;
+    let (env, lines, config, sim) =
+        one_pool(fixed_latency(Duration::from_millis(1500)), 200, |c| {
+            c.batch_size = 20
+        })
+        .await;
     let out = env.path("out");
     let mut first = Child(
         run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
@@ -348,9 +311,7 @@ async fn a_resume_does_not_send_again_what_the_dispatcher_is_sending() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigint_cancels_the_job_and_empties_its_queue() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let (lines, config) = one_pool_job(&env, 100);
-    let sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let (env, lines, config, sim) = one_pool(GatewayConfig::default(), 100, closed_gate).await;
     let mut child = run_until_queued(&env, &config, &env.path("out"), 100, Stdio::piped).await;
     // SAFETY: sending a signal to our own child process.
     unsafe { libc::kill(child.0.id() as i32, libc::SIGINT) };

@@ -7,9 +7,9 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use batch_executor::{Executor, JobSpec};
+use batch_executor::Executor;
 use batch_wire::{error_codes, parse_request_id, BatchStatus, Envelope};
-use dispatcher_sim::{DispatcherConfig, DispatcherVersion, GatewayConfig};
+use dispatcher_sim::{DispatcherVersion, GatewayConfig};
 use support::*;
 use tokio_util::sync::CancellationToken;
 
@@ -33,16 +33,6 @@ macro_rules! both_versions {
     };
 }
 
-fn spec(env: &Env, input: &str, out: &str) -> JobSpec {
-    JobSpec::new(env.path(input), env.path(out))
-}
-
-fn closed_gate(config: &mut DispatcherConfig) {
-    for q in &mut config.queues {
-        q.gate_type = Some("redis".into());
-    }
-}
-
 fn open_gate(env: &Env) {
     env.redis.command(&["SET", "dispatch-gate-budget", "1"]);
 }
@@ -63,11 +53,7 @@ async fn completes(version: DispatcherVersion) {
     let lines = write_input(&env.path("in.jsonl"), 400, &["llama-3", "llama-3-instruct"]);
     let config = env.async_config(&[("llama-3", "pool-a"), ("llama-3-instruct", "pool-a")], "");
     let sim = env.dispatcher_version(&["pool-a"], version, |_| {}).await;
-    let executor = Executor::new(load(&config)).await.unwrap();
-    let batch = executor
-        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
-        .await
-        .unwrap();
+    let (executor, batch) = run_job(&env, &config).await;
     assert_eq!(batch.status, BatchStatus::Completed);
     assert_eq!(batch.request_counts.completed, 400);
     let results = Results::read(&env.path("out"));
@@ -90,11 +76,8 @@ both_versions!(completes);
 
 /// The gate stays closed: nothing is sent and the processor's own deadline ends the job.
 async fn expires_at_its_own_deadline(version: DispatcherVersion) {
-    let env = Env::start(GatewayConfig::default()).await;
-    let (lines, config) = one_pool_job(&env, 50);
-    let sim = env
-        .dispatcher_version(&["pool-a"], version, closed_gate)
-        .await;
+    let (env, lines, config, sim) =
+        one_pool_version(GatewayConfig::default(), 50, version, closed_gate).await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let mut job = spec(&env, "in.jsonl", "out");
     job.completion_window = Duration::from_secs(3);
@@ -131,11 +114,8 @@ fn move_deadlines(env: &Env, deadline: i64) -> usize {
 /// processor's deadline then closes the lines), v0.10 answers `DEADLINE_EXCEEDED`, which the
 /// processor writes as `batch_expired` without waiting for its own deadline.
 async fn a_dispatcher_past_the_deadline(version: DispatcherVersion) {
-    let env = Env::start(GatewayConfig::default()).await;
-    let (lines, config) = one_pool_job(&env, 50);
-    let sim = env
-        .dispatcher_version(&["pool-a"], version, closed_gate)
-        .await;
+    let (env, lines, config, sim) =
+        one_pool_version(GatewayConfig::default(), 50, version, closed_gate).await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let mut job = spec(&env, "in.jsonl", "out");
     let v0_10 = version == DispatcherVersion::V0_10;
@@ -192,11 +172,13 @@ both_versions!(a_dispatcher_past_the_deadline);
 
 /// Cancelled half way: what was answered stays, the rest is `batch_cancelled`, the queue is empty.
 async fn cancel_mid_job(version: DispatcherVersion) {
-    let env = Env::start(fixed_latency(Duration::from_millis(20))).await;
-    let (lines, config) = one_pool_job(&env, 600);
-    let sim = env
-        .dispatcher_version(&["pool-a"], version, |c| c.batch_size = 2)
-        .await;
+    let (env, lines, config, sim) = one_pool_version(
+        fixed_latency(Duration::from_millis(20)),
+        600,
+        version,
+        |c| c.batch_size = 2,
+    )
+    .await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let cancel = CancellationToken::new();
     let run = executor.run(spec(&env, "in.jsonl", "out"), cancel.clone());
@@ -243,11 +225,13 @@ both_versions!(cancel_mid_job);
 
 // ---- Resume after kill -9 ------------------------------------------------------------------------
 
+/// Killed with SIGKILL mid-job and run again: each line, over two pools, is written once.
 async fn resume_after_kill_9(version: DispatcherVersion) {
     let env = Env::start(fixed_latency(Duration::from_millis(10))).await;
-    let (lines, config) = one_pool_job(&env, 1500);
+    let lines = write_input(&env.path("in.jsonl"), 2000, &["llama-3", "mistral"]);
+    let config = env.async_config(&[("llama-3", "pool-a"), ("mistral", "pool-b")], "");
     let sim = env
-        .dispatcher_version(&["pool-a"], version, |c| c.batch_size = 10)
+        .dispatcher_version(&["pool-a", "pool-b"], version, |c| c.batch_size = 10)
         .await;
     kill_9_and_rerun(
         &config,
@@ -321,11 +305,13 @@ both_versions!(dispatcher_killed_mid_job);
 /// is read; an unknown error code becomes the error line's code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn results_are_checked_against_their_lines_token() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let (lines, config) = one_pool_job(&env, 20);
-    let sim = env
-        .dispatcher_version(&["pool-a"], DispatcherVersion::V0_10, closed_gate)
-        .await;
+    let (env, lines, config, sim) = one_pool_version(
+        GatewayConfig::default(),
+        20,
+        DispatcherVersion::V0_10,
+        closed_gate,
+    )
+    .await;
     let executor = Executor::new(load(&config)).await.unwrap();
     let run = executor.run(spec(&env, "in.jsonl", "out"), CancellationToken::new());
     let stats = async {

@@ -199,27 +199,22 @@ async fn files_and_outputs_live_in_s3() {
     .unwrap();
 
     let output = String::from_utf8(output).unwrap();
-    let mut ids: Vec<String> = output
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<Value>(l).unwrap()["custom_id"]
-                .as_str()
-                .unwrap()
-                .to_owned()
-        })
-        .collect();
-    ids.sort();
-    let mut expected: Vec<String> = lines
-        .iter()
-        .map(|l| {
-            serde_json::from_str::<Value>(l).unwrap()["custom_id"]
-                .as_str()
-                .unwrap()
-                .to_owned()
-        })
-        .collect();
-    expected.sort();
-    assert_eq!(ids, expected);
+    let sorted_ids = |lines: &mut dyn Iterator<Item = &str>| {
+        let mut ids: Vec<String> = lines
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["custom_id"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(
+        sorted_ids(&mut output.lines()),
+        sorted_ids(&mut lines.iter().map(String::as_str))
+    );
 
     // Both files are objects under the prefix, and nothing lies outside it.
     let keys = s3.keys();

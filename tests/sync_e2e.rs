@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use batch_executor::{Executor, JobSpec};
+use batch_executor::Executor;
 use batch_wire::{parse_request_id, BatchStatus};
 use dispatcher_sim::{FailureKind, FailureRule, Gateway, GatewayConfig};
 use support::*;
@@ -19,10 +19,6 @@ static TIMING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const FAST_RETRIES: &str =
     "    max_retries: 30\n    initial_backoff: 5ms\n    max_backoff: 50ms\n    request_timeout: 10s\n";
-
-fn spec(env: &Env, input: &str, out: &str) -> JobSpec {
-    JobSpec::new(env.path(input), env.path(out))
-}
 
 /// Samples an endpoint's limit every 5 ms while `f` runs.
 async fn sampling_limits<T>(
@@ -65,24 +61,52 @@ async fn run_to_completion(env: &Env, executor: &Executor, lines: &[String]) -> 
     samples
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn reference_aimd_settles_near_the_gateways_capacity() {
+/// A limiter's run: the job, the limit before it started and the limits sampled while it ran.
+struct LimiterRun {
+    env: Env,
+    start_limit: Option<usize>,
+    samples: Vec<usize>,
+    elapsed: Duration,
+}
+
+/// Runs `lines` lines on "llama-3" against `gateway` (answering 429s with no `Retry-After`)
+/// under the limiter `algorithm` (the default when `None`), with `min: 4` and
+/// `per_endpoint: 64`, alone among the timing tests.
+async fn run_limiter(gateway: GatewayConfig, lines: usize, algorithm: Option<&str>) -> LimiterRun {
     let _alone = TIMING.lock().await;
     let env = Env::start(GatewayConfig {
-        latency_fixed: Duration::from_millis(10),
-        capacity: Some(32),
         retry_after_secs: 0,
-        ..GatewayConfig::default()
+        ..gateway
     })
     .await;
-    let lines = write_input(&env.path("in.jsonl"), 4000, &["llama-3"]);
-    let config = env.sync_config(
-        &["llama-3"],
-        FAST_RETRIES,
-        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    algorithm: aimd\n    min: 4\n",
+    let input = write_input(&env.path("in.jsonl"), lines, &["llama-3"]);
+    let algorithm = algorithm
+        .map(|a| format!("    algorithm: {a}\n"))
+        .unwrap_or_default();
+    let concurrency = format!(
+        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n{algorithm}    min: 4\n"
     );
+    let config = env.sync_config(&["llama-3"], FAST_RETRIES, &concurrency);
     let executor = Executor::new(load(&config)).await.unwrap();
-    let samples = run_to_completion(&env, &executor, &lines).await;
+    let start_limit = executor.endpoint_limit("llama-3");
+    let started = Instant::now();
+    let samples = run_to_completion(&env, &executor, &input).await;
+    LimiterRun {
+        elapsed: started.elapsed(),
+        env,
+        start_limit,
+        samples,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reference_aimd_settles_near_the_gateways_capacity() {
+    let gateway = GatewayConfig {
+        latency_fixed: Duration::from_millis(10),
+        capacity: Some(32),
+        ..GatewayConfig::default()
+    };
+    let LimiterRun { env, samples, .. } = run_limiter(gateway, 4000, Some("aimd")).await;
 
     // After the first overload, the limit saws around the capacity: it neither runs away to
     // the maximum of 64 nor collapses to the floor of 4.
@@ -116,28 +140,18 @@ async fn reference_aimd_settles_near_the_gateways_capacity() {
 /// spread of answer times is not taken for queueing, so the limit sits at the capacity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_default_limiter_fills_a_hard_limit_with_answers_of_varied_length() {
-    let _alone = TIMING.lock().await;
     const CAPACITY: usize = 32;
     const LINES: usize = 2000;
-    let env = Env::start(GatewayConfig {
+    let gateway = GatewayConfig {
         latency_fixed: Duration::from_millis(10),
         latency_per_token: Duration::from_millis(1),
         length_median: Some(40),
         length_sigma: 0.8,
         seed: Some(28),
         capacity: Some(CAPACITY),
-        retry_after_secs: 0,
         ..GatewayConfig::default()
-    })
-    .await;
-    let lines = write_input(&env.path("in.jsonl"), LINES, &["llama-3"]);
-    let config = env.sync_config(
-        &["llama-3"],
-        FAST_RETRIES,
-        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    min: 4\n",
-    );
-    let executor = Executor::new(load(&config)).await.unwrap();
-    let samples = run_to_completion(&env, &executor, &lines).await;
+    };
+    let LimiterRun { env, samples, .. } = run_limiter(gateway, LINES, None).await;
 
     let stats = env.gateway.stats();
     let settled = &samples[samples.len() / 3..];
@@ -165,33 +179,18 @@ async fn the_default_limiter_fills_a_hard_limit_with_answers_of_varied_length() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_gradient_limiter_fills_a_hard_limit_with_few_429s() {
-    let _alone = TIMING.lock().await;
     const CAPACITY: usize = 32;
     // Long enough that a debug build's own work per request is small beside it.
     const LATENCY: Duration = Duration::from_millis(40);
     const LINES: usize = 3000;
-    let env = Env::start(GatewayConfig {
+    let gateway = GatewayConfig {
         latency_fixed: LATENCY,
         capacity: Some(CAPACITY),
-        retry_after_secs: 0,
         ..GatewayConfig::default()
-    })
-    .await;
-    let lines = write_input(&env.path("in.jsonl"), LINES, &["llama-3"]);
-    let config = env.sync_config(
-        &["llama-3"],
-        FAST_RETRIES,
-        "concurrency:\n  global: 200\n  per_endpoint: 64\n  aimd:\n    algorithm: gradient\n    min: 4\n",
-    );
-    let executor = Executor::new(load(&config)).await.unwrap();
-    assert_eq!(
-        executor.endpoint_limit("llama-3"),
-        Some(4),
-        "it starts at min"
-    );
-    let started = Instant::now();
-    let samples = run_to_completion(&env, &executor, &lines).await;
-    let elapsed = started.elapsed();
+    };
+    let run = run_limiter(gateway, LINES, Some("gradient")).await;
+    assert_eq!(run.start_limit, Some(4), "it starts at min");
+    let (env, samples, elapsed) = (run.env, run.samples, run.elapsed);
 
     let stats = env.gateway.stats();
     let rate = LINES as f64 / elapsed.as_secs_f64();
@@ -308,11 +307,7 @@ async fn always_429_with_one_retry_writes_429_lines() {
         "    max_retries: 1\n    initial_backoff: 5ms\n    max_backoff: 20ms\n",
         "",
     );
-    let executor = Executor::new(load(&config)).await.unwrap();
-    let batch = executor
-        .run(spec(&env, "in.jsonl", "out"), CancellationToken::new())
-        .await
-        .unwrap();
+    let (_executor, batch) = run_job(&env, &config).await;
     let results = Results::read(&env.path("out"));
     results.assert_each_once(&lines);
     assert_eq!(results.statuses().get(&429), Some(&40));

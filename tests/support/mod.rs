@@ -10,13 +10,15 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use batch_config::ProcessorConfig;
+use batch_executor::{Executor, JobSpec};
 use batch_testkit::{RedisServer, TempDir};
-use batch_wire::{hash::body_digest, InputLine};
+use batch_wire::{hash::body_digest, Batch, InputLine};
 use dispatcher_sim::{
     Dispatcher, DispatcherConfig, DispatcherHandle, Gateway, GatewayConfig, GatewayHandle,
     QueueEntry,
 };
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 
 /// A gateway answering every request after `latency`, the rest as by default.
 pub fn fixed_latency(latency: Duration) -> GatewayConfig {
@@ -34,6 +36,34 @@ pub const PROCESSOR: &str = env!("CARGO_BIN_EXE_processor");
 pub fn one_pool_job(env: &Env, n: usize) -> (Vec<String>, PathBuf) {
     let lines = write_input(&env.path("in.jsonl"), n, &["llama-3"]);
     (lines, env.async_config(&[("llama-3", "pool-a")], ""))
+}
+
+/// The usual async rig: an env with `gateway`, the usual job of `n` lines ([`one_pool_job`]) and
+/// a dispatcher for `pool-a` configured by `configure`: the env, the lines, the config's path and
+/// the dispatcher.
+pub async fn one_pool(
+    gateway: GatewayConfig,
+    n: usize,
+    configure: impl FnOnce(&mut DispatcherConfig),
+) -> (Env, Vec<String>, PathBuf, DispatcherHandle) {
+    let env = Env::start(gateway).await;
+    let (lines, config) = one_pool_job(&env, n);
+    let sim = env.dispatcher(&["pool-a"], configure).await;
+    (env, lines, config, sim)
+}
+
+/// [`one_pool`] with the dispatcher release `version`.
+pub async fn one_pool_version(
+    gateway: GatewayConfig,
+    n: usize,
+    version: dispatcher_sim::DispatcherVersion,
+    configure: impl FnOnce(&mut DispatcherConfig),
+) -> (Env, Vec<String>, PathBuf, DispatcherHandle) {
+    one_pool(gateway, n, |c| {
+        c.version = version;
+        configure(c);
+    })
+    .await
 }
 
 /// Writes `n` chat requests, model `models[i % len]`, and returns the lines.
@@ -168,6 +198,21 @@ impl Env {
 
 pub fn load(config: &Path) -> ProcessorConfig {
     ProcessorConfig::load(config).unwrap_or_else(|e| panic!("config: {e}"))
+}
+
+/// The job of the env's file `input`, written into its directory `out`.
+pub fn spec(env: &Env, input: &str, out: &str) -> JobSpec {
+    JobSpec::new(env.path(input), env.path(out))
+}
+
+/// An executor on `config` and what it made of the env's `in.jsonl`, run to its end into `out`.
+pub async fn run_job(env: &Env, config: &Path) -> (Executor, Batch) {
+    let executor = Executor::new(load(config)).await.unwrap();
+    let batch = executor
+        .run(spec(env, "in.jsonl", "out"), CancellationToken::new())
+        .await
+        .unwrap();
+    (executor, batch)
 }
 
 /// The lines of `output.jsonl` and `error.jsonl` in `dir`.

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use batch_queue_names::{NameError, QueueNames};
+use batch_keys::{NameError, QueueNames};
 use serde::Serialize;
 
 use crate::types::ProcessorConfig;

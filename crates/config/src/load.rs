@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use batch_queue_names::validate_part;
+use batch_keys::validate_part;
 use figment::providers::{Env, Format, Yaml};
 use figment::value::Value;
 use figment::Figment;

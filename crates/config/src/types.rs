@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use batch_aimd::Algorithm as LimiterAlgorithm;
+pub use batch_limiter::Algorithm as LimiterAlgorithm;
 use serde::{Deserialize, Serialize, Serializer};
 
 /// Where the Redis URL secret is mounted when the config does not say otherwise.
@@ -147,8 +147,8 @@ impl Default for AsyncDispatchConfig {
     fn default() -> Self {
         Self {
             result_poll_timeout: Duration::from_secs(5),
-            queue_prefix: batch_queue_names::DEFAULT_PREFIX.to_owned(),
-            consumer_id: batch_queue_names::DEFAULT_CONSUMER_ID.to_owned(),
+            queue_prefix: batch_keys::DEFAULT_PREFIX.to_owned(),
+            consumer_id: batch_keys::DEFAULT_CONSUMER_ID.to_owned(),
             consumer_id_set: false,
             retry_queue_name: "retry-sortedset".to_owned(),
             lost_request_timeout: Duration::from_secs(600),
@@ -290,10 +290,10 @@ pub struct AimdConfig {
     /// Adapt the limit (default true); when false the limit stays at `per_endpoint`.
     pub enabled: bool,
     /// `work` (default: the gradient limiter's rules on latency per unit of work, each answer
-    /// weighed by its `usage.completion_tokens`, see `batch_aimd::Algorithm::Work`; it holds
+    /// weighed by its `usage.completion_tokens`, see `batch_limiter::Algorithm::Work`; it holds
     /// its targets whether answers are of one length or spread 10-100×, see
     /// docs/benchmarks.md), `gradient` (latency floor and in-flight count on raw latency,
-    /// `batch_aimd::GradientLimiter`; taken in by answers of varied length) or `aimd` (the
+    /// `batch_limiter::GradientLimiter`; taken in by answers of varied length) or `aimd` (the
     /// reference processor's additive increase, multiplicative decrease).
     #[serde(serialize_with = "algorithm_name")]
     pub algorithm: LimiterAlgorithm,

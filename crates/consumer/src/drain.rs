@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use batch_queue_names::ListKeys;
+use batch_keys::ListKeys;
 use batch_redis::Backoff;
 use batch_wire::{split_request_id, RawResult};
 use fred::bytes_utils::Str;

@@ -53,7 +53,7 @@
 //! # async fn demo(client: fred::clients::Client) -> Result<(), fred::error::Error> {
 //! let list = "llm-d-async:results:pool-a:$batch";
 //! let options = ConsumerOptions::default();
-//! let keys = batch_queue_names::ListKeys::new(list);
+//! let keys = batch_keys::ListKeys::new(list);
 //! let Acquired::Taken(lease) = Lease::try_acquire(&client, &keys.lease, options.lease_ttl).await? else {
 //!     panic!("another process reads {list}");
 //! };
@@ -74,7 +74,7 @@ mod stats;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use batch_queue_names::ListKeys;
+use batch_keys::ListKeys;
 use batch_redis::Backoff;
 use batch_wire::RawResult;
 use fred::bytes_utils::Str;
@@ -148,7 +148,7 @@ pub struct ConsumerOptions {
     /// round costs a few round trips and a file flush whatever it carries. Adds at most this
     /// to a result's latency; zero reads each result as soon as it comes.
     pub linger: Duration,
-    /// The pool's result routes ([`batch_queue_names::QueueNames::result_routes_name`]): a
+    /// The pool's result routes ([`batch_keys::QueueNames::result_routes_name`]): a
     /// result of a job that runs elsewhere and whose requests name another list is handed on
     /// to that list. `None` for a parked list, which holds one job's results only.
     pub routes: Option<String>,

@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use batch_queue_names::{ListKeys, NameError, QueueNames};
+use batch_keys::{ListKeys, NameError, QueueNames};
 use batch_redis::{Retry, RetryError};
 use fred::clients::Client;
 use fred::interfaces::{HashesInterface, KeysInterface};

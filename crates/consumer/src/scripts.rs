@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use batch_queue_names::ListKeys;
+use batch_keys::ListKeys;
 use fred::bytes_utils::Str;
 use fred::clients::Client;
 use fred::types::scripts::Script;

@@ -10,7 +10,7 @@ use batch_consumer::{
     ConsumerHandle, ConsumerOptions, HandlerError, ResultConsumer, ResultHandler, Routed,
     WriteReport,
 };
-use batch_queue_names::ListKeys;
+use batch_keys::ListKeys;
 use batch_testkit::RedisServer;
 use batch_wire::{request_id, ResultMessage};
 use tokio_util::sync::CancellationToken;

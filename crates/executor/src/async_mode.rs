@@ -59,7 +59,7 @@ struct ModelQueue {
     first_position: u64,
 }
 
-fn name_error(e: batch_queue_names::NameError) -> ExecError {
+fn name_error(e: batch_keys::NameError) -> ExecError {
     ExecError::Config(e.to_string())
 }
 

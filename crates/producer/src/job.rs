@@ -150,7 +150,7 @@ impl Producer {
             }
         }
         for queue in sets.iter().filter(|s| **s != retry_queue) {
-            let claimed = batch_queue_names::claimed_key(queue);
+            let claimed = batch_keys::claimed_key(queue);
             for field in self.scan_fields(&claimed, &format!("{prefix}*")).await? {
                 keep(field.split('\0').next().unwrap_or_default());
             }

@@ -276,7 +276,7 @@ impl Producer {
         let ttl = self.options.cancel_marker_ttl.as_secs().max(1) as i64;
         let mut sets = FuturesUnordered::new();
         for &(id, token) in requests {
-            let key = batch_queue_names::cancel_marker_key(id);
+            let key = batch_keys::cancel_marker_key(id);
             let token = token.to_owned();
             sets.push(async move {
                 self.retry("SET", "request-cancel:*", || {

@@ -203,7 +203,7 @@ async fn held_lines_are_found_by_id_wherever_the_dispatcher_keeps_them() {
     let mine = two_jobs(&producer, "batch h/1", 3).await;
     // Line 3 re-written by the dispatcher into its retry set; line 4 claimed (v0.10).
     retried(&redis, &mine, 3);
-    let claimed = batch_queue_names::claimed_key(&mine.request_queue);
+    let claimed = batch_keys::claimed_key(&mine.request_queue);
     let field = format!("{}\0tok", batch_wire::request_id(&mine.job_id, 4));
     redis.command(&["HSET", &claimed, &field, "x"]);
     let mut held: Vec<u64> = producer

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
 #[cfg(doc)]
-use batch_aimd::Algorithm;
-use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, Change, Limiter, Sample};
+use batch_limiter::Algorithm;
+use batch_limiter::{AdaptivePermit, AdaptiveSemaphore, Change, Limiter, Sample};
 use batch_wire::{dispatcher_error_codes, error_codes};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};

@@ -58,7 +58,7 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 
-pub use batch_aimd::Algorithm;
+pub use batch_limiter::Algorithm;
 pub use client::{build as build_client, HttpClient};
 pub use dispatcher::SyncDispatcher;
 pub use options::{EndpointOptions, LimitOptions, TlsOptions};

@@ -4,7 +4,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use batch_aimd::Algorithm;
+use batch_limiter::Algorithm;
 
 use crate::DispatchError;
 
@@ -132,8 +132,8 @@ impl Default for LimitOptions {
 }
 
 impl LimitOptions {
-    pub(crate) fn aimd_config(&self) -> batch_aimd::AimdConfig {
-        batch_aimd::AimdConfig {
+    pub(crate) fn aimd_config(&self) -> batch_limiter::AimdConfig {
+        batch_limiter::AimdConfig {
             min: self.aimd_min,
             max: self.per_endpoint,
             backoff_factor: self.backoff_factor,

@@ -74,8 +74,8 @@ pub(crate) async fn run(
         created: now,
         deadline: now + 24 * 3600,
         request_queue: queue.clone(),
-        result_queue: batch_queue_names::QueueNames::new(
-            batch_queue_names::DEFAULT_PREFIX,
+        result_queue: batch_keys::QueueNames::new(
+            batch_keys::DEFAULT_PREFIX,
             "enqueue",
         )
         .and_then(|names| names.result_queue_name(POOL))
@@ -280,7 +280,7 @@ async fn naive_enqueue(
         let id = batch_wire::request_id(&messages.job_id, i as u64);
         let token = request_token(&messages.job_id, messages.created, i as u64);
         let trx = client.multi();
-        let _: () = trx.del(batch_queue_names::cancel_marker_key(&id)).await?;
+        let _: () = trx.del(batch_keys::cancel_marker_key(&id)).await?;
         let _: () = trx
             .set(
                 format!("request-active:{id}"),

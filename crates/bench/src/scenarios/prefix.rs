@@ -83,7 +83,7 @@ pub(crate) async fn run(
     let (n, prompts) = (s.prefix_lines, s.prefix_prompts);
     let input = lab.path("prefix.jsonl");
     write_prefix_input(&input, n, prompts, s.request_bytes)?;
-    let queue = batch_queue_names::request_queue_name(POOL)
+    let queue = batch_keys::request_queue_name(POOL)
         .map_err(|e| BenchError::Config(e.to_string()))?;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -95,7 +95,7 @@ pub(crate) async fn run(
         request_queue: queue.clone(),
         result_queue: format!(
             "{}:producer",
-            batch_queue_names::result_queue_name(POOL)
+            batch_keys::result_queue_name(POOL)
                 .map_err(|e| BenchError::Config(e.to_string()))?
         ),
         headers: Default::default(),

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use batch_consumer::{ConsumerHandle, ConsumerOptions, ConsumerStats, Lease, ResultConsumer};
-use batch_queue_names::{ListKeys, QueueNames};
+use batch_keys::{ListKeys, QueueNames};
 use fred::clients::Client;
 use tokio_util::sync::CancellationToken;
 

@@ -19,10 +19,10 @@
 //! copy the controller's limit into the semaphore.
 //!
 //! ```
-//! use batch_aimd::{AdaptiveSemaphore, AimdConfig, AimdController, Change};
+//! use batch_limiter::{AdaptiveSemaphore, AimdConfig, AimdController, Change};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), batch_aimd::AimdError> {
+//! # async fn main() -> Result<(), batch_limiter::AimdError> {
 //! let mut aimd = AimdController::new(AimdConfig { min: 2, max: 8, backoff_factor: 0.5, additive_increase: 1 })?;
 //! let semaphore = AdaptiveSemaphore::new(aimd.limit());
 //!

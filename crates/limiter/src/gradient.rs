@@ -189,7 +189,7 @@ struct Closed {
 ///
 /// ```
 /// use std::time::Duration;
-/// use batch_aimd::{GradientConfig, GradientLimiter};
+/// use batch_limiter::{GradientConfig, GradientLimiter};
 ///
 /// let mut l = GradientLimiter::new(GradientConfig { max: 128, initial: 100, ..GradientConfig::default() }).unwrap();
 /// // 65 were in flight when the gateway refused one: it holds 64.

@@ -1,4 +1,11 @@
-//! Names of the Redis keys shared with the llm-d-async dispatcher.
+//! The Redis key schema: every key the processor shares with the llm-d-async dispatcher, and
+//! the keys its result consumer keeps beside each result list.
+//!
+//! - [`QueueNames`]: the dispatcher's request sorted set and result list of a pool, and the
+//!   consumer's routes and in-flight list; [`claimed_key`] and [`cancel_marker_key`] name the
+//!   dispatcher's other keys.
+//! - [`ListKeys`]: the consumer's keys of one result list (in-flight, lease, acknowledgement,
+//!   jobs registry, parked lists), all in the list's own Cluster hash slot.
 //!
 //! Both queues of a pool are derived from one inference pool name and are never configured on
 //! their own: the request queue is a sorted set `{prefix}:requests:{pool}` and the result queue is
@@ -6,7 +13,7 @@
 //! each processor replica may pick its own so that replicas never pop each other's results.
 //!
 //! ```
-//! use batch_queue_names::QueueNames;
+//! use batch_keys::QueueNames;
 //!
 //! let names = QueueNames::default();
 //! assert_eq!(names.request_queue_name("pool-a")?, "llm-d-async:requests:pool-a");
@@ -15,7 +22,7 @@
 //! let replica = QueueNames::new("staging", "replica-1")?;
 //! assert_eq!(replica.result_queue_name("pool-a")?, "staging:results:pool-a:replica-1");
 //! assert!(replica.request_queue_name("a:b").is_err());
-//! # Ok::<(), batch_queue_names::NameError>(())
+//! # Ok::<(), batch_keys::NameError>(())
 //! ```
 
 use std::fmt;

@@ -6,7 +6,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use batch_aimd::{AimdConfig, Algorithm, Limiter, Sample};
+use batch_limiter::{AimdConfig, Algorithm, Limiter, Sample};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

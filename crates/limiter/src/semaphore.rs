@@ -64,7 +64,7 @@ impl Inner {
 /// An async semaphore whose limit can be changed at any time. Cheap to clone (shared state).
 ///
 /// ```
-/// use batch_aimd::AdaptiveSemaphore;
+/// use batch_limiter::AdaptiveSemaphore;
 ///
 /// let semaphore = AdaptiveSemaphore::new(2);
 /// let a = semaphore.try_acquire().unwrap();
@@ -79,7 +79,7 @@ impl Inner {
 /// A permit cannot be released twice: [`AdaptivePermit::release`] consumes it.
 ///
 /// ```compile_fail
-/// let semaphore = batch_aimd::AdaptiveSemaphore::new(1);
+/// let semaphore = batch_limiter::AdaptiveSemaphore::new(1);
 /// let permit = semaphore.try_acquire().unwrap();
 /// permit.release();
 /// permit.release();

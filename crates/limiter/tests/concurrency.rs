@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use batch_aimd::AdaptiveSemaphore;
+use batch_limiter::AdaptiveSemaphore;
 use rand::Rng;
 
 const MAX: usize = 16;

@@ -1,6 +1,6 @@
 //! Property tests: the controller's bounds and rules, and the semaphore against a plain model.
 
-use batch_aimd::{AdaptivePermit, AdaptiveSemaphore, AimdConfig, AimdController, Change};
+use batch_limiter::{AdaptivePermit, AdaptiveSemaphore, AimdConfig, AimdController, Change};
 use proptest::prelude::*;
 
 fn config() -> impl Strategy<Value = AimdConfig> {
