@@ -106,17 +106,8 @@ impl Manifest {
 
     /// Writes the manifest atomically.
     pub(crate) fn write(&self, dir: &Path) -> Result<(), ExecError> {
-        let path = dir.join(MANIFEST_FILE);
-        let tmp = dir.join(format!(".{MANIFEST_FILE}.tmp"));
-        let mut json = serde_json::to_vec_pretty(self).expect("a manifest serialises");
-        json.push(b'\n');
-        let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&json)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| ExecError::io(&path, e))
+        batch_sink::write_json_atomically(dir, MANIFEST_FILE, self)
+            .map_err(|e| ExecError::io(&dir.join(MANIFEST_FILE), e))
     }
 }
 

@@ -431,17 +431,8 @@ impl Job {
         &self,
         model: &batch_plan::ModelPlan,
     ) -> Result<Vec<Record>, ExecError> {
-        // The plan file is read before the sink is locked: result writers wait on that lock.
-        let records: Vec<Record> = self
-            .plan
-            .records(model)?
-            .collect::<Result<_, _>>()
-            .map_err(|e| ExecError::io(&model.path, e))?;
-        let sink = self.sink.lock().expect("sink lock");
-        Ok(records
-            .into_iter()
-            .filter(|r| !sink.is_done(r.line as u64))
-            .collect())
+        let positions = self.unresolved_positions(model)?;
+        Ok(positions.into_iter().map(|(_, r)| r).collect())
     }
 
     /// Unresolved records of one model with their positions in the model's plan order.
@@ -449,6 +440,7 @@ impl Job {
         &self,
         model: &batch_plan::ModelPlan,
     ) -> Result<Vec<(u64, Record)>, ExecError> {
+        // The plan file is read before the sink is locked: result writers wait on that lock.
         let records: Vec<Record> = self
             .plan
             .records(model)?

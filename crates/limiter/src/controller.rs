@@ -30,15 +30,7 @@ impl Default for AimdConfig {
 impl AimdConfig {
     /// Checks the constraints the rules rely on (they keep the limit in `[min, max]` and above 0).
     pub fn validate(&self) -> Result<(), AimdError> {
-        if self.min == 0 {
-            return Err(AimdError::invalid("min must be at least 1"));
-        }
-        if self.min > self.max {
-            return Err(AimdError::invalid(format!(
-                "min ({}) must not exceed max ({})",
-                self.min, self.max
-            )));
-        }
+        crate::check_bounds(self.min, self.max)?;
         if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
             return Err(AimdError::invalid(format!(
                 "backoff_factor must be in (0, 1), got {}",

@@ -84,15 +84,7 @@ impl Default for GradientConfig {
 impl GradientConfig {
     /// Checks the constraints the rules rely on.
     pub fn validate(&self) -> Result<(), AimdError> {
-        if self.min == 0 {
-            return Err(AimdError::invalid("min must be at least 1"));
-        }
-        if self.min > self.max {
-            return Err(AimdError::invalid(format!(
-                "min ({}) must not exceed max ({})",
-                self.min, self.max
-            )));
-        }
+        crate::check_bounds(self.min, self.max)?;
         if !(self.min..=self.max).contains(&self.initial) {
             return Err(AimdError::invalid(format!(
                 "initial ({}) must be within min ({}) and max ({})",

@@ -74,3 +74,16 @@ impl AimdError {
         AimdError::InvalidConfig(message.into())
     }
 }
+
+/// The bounds every limiter keeps its limit in: `1 <= min <= max`.
+fn check_bounds(min: usize, max: usize) -> Result<(), AimdError> {
+    if min == 0 {
+        return Err(AimdError::invalid("min must be at least 1"));
+    }
+    if min > max {
+        return Err(AimdError::invalid(format!(
+            "min ({min}) must not exceed max ({max})"
+        )));
+    }
+    Ok(())
+}

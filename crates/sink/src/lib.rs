@@ -519,17 +519,23 @@ impl Resumed<'_> {
 
 /// Writes `batch.json` into `dir` atomically (a temporary file renamed over the old one).
 pub fn write_batch(dir: &Path, batch: &Batch) -> Result<(), SinkError> {
-    let path = dir.join(BATCH_FILE);
-    let tmp = dir.join(format!(".{BATCH_FILE}.tmp"));
-    let mut json = serde_json::to_vec_pretty(batch).expect("batch serialises");
+    write_json_atomically(dir, BATCH_FILE, batch).map_err(io(&dir.join(BATCH_FILE)))
+}
+
+/// Writes `value` as pretty JSON into `dir/name` so that a reader (or a crash) sees the old file
+/// or the new one whole: a temporary file beside it, synced, then renamed over it.
+pub fn write_json_atomically<T: serde::Serialize>(
+    dir: &Path,
+    name: &str,
+    value: &T,
+) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut json = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
     json.push(b'\n');
-    let write = || -> std::io::Result<()> {
-        let mut f = File::create(&tmp)?;
-        f.write_all(&json)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)
-    };
-    write().map_err(io(&path))
+    let mut f = File::create(&tmp)?;
+    f.write_all(&json)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(name))
 }
 
 /// Reads `batch.json` from `dir`, `None` when there is none.

@@ -37,6 +37,16 @@ impl ClaimKeys {
         }
     }
 
+    /// The four keys, in the order the claim and reclaim scripts take them in `KEYS`.
+    fn script_keys(&self) -> Vec<String> {
+        vec![
+            self.queue.clone(),
+            self.claimed.clone(),
+            self.owners.clone(),
+            self.index.clone(),
+        ]
+    }
+
     /// The claim key of a request: `id` + NUL + `request_token`.
     pub fn claim_key(id: &str, token: &str) -> String {
         format!("{id}\0{token}")
@@ -114,12 +124,7 @@ impl Scripts {
             .claim
             .evalsha_with_reload(
                 redis,
-                vec![
-                    keys.queue.clone(),
-                    keys.claimed.clone(),
-                    keys.owners.clone(),
-                    keys.index.clone(),
-                ],
+                keys.script_keys(),
                 vec![
                     member.to_owned(),
                     claim_key.to_owned(),
@@ -210,12 +215,7 @@ impl Scripts {
             .reclaim
             .evalsha_with_reload(
                 redis,
-                vec![
-                    keys.queue.clone(),
-                    keys.claimed.clone(),
-                    keys.owners.clone(),
-                    keys.index.clone(),
-                ],
+                keys.script_keys(),
                 vec![claim_key.to_owned(), now.to_string(), score.to_string()],
             )
             .await?;
