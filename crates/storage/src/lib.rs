@@ -311,12 +311,7 @@ impl Storage {
 
     /// Opens the object under `key` for reading.
     pub async fn get(&self, key: &str) -> Result<Object, StorageError> {
-        let path = Self::path(key)?;
-        let got = self
-            .store
-            .get(&path)
-            .await
-            .map_err(|e| StorageError::store(key, e))?;
+        let got = self.fetch(key).await?;
         let size = got.meta.size;
         let owned = key.to_owned();
         let stream = got
@@ -378,13 +373,16 @@ impl Storage {
 
     /// Reads the whole object under `key` into memory (small objects: records).
     pub async fn get_bytes(&self, key: &str) -> Result<Bytes, StorageError> {
+        let got = self.fetch(key).await?;
+        got.bytes().await.map_err(|e| StorageError::store(key, e))
+    }
+
+    async fn fetch(&self, key: &str) -> Result<object_store::GetResult, StorageError> {
         let path = Self::path(key)?;
-        let got = self
-            .store
+        self.store
             .get(&path)
             .await
-            .map_err(|e| StorageError::store(key, e))?;
-        got.bytes().await.map_err(|e| StorageError::store(key, e))
+            .map_err(|e| StorageError::store(key, e))
     }
 
     /// The keys of every object under `prefix/`, sorted.
