@@ -558,9 +558,7 @@ async fn a_batch_cancelled_while_queued_never_runs() {
 async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
     let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let (text, lines) = input_jsonl("late", 100, "llama-3");
-    let file = a.upload_ok("late.jsonl", text.as_bytes()).await;
-    let id = id_of(&a.create_batch(&file, "6s").await.expect(200));
+    let (_, id, lines) = submit_within(&a, "late", 100, "6s").await;
     let_through(&env, &a, &id, 10).await;
     let batch = a.wait_final(&id, FINISH).await;
     assert_eq!(batch["status"], "expired", "{batch}");
@@ -836,9 +834,7 @@ async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
 async fn a_window_that_passes_while_the_service_is_stopped_expires_the_batch_on_restart() {
     let (env, mut service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let (text, lines) = input_jsonl("stale", 100, "llama-3");
-    let file = a.upload_ok("stale.jsonl", text.as_bytes()).await;
-    let id = id_of(&a.create_batch(&file, "8s").await.expect(200));
+    let (_, id, lines) = submit_within(&a, "stale", 100, "8s").await;
     let_through(&env, &a, &id, 10).await;
     let (status, _) = service.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
     assert_eq!(status.code(), Some(0), "{}", service.stderr_text());
@@ -868,9 +864,7 @@ async fn while_redis_is_down_ready_says_503_and_the_job_waits_it_out() {
     let service = Service::start(&config);
     let a = service.client(Some(KEY_A));
     let anon = service.client(None);
-    let (text, lines) = input_jsonl("outage", 100, "llama-3");
-    let file = a.upload_ok("outage.jsonl", text.as_bytes()).await;
-    let id = id_of(&a.create_batch_ok(&file).await);
+    let (_, id, lines) = submit(&a, "outage", 100).await;
     gate(&env, true);
     a.wait_batch(&id, FINISH, "10 lines done", |b| {
         count(b, "completed") >= 10
@@ -927,9 +921,7 @@ async fn sigint_mid_job_pauses_it_too() {
 async fn signal_mid_job_pauses_it(signal: i32) {
     let (env, mut service, a) = two_tenants(slow_gateway(), "").await;
     let sim = gated_dispatcher(&env).await;
-    let (text, lines) = input_jsonl("term", 300, "llama-3");
-    let file = a.upload_ok("term.jsonl", text.as_bytes()).await;
-    let id = id_of(&a.create_batch_ok(&file).await);
+    let (_, id, lines) = submit(&a, "term", 300).await;
     gate(&env, true);
     a.wait_batch(&id, FINISH, "30 lines done", |b| {
         count(b, "completed") >= 30
@@ -1184,9 +1176,7 @@ async fn in_sync_mode_without_keys_a_batch_completes_for_the_default_tenant() {
     add_serve_section(&config, &storage, &[], "", "");
     let service = Service::start(&config);
     let api = service.client(None);
-    let (text, lines) = input_jsonl("sync", 50, "llama-3");
-    let file = api.upload_ok("sync.jsonl", text.as_bytes()).await;
-    let id = id_of(&api.create_batch_ok(&file).await);
+    let (_, id, lines) = submit(&api, "sync", 50).await;
     let batch = api.wait_final(&id, FINISH).await;
     assert_eq!(batch["status"], "completed", "{batch}");
     assert_eq!(count(&batch, "completed"), 50);
@@ -1686,9 +1676,7 @@ async fn webhook_endpoints_are_per_tenant_signed_retried_with_one_id_and_allow_l
         .expect_error(404);
 
     // A batch that ends: the receiver fails three times, gets it the fourth, one id throughout.
-    let (text, _) = input_jsonl("hooked", 3, "llama-3");
-    let file = a.upload_ok("hooked.jsonl", text.as_bytes()).await;
-    let batch = id_of(&a.create_batch_ok(&file).await);
+    let (_, batch, _) = submit(&a, "hooked", 3).await;
     assert_eq!(a.wait_final(&batch, FINISH).await["status"], "completed");
     let got = flaky.wait_for("four attempts", 4).await;
     let statuses: Vec<u16> = got.iter().map(|d| d.status).collect();

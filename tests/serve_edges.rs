@@ -9,13 +9,11 @@ mod support;
 use std::time::{Duration, Instant};
 
 use dispatcher_sim::GatewayConfig;
+use support::batches::*;
 use support::serve::*;
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-
-const KEY_A: &str = "sk-edge-alpha-0001";
-const ONE_TENANT: &[(&str, &str)] = &[(KEY_A, "alpha")];
 
 /// `host:port` of the service.
 fn authority(service: &Service) -> String {
@@ -145,15 +143,7 @@ async fn five_thousand_half_sent_requests_are_closed_while_a_keyed_client_is_ser
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connections_past_the_limit_wait_while_open_ones_are_served() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(
-        &env,
-        ONE_TENANT,
-        "  header_read_timeout: 3s\n  max_connections: 10\n",
-        "",
-    );
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
+    let (_env, service, a) = one_tenant("  header_read_timeout: 3s\n  max_connections: 10\n").await;
     a.get("/v1/batches").await.expect(200);
     let addr = authority(&service);
 
@@ -294,15 +284,9 @@ async fn a_500_mib_json_body_is_a_413_before_it_is_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn long_ids_filenames_and_form_fields_are_refused() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(
-        &env,
-        ONE_TENANT,
-        "  max_id_bytes: 64\n  max_filename_bytes: 100\n  max_form_field_bytes: 1KiB\n",
-        "",
-    );
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
+    let (_env, _service, a) =
+        one_tenant("  max_id_bytes: 64\n  max_filename_bytes: 100\n  max_form_field_bytes: 1KiB\n")
+            .await;
     let (input, _) = input_jsonl("edge", 2, "llama-3");
 
     let long_id = format!("file-{}", "x".repeat(60));
@@ -427,10 +411,7 @@ async fn overflowing_completion_windows_are_refused_by_serve_and_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_thousand_unknown_model_names_add_at_most_one_metric_series() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, ONE_TENANT, "", "");
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
+    let (_env, service, a) = one_tenant("").await;
     let lines: Vec<String> = (0..1000)
         .map(|i| {
             serde_json::json!({
@@ -520,10 +501,7 @@ async fn only_a_bearer_scheme_in_any_case_carries_a_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn request_ids_cannot_forge_log_fields_and_oversized_heads_get_json_answers() {
-    let env = Env::start(GatewayConfig::default()).await;
-    let config = async_service(&env, ONE_TENANT, "", "");
-    let service = Service::start(&config);
-    let a = service.client(Some(KEY_A));
+    let (_env, _service, a) = one_tenant("").await;
     let id_of = |resp: &Resp| {
         resp.headers
             .get("x-request-id")

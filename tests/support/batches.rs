@@ -14,6 +14,7 @@ use super::{closed_gate, Env};
 pub const KEY_A: &str = "sk-test-alpha-0001";
 pub const KEY_B: &str = "sk-test-beta-0002";
 pub const TWO_TENANTS: &[(&str, &str)] = &[(KEY_A, "alpha"), (KEY_B, "beta")];
+pub const ONE_TENANT: &[(&str, &str)] = &[(KEY_A, "alpha")];
 
 /// How long a small batch may take to finish on a loaded 2-core machine.
 pub const FINISH: Duration = Duration::from_secs(120);
@@ -70,11 +71,21 @@ pub async fn let_through(env: &Env, api: &Api, id: &str, n: u64) {
 /// Uploads `n` lines of `llama-3` as `<name>.jsonl` and creates a 24 h batch of them: the file
 /// id, the batch id and the lines' custom ids.
 pub async fn submit(api: &Api, name: &str, n: usize) -> (String, String, Vec<String>) {
+    submit_within(api, name, n, "24h").await
+}
+
+/// [`submit`] with the completion window `window`.
+pub async fn submit_within(
+    api: &Api,
+    name: &str,
+    n: usize,
+    window: &str,
+) -> (String, String, Vec<String>) {
     let (text, lines) = input_jsonl(name, n, "llama-3");
     let file = api
         .upload_ok(&format!("{name}.jsonl"), text.as_bytes())
         .await;
-    let id = id_of(&api.create_batch_ok(&file).await);
+    let id = id_of(&api.create_batch(&file, window).await.expect(200));
     (file, id, lines)
 }
 
@@ -161,8 +172,21 @@ pub async fn inventory(api: &Api) -> (Vec<Value>, Vec<Value>) {
 /// (`serve_extra` added to its `serve:` section) running, and tenant A's client. Keep the first
 /// two for the whole test (as `_env`, `_service` when unused: `_` would drop them at once).
 pub async fn two_tenants(gateway: GatewayConfig, serve_extra: &str) -> (Env, Service, Api) {
+    tenants(TWO_TENANTS, gateway, serve_extra).await
+}
+
+/// [`two_tenants`] with tenant A alone, on the default gateway.
+pub async fn one_tenant(serve_extra: &str) -> (Env, Service, Api) {
+    tenants(ONE_TENANT, GatewayConfig::default(), serve_extra).await
+}
+
+async fn tenants(
+    tenants: &[(&str, &str)],
+    gateway: GatewayConfig,
+    serve_extra: &str,
+) -> (Env, Service, Api) {
     let env = Env::start(gateway).await;
-    let config = async_service(&env, TWO_TENANTS, serve_extra, "");
+    let config = async_service(&env, tenants, serve_extra, "");
     let service = Service::start(&config);
     let a = service.client(Some(KEY_A));
     (env, service, a)
