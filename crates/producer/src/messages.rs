@@ -116,8 +116,10 @@ impl JobMessages {
         String::from_utf8(out).expect("JSON written from text is text")
     }
 
-    /// [`JobMessages::member`] through serde: for any line [`line_parts`] does not take.
-    fn member_with_serde(&self, index: u64, line: &[u8]) -> Result<String, ProducerError> {
+    /// [`JobMessages::member`] through serde: for any line the hand reading does not take, and
+    /// the reference the tests hold that reading to (public for the benchmark that compares the
+    /// two).
+    pub fn member_with_serde(&self, index: u64, line: &[u8]) -> Result<String, ProducerError> {
         let input: InputLine = serde_json::from_slice(line)
             .map_err(|error| ProducerError::BadLine { index, error })?;
         let id = batch_wire::request_id(&self.job_id, index);

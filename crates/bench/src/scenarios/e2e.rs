@@ -38,8 +38,8 @@ pub(crate) async fn simulator(
         ..GatewayConfig::default()
     };
     let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), gateway_config).await?;
-    let name = batch_keys::request_queue_name(POOL)
-        .map_err(|e| BenchError::Config(e.to_string()))?;
+    let name =
+        batch_keys::request_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?;
     let mut queue = QueueEntry::new(name);
     queue.igw_base_url = Some(gateway.base_url());
     queue.request_path_url = Some("/v1/chat/completions".into());

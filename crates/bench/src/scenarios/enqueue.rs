@@ -74,12 +74,9 @@ pub(crate) async fn run(
         created: now,
         deadline: now + 24 * 3600,
         request_queue: queue.clone(),
-        result_queue: batch_keys::QueueNames::new(
-            batch_keys::DEFAULT_PREFIX,
-            "enqueue",
-        )
-        .and_then(|names| names.result_queue_name(POOL))
-        .map_err(|e| BenchError::Config(e.to_string()))?,
+        result_queue: batch_keys::QueueNames::new(batch_keys::DEFAULT_PREFIX, "enqueue")
+            .and_then(|names| names.result_queue_name(POOL))
+            .map_err(|e| BenchError::Config(e.to_string()))?,
         headers: Default::default(),
     };
     let text = std::fs::read_to_string(&input).map_err(|e| BenchError::io(&input, e))?;

@@ -10,7 +10,8 @@ use std::borrow::Cow;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use batch_wire::{json, RawResult, ResultMessage};
+use batch_producer::JobMessages;
+use batch_wire::{json, Outcome, OutputLine, RawResult, ResponseBody, ResultMessage};
 use dispatcher_sim::GatewayConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -76,7 +77,7 @@ pub(crate) async fn run(
         "Each figure is MB of text a second on one core, the median of {runs} runs of {:.1} s each, the hand-written pass and serde_json doing the same work alternated run by run over the same {DOCUMENTS} documents; the limit is serde_json's figure, and the target is to be faster than it (a piece that is not does not earn its code).",
         span.as_secs_f64()
     ));
-    report.note(JSON, "The text: chat completions whose answer length is lognormal (median 1 KB, sigma 1, at most 64 KB), the answer written as a model writes (a newline every 40-120 characters, quotes, backslashes, accented letters and emoji); the result messages are the dispatcher's (`{\"id\",\"status_code\",\"payload\"}`, the completion as an escaped string); the input lines are chat requests of the same spread. Pieces: **result message** RawResult::parse against serde deserializing ResultMessage; **completion check** json::check (the document checked, its top-level usage found) against serde deserializing a struct with a borrowed `usage`; **payload string** json::read_string against serde reading the payload as a String; **input line** batch_plan::check_line against the same rules through serde's visitors (check_line_with_serde); **string written** json::write_str against serde_json::to_writer, on the strings an output or error line is written with (request ids, custom ids, now and then an error code and a message with quotes).");
+    report.note(JSON, "The text: chat completions whose answer length is lognormal (median 1 KB, sigma 1, at most 64 KB), the answer written as a model writes (a newline every 40-120 characters, quotes, backslashes, accented letters and emoji); the result messages are the dispatcher's (`{\"id\",\"status_code\",\"payload\"}`, the completion as an escaped string); the input lines are chat requests of the same spread. Pieces: **result message** RawResult::parse against serde deserializing ResultMessage; **completion check** json::check (the document checked, its top-level usage found) against serde deserializing a struct with a borrowed `usage`; **payload string** json::read_string against serde reading the payload as a String; **input line** batch_plan::check_line against the same rules through serde's visitors (check_line_with_serde); **output line** batch_sink::render_into (the completion copied into the line and checked there, its usage read) against the sink's serde way before it (the body read as a RawValue, its usage read, the OutputLine serialised); **request member** JobMessages::member against JobMessages::member_with_serde (the input line read into an InputLine, the envelope built and serialised); **string written** json::write_str against serde_json::to_writer, on the strings an output or error line is written with (request ids, custom ids, now and then an error code and a message with quotes).");
     Ok(())
 }
 
@@ -152,6 +153,57 @@ fn pieces(c: &Corpus) -> Vec<Piece<'_>> {
             }),
         },
         Piece {
+            name: "output line",
+            bytes: total(&c.completions),
+            ours: Box::new(|| {
+                let mut out = Vec::new();
+                for (d, (id, custom_id)) in c.completions.iter().zip(&c.ids) {
+                    out.clear();
+                    let body = Outcome::Http {
+                        status: 200,
+                        body: d,
+                    };
+                    black_box(batch_sink::render_into(&mut out, id, custom_id, &body));
+                    black_box(&out);
+                }
+            }),
+            // As the sink wrote a line before it was written by hand: the body checked and its
+            // usage read, then the line serialised around it.
+            serde: Box::new(|| {
+                for (d, (id, custom_id)) in c.completions.iter().zip(&c.ids) {
+                    let body: &RawValue = serde_json::from_str(d).expect("JSON");
+                    let view: UsageView = serde_json::from_str(d).expect("JSON");
+                    black_box(view.usage);
+                    let line = OutputLine {
+                        id: id.into(),
+                        custom_id: custom_id.into(),
+                        response: Some(ResponseBody {
+                            status_code: 200,
+                            request_id: id.into(),
+                            body,
+                        }),
+                        error: None,
+                    };
+                    black_box(line.to_json());
+                }
+            }),
+        },
+        Piece {
+            name: "request member",
+            bytes: total(&c.lines),
+            ours: Box::new(|| {
+                for (i, l) in c.lines.iter().enumerate() {
+                    black_box(c.job.member(i as u64, l.as_bytes()).expect("a member"));
+                }
+            }),
+            serde: Box::new(|| {
+                for (i, l) in c.lines.iter().enumerate() {
+                    let member = c.job.member_with_serde(i as u64, l.as_bytes());
+                    black_box(member.expect("a member"));
+                }
+            }),
+        },
+        Piece {
             name: "string written",
             bytes: total(&c.fields),
             ours: Box::new(|| {
@@ -199,6 +251,10 @@ struct Corpus {
     /// The strings an output or error line is written with: request ids, custom ids, and now
     /// and then an error code and message.
     fields: Vec<String>,
+    /// The request id and custom id of each completion's output line.
+    ids: Vec<(String, String)>,
+    /// What the input lines' members share: a job's queues, deadline and headers.
+    job: JobMessages,
 }
 
 impl Corpus {
@@ -242,12 +298,32 @@ impl Corpus {
                 ));
             }
         }
+        let ids = (0..DOCUMENTS)
+            .map(|i| {
+                let id = batch_wire::request_id("batch_json_bench", i as u64);
+                (id, format!("req-{i}"))
+            })
+            .collect();
+        let job = JobMessages {
+            job_id: "batch_json_bench".into(),
+            created: 1_767_225_600,
+            deadline: 1_767_225_600 + 86_400,
+            request_queue: "llm-d-async:requests:pool-a".into(),
+            result_queue: "llm-d-async:results:pool-a:$batch".into(),
+            headers: [(
+                "x-gateway-inference-objective".to_owned(),
+                "batch".to_owned(),
+            )]
+            .into(),
+        };
         Self {
             completions,
             quoted,
             messages,
             lines,
             fields,
+            ids,
+            job,
         }
     }
 }

@@ -83,8 +83,8 @@ pub(crate) async fn run(
     let (n, prompts) = (s.prefix_lines, s.prefix_prompts);
     let input = lab.path("prefix.jsonl");
     write_prefix_input(&input, n, prompts, s.request_bytes)?;
-    let queue = batch_keys::request_queue_name(POOL)
-        .map_err(|e| BenchError::Config(e.to_string()))?;
+    let queue =
+        batch_keys::request_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64);
@@ -95,8 +95,7 @@ pub(crate) async fn run(
         request_queue: queue.clone(),
         result_queue: format!(
             "{}:producer",
-            batch_keys::result_queue_name(POOL)
-                .map_err(|e| BenchError::Config(e.to_string()))?
+            batch_keys::result_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?
         ),
         headers: Default::default(),
     };
