@@ -21,6 +21,30 @@ fn failed_code(outcome: &SyncOutcome) -> &str {
     }
 }
 
+/// A gateway whose first answer is `first()` and every later one a 200.
+async fn first_then_ok(first: impl Fn() -> Reply + Send + Sync + 'static) -> Gateway {
+    Gateway::start(move |n, _| if n == 0 { first() } else { Reply::ok() }).await
+}
+
+/// One request sent to `gateway` through a fresh dispatcher, its fast options changed by
+/// `configure`.
+async fn dispatch_one(
+    gateway: &Gateway,
+    configure: impl FnOnce(&mut EndpointOptions),
+) -> SyncOutcome {
+    let d = dispatcher();
+    let mut options = fast_options(&gateway.url);
+    configure(&mut options);
+    d.add_endpoint("m", options).unwrap();
+    d.dispatch("m", request("r1")).await
+}
+
+/// The wait between the gateway's first and second request.
+fn first_gap(gateway: &Gateway) -> Duration {
+    let seen = gateway.counters.seen();
+    seen[1].at - seen[0].at
+}
+
 #[tokio::test]
 async fn a_400_is_returned_at_once_without_retry() {
     let gateway = Gateway::start(|_, _| Reply {
@@ -28,9 +52,7 @@ async fn a_400_is_returned_at_once_without_retry() {
         ..Reply::status(400)
     })
     .await;
-    let d = dispatcher();
-    d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
-    let outcome = d.dispatch("m", request("r1")).await;
+    let outcome = dispatch_one(&gateway, |_| {}).await;
     assert_eq!(
         outcome,
         SyncOutcome::Http {
@@ -51,9 +73,7 @@ async fn a_503_is_retried_until_the_gateway_answers() {
         }
     })
     .await;
-    let d = dispatcher();
-    d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
-    let outcome = d.dispatch("m", request("r1")).await;
+    let outcome = dispatch_one(&gateway, |_| {}).await;
     assert!(
         matches!(outcome, SyncOutcome::Http { status: 200, .. }),
         "{outcome:?}"
@@ -98,61 +118,31 @@ async fn other_statuses_are_final_and_5xx_all_retried() {
 
 #[tokio::test]
 async fn retry_after_seconds_are_honoured() {
-    let gateway = Gateway::start(|n, _| {
-        if n == 0 {
-            Reply::status(429).header("retry-after", "1")
-        } else {
-            Reply::ok()
-        }
-    })
-    .await;
-    let d = dispatcher();
-    let mut options = fast_options(&gateway.url);
-    options.max_backoff = Duration::from_secs(5);
-    d.add_endpoint("m", options).unwrap();
-    let outcome = d.dispatch("m", request("r1")).await;
+    let gateway = first_then_ok(|| Reply::status(429).header("retry-after", "1")).await;
+    let outcome = dispatch_one(&gateway, |o| o.max_backoff = Duration::from_secs(5)).await;
     assert!(matches!(outcome, SyncOutcome::Http { status: 200, .. }));
-    let seen = gateway.counters.seen();
-    let gap = seen[1].at - seen[0].at;
+    let gap = first_gap(&gateway);
     assert!(gap >= Duration::from_millis(990), "waited only {gap:?}");
 }
 
 #[tokio::test]
 async fn retry_after_dates_are_honoured() {
-    let gateway = Gateway::start(|n, _| {
-        if n == 0 {
-            let at = SystemTime::now() + Duration::from_secs(2);
-            Reply::status(503).header("retry-after", httpdate::fmt_http_date(at))
-        } else {
-            Reply::ok()
-        }
+    let gateway = first_then_ok(|| {
+        let at = SystemTime::now() + Duration::from_secs(2);
+        Reply::status(503).header("retry-after", httpdate::fmt_http_date(at))
     })
     .await;
-    let d = dispatcher();
-    let mut options = fast_options(&gateway.url);
-    options.max_backoff = Duration::from_secs(5);
-    d.add_endpoint("m", options).unwrap();
-    let outcome = d.dispatch("m", request("r1")).await;
+    let outcome = dispatch_one(&gateway, |o| o.max_backoff = Duration::from_secs(5)).await;
     assert!(matches!(outcome, SyncOutcome::Http { status: 200, .. }));
-    let seen = gateway.counters.seen();
     // The date has whole-second precision: 2 s ahead is about 1 s ahead at worst.
-    let gap = seen[1].at - seen[0].at;
+    let gap = first_gap(&gateway);
     assert!(gap >= Duration::from_millis(900), "waited only {gap:?}");
 }
 
 #[tokio::test]
 async fn retry_after_is_capped_at_max_backoff() {
-    let gateway = Gateway::start(|n, _| {
-        if n == 0 {
-            Reply::status(429).header("retry-after", "3600")
-        } else {
-            Reply::ok()
-        }
-    })
-    .await;
-    let d = dispatcher();
-    d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
-    let outcome = tokio::time::timeout(Duration::from_secs(30), d.dispatch("m", request("r1")))
+    let gateway = first_then_ok(|| Reply::status(429).header("retry-after", "3600")).await;
+    let outcome = tokio::time::timeout(Duration::from_secs(30), dispatch_one(&gateway, |_| {}))
         .await
         .expect("an hour-long Retry-After must be cut to max_backoff");
     assert!(matches!(outcome, SyncOutcome::Http { status: 200, .. }));
@@ -160,23 +150,14 @@ async fn retry_after_is_capped_at_max_backoff() {
 
 #[tokio::test]
 async fn a_429_without_retry_after_waits_three_times_the_base() {
-    let gateway = Gateway::start(|n, _| {
-        if n == 0 {
-            Reply::status(429)
-        } else {
-            Reply::ok()
-        }
+    let gateway = first_then_ok(|| Reply::status(429)).await;
+    dispatch_one(&gateway, |o| {
+        o.initial_backoff = Duration::from_millis(100);
+        o.max_backoff = Duration::from_secs(5);
     })
     .await;
-    let d = dispatcher();
-    let mut options = fast_options(&gateway.url);
-    options.initial_backoff = Duration::from_millis(100);
-    options.max_backoff = Duration::from_secs(5);
-    d.add_endpoint("m", options).unwrap();
-    d.dispatch("m", request("r1")).await;
-    let seen = gateway.counters.seen();
     // 3 × 100 ms with -50 % jitter at worst; a plain base would wait 50..150 ms.
-    let gap = seen[1].at - seen[0].at;
+    let gap = first_gap(&gateway);
     assert!(gap >= Duration::from_millis(150), "waited only {gap:?}");
 }
 
@@ -194,17 +175,11 @@ async fn a_ttl_expired_drop_is_final_and_becomes_batch_expired() {
         assert_eq!(gateway.counters.requests(), 1, "not retried ({status})");
     }
     // Any other drop reason is retried as usual.
-    let gateway = Gateway::start(|n, _| {
-        if n == 0 {
-            Reply::status(429).header("x-llm-d-request-dropped-reason", "rejected-saturated")
-        } else {
-            Reply::ok()
-        }
+    let gateway = first_then_ok(|| {
+        Reply::status(429).header("x-llm-d-request-dropped-reason", "rejected-saturated")
     })
     .await;
-    let d = dispatcher();
-    d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
-    let outcome = d.dispatch("m", request("r1")).await;
+    let outcome = dispatch_one(&gateway, |_| {}).await;
     assert!(matches!(outcome, SyncOutcome::Http { status: 200, .. }));
 }
 
