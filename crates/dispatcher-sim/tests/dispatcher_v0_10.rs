@@ -10,7 +10,8 @@ use std::time::Duration;
 use batch_wire::Envelope;
 use common::*;
 use dispatcher_sim::{
-    ClaimKeys, DispatcherConfig, FailureKind, FailureRule, GatewayConfig, QueueEntry,
+    ClaimKeys, DispatcherConfig, DispatcherHandle, FailureKind, FailureRule, GatewayConfig,
+    QueueEntry,
 };
 use fred::prelude::{HashesInterface, KeysInterface, SortedSetsInterface};
 
@@ -20,6 +21,27 @@ const WAIT: Duration = Duration::from_secs(10);
 impl Rig {
     fn config(&self) -> DispatcherConfig {
         fast_v0_10(&self.redis.url(), vec![entry(QUEUE, &self.gw.base_url())])
+    }
+
+    /// A rig whose gateway answers after `latency`, with request `r1` enqueued (its member).
+    async fn with_r1(latency: Duration) -> (Self, String) {
+        let rig = Rig::new(GatewayConfig {
+            latency_fixed: latency,
+            ..GatewayConfig::default()
+        })
+        .await;
+        let member = rig.enqueue("r1", now() + 3600).await;
+        (rig, member)
+    }
+
+    /// Starts a dispatcher on `config` and waits until it has a request at the gateway.
+    async fn start_in_hand(&self, config: DispatcherConfig) -> DispatcherHandle {
+        let d = self.start(config).await;
+        eventually(WAIT, "at the gateway", || async {
+            self.gw.stats().in_flight == 1
+        })
+        .await;
+        d
     }
 
     /// Enqueues a chat request with token `tok-<id>`, routed to `RESULTS`; returns the member.
@@ -66,19 +88,10 @@ fn now_f64() -> f64 {
 /// `id` + NUL + `request_token`. Lease = min(now + 300 s, deadline + 5 min)" (scaled here).
 #[tokio::test]
 async fn a_claim_is_recorded_while_the_request_is_in_hand() {
-    let rig = Rig::new(GatewayConfig {
-        latency_fixed: Duration::from_millis(1500),
-        ..GatewayConfig::default()
-    })
-    .await;
-    let member = rig.enqueue("r1", now() + 3600).await;
+    let (rig, member) = Rig::with_r1(Duration::from_millis(1500)).await;
     let config = rig.config();
     let owner = config.instance_id.clone();
-    let d = rig.start(config).await;
-    eventually(WAIT, "at the gateway", || async {
-        rig.gw.stats().in_flight == 1
-    })
-    .await;
+    let d = rig.start_in_hand(config).await;
     let keys = ClaimKeys::for_queue(QUEUE);
     let key = "r1\0tok-r1".to_owned();
     assert_eq!(zcard(&rig.client, QUEUE).await, 0, "ZREMed from the queue");
@@ -217,17 +230,8 @@ async fn claim_keys_are_hash_tagged_in_the_queues_slot() {
     assert_eq!(key_slot("somekey"), 11058);
     assert_eq!(key_slot("foo{hash_tag}"), 2515);
     assert_eq!(key_slot("bar{hash_tag}"), 2515);
-    let rig = Rig::new(GatewayConfig {
-        latency_fixed: Duration::from_millis(1500),
-        ..GatewayConfig::default()
-    })
-    .await;
-    rig.enqueue("r1", now() + 3600).await;
-    let d = rig.start(rig.config()).await;
-    eventually(WAIT, "at the gateway", || async {
-        rig.gw.stats().in_flight == 1
-    })
-    .await;
+    let (rig, _) = Rig::with_r1(Duration::from_millis(1500)).await;
+    let d = rig.start_in_hand(rig.config()).await;
     let mut written = rig.redis.command_list(&["KEYS", "*claim*"]);
     written.sort();
     assert_eq!(
@@ -458,17 +462,8 @@ async fn a_gate_refusal_puts_the_message_back_and_releases_its_claim() {
 /// not written; the request comes back when that claim's lease runs out and is answered then.
 #[tokio::test]
 async fn the_ack_is_owner_checked() {
-    let rig = Rig::new(GatewayConfig {
-        latency_fixed: Duration::from_millis(800),
-        ..GatewayConfig::default()
-    })
-    .await;
-    rig.enqueue("r1", now() + 3600).await;
-    let d = rig.start(rig.config()).await;
-    eventually(WAIT, "at the gateway", || async {
-        rig.gw.stats().in_flight == 1
-    })
-    .await;
+    let (rig, _) = Rig::with_r1(Duration::from_millis(800)).await;
+    let d = rig.start_in_hand(rig.config()).await;
     let keys = ClaimKeys::for_queue(QUEUE);
     let _: i64 = rig
         .client
