@@ -2,86 +2,34 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use batch_sync_dispatch::{DispatchError, LimitOptions, SyncDispatcher, SyncOutcome, TlsOptions};
+use batch_testkit::TestPki;
 use common::{fast_options, request, Gateway, Reply};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 
-/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files.
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in a
+/// directory kept as long as they are used.
 struct Pki {
     _dir: tempfile::TempDir,
-    ca: PathBuf,
-    server_cert: PathBuf,
-    server_key: PathBuf,
-    client_cert: PathBuf,
-    client_key: PathBuf,
+    files: TestPki,
 }
 
-fn leaf(
-    names: Vec<String>,
-    usage: ExtendedKeyUsagePurpose,
-    issuer: &Issuer<'_, KeyPair>,
-) -> (String, String) {
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(names).unwrap();
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "test leaf");
-    params.use_authority_key_identifier_extension = true;
-    params.key_usages.push(KeyUsagePurpose::DigitalSignature);
-    params.extended_key_usages.push(usage);
-    let cert = params.signed_by(&key, issuer).unwrap();
-    (cert.pem(), key.serialize_pem())
+impl std::ops::Deref for Pki {
+    type Target = TestPki;
+    fn deref(&self) -> &TestPki {
+        &self.files
+    }
 }
 
 fn pki() -> Pki {
     let dir = tempfile::tempdir().unwrap();
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "batch test CA");
-    ca_params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let (server_cert, server_key) = leaf(
-        vec!["127.0.0.1".into(), "localhost".into()],
-        ExtendedKeyUsagePurpose::ServerAuth,
-        &issuer,
-    );
-    let (client_cert, client_key) = leaf(
-        vec!["batch-processor".into()],
-        ExtendedKeyUsagePurpose::ClientAuth,
-        &issuer,
-    );
-
-    let write = |name: &str, pem: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(&path, pem).unwrap();
-        path
-    };
-    Pki {
-        ca: write("ca.pem", &ca_cert.pem()),
-        server_cert: write("server.pem", &server_cert),
-        server_key: write("server.key", &server_key),
-        client_cert: write("client.pem", &client_cert),
-        client_key: write("client.key", &client_key),
-        _dir: dir,
-    }
+    let files = TestPki::generate(dir.path());
+    Pki { _dir: dir, files }
 }
 
 fn acceptor(pki: &Pki, require_client_cert: bool) -> tokio_rustls::TlsAcceptor {
