@@ -143,12 +143,28 @@ fn enqueue(redis: &RedisServer, queue: &str, member: &str, deadline: i64) {
 
 /// Pops `n` results, oldest first.
 fn pop_results(redis: &RedisServer, list: &str, n: usize) -> Vec<ResultMessage> {
+    pop_texts(redis, list, n)
+        .iter()
+        .map(|raw| ResultMessage::parse(raw).unwrap())
+        .collect()
+}
+
+/// Pops `n` raw results, oldest first, as JSON values (to see every field written).
+fn pop_raw(redis: &RedisServer, list: &str, n: usize) -> Vec<serde_json::Value> {
+    pop_texts(redis, list, n)
+        .iter()
+        .map(|raw| serde_json::from_str(raw).unwrap())
+        .collect()
+}
+
+/// Pops `n` messages off `list`, oldest first, waiting up to 20 s for them.
+fn pop_texts(redis: &RedisServer, list: &str, n: usize) -> Vec<String> {
     let until = Instant::now() + Duration::from_secs(20);
     let mut out = Vec::new();
     while out.len() < n {
         let raw = redis.command(&["RPOP", list]);
         if raw.starts_with('{') {
-            out.push(ResultMessage::parse(&raw).unwrap());
+            out.push(raw);
         } else {
             assert!(
                 Instant::now() < until,
@@ -349,26 +365,6 @@ fn refuses_non_loopback_listeners_and_other_transports() {
     ]);
     assert!(!sim.wait(Duration::from_secs(20)).success());
     assert!(sim.stderr().contains("redis-pubsub"), "{}", sim.stderr());
-}
-
-/// Pops `n` raw results, oldest first, as JSON values (to see every field written).
-fn pop_raw(redis: &RedisServer, list: &str, n: usize) -> Vec<serde_json::Value> {
-    let until = Instant::now() + Duration::from_secs(20);
-    let mut out = Vec::new();
-    while out.len() < n {
-        let raw = redis.command(&["RPOP", list]);
-        if raw.starts_with('{') {
-            out.push(serde_json::from_str(&raw).unwrap());
-        } else {
-            assert!(
-                Instant::now() < until,
-                "{} of {n} results on {list}",
-                out.len()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-    out
 }
 
 /// `--dispatcher-version 0.9` drops an expired message silently and writes no `request_token`;

@@ -77,11 +77,9 @@ fn bad_s3_urls_are_named() {
     assert!(err.to_string().contains("s3:///prefix"), "{err}");
 }
 
-/// Runs this binary's `from_the_environment_child` with only the `AWS_*` variables of the
-/// server, as a deployment gives them.
-#[test]
-fn the_environment_configures_s3() {
-    let s3 = S3Server::start();
+/// This binary's `from_the_environment_child`, for a bucket of `s3`, with no `AWS_*` variable
+/// of this process: the caller gives it the ones it tests.
+fn environment_child(s3: &S3Server) -> std::process::Command {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap());
     child
         .args([
@@ -96,6 +94,15 @@ fn the_environment_configures_s3() {
             child.env_remove(name);
         }
     }
+    child
+}
+
+/// Runs this binary's `from_the_environment_child` with only the `AWS_*` variables of the
+/// server, as a deployment gives them.
+#[test]
+fn the_environment_configures_s3() {
+    let s3 = S3Server::start();
+    let mut child = environment_child(&s3);
     // The shared files must not interfere: point them at nothing.
     let dir = batch_testkit::tempdir().unwrap();
     child
@@ -157,20 +164,7 @@ fn the_shared_files_configure_s3() {
         ),
     )
     .unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap());
-    child
-        .args([
-            "--exact",
-            "from_the_environment_child",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env("BATCH_S3_CHILD_BUCKET", s3.bucket());
-    for (name, _) in std::env::vars() {
-        if name.starts_with("AWS_") {
-            child.env_remove(name);
-        }
-    }
+    let mut child = environment_child(&s3);
     child
         .env("AWS_SHARED_CREDENTIALS_FILE", &credentials)
         .env("AWS_CONFIG_FILE", &config)
