@@ -141,6 +141,24 @@ fn enqueue(redis: &RedisServer, queue: &str, member: &str, deadline: i64) {
     );
 }
 
+/// Ten requests m0..m9 in queue `q`, deadlines ten minutes on and a second apart, results to
+/// `crash-results`: their members.
+fn enqueue_ten(redis: &RedisServer) -> Vec<String> {
+    let deadline = now() + 600;
+    (0..10)
+        .map(|i| {
+            let member = envelope(
+                &format!("m{i}"),
+                deadline + i,
+                r#"{"model":"m"}"#,
+                "crash-results",
+            );
+            enqueue(redis, "q", &member, deadline + i);
+            member
+        })
+        .collect()
+}
+
 /// Pops `n` results, oldest first.
 fn pop_results(redis: &RedisServer, list: &str, n: usize) -> Vec<ResultMessage> {
     pop_texts(redis, list, n)
@@ -287,19 +305,7 @@ fn crash_after_exits_non_zero_and_loses_the_messages_in_hand() {
     let gateway = Sim::spawn(&["gateway", "--listen", "127.0.0.1:0", "--latency", "3s"]);
     let gw = gateway.listening();
     let gateway_url = gateway.url(&gw, "gateway");
-    let deadline = now() + 600;
-    let members: Vec<String> = (0..10)
-        .map(|i| {
-            let member = envelope(
-                &format!("m{i}"),
-                deadline + i,
-                r#"{"model":"m"}"#,
-                "crash-results",
-            );
-            enqueue(&redis, "q", &member, deadline + i);
-            member
-        })
-        .collect();
+    let members = enqueue_ten(&redis);
     let queues = format!(r#"[{{"queue_name":"q","igw_base_url":"{gateway_url}"}}]"#);
     let url = redis.url();
     let mut sim = Sim::spawn(&[
@@ -493,16 +499,7 @@ fn transport_config_file_configures_everything() {
 fn crash_after_loses_nothing_in_v0_10() {
     let redis = RedisServer::start();
     let url = redis.url();
-    let deadline = now() + 600;
-    for i in 0..10 {
-        let member = envelope(
-            &format!("m{i}"),
-            deadline + i,
-            r#"{"model":"m"}"#,
-            "crash-results",
-        );
-        enqueue(&redis, "q", &member, deadline + i);
-    }
+    enqueue_ten(&redis);
     let queues = r#"[{"queue_name":"q"}]"#;
     let common = [
         "--redis.url",

@@ -77,6 +77,18 @@ fn bad_s3_urls_are_named() {
     assert!(err.to_string().contains("s3:///prefix"), "{err}");
 }
 
+/// Runs `child` and checks that it passed and wrote its object.
+fn child_passes(mut child: std::process::Command, s3: &S3Server) {
+    let out = child.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "child failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(s3.keys(), ["env/files/x"]);
+}
+
 /// This binary's `from_the_environment_child`, for a bucket of `s3`, with no `AWS_*` variable
 /// of this process: the caller gives it the ones it tests.
 fn environment_child(s3: &S3Server) -> std::process::Command {
@@ -109,14 +121,7 @@ fn the_environment_configures_s3() {
         .env("AWS_SHARED_CREDENTIALS_FILE", dir.path().join("none"))
         .env("AWS_CONFIG_FILE", dir.path().join("none"));
     s3.apply_env(&mut child);
-    let out = child.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("1 passed"),
-        "child failed:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(s3.keys(), ["env/files/x"]);
+    child_passes(child, &s3);
 }
 
 /// Part of [`the_environment_configures_s3`], which runs it in a process of its own.
@@ -170,14 +175,7 @@ fn the_shared_files_configure_s3() {
         .env("AWS_CONFIG_FILE", &config)
         .env("AWS_PROFILE", "ci")
         .env("AWS_ALLOW_HTTP", "true");
-    let out = child.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("1 passed"),
-        "child failed:\n{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(s3.keys(), ["env/files/x"]);
+    child_passes(child, &s3);
 }
 
 #[tokio::test]
