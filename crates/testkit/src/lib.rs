@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 
 pub use tempfile::{tempdir, TempDir};
 
+use process::Process;
+
 /// Damages `bytes` in one place, for tests that hold a hand-written reader to serde's answer on
 /// broken input: `how` 0 inserts `byte` before index `at`, 1 removes the byte at `at`, 2
 /// replaces it; past the end, `byte` is appended. `at` is taken modulo `bytes.len() + 1`.
@@ -45,6 +47,7 @@ pub fn damage(bytes: &mut Vec<u8>, at: usize, byte: u8, how: u8) {
 
 mod cluster;
 pub mod http;
+mod process;
 mod s3;
 mod sentinel;
 mod tls;
@@ -98,7 +101,7 @@ impl RedisBuilder {
             .tempdir()
             .expect("creating a temporary directory for redis-server");
         let mut server = RedisServer {
-            child: None,
+            process: Process::default(),
             port: 0,
             dir,
             aof: self.aof,
@@ -110,7 +113,7 @@ impl RedisBuilder {
             let child = server
                 .spawn(&binary())
                 .unwrap_or_else(|e| panic!("could not start redis-server: {e}"));
-            server.child = Some(child);
+            server.process.set(child);
             match server.wait_ready() {
                 Ok(()) => return server,
                 Err(e) => {
@@ -183,7 +186,7 @@ pub(crate) fn kill_with_parent(_cmd: &mut Command) {}
 /// A running `redis-server`, killed when dropped.
 #[derive(Debug)]
 pub struct RedisServer {
-    child: Option<Child>,
+    process: Process,
     port: u16,
     dir: TempDir,
     aof: bool,
@@ -229,15 +232,12 @@ impl RedisServer {
 
     /// Kills the server (as `kill -9` would). [`RedisServer::restart`] brings it back.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Whether the server process is running.
     pub fn is_running(&mut self) -> bool {
-        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+        self.process.is_running()
     }
 
     /// Kills the server if it runs, then starts it again on the same port and directory.
@@ -247,7 +247,7 @@ impl RedisServer {
         loop {
             match self.spawn(&binary()) {
                 Ok(child) => {
-                    self.child = Some(child);
+                    self.process.set(child);
                     match self.wait_ready() {
                         Ok(()) => return,
                         Err(e) if Instant::now() > deadline => {
@@ -275,19 +275,14 @@ impl RedisServer {
     }
 
     fn wait_ready(&mut self) -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
-                return Err(format!("redis-server exited with {status}"));
-            }
-            if ping(self.port) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err("no PONG within 10 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let port = self.port;
+        self.process.wait_ready(
+            "redis-server",
+            "PONG",
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+            || ping(port),
+        )
     }
 }
 
@@ -360,12 +355,6 @@ pub(crate) fn ping(port: u16) -> bool {
     let mut buf = [0u8; 7];
     // Loading an AOF answers -LOADING; only +PONG means ready.
     stream.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }
 
 #[cfg(test)]

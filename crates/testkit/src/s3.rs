@@ -3,10 +3,12 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use tempfile::TempDir;
+
+use crate::process::Process;
 
 const MOTO_HINT: &str = "moto_server is not installed: run `bash scripts/test.sh` once (it \
     installs moto into the virtualenv $BATCH_VENV, default target/venv), or set MOTO_SERVER_BIN \
@@ -32,7 +34,7 @@ pub const S3_BUCKET: &str = "batch-test";
 /// ```
 #[derive(Debug)]
 pub struct S3Server {
-    child: Option<Child>,
+    process: Process,
     port: u16,
     bucket: String,
     dir: TempDir,
@@ -64,7 +66,7 @@ impl S3Server {
             .tempdir()
             .expect("creating a temporary directory for moto_server");
         let mut server = Self {
-            child: None,
+            process: Process::default(),
             port: 0,
             bucket: S3_BUCKET.into(),
             dir,
@@ -86,7 +88,7 @@ impl S3Server {
                 }
                 panic!("spawning {}: {e}", bin.display())
             });
-            server.child = Some(child);
+            server.process.set(child);
             match server.wait_ready() {
                 Ok(()) => {
                     server.create_bucket(S3_BUCKET);
@@ -110,19 +112,13 @@ impl S3Server {
 
     fn wait_ready(&mut self) -> Result<(), String> {
         // Python starts slowly on a loaded machine.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
-                return Err(format!("moto_server exited with {status}"));
-            }
-            if matches!(self.try_request("GET", "/", &[]), Ok((200, _, _))) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err("no answer to GET / within 60 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.process.wait_ready(
+            "moto_server",
+            "answer to GET /",
+            Duration::from_secs(60),
+            Duration::from_millis(50),
+            || matches!(self.try_request("GET", "/", &[]), Ok((200, _, _))),
+        )
     }
 
     /// `http://127.0.0.1:<port>`.
@@ -214,15 +210,12 @@ impl S3Server {
 
     /// Kills the server (as `kill -9` would): clients then fail to connect.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Whether the server process is running.
     pub fn is_running(&mut self) -> bool {
-        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+        self.process.is_running()
     }
 
     /// Freezes the server (SIGSTOP): connections stay open and requests get no answer until
@@ -237,9 +230,9 @@ impl S3Server {
     }
 
     fn signal(&self, signal: i32) {
-        let child = self.child.as_ref().expect("the S3 server runs");
+        let pid = self.process.id().expect("the S3 server runs");
         // SAFETY: kill(2) on our own child's pid has no memory effects.
-        let rc = unsafe { libc::kill(child.id() as i32, signal) };
+        let rc = unsafe { libc::kill(pid as i32, signal) };
         assert_eq!(rc, 0, "signalling the S3 server");
     }
 
@@ -296,12 +289,6 @@ fn elements(xml: &str, name: &str) -> Vec<String> {
         .skip(1)
         .filter_map(|s| s.split_once(&close).map(|(v, _)| v.to_owned()))
         .collect()
-}
-
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }
 
 #[cfg(test)]

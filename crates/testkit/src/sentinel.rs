@@ -1,11 +1,12 @@
 //! A primary, a replica and three Sentinels watching them, on free loopback ports.
 
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
+use crate::process::Process;
 use crate::{binary, command_on, free_port, ping, spawn_command, RedisServer};
 
 /// The name the Sentinels monitor the primary under.
@@ -14,7 +15,7 @@ const SERVICE: &str = "batch-primary";
 /// One `redis-server --sentinel`, killed when dropped.
 #[derive(Debug)]
 struct Sentinel {
-    child: Option<Child>,
+    process: Process,
     port: u16,
     dir: TempDir,
 }
@@ -36,46 +37,30 @@ impl Sentinel {
             let mut cmd = Command::new(&bin);
             cmd.arg(&conf).arg("--sentinel");
             let child = spawn_command(cmd, &bin).unwrap_or_else(|e| panic!("{e}"));
-            let mut sentinel = Sentinel {
-                child: Some(child),
+            let sentinel = Sentinel {
+                process: Process::default(),
                 port,
                 dir,
             };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                if ping(port) {
-                    return sentinel;
-                }
-                let exited = matches!(
-                    sentinel.child.as_mut().map(|c| c.try_wait()),
-                    Some(Ok(Some(_)))
-                );
-                if exited || Instant::now() > deadline {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            sentinel.kill();
+            sentinel.process.set(child);
+            let ready = sentinel.process.wait_ready(
+                "redis sentinel",
+                "PONG",
+                Duration::from_secs(10),
+                Duration::from_millis(20),
+                || ping(port),
+            );
+            let Err(e) = ready else {
+                return sentinel;
+            };
+            sentinel.process.kill();
             let log = std::fs::read_to_string(sentinel.dir.path().join("sentinel.log"))
                 .unwrap_or_default();
             if !log.contains("Address already in use") {
-                panic!("redis sentinel did not become ready\n--- sentinel.log ---\n{log}");
+                panic!("redis sentinel did not become ready: {e}\n--- sentinel.log ---\n{log}");
             }
         }
         panic!("redis sentinel found no free port in 5 tries");
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for Sentinel {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 
@@ -185,7 +170,7 @@ impl RedisSentinels {
     /// The port of the primary as the Sentinels name it now.
     pub fn primary_port(&self) -> u16 {
         for sentinel in &self.sentinels {
-            if sentinel.child.is_none() {
+            if !sentinel.process.is_held() {
                 continue;
             }
             let addr = command_on(

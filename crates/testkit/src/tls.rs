@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -10,6 +10,7 @@ use rcgen::{
 };
 use tempfile::TempDir;
 
+use crate::process::Process;
 use crate::{binary, free_port, spawn_command};
 
 /// A fresh CA with a server certificate for `127.0.0.1` and `localhost` and a client
@@ -109,7 +110,7 @@ pub enum ClientAuth {
 /// ```
 #[derive(Debug)]
 pub struct TlsRedis {
-    child: Option<Child>,
+    process: Process,
     port: u16,
     pki: TestPki,
     auth: ClientAuth,
@@ -125,7 +126,7 @@ impl TlsRedis {
             .expect("creating a temporary directory for redis-server");
         let pki = TestPki::generate(dir.path());
         let mut server = TlsRedis {
-            child: None,
+            process: Process::default(),
             port: 0,
             pki,
             auth,
@@ -133,7 +134,9 @@ impl TlsRedis {
         };
         for _ in 0..5 {
             server.port = free_port();
-            server.child = Some(server.spawn().unwrap_or_else(|e| panic!("{e}")));
+            server
+                .process
+                .set(server.spawn().unwrap_or_else(|e| panic!("{e}")));
             match server.wait_ready() {
                 Ok(()) => return server,
                 Err(e) => {
@@ -175,19 +178,13 @@ impl TlsRedis {
     }
 
     fn wait_ready(&mut self) -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
-                return Err(format!("redis-server exited with {status}"));
-            }
-            if self.try_command(&["PING"]).as_deref() == Ok("PONG") {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err("no PONG over TLS within 10 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.process.wait_ready(
+            "redis-server",
+            "PONG over TLS",
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || self.try_command(&["PING"]).as_deref() == Ok("PONG"),
+        )
     }
 
     /// The TLS port on 127.0.0.1.
@@ -242,16 +239,7 @@ impl TlsRedis {
 
     /// Kills the server (as `kill -9` would).
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for TlsRedis {
-    fn drop(&mut self) {
-        self.kill();
+        self.process.kill();
     }
 }
 
