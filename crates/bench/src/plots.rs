@@ -4,7 +4,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::report::{AimdTrace, Kind, Report, Unit};
+use crate::report::{AimdSample, AimdTrace, Kind, Report, Unit};
 use crate::BenchError;
 
 const OURS: RGBColor = RGBColor(31, 119, 180);
@@ -12,6 +12,9 @@ const LIMIT: RGBColor = RGBColor(127, 127, 127);
 const BASELINE: RGBColor = RGBColor(255, 127, 14);
 const SECOND: RGBColor = RGBColor(44, 160, 44);
 const TARGET: RGBColor = RGBColor(214, 39, 40);
+
+/// A line of the limit plot: label, colour, stroke width and the value it draws.
+type Series = (&'static str, RGBColor, u32, fn(&AimdSample) -> usize);
 
 fn plot_error(path: &Path) -> impl Fn(String) -> BenchError + '_ {
     move |e| BenchError::Plot(format!("{}: {e}", path.display()))
@@ -194,30 +197,21 @@ pub fn aimd(traces: &[&AimdTrace], path: &Path) -> Result<(), BenchError> {
             .y_desc("requests")
             .draw()
             .map_err(|e| err(e.to_string()))?;
-        chart
-            .draw_series(LineSeries::new(
-                trace.samples.iter().map(|s| (s.t, s.in_flight as f64)),
-                LIMIT.stroke_width(1),
-            ))
-            .map_err(|e| err(e.to_string()))?
-            .label("gateway in-flight")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], LIMIT));
-        chart
-            .draw_series(LineSeries::new(
-                trace.samples.iter().map(|s| (s.t, s.limit as f64)),
-                OURS.stroke_width(2),
-            ))
-            .map_err(|e| err(e.to_string()))?
-            .label("limit")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], OURS));
-        chart
-            .draw_series(LineSeries::new(
-                trace.samples.iter().map(|s| (s.t, s.capacity as f64)),
-                TARGET.stroke_width(1),
-            ))
-            .map_err(|e| err(e.to_string()))?
-            .label("gateway capacity")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], TARGET));
+        let series: [Series; 3] = [
+            ("gateway in-flight", LIMIT, 1, |s| s.in_flight),
+            ("limit", OURS, 2, |s| s.limit),
+            ("gateway capacity", TARGET, 1, |s| s.capacity),
+        ];
+        for (label, color, width, value) in series {
+            chart
+                .draw_series(LineSeries::new(
+                    trace.samples.iter().map(|s| (s.t, value(s) as f64)),
+                    color.stroke_width(width),
+                ))
+                .map_err(|e| err(e.to_string()))?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::LowerRight)

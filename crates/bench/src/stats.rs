@@ -55,6 +55,15 @@ impl Summary {
     }
 }
 
+/// The setting whose runs have the highest median, and that median: `(1, NaN)` without any.
+pub fn best_median(settings: &[(usize, Summary)]) -> (usize, f64) {
+    settings
+        .iter()
+        .max_by(|a, b| a.1.median().total_cmp(&b.1.median()))
+        .map(|(setting, runs)| (*setting, runs.median()))
+        .unwrap_or((1, f64::NAN))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -92,11 +92,7 @@ pub(crate) async fn run(
         limits.push((pipeline, Summary::new(runs)));
     }
     lab.flush_redis().await?;
-    let (best_pipeline, best) = limits
-        .iter()
-        .max_by(|a, b| a.1.median().total_cmp(&b.1.median()))
-        .map(|(p, s)| (*p, s.median()))
-        .unwrap_or((1, f64::NAN));
+    let (best_pipeline, best) = crate::stats::best_median(&limits);
 
     report.rows.push(
         Row::new(

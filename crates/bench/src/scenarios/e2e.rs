@@ -33,10 +33,21 @@ pub(crate) async fn simulator(
     latency: Duration,
     concurrency: usize,
 ) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
-    let gateway_config = GatewayConfig {
+    let gateway = GatewayConfig {
         latency_fixed: latency,
         ..GatewayConfig::default()
     };
+    simulator_with(lab, gateway, 5_000, concurrency).await
+}
+
+/// A gateway of `gateway_config` and a simulated dispatcher for the pool's queue, polling every
+/// 10 ms for up to `batch_size` messages, with `concurrency` HTTP workers, at time scale 0.01.
+pub(crate) async fn simulator_with(
+    lab: &Lab,
+    gateway_config: GatewayConfig,
+    batch_size: usize,
+    concurrency: usize,
+) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
     let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), gateway_config).await?;
     let name =
         batch_keys::request_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?;
@@ -45,7 +56,7 @@ pub(crate) async fn simulator(
     queue.request_path_url = Some("/v1/chat/completions".into());
     let mut config = DispatcherConfig::new(lab.redis_url(), vec![queue]);
     config.poll_interval = Duration::from_millis(10);
-    config.batch_size = 5_000;
+    config.batch_size = batch_size;
     config.concurrency = concurrency;
     config.sim.time_scale = 0.01;
     let dispatcher = match Dispatcher::start(config, None).await {

@@ -1,6 +1,6 @@
 //! Enqueue (and cancel) a job with the gate closed: nothing takes members out of the set.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use batch_executor::Executor;
 use batch_producer::{request_token, JobMessages, Producer, ProducerOptions};
@@ -66,19 +66,10 @@ pub(crate) async fn run(
     ));
 
     // The members as the producer writes them, and the limit's member of their size.
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    let messages = JobMessages {
-        job_id: "batch_producer".into(),
-        created: now,
-        deadline: now + 24 * 3600,
-        request_queue: queue.clone(),
-        result_queue: batch_keys::QueueNames::new(batch_keys::DEFAULT_PREFIX, "enqueue")
-            .and_then(|names| names.result_queue_name(POOL))
-            .map_err(|e| BenchError::Config(e.to_string()))?,
-        headers: Default::default(),
-    };
+    let result_queue = batch_keys::QueueNames::new(batch_keys::DEFAULT_PREFIX, "enqueue")
+        .and_then(|names| names.result_queue_name(POOL))
+        .map_err(|e| BenchError::Config(e.to_string()))?;
+    let messages = super::job_messages("batch_producer", queue.clone(), result_queue);
     let text = std::fs::read_to_string(&input).map_err(|e| BenchError::io(&input, e))?;
     let members = text
         .lines()
@@ -154,11 +145,7 @@ pub(crate) async fn run(
         limits.push((pipeline, Summary::new(runs)));
     }
     lab.flush_redis().await?;
-    let (best_pipeline, best) = limits
-        .iter()
-        .max_by(|a, b| a.1.median().total_cmp(&b.1.median()))
-        .map(|(p, s)| (*p, s.median()))
-        .unwrap_or((1, f64::NAN));
+    let (best_pipeline, best) = crate::stats::best_median(&limits);
     let limit_name = format!("redis-benchmark ZADD, -P {best_pipeline}");
 
     let plan = Summary::new(plan_secs);

@@ -181,6 +181,26 @@ pub(crate) async fn drive<T>(
     (out, seen)
 }
 
+/// What the members of job `job_id` share: created now, due in a day, sent on `request_queue`
+/// with results to `result_queue`, no extra headers.
+pub(crate) fn job_messages(
+    job_id: &str,
+    request_queue: String,
+    result_queue: String,
+) -> batch_producer::JobMessages {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    batch_producer::JobMessages {
+        job_id: job_id.into(),
+        created: now,
+        deadline: now + 24 * 3600,
+        request_queue,
+        result_queue,
+        headers: Default::default(),
+    }
+}
+
 /// Lines with a result in `p`.
 pub(crate) fn resolved(p: &JobProgress) -> u64 {
     p.counts.completed + p.counts.failed

@@ -2,14 +2,11 @@
 //! simulator and a gateway with an LRU of prompt prefixes, its members scored in plan order
 //! (as this processor does) or all at the deadline (as the original processor does).
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use batch_executor::Executor;
 use batch_producer::{JobMessages, Producer, ProducerOptions};
-use dispatcher_sim::{
-    Dispatcher, DispatcherConfig, DispatcherHandle, Gateway, GatewayConfig, GatewayHandle,
-    QueueEntry,
-};
+use dispatcher_sim::{DispatcherHandle, GatewayConfig, GatewayHandle};
 use fred::interfaces::ListInterface;
 use tokio_util::sync::CancellationToken;
 
@@ -45,33 +42,14 @@ impl Measured {
 async fn simulator(
     lab: &Lab,
     s: &crate::Settings,
-    queue: &str,
 ) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
-    let gateway = Gateway::start(
-        ([127, 0, 0, 1], 0).into(),
-        GatewayConfig {
-            latency_fixed: BASE_LATENCY,
-            prefix_cache_size: s.prefix_cache,
-            prefix_miss_latency: s.prefix_miss_latency,
-            ..GatewayConfig::default()
-        },
-    )
-    .await?;
-    let mut entry = QueueEntry::new(queue);
-    entry.igw_base_url = Some(gateway.base_url());
-    entry.request_path_url = Some("/v1/chat/completions".into());
-    let mut config = DispatcherConfig::new(lab.redis_url(), vec![entry]);
-    config.poll_interval = Duration::from_millis(10);
-    config.batch_size = 1_000;
-    config.concurrency = WORKERS;
-    config.sim.time_scale = 0.01;
-    match Dispatcher::start(config, None).await {
-        Ok(dispatcher) => Ok((gateway, dispatcher)),
-        Err(e) => {
-            gateway.shutdown().await;
-            Err(e.into())
-        }
-    }
+    let gateway = GatewayConfig {
+        latency_fixed: BASE_LATENCY,
+        prefix_cache_size: s.prefix_cache,
+        prefix_miss_latency: s.prefix_miss_latency,
+        ..GatewayConfig::default()
+    };
+    super::e2e::simulator_with(lab, gateway, 1_000, WORKERS).await
 }
 
 pub(crate) async fn run(
@@ -85,20 +63,11 @@ pub(crate) async fn run(
     write_prefix_input(&input, n, prompts, s.request_bytes)?;
     let queue =
         batch_keys::request_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?;
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    let messages = JobMessages {
-        job_id: "batch_prefix".into(),
-        created: now,
-        deadline: now + 24 * 3600,
-        request_queue: queue.clone(),
-        result_queue: format!(
-            "{}:producer",
-            batch_keys::result_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?
-        ),
-        headers: Default::default(),
-    };
+    let result_queue = format!(
+        "{}:producer",
+        batch_keys::result_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?
+    );
+    let messages = super::job_messages("batch_prefix", queue.clone(), result_queue);
 
     // The same members both ways; only the scores differ. Positions come from the real plan.
     let (members, positions) = {
@@ -148,7 +117,7 @@ pub(crate) async fn run(
             runs.push(m);
         }
     }
-    let executor_runs = executor_runs(lab, s, &input, &queue, progress).await?;
+    let executor_runs = executor_runs(lab, s, &input, progress).await?;
 
     let col = |runs: &[Measured], f: &dyn Fn(&Measured) -> f64| {
         Summary::new(runs.iter().map(f).collect())
@@ -230,7 +199,7 @@ async fn producer_run(
 ) -> Result<Measured, BenchError> {
     let n = scored.len() as u64;
     lab.flush_redis().await?;
-    let (gateway, dispatcher) = simulator(lab, s, &messages.request_queue).await?;
+    let (gateway, dispatcher) = simulator(lab, s).await?;
     let producer = Producer::new(lab.client().clone(), ProducerOptions::default());
     let start = Instant::now();
     let measured = async {
@@ -267,7 +236,6 @@ async fn executor_runs(
     lab: &Lab,
     s: &crate::Settings,
     input: &std::path::Path,
-    queue: &str,
     progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<Vec<Measured>, BenchError> {
     lab.flush_redis().await?;
@@ -275,7 +243,7 @@ async fn executor_runs(
     let mut out = Vec::new();
     let mut failed = None;
     for run in 0..s.long_runs {
-        let (gateway, dispatcher) = match simulator(lab, s, queue).await {
+        let (gateway, dispatcher) = match simulator(lab, s).await {
             Ok(sim) => sim,
             Err(e) => {
                 failed = Some(e);
