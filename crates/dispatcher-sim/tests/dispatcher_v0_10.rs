@@ -23,13 +23,18 @@ impl Rig {
         fast_v0_10(&self.redis.url(), vec![entry(QUEUE, &self.gw.base_url())])
     }
 
-    /// A rig whose gateway answers after `latency`, with request `r1` enqueued (its member).
-    async fn with_r1(latency: Duration) -> (Self, String) {
-        let rig = Rig::new(GatewayConfig {
+    /// A rig whose gateway answers every request after `latency`.
+    async fn with_latency(latency: Duration) -> Self {
+        Rig::new(GatewayConfig {
             latency_fixed: latency,
             ..GatewayConfig::default()
         })
-        .await;
+        .await
+    }
+
+    /// A rig whose gateway answers after `latency`, with request `r1` enqueued (its member).
+    async fn with_r1(latency: Duration) -> (Self, String) {
+        let rig = Rig::with_latency(latency).await;
         let member = rig.enqueue("r1", now() + 3600).await;
         (rig, member)
     }
@@ -119,11 +124,7 @@ async fn a_claim_is_recorded_while_the_request_is_in_hand() {
 /// deadline plus five minutes ends then.
 #[tokio::test]
 async fn the_lease_is_capped_at_the_deadline_plus_five_minutes() {
-    let rig = Rig::new(GatewayConfig {
-        latency_fixed: Duration::from_millis(1500),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let rig = Rig::with_latency(Duration::from_millis(1500)).await;
     let deadline = now() + 60;
     rig.enqueue("r1", deadline).await;
     let mut config = rig.config();
@@ -254,11 +255,7 @@ async fn claim_keys_are_hash_tagged_in_the_queues_slot() {
 /// byte at their deadline score, and are answered.
 #[tokio::test]
 async fn crash_after_loses_nothing() {
-    let rig = Rig::new(GatewayConfig {
-        latency_fixed: Duration::from_millis(500),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let rig = Rig::with_latency(Duration::from_millis(500)).await;
     let base = now() + 3600;
     let mut members = Vec::new();
     for i in 0..10 {
@@ -358,11 +355,7 @@ async fn the_reclaimer_returns_only_expired_claims() {
 /// reclaimed from its live owner, and is answered once.
 #[tokio::test]
 async fn the_heartbeat_keeps_a_long_request_claimed() {
-    let rig = Rig::new(GatewayConfig {
-        latency_fixed: Duration::from_millis(2500),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let rig = Rig::with_latency(Duration::from_millis(2500)).await;
     rig.enqueue("slow", now() + 3600).await;
     let mut config = rig.config();
     // 100 s × 0.01 = a 1 s lease, renewed every 0.3 s; reclaimer every 0.15 s.
@@ -409,11 +402,7 @@ async fn retries_work_with_claims() {
 /// `local-max-concurrency` gate of one slot while the first request is at the gateway.
 #[tokio::test]
 async fn a_gate_refusal_puts_the_message_back_and_releases_its_claim() {
-    let rig = Rig::new(GatewayConfig {
-        latency_fixed: Duration::from_millis(800),
-        ..GatewayConfig::default()
-    })
-    .await;
+    let rig = Rig::with_latency(Duration::from_millis(800)).await;
     let deadline = now() + 600;
     rig.enqueue("first", deadline).await;
     rig.enqueue("second", deadline + 7).await;

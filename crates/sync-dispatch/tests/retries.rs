@@ -84,11 +84,7 @@ async fn a_503_is_retried_until_the_gateway_answers() {
 #[tokio::test]
 async fn always_429_with_one_retry_ends_as_http_429() {
     let gateway = Gateway::start(|_, _| Reply::status(429)).await;
-    let d = dispatcher();
-    let mut options = fast_options(&gateway.url);
-    options.max_retries = 1;
-    d.add_endpoint("m", options).unwrap();
-    let outcome = d.dispatch("m", request("r1")).await;
+    let outcome = dispatch_one(&gateway, |o| o.max_retries = 1).await;
     assert_eq!(
         outcome,
         SyncOutcome::Http {
@@ -103,11 +99,7 @@ async fn always_429_with_one_retry_ends_as_http_429() {
 async fn other_statuses_are_final_and_5xx_all_retried() {
     for (status, attempts) in [(401, 1), (404, 1), (422, 1), (500, 3), (502, 3), (504, 3)] {
         let gateway = Gateway::start(move |_, _| Reply::status(status)).await;
-        let d = dispatcher();
-        let mut options = fast_options(&gateway.url);
-        options.max_retries = 2;
-        d.add_endpoint("m", options).unwrap();
-        let outcome = d.dispatch("m", request("r1")).await;
+        let outcome = dispatch_one(&gateway, |o| o.max_retries = 2).await;
         assert!(
             matches!(outcome, SyncOutcome::Http { status: s, .. } if s == status),
             "{status}: {outcome:?}"
@@ -168,9 +160,7 @@ async fn a_ttl_expired_drop_is_final_and_becomes_batch_expired() {
             Reply::status(status).header("x-llm-d-request-dropped-reason", "rejected-ttl-expired")
         })
         .await;
-        let d = dispatcher();
-        d.add_endpoint("m", fast_options(&gateway.url)).unwrap();
-        let outcome = d.dispatch("m", request("r1")).await;
+        let outcome = dispatch_one(&gateway, |_| {}).await;
         assert_eq!(failed_code(&outcome), "batch_expired", "{status}");
         assert_eq!(gateway.counters.requests(), 1, "not retried ({status})");
     }
