@@ -259,6 +259,19 @@ pub async fn connect(url: &str) -> Result<Client, BenchError> {
     Ok(batch_redis::connect(url, &batch_redis::ConnectOptions::default()).await?)
 }
 
+/// `INFO section` of the Redis `client` is connected to.
+pub(crate) async fn info(client: &Client, section: &str) -> Result<String, BenchError> {
+    let cmd = CustomCommand::new_static("INFO", None, false);
+    Ok(client.custom(cmd, vec![section]).await?)
+}
+
+/// The value of `name` (with its colon, `connected_clients:`) in an INFO reply.
+pub(crate) fn info_field<T: std::str::FromStr>(info: &str, name: &str) -> Option<T> {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// Loads a config file written by [`Lab`].
 pub fn load(path: &Path) -> Result<ProcessorConfig, BenchError> {
     ProcessorConfig::load(path).map_err(|e| BenchError::Config(e.to_string()))

@@ -45,6 +45,7 @@
 //! # Ok(()) }
 //! ```
 
+mod child;
 mod inputs;
 mod lab;
 mod machine;
@@ -95,7 +96,7 @@ pub enum BenchError {
     /// Redis could not be reached.
     #[error(transparent)]
     Connect(#[from] batch_redis::ConnectError),
-    /// A processor config written by the bench was refused.
+    /// A processor config written by the bench, or a queue name it gives, was refused.
     #[error("config: {0}")]
     Config(String),
     /// The executor failed.
@@ -133,6 +134,12 @@ impl BenchError {
 impl From<fred::error::Error> for BenchError {
     fn from(error: fred::error::Error) -> Self {
         Self::Redis(error)
+    }
+}
+
+impl From<batch_keys::NameError> for BenchError {
+    fn from(error: batch_keys::NameError) -> Self {
+        Self::Config(error.to_string())
     }
 }
 
@@ -288,7 +295,12 @@ pub async fn run(
     for &scenario in &settings.scenarios {
         progress(&format!("== {}", scenario.name()));
         let began = Instant::now();
-        if let Err(e) = scenarios::run(scenario, &lab, settings, &mut report, progress).await {
+        let cx = scenarios::Ctx {
+            lab: &lab,
+            s: settings,
+            progress,
+        };
+        if let Err(e) = scenarios::run(scenario, cx, &mut report).await {
             progress(&format!("{} failed: {e}", scenario.name()));
             report
                 .failures

@@ -2,6 +2,8 @@
 
 use std::path::Path;
 
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::report::{AimdSample, AimdTrace, Kind, Report, Unit};
@@ -16,8 +18,45 @@ const TARGET: RGBColor = RGBColor(214, 39, 40);
 /// A line of the limit plot: label, colour, stroke width and the value it draws.
 type Series = (&'static str, RGBColor, u32, fn(&AimdSample) -> usize);
 
+/// A chart whose both axes are numbers.
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
 fn plot_error(path: &Path) -> impl Fn(String) -> BenchError + '_ {
     move |e| BenchError::Plot(format!("{}: {e}", path.display()))
+}
+
+/// A chart of `x` × `y` on `area`, under `caption` (text, font size), with `margin` and
+/// label areas of `labels` (x, y) pixels.
+fn chart<'a, 'b>(
+    area: &'a DrawingArea<SVGBackend<'b>, Shift>,
+    caption: (&str, u32),
+    margin: u32,
+    labels: (u32, u32),
+    x: std::ops::Range<f64>,
+    y: std::ops::Range<f64>,
+    err: &impl Fn(String) -> BenchError,
+) -> Result<Chart<'a, 'b>, BenchError> {
+    ChartBuilder::on(area)
+        .caption(caption.0, ("sans-serif", caption.1))
+        .margin(margin)
+        .x_label_area_size(labels.0)
+        .y_label_area_size(labels.1)
+        .build_cartesian_2d(x, y)
+        .map_err(|e| err(e.to_string()))
+}
+
+/// The series' labels, lower right on a white ground.
+fn legend<'a, 'b: 'a>(
+    chart: &mut Chart<'a, 'b>,
+    err: &impl Fn(String) -> BenchError,
+) -> Result<(), BenchError> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(e.to_string()))
 }
 
 /// Horizontal bars of every rate (each per-second row), ours in blue, limits in grey, baselines
@@ -47,16 +86,8 @@ pub fn rates(report: &Report, path: &Path) -> Result<(), BenchError> {
         .fold(1.0, f64::max)
         * 1.05;
     let n = bars.len().max(1) as f64;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "Rates (median); black ticks: the limit each is compared with",
-            ("sans-serif", 18),
-        )
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(10)
-        .build_cartesian_2d(0.0..top, 0.0..n)
-        .map_err(|e| err(e.to_string()))?;
+    let caption = "Rates (median); black ticks: the limit each is compared with";
+    let mut chart = chart(&root, (caption, 18), 12, (36, 10), 0.0..top, 0.0..n, &err)?;
     chart
         .configure_mesh()
         .disable_y_mesh()
@@ -112,13 +143,9 @@ pub fn rss(report: &Report, path: &Path) -> Result<(), BenchError> {
         .filter(|v| !v.is_nan())
         .fold(64.0, f64::max)
         * 1.15;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("Peak RSS of the processor by job size", ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0.0..max_lines * 1.05, 0.0..top)
-        .map_err(|e| err(e.to_string()))?;
+    let caption = ("Peak RSS of the processor by job size", 18);
+    let x = 0.0..max_lines * 1.05;
+    let mut chart = chart(&root, caption, 12, (40, 56), x, 0.0..top, &err)?;
     chart
         .configure_mesh()
         .x_desc("lines in the job")
@@ -153,13 +180,7 @@ pub fn rss(report: &Report, path: &Path) -> Result<(), BenchError> {
             .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
             .map_err(|e| err(e.to_string()))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(e.to_string()))?;
+    legend(&mut chart, &err)?;
     root.present().map_err(|e| err(e.to_string()))
 }
 
@@ -181,16 +202,8 @@ pub fn aimd(traces: &[&AimdTrace], path: &Path) -> Result<(), BenchError> {
             .unwrap_or(1)
             .max(trace.capacity) as f64
             * 1.1;
-        let mut chart = ChartBuilder::on(area)
-            .caption(
-                format!("{}: limit and gateway in-flight", trace.label),
-                ("sans-serif", 16),
-            )
-            .margin(10)
-            .x_label_area_size(36)
-            .y_label_area_size(48)
-            .build_cartesian_2d(0.0..end, 0.0..top)
-            .map_err(|e| err(e.to_string()))?;
+        let caption = format!("{}: limit and gateway in-flight", trace.label);
+        let mut chart = chart(area, (&caption, 16), 10, (36, 48), 0.0..end, 0.0..top, &err)?;
         chart
             .configure_mesh()
             .x_desc("seconds since the job started")
@@ -212,13 +225,7 @@ pub fn aimd(traces: &[&AimdTrace], path: &Path) -> Result<(), BenchError> {
                 .label(label)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| err(e.to_string()))?;
+        legend(&mut chart, &err)?;
     }
     root.present().map_err(|e| err(e.to_string()))
 }

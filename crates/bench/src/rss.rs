@@ -12,6 +12,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::child::log_tail;
 use crate::BenchError;
 
 /// The first argument that puts the bench binary in helper mode.
@@ -28,17 +29,7 @@ pub fn rss_helper(args: &[OsString]) -> Result<i32, BenchError> {
     };
     let mut cmd = Command::new(program);
     cmd.args(rest);
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-    }
+    crate::child::die_with_parent(&mut cmd);
     let child = cmd
         .spawn()
         .map_err(|e| BenchError::Tool(format!("{}: {e}", Path::new(program).display())))?;
@@ -106,12 +97,7 @@ pub(crate) fn measure(
         .stdin(Stdio::null())
         .stdout(file(stdout)?)
         .stderr(file(stderr)?);
-    // Only the config file decides: no PROCESSOR_* override from the caller's environment.
-    for (key, _) in std::env::vars_os() {
-        if key.to_string_lossy().starts_with("PROCESSOR_") {
-            cmd.env_remove(key);
-        }
-    }
+    crate::child::config_only(&mut cmd);
     let mut child = cmd
         .spawn()
         .map_err(|e| BenchError::Tool(format!("{}: {e}", helper.display())))?;
@@ -148,16 +134,12 @@ pub(crate) fn measure(
             peak_mib: kib as f64 / 1024.0,
             cpu_seconds: cpu_us as f64 / 1e6,
         }),
-        _ => {
-            let log = std::fs::read_to_string(stderr).unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            let tail = lines[lines.len().saturating_sub(15)..].join("\n");
-            Err(BenchError::Tool(format!(
-                "{} failed (helper {status}, result {:?}); last lines of its log:\n{tail}",
-                program.display(),
-                text.trim()
-            )))
-        }
+        _ => Err(BenchError::Tool(format!(
+            "{} failed (helper {status}, result {:?}); last lines of its log:\n{}",
+            program.display(),
+            text.trim(),
+            log_tail(stderr)
+        ))),
     }
 }
 

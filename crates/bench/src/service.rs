@@ -1,6 +1,6 @@
 //! A `processor serve` child process and an HTTP client of its API, for the serve scenarios.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use hyper::StatusCode;
 use serde_json::Value;
 
+use crate::child::log_tail;
 use crate::BenchError;
 
 mod client;
@@ -47,23 +48,8 @@ impl Service {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr);
-        // Only the config file decides: no PROCESSOR_* override from the caller's environment.
-        for (key, _) in std::env::vars_os() {
-            if key.to_string_lossy().starts_with("PROCESSOR_") {
-                cmd.env_remove(key);
-            }
-        }
-        #[cfg(target_os = "linux")]
-        {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                    Ok(())
-                });
-            }
-        }
+        crate::child::config_only(&mut cmd);
+        crate::child::die_with_parent(&mut cmd);
         let mut child = cmd
             .spawn()
             .map_err(|e| BenchError::Tool(format!("{} serve: {e}", processor.display())))?;
@@ -182,16 +168,6 @@ impl Drop for Service {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// The last 15 lines of a log file.
-fn log_tail(path: &Path) -> String {
-    let mut text = String::new();
-    if let Ok(mut f) = std::fs::File::open(path) {
-        let _ = f.read_to_string(&mut text);
-    }
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
 }
 
 /// `VmRSS` and `VmHWM` of `pid`, MiB.
@@ -361,6 +337,12 @@ pub(crate) fn batch_request(file_id: &str) -> Value {
         "endpoint": "/v1/chat/completions",
         "completion_window": "24h",
     })
+}
+
+/// Uploads `input` through `api`; the body of a `POST /v1/batches` naming it.
+pub(crate) async fn upload_for_batches(api: &Api, input: &Path) -> Result<Value, BenchError> {
+    let file = api.upload(input, Duration::from_secs(60)).await?;
+    Ok(batch_request(&id_of(&file, "POST /v1/files")?))
 }
 
 /// Creates `count` batches of `body`, the k-th through `apis[k % apis.len()]`, `in_flight` at a

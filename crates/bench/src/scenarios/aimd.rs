@@ -6,10 +6,10 @@
 use std::time::{Duration, Instant};
 
 use batch_executor::Executor;
-use dispatcher_sim::{Gateway, GatewayConfig, GatewayStats};
+use dispatcher_sim::{GatewayConfig, GatewayStats};
 use tokio_util::sync::CancellationToken;
 
-use super::{expect_completed, lines, ready, spec};
+use super::{expect_completed, lines, ready, simulator, spec, Ctx};
 use crate::inputs::{write_input, MODEL};
 use crate::lab::{load, Lab};
 use crate::report::{AimdSample, AimdTrace, Kind, Report, Row, Target, Unit};
@@ -231,12 +231,8 @@ fn time_weighted_capacity(behaviour: Behaviour, n: usize, elapsed: f64) -> f64 {
     (LOW_CAPACITY as f64 * low_time + CAPACITY as f64 * (elapsed - low_time)) / elapsed
 }
 
-pub(crate) async fn run(
-    lab: &Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, progress } = cx;
     let n = s.aimd_lines;
     let only = std::env::var("BENCH_AIMD_ONLY").ok();
     let input = lab.path("aimd.jsonl");
@@ -332,7 +328,7 @@ async fn bare_client(input: &std::path::Path, n: usize) -> Result<f64, BenchErro
     let first: serde_json::Value = serde_json::from_str(&line)
         .map_err(|e| BenchError::Check(format!("the bench's input: {e}")))?;
     let body = bytes::Bytes::from(first["body"].to_string());
-    let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), Behaviour::Hard.config(0)).await?;
+    let gateway = simulator::gateway(Behaviour::Hard.config(0)).await?;
     let api = crate::service::Api::new(&gateway.base_url(), CAPACITY);
     let next = std::sync::Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
@@ -382,19 +378,11 @@ fn record(
         Behaviour::ModelServer => format!("knee: C / mean unloaded latency, C = {CAPACITY}"),
         _ => format!("C / mean latency, C = {CAPACITY}"),
     };
-    let mut rate_row = Row::new(
-        AIMD,
-        format!("{label}: throughput, {} lines", lines(n)),
-        Unit::PerSecond("req/s"),
-        throughput.clone(),
-    )
-    .limit(ceiling_name, ceiling);
-    let mut share_row = Row::new(
-        AIMD,
-        format!("{label}: 429 responses / requests"),
-        Unit::Percent,
-        share,
-    );
+    let row = |figure: &str, unit, value| Row::new(AIMD, format!("{label}: {figure}"), unit, value);
+    let rate = format!("throughput, {} lines", lines(n));
+    let mut rate_row =
+        row(&rate, Unit::PerSecond("req/s"), throughput.clone()).limit(ceiling_name, ceiling);
+    let mut share_row = row("429 responses / requests", Unit::Percent, share);
     if candidate.targeted {
         rate_row = rate_row.target(Target::RatioAtLeast(0.9));
         if behaviour != Behaviour::ModelServer {
@@ -404,23 +392,17 @@ fn record(
     report.rows.push(rate_row);
     report.rows.push(share_row);
     if behaviour == Behaviour::ModelServer {
-        let mut row = Row::new(
-            AIMD,
-            format!("{label}: mean time per output token / unloaded"),
+        let mut stretch_row = row(
+            "mean time per output token / unloaded",
             Unit::Factor,
             stretch,
         );
         if candidate.targeted {
-            row = row.target(Target::AtMost(1.25));
+            stretch_row = stretch_row.target(Target::AtMost(1.25));
         }
-        report.rows.push(row);
+        report.rows.push(stretch_row);
     }
-    report.rows.push(Row::new(
-        AIMD,
-        format!("{label}: mean limit"),
-        Unit::Count,
-        limit,
-    ));
+    report.rows.push(row("mean limit", Unit::Count, limit));
     if let Some(i) = median {
         report.aimd.push(AimdTrace {
             label,
@@ -439,8 +421,7 @@ async fn one_run(
     candidate: Candidate,
     run: usize,
 ) -> Result<Run, BenchError> {
-    let gateway =
-        Gateway::start(([127, 0, 0, 1], 0).into(), behaviour.config(run as u64 + 1)).await?;
+    let gateway = simulator::gateway(behaviour.config(run as u64 + 1)).await?;
     let config = lab.sync_config(
         "aimd.yaml",
         &gateway.base_url(),

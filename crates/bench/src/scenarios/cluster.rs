@@ -1,11 +1,10 @@
 //! The enqueue and drain scenarios a second time, on a Redis Cluster, with the cluster's own
 //! limits; their rows sit beside the single-server ones.
 
-use super::{blocking, Scenario};
+use super::{limits, Ctx, Scenario};
 use crate::lab::Lab;
 use crate::redis_benchmark::RedisBenchmark;
-use crate::report::{Kind, Report, Row, Unit};
-use crate::stats::Summary;
+use crate::report::{Report, Unit};
 use crate::{BenchError, Settings};
 
 /// The scenarios that also run on the cluster.
@@ -40,7 +39,7 @@ impl ClusterRuns {
         let Some(lab) = &self.lab else {
             return Ok(());
         };
-        let ran = super::run(scenario, lab, s, report, progress).await;
+        let ran = super::run(scenario, Ctx { lab, s, progress }, report).await;
         let _ = lab.flush_redis().await;
         ran
     }
@@ -53,51 +52,14 @@ impl ClusterRuns {
     }
 }
 
-/// Runs `command` with `redis-benchmark --cluster` (pipelines 1 and 32, `s.long_runs` each,
-/// `fill` first when given) and returns each pipeline's runs.
-async fn cluster_limits(
-    lab: &Lab,
-    s: &Settings,
-    fill: Option<Vec<String>>,
-    command: Vec<String>,
-    random: bool,
-) -> Result<Vec<(usize, Summary)>, BenchError> {
-    let mut limits = Vec::new();
-    for pipeline in [1, 32] {
-        let mut runs = Vec::new();
-        for _ in 0..s.long_runs {
-            lab.flush_redis().await?;
-            let bench = |pipeline| {
-                let mut b =
-                    RedisBenchmark::new(lab.redis_port(), s.redis_benchmark_requests, pipeline);
-                b.cluster = true;
-                if !random {
-                    b.random_keyspace = 0;
-                }
-                b
-            };
-            let (fill_bench, bench) = (bench(32), bench(pipeline));
-            let (fill, command) = (fill.clone(), command.clone());
-            runs.push(
-                blocking(move || {
-                    if let Some(fill) = &fill {
-                        let words: Vec<&str> = fill.iter().map(String::as_str).collect();
-                        fill_bench.run(&words)?;
-                    }
-                    let words: Vec<&str> = command.iter().map(String::as_str).collect();
-                    bench.run(&words)
-                })
-                .await?,
-            );
-        }
-        limits.push((pipeline, Summary::new(runs)));
+/// `redis-benchmark --cluster` against the lab's cluster, with random members when `random`.
+fn cluster_bench(lab: &Lab, s: &Settings, random: bool) -> RedisBenchmark {
+    let bench = RedisBenchmark::new(lab.redis_port(), s.redis_benchmark_requests, 1);
+    RedisBenchmark {
+        cluster: true,
+        random_keyspace: if random { bench.random_keyspace } else { 0 },
+        ..bench
     }
-    lab.flush_redis().await?;
-    Ok(limits)
-}
-
-fn words(words: &[&str]) -> Vec<String> {
-    words.iter().map(|w| w.to_string()).collect()
 }
 
 /// The enqueue scenario's `--cluster` rows and notes, for members like `member`.
@@ -110,25 +72,12 @@ pub(crate) async fn enqueue_limits(
 ) -> Result<(), BenchError> {
     let scenario = lab.scenario("Enqueue");
     let primaries = lab.cluster_primaries().unwrap_or_default();
-    let limits = cluster_limits(
-        lab,
-        s,
-        None,
-        words(&["ZADD", "bench:zadd:{tag}", "1", member]),
-        true,
-    )
-    .await?;
-    for (pipeline, runs) in limits {
-        report.rows.push(
-            Row::new(
-                &scenario,
-                format!("redis-benchmark --cluster ZADD, -P {pipeline}, a key per primary"),
-                Unit::PerSecond("req/s"),
-                runs,
-            )
-            .kind(Kind::Limit),
-        );
-    }
+    let bench = cluster_bench(lab, s, true);
+    let command = ["ZADD", "bench:zadd:{tag}", "1", member];
+    let limits = limits::by_pipeline(lab, s, &bench, None, &command).await?;
+    limits::push_rows(report, &scenario, Unit::PerSecond("req/s"), limits, |p| {
+        format!("redis-benchmark --cluster ZADD, -P {p}, a key per primary")
+    });
     report.note(&scenario, format!(
         "The enqueue runs again on a Redis Cluster of {primaries} primaries without replicas, on the same machine (its {} cores shared by the {primaries} servers and the bench), reached through a `redis-cluster://` URL; same job, same {member_bytes} B members. No baseline row: its MULTI spans keys of several slots, which a cluster refuses (CROSSSLOT).",
         report.machine.cores
@@ -149,25 +98,17 @@ pub(crate) async fn drain_limits(
 ) -> Result<(), BenchError> {
     let scenario = lab.scenario("Drain");
     let primaries = lab.cluster_primaries().unwrap_or_default();
-    let limits = cluster_limits(
-        lab,
-        s,
-        Some(words(&["LPUSH", "bench:list:{tag}", element])),
-        words(&["RPOP", "bench:list:{tag}"]),
-        false,
-    )
-    .await?;
-    for (pipeline, runs) in limits {
-        report.rows.push(
-            Row::new(
-                &scenario,
-                format!("redis-benchmark --cluster RPOP, -P {pipeline}, a list per primary"),
-                Unit::PerSecond("results/s"),
-                runs,
-            )
-            .kind(Kind::Limit),
-        );
-    }
+    let bench = cluster_bench(lab, s, false);
+    let fill = ["LPUSH", "bench:list:{tag}", element];
+    let limits =
+        limits::by_pipeline(lab, s, &bench, Some(&fill), &["RPOP", "bench:list:{tag}"]).await?;
+    limits::push_rows(
+        report,
+        &scenario,
+        Unit::PerSecond("results/s"),
+        limits,
+        |p| format!("redis-benchmark --cluster RPOP, -P {p}, a list per primary"),
+    );
     report.note(&scenario, format!(
         "The drain runs again on the Redis Cluster of {primaries} primaries, the job's result list filled the same way before each run. A result list is one key, so one slot, so one primary: the `redis-benchmark RPOP` rows (the limit the ratio uses) are the single-server commands (LPUSH to fill, then RPOP) against the primary holding `bench:list`'s slot. The `--cluster` rows run `redis-benchmark --cluster LPUSH bench:list:{{tag}} <element>` then `RPOP bench:list:{{tag}}` ({} requests each), a list per primary: the whole cluster's rate, for comparison only.",
         s.redis_benchmark_requests

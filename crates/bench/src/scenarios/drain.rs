@@ -2,15 +2,17 @@
 
 use std::time::{Duration, Instant};
 
-use batch_executor::{Executor, JobProgress};
+use batch_executor::{Executor, JobProgress, JobSpec};
 use fred::interfaces::ListInterface;
-use tokio_util::sync::CancellationToken;
 
-use super::{blocking, drive, expect_completed, lines, ready, resolved, spec};
+use super::{
+    async_config, execute_recorded, expect_completed, limits, lines, ready, resolved, spec,
+    with_executor, Ctx,
+};
 use crate::inputs::{result_element, write_input, POOL};
-use crate::lab::{load, Lab};
+use crate::lab::Lab;
 use crate::redis_benchmark::RedisBenchmark;
-use crate::report::{Kind, Report, Row, Target, Unit};
+use crate::report::{Report, Row, Target, Unit};
 use crate::stats::Summary;
 use crate::BenchError;
 
@@ -19,22 +21,17 @@ const RATE: Unit = Unit::PerSecond("results/s");
 const JOB_ID: &str = "batch_drain";
 const CONSUMER: &str = "drain";
 
-pub(crate) async fn run(
-    lab: &Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, progress } = cx;
     let n = s.drain_results;
     let drain = lab.scenario(DRAIN);
     // Tiny requests: only the results matter here.
     let input = lab.path("drain.jsonl");
     write_input(&input, n, 0)?;
-    let config_path = lab.async_config("drain.yaml", CONSUMER, "")?;
-    let results_list = load(&config_path)?
+    let config = async_config(lab, CONSUMER)?;
+    let results_list = config
         .try_queue_names()
-        .and_then(|names| names.result_queue_name(POOL))
-        .map_err(|e| BenchError::Config(e.to_string()))?;
+        .and_then(|names| names.result_queue_name(POOL))?;
     let elements: Vec<String> = (0..n)
         .map(|i| result_element(JOB_ID, i, s.result_bytes))
         .collect();
@@ -47,17 +44,13 @@ pub(crate) async fn run(
         // Prepared and left by an executor of its own (a prepared job stays registered, its
         // directory locked, while its executor lives): the job now exists on disk, so the run
         // below resumes it.
-        {
-            let first = Executor::new(load(&config_path)?).await?;
-            let prepared = ready(&first, &spec(&input, &out, Some(JOB_ID.into()))).await;
-            first.shutdown().await;
-            drop(prepared?);
-        }
+        let spec = spec(&input, &out, Some(JOB_ID.into()));
+        drop(with_executor(config.clone(), async |first| ready(first, &spec).await).await?);
         // A fresh executor each run: its result consumer starts with the job's dispatch.
-        let executor = Executor::new(load(&config_path)?).await?;
-        let measured = one_run(&executor, lab, &input, &out, &results_list, &elements).await;
-        executor.shutdown().await;
-        let (rate, total) = measured?;
+        let (rate, total) = with_executor(config.clone(), async |executor| {
+            one_run(executor, lab, &spec, &results_list, &elements).await
+        })
+        .await?;
         rates.push(rate);
         totals.push(total.as_secs_f64());
         progress(&format!(
@@ -70,28 +63,12 @@ pub(crate) async fn run(
     // The limit: RPOP of elements of the same size from a list filled by LPUSH.
     let element = elements.first().cloned().unwrap_or_default();
     drop(elements);
-    let port = lab.port_of("bench:list")?;
-    let mut limits = Vec::new();
-    for pipeline in [1, 32] {
-        let mut runs = Vec::new();
-        for _ in 0..s.long_runs {
-            lab.flush_redis().await?;
-            let mut fill = RedisBenchmark::new(port, s.redis_benchmark_requests, 32);
-            fill.random_keyspace = 0;
-            let mut pop = RedisBenchmark::new(port, s.redis_benchmark_requests, pipeline);
-            pop.random_keyspace = 0;
-            let element = element.clone();
-            runs.push(
-                blocking(move || {
-                    fill.run(&["LPUSH", "bench:list", &element])?;
-                    pop.run(&["RPOP", "bench:list"])
-                })
-                .await?,
-            );
-        }
-        limits.push((pipeline, Summary::new(runs)));
-    }
-    lab.flush_redis().await?;
+    let bench = RedisBenchmark {
+        random_keyspace: 0,
+        ..RedisBenchmark::new(lab.port_of("bench:list")?, s.redis_benchmark_requests, 1)
+    };
+    let fill = ["LPUSH", "bench:list", &element];
+    let limits = limits::by_pipeline(lab, s, &bench, Some(&fill), &["RPOP", "bench:list"]).await?;
     let (best_pipeline, best) = crate::stats::best_median(&limits);
 
     report.rows.push(
@@ -107,17 +84,9 @@ pub(crate) async fn run(
         .limit(format!("redis-benchmark RPOP, -P {best_pipeline}"), best)
         .target(Target::AtLeast(300_000.0)),
     );
-    for (pipeline, runs) in limits {
-        report.rows.push(
-            Row::new(
-                &drain,
-                format!("redis-benchmark RPOP, -P {pipeline}"),
-                RATE,
-                runs,
-            )
-            .kind(Kind::Limit),
-        );
-    }
+    limits::push_rows(report, &drain, RATE, limits, |p| {
+        format!("redis-benchmark RPOP, -P {p}")
+    });
     if lab.cluster_primaries().is_some() {
         return super::cluster::drain_limits(lab, s, report, &element).await;
     }
@@ -137,26 +106,18 @@ pub(crate) async fn run(
 async fn one_run(
     executor: &Executor,
     lab: &Lab,
-    input: &std::path::Path,
-    out: &std::path::Path,
+    spec: &JobSpec,
     results_list: &str,
     elements: &[String],
 ) -> Result<(f64, Duration), BenchError> {
     let n = elements.len();
     // Resumed, and registered before its results arrive.
-    let job = ready(executor, &spec(input, out, Some(JOB_ID.into()))).await?;
+    let job = ready(executor, spec).await?;
     for chunk in elements.chunks(1000) {
         let _: u64 = lab.client().lpush(results_list, chunk.to_vec()).await?;
     }
-    let rx = job.progress();
     let start = Instant::now();
-    let (batch, seen) = drive(
-        executor.execute(job, CancellationToken::new()),
-        rx,
-        start,
-        move |p| resolved(p) >= n as u64,
-    )
-    .await;
+    let (batch, seen) = execute_recorded(executor, job, start, n).await;
     let total = start.elapsed();
     expect_completed(&batch?, n)?;
     Ok((write_rate(&seen), total))

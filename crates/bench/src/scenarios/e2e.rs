@@ -1,73 +1,21 @@
 //! A job through the dispatcher simulator: gate wide open, instant gateway.
 
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Instant;
 
 use batch_executor::{Executor, JobProgress};
-use dispatcher_sim::{
-    Dispatcher, DispatcherConfig, DispatcherHandle, Gateway, GatewayConfig, GatewayHandle,
-    QueueEntry,
-};
-use tokio_util::sync::CancellationToken;
 
-use super::{drive, expect_completed, lines, ready, resolved, spec};
-use crate::inputs::{write_input, POOL};
-use crate::lab::{load, Lab};
+use super::simulator::Simulator;
+use super::{
+    async_config, execute_recorded, expect_completed, lines, ready, resolved, spec, with_executor,
+    Ctx,
+};
+use crate::inputs::write_input;
 use crate::report::{Report, Row, Unit};
 use crate::stats::Summary;
 use crate::BenchError;
 
 const E2E: &str = "End to end async";
-
-/// An instant gateway and a simulated dispatcher polling every 10 ms, up to 5,000 messages per
-/// poll, with 256 HTTP workers: as fast as the simulator goes.
-pub(crate) async fn fast_simulator(
-    lab: &Lab,
-) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
-    simulator(lab, Duration::ZERO, 256).await
-}
-
-/// A gateway answering after `latency` and a simulated dispatcher polling every 10 ms, up to
-/// 5,000 messages per poll, with `concurrency` HTTP workers.
-pub(crate) async fn simulator(
-    lab: &Lab,
-    latency: Duration,
-    concurrency: usize,
-) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
-    let gateway = GatewayConfig {
-        latency_fixed: latency,
-        ..GatewayConfig::default()
-    };
-    simulator_with(lab, gateway, 5_000, concurrency).await
-}
-
-/// A gateway of `gateway_config` and a simulated dispatcher for the pool's queue, polling every
-/// 10 ms for up to `batch_size` messages, with `concurrency` HTTP workers, at time scale 0.01.
-pub(crate) async fn simulator_with(
-    lab: &Lab,
-    gateway_config: GatewayConfig,
-    batch_size: usize,
-    concurrency: usize,
-) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
-    let gateway = Gateway::start(([127, 0, 0, 1], 0).into(), gateway_config).await?;
-    let name =
-        batch_keys::request_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?;
-    let mut queue = QueueEntry::new(name);
-    queue.igw_base_url = Some(gateway.base_url());
-    queue.request_path_url = Some("/v1/chat/completions".into());
-    let mut config = DispatcherConfig::new(lab.redis_url(), vec![queue]);
-    config.poll_interval = Duration::from_millis(10);
-    config.batch_size = batch_size;
-    config.concurrency = concurrency;
-    config.sim.time_scale = 0.01;
-    let dispatcher = match Dispatcher::start(config, None).await {
-        Ok(d) => d,
-        Err(e) => {
-            gateway.shutdown().await;
-            return Err(e.into());
-        }
-    };
-    Ok((gateway, dispatcher))
-}
 
 /// Where one run's time went, in seconds since it started.
 struct Phases {
@@ -77,35 +25,21 @@ struct Phases {
     end: f64,
 }
 
-pub(crate) async fn run(
-    lab: &Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, .. } = cx;
     let n = s.e2e_lines;
     let input = lab.path("e2e.jsonl");
     write_input(&input, n, s.request_bytes)?;
     lab.flush_redis().await?;
-    let (gateway, dispatcher) = fast_simulator(lab).await?;
-    let executor = match load(&lab.async_config("e2e.yaml", "e2e", "")?) {
-        Ok(config) => Executor::new(config).await,
-        Err(e) => {
-            dispatcher.shutdown().await;
-            return Err(e);
+    let sim = Simulator::fast(lab).await?;
+    let measured = match async_config(lab, "e2e") {
+        Ok(config) => {
+            with_executor(config, async |executor| runs(cx, executor, &input).await).await
         }
+        Err(e) => Err(e),
     };
-    let measured = match &executor {
-        Ok(executor) => runs(executor, lab, s, &input, progress).await,
-        Err(_) => Ok(Vec::new()),
-    };
-    if let Ok(executor) = &executor {
-        executor.shutdown().await;
-    }
-    let stats = dispatcher.stats();
-    dispatcher.shutdown().await;
-    gateway.shutdown().await;
-    executor?;
+    let stats = sim.dispatcher.stats();
+    sim.stop().await;
     let phases = measured?;
 
     let col = |f: &dyn Fn(&Phases) -> f64| Summary::new(phases.iter().map(f).collect());
@@ -150,27 +84,15 @@ pub(crate) async fn run(
     Ok(())
 }
 
-async fn runs(
-    executor: &Executor,
-    lab: &Lab,
-    s: &crate::Settings,
-    input: &std::path::Path,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<Vec<Phases>, BenchError> {
+async fn runs(cx: Ctx<'_>, executor: &Executor, input: &Path) -> Result<Vec<Phases>, BenchError> {
+    let Ctx { lab, s, progress } = cx;
     let n = s.e2e_lines;
     let mut phases = Vec::new();
     for run in 0..s.long_runs {
         let out = lab.fresh_dir(&format!("e2e-{run}"))?;
         let start = Instant::now();
         let job = ready(executor, &spec(input, &out, None)).await?;
-        let rx = job.progress();
-        let (batch, seen) = drive(
-            executor.execute(job, CancellationToken::new()),
-            rx,
-            start,
-            move |p| resolved(p) >= n as u64,
-        )
-        .await;
+        let (batch, seen) = execute_recorded(executor, job, start, n).await;
         let end = start.elapsed().as_secs_f64();
         expect_completed(&batch?, n)?;
         let at = |pred: &dyn Fn(&JobProgress) -> bool| {

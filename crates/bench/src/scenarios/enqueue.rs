@@ -1,5 +1,6 @@
 //! Enqueue (and cancel) a job with the gate closed: nothing takes members out of the set.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use batch_executor::Executor;
@@ -9,9 +10,11 @@ use fred::interfaces::{KeysInterface, SortedSetsInterface, TransactionInterface}
 use fred::types::Expiration;
 use tokio_util::sync::CancellationToken;
 
-use super::{blocking, lines, ready, record_until, spec};
+use super::{
+    async_config, blocking, limits, lines, plan, ready, record_until, spec, with_executor, Ctx,
+};
 use crate::inputs::{write_input, POOL};
-use crate::lab::{load, Lab};
+use crate::lab::Lab;
 use crate::redis_benchmark::RedisBenchmark;
 use crate::report::{Kind, Report, Row, Target, Unit};
 use crate::stats::Summary;
@@ -21,24 +24,16 @@ const ENQUEUE: &str = "Enqueue";
 const CANCEL: &str = "Cancel";
 const RATE: Unit = Unit::PerSecond("req/s");
 
-pub(crate) async fn run(
-    lab: &Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, progress } = cx;
     let n = s.enqueue_lines;
     // On a cluster the rows get their own scenario names, beside the single-server ones.
     let (enqueue, cancel) = (lab.scenario(ENQUEUE), lab.scenario(CANCEL));
     let cluster = lab.cluster_primaries().is_some();
     let input = lab.path("enqueue.jsonl");
     let bytes = write_input(&input, n, s.request_bytes)?;
-    let config = load(&lab.async_config("enqueue.yaml", "enqueue", "")?)?;
-    let queue = config
-        .try_queue_names()
-        .map_err(|e| BenchError::Config(e.to_string()))?
-        .request_queue_name(POOL)
-        .map_err(|e| BenchError::Config(e.to_string()))?;
+    let config = async_config(lab, "enqueue")?;
+    let queue = config.try_queue_names()?.request_queue_name(POOL)?;
     let chunk = config.async_dispatch.enqueue_chunk;
 
     // Planning alone: the validating pass and the plan files.
@@ -48,12 +43,7 @@ pub(crate) async fn run(
         let input = input.clone();
         let secs = blocking(move || {
             let t = Instant::now();
-            let limits = batch_plan::Limits {
-                max_requests: u64::MAX,
-                max_file_bytes: u64::MAX,
-                endpoint: None,
-            };
-            batch_plan::Plan::build(&input, &dir, limits)?;
+            plan(&input, &dir)?;
             Ok(t.elapsed().as_secs_f64())
         })
         .await?;
@@ -67,33 +57,32 @@ pub(crate) async fn run(
 
     // The members as the producer writes them, and the limit's member of their size.
     let result_queue = batch_keys::QueueNames::new(batch_keys::DEFAULT_PREFIX, "enqueue")
-        .and_then(|names| names.result_queue_name(POOL))
-        .map_err(|e| BenchError::Config(e.to_string()))?;
+        .and_then(|names| names.result_queue_name(POOL))?;
     let messages = super::job_messages("batch_producer", queue.clone(), result_queue);
     let text = std::fs::read_to_string(&input).map_err(|e| BenchError::io(&input, e))?;
-    let members = text
-        .lines()
-        .enumerate()
-        .map(|(i, line)| messages.member(i as u64, line.as_bytes()))
-        .collect::<Result<Vec<String>, _>>()?;
+    let members = super::members(&messages, &text)?;
     drop(text);
     let member_bytes = members.iter().map(String::len).sum::<usize>() / members.len().max(1);
     let prefix = "m:__rand_int__:";
     let pad = "x".repeat(member_bytes.saturating_sub(prefix.len() + 8));
     let member = format!("{prefix}{pad}");
-    let port = lab.port_of("bench:zadd")?;
+    let bench = RedisBenchmark::new(lab.port_of("bench:zadd")?, s.redis_benchmark_requests, 1);
+    let zadd = ["ZADD", "bench:zadd", "1", &member];
 
     // The executor path: validate, plan, enqueue; then cancel the job. Each run is followed
     // by a run of the limit, so the two meet the same spell of this machine.
     let paired = PairedLimit {
-        port,
-        requests: s.redis_benchmark_requests,
+        bench: RedisBenchmark {
+            pipeline: 32,
+            ..bench.clone()
+        },
         member: member.clone(),
     };
-    let executor = Executor::new(config).await?;
-    let runs = executor_runs(&executor, lab, s, &input, &queue, &paired, progress).await;
-    executor.shutdown().await;
-    let (rates, cancel_secs, to_queue, after_prepare, pair_ratios) = runs?;
+    let (rates, cancel_secs, to_queue, after_prepare, pair_ratios) =
+        with_executor(config, async |executor| {
+            executor_runs(cx, executor, &input, &queue, &paired).await
+        })
+        .await?;
 
     // The producer alone, and the naive baseline, on members built beforehand.
 
@@ -133,37 +122,23 @@ pub(crate) async fn run(
     drop(members);
 
     // The limit: redis-benchmark ZADD of members of the same size, one per command.
-    let mut limits = Vec::new();
-    for pipeline in [1, 32] {
-        let mut runs = Vec::new();
-        for _ in 0..s.long_runs {
-            lab.flush_redis().await?;
-            let bench = RedisBenchmark::new(port, s.redis_benchmark_requests, pipeline);
-            let member = member.clone();
-            runs.push(blocking(move || bench.run(&["ZADD", "bench:zadd", "1", &member])).await?);
-        }
-        limits.push((pipeline, Summary::new(runs)));
-    }
-    lab.flush_redis().await?;
+    let limits = limits::by_pipeline(lab, s, &bench, None, &zadd).await?;
     let (best_pipeline, best) = crate::stats::best_median(&limits);
     let limit_name = format!("redis-benchmark ZADD, -P {best_pipeline}");
 
     let plan = Summary::new(plan_secs);
-    let rate = Summary::new(rates);
-    report.rows.push(
-        Row::new(
-            &enqueue,
-            format!(
-                "executor: validate + plan + ZADD, {} lines of {} B",
-                lines(n),
-                bytes / n.max(1) as u64
-            ),
-            RATE,
-            rate.clone(),
-        )
-        .limit(&limit_name, best)
-        .target(Target::RatioAtLeast(1.0)),
+    // A rate against the best redis-benchmark ZADD.
+    let rate_row = |figure: String, runs: Vec<f64>| {
+        Row::new(&enqueue, figure, RATE, Summary::new(runs)).limit(&limit_name, best)
+    };
+    let whole = format!(
+        "executor: validate + plan + ZADD, {} lines of {} B",
+        lines(n),
+        bytes / n.max(1) as u64
     );
+    report
+        .rows
+        .push(rate_row(whole, rates).target(Target::RatioAtLeast(1.0)));
     report.rows.push(Row::new(
         &enqueue,
         "executor ÷ redis-benchmark ZADD -P 32 run right after it (each run paired)",
@@ -176,48 +151,21 @@ pub(crate) async fn run(
         Unit::Seconds,
         plan.clone(),
     ));
-    report.rows.push(
-        Row::new(
-            &enqueue,
-            "executor: enqueue (read, build and ZADD every member, after validation)",
-            RATE,
-            Summary::new(after_prepare),
-        )
-        .limit(&limit_name, best)
-        .target(Target::RatioAtLeast(0.8)),
-    );
-    report.rows.push(
-        Row::new(
-            &enqueue,
-            "Producer::enqueue of pre-built members",
-            RATE,
-            Summary::new(producer_rates),
-        )
-        .limit(&limit_name, best),
-    );
+    let after = "executor: enqueue (read, build and ZADD every member, after validation)";
+    report
+        .rows
+        .push(rate_row(after.into(), after_prepare).target(Target::RatioAtLeast(0.8)));
+    let producer = "Producer::enqueue of pre-built members";
+    report.rows.push(rate_row(producer.into(), producer_rates));
     if !cluster {
-        report.rows.push(
-            Row::new(
-                &enqueue,
-                "baseline: one MULTI (DEL, SET, ZADD) per request",
-                RATE,
-                Summary::new(naive_rates),
-            )
-            .limit(&limit_name, best)
-            .kind(Kind::Baseline),
-        );
+        let naive = "baseline: one MULTI (DEL, SET, ZADD) per request";
+        report
+            .rows
+            .push(rate_row(naive.into(), naive_rates).kind(Kind::Baseline));
     }
-    for (pipeline, runs) in limits {
-        report.rows.push(
-            Row::new(
-                &enqueue,
-                format!("redis-benchmark ZADD, -P {pipeline}"),
-                RATE,
-                runs,
-            )
-            .kind(Kind::Limit),
-        );
-    }
+    limits::push_rows(report, &enqueue, RATE, limits, |p| {
+        format!("redis-benchmark ZADD, -P {p}")
+    });
     report.rows.push(Row::new(
         &cancel,
         format!(
@@ -293,14 +241,13 @@ async fn naive_enqueue(
 /// Returns the enqueue rates, the cancel times, the enqueue times and the rates after
 /// `prepare` (validation and planning) returned.
 async fn executor_runs(
+    cx: Ctx<'_>,
     executor: &Executor,
-    lab: &Lab,
-    s: &crate::Settings,
-    input: &std::path::Path,
+    input: &Path,
     queue: &str,
     paired: &PairedLimit,
-    progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<Runs, BenchError> {
+    let Ctx { lab, s, progress } = cx;
     let (mut rates, mut cancel_secs, mut to_queue, mut after_prepare, mut pair_ratios) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for run in 0..s.short_runs {
@@ -360,15 +307,13 @@ type Runs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 /// The limit run after each executor run: `redis-benchmark -P 32` ZADD of one member per
 /// command.
 struct PairedLimit {
-    port: u16,
-    requests: usize,
+    bench: RedisBenchmark,
     member: String,
 }
 
 impl PairedLimit {
     async fn run(&self) -> Result<f64, BenchError> {
-        let bench = RedisBenchmark::new(self.port, self.requests, 32);
-        let member = self.member.clone();
+        let (bench, member) = (self.bench.clone(), self.member.clone());
         blocking(move || bench.run(&["ZADD", "bench:zadd", "1", &member])).await
     }
 }

@@ -18,6 +18,7 @@ use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use super::Ctx;
 use crate::report::{Report, Row, Target, Unit};
 use crate::stats::Summary;
 use crate::BenchError;
@@ -37,12 +38,8 @@ struct UsageView<'a> {
     usage: Option<&'a RawValue>,
 }
 
-pub(crate) async fn run(
-    _lab: &crate::lab::Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { s, progress, .. } = cx;
     let span = if s.quick { QUICK_SPAN } else { SPAN };
     let runs = s.short_runs.max(1);
     let corpus = Corpus::new(0x15_0a);

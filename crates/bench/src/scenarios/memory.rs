@@ -4,12 +4,11 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
-use dispatcher_sim::{Gateway, GatewayConfig};
+use dispatcher_sim::GatewayConfig;
 
-use super::blocking;
-use super::e2e::fast_simulator;
+use super::simulator::{self, Simulator};
+use super::{blocking, Ctx};
 use crate::inputs::write_input;
-use crate::lab::Lab;
 use crate::report::{Report, Row, RssPoint, Target, Unit};
 use crate::stats::Summary;
 use crate::BenchError;
@@ -19,12 +18,8 @@ const LIMIT_MIB: f64 = 64.0;
 /// The largest job may take at most this factor of the second largest one's peak RSS.
 const FLAT: f64 = 1.25;
 
-pub(crate) async fn run(
-    lab: &Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, progress } = cx;
     s.require_processor()?;
     let helper = s.rss_helper.clone().ok_or_else(|| {
         BenchError::MissingTool("the RSS helper (the bench binary, Settings::rss_helper)".into())
@@ -42,12 +37,14 @@ pub(crate) async fn run(
         lab.flush_redis().await?;
         // The simulator runs in this process, so only the processor's own memory is measured.
         let (gateway, dispatcher, config) = if mode == "async" {
-            let (gateway, dispatcher) = fast_simulator(lab).await?;
+            let Simulator {
+                gateway,
+                dispatcher,
+            } = Simulator::fast(lab).await?;
             let config = lab.async_config("memory-async.yaml", "memory", "")?;
             (gateway, Some(dispatcher), config)
         } else {
-            let gateway =
-                Gateway::start(([127, 0, 0, 1], 0).into(), GatewayConfig::default()).await?;
+            let gateway = simulator::gateway(GatewayConfig::default()).await?;
             let config = lab.sync_config(
                 "memory-sync.yaml",
                 &gateway.base_url(),

@@ -6,20 +6,26 @@ mod drain;
 mod e2e;
 mod enqueue;
 mod json;
+mod limits;
 mod memory;
 mod prefix;
 mod replicas;
 mod serve;
+mod simulator;
 
 use std::future::Future;
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use batch_executor::{Executor, Job, JobProgress, JobSpec, Prepared};
+use batch_config::ProcessorConfig;
+use batch_executor::{ExecError, Executor, Job, JobProgress, JobSpec, Prepared};
+use batch_producer::JobMessages;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
-use crate::lab::Lab;
+use crate::lab::{load, Lab};
 use crate::report::Report;
 use crate::{BenchError, Settings};
 
@@ -93,25 +99,53 @@ impl FromStr for Scenario {
     }
 }
 
+/// Where a scenario's progress lines go.
+pub(crate) type Progress<'a> = &'a (dyn Fn(&str) + Send + Sync);
+
+/// What a scenario runs with: the lab, the sizes, and where its progress lines go.
+#[derive(Clone, Copy)]
+pub(crate) struct Ctx<'a> {
+    /// Redis and the scratch directory.
+    pub(crate) lab: &'a Lab,
+    /// Sizes and repetitions.
+    pub(crate) s: &'a Settings,
+    /// Hears each run's figures as they come.
+    pub(crate) progress: Progress<'a>,
+}
+
 /// Runs one scenario, adding its rows to `report`.
 pub(crate) async fn run(
     scenario: Scenario,
-    lab: &Lab,
-    settings: &Settings,
+    cx: Ctx<'_>,
     report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<(), BenchError> {
     match scenario {
-        Scenario::Enqueue => enqueue::run(lab, settings, report, progress).await,
-        Scenario::Drain => drain::run(lab, settings, report, progress).await,
-        Scenario::EndToEnd => e2e::run(lab, settings, report, progress).await,
-        Scenario::Aimd => aimd::run(lab, settings, report, progress).await,
-        Scenario::Memory => memory::run(lab, settings, report, progress).await,
-        Scenario::Prefix => prefix::run(lab, settings, report, progress).await,
-        Scenario::Serve => serve::run(lab, settings, report, progress).await,
-        Scenario::Replicas => replicas::run(lab, settings, report, progress).await,
-        Scenario::Json => json::run(lab, settings, report, progress).await,
+        Scenario::Enqueue => enqueue::run(cx, report).await,
+        Scenario::Drain => drain::run(cx, report).await,
+        Scenario::EndToEnd => e2e::run(cx, report).await,
+        Scenario::Aimd => aimd::run(cx, report).await,
+        Scenario::Memory => memory::run(cx, report).await,
+        Scenario::Prefix => prefix::run(cx, report).await,
+        Scenario::Serve => serve::run(cx, report).await,
+        Scenario::Replicas => replicas::run(cx, report).await,
+        Scenario::Json => json::run(cx, report).await,
     }
+}
+
+/// The async config `{id}.yaml`, its result list of its own (`consumer_id` `id`), loaded.
+pub(crate) fn async_config(lab: &Lab, id: &str) -> Result<ProcessorConfig, BenchError> {
+    load(&lab.async_config(&format!("{id}.yaml"), id, "")?)
+}
+
+/// Runs `f` with a new executor of `config`, shut down after `f` whatever it returned.
+pub(crate) async fn with_executor<T>(
+    config: ProcessorConfig,
+    f: impl AsyncFnOnce(&Executor) -> Result<T, BenchError>,
+) -> Result<T, BenchError> {
+    let executor = Executor::new(config).await?;
+    let out = f(&executor).await;
+    executor.shutdown().await;
+    out
 }
 
 /// Prepares a job that must be ready to dispatch.
@@ -128,7 +162,7 @@ pub(crate) async fn ready(executor: &Executor, spec: &JobSpec) -> Result<Arc<Job
 }
 
 /// A spec for `input` into `out`, with a fixed id when given.
-pub(crate) fn spec(input: &std::path::Path, out: &std::path::Path, id: Option<String>) -> JobSpec {
+pub(crate) fn spec(input: &Path, out: &Path, id: Option<String>) -> JobSpec {
     JobSpec {
         job_id: id,
         ..JobSpec::new(input, out)
@@ -162,23 +196,47 @@ pub(crate) async fn record_until(
     }
 }
 
-/// Runs `execute` (a job's execution) while a task of its own records the job's progress
-/// until `done` holds or the execution ends, so what it sees does not wait for the job's task.
-pub(crate) async fn drive<T>(
-    execute: impl Future<Output = T>,
-    rx: watch::Receiver<JobProgress>,
+/// Executes `job` of `n` lines while a task of its own records its progress (since `start`)
+/// until every line has a result or the execution ends, so what it sees does not wait for the
+/// job's task.
+pub(crate) async fn execute_recorded(
+    executor: &Executor,
+    job: Arc<Job>,
     start: Instant,
-    done: impl FnMut(&JobProgress) -> bool + Send + 'static,
-) -> (T, Vec<(Duration, JobProgress)>) {
+    n: usize,
+) -> (
+    Result<batch_wire::Batch, ExecError>,
+    Vec<(Duration, JobProgress)>,
+) {
     let (tx, ended) = tokio::sync::oneshot::channel::<()>();
     let ended = async move {
         let _ = ended.await;
     };
-    let recorder = tokio::spawn(record_until(rx, start, done, ended));
-    let out = execute.await;
+    let done = move |p: &JobProgress| resolved(p) >= n as u64;
+    let recorder = tokio::spawn(record_until(job.progress(), start, done, ended));
+    let out = executor.execute(job, CancellationToken::new()).await;
     let _ = tx.send(());
     let seen = recorder.await.unwrap_or_default();
     (out, seen)
+}
+
+/// Plans `input` into `dir` as the processor does, without its size limits.
+pub(crate) fn plan(input: &Path, dir: &Path) -> Result<batch_plan::Plan, BenchError> {
+    let limits = batch_plan::Limits {
+        max_requests: u64::MAX,
+        max_file_bytes: u64::MAX,
+        endpoint: None,
+    };
+    Ok(batch_plan::Plan::build(input, dir, limits)?)
+}
+
+/// The member the producer writes for each line of `text`.
+pub(crate) fn members(messages: &JobMessages, text: &str) -> Result<Vec<String>, BenchError> {
+    let members = text
+        .lines()
+        .enumerate()
+        .map(|(i, line)| messages.member(i as u64, line.as_bytes()));
+    Ok(members.collect::<Result<_, _>>()?)
 }
 
 /// What the members of job `job_id` share: created now, due in a day, sent on `request_queue`
@@ -187,11 +245,11 @@ pub(crate) fn job_messages(
     job_id: &str,
     request_queue: String,
     result_queue: String,
-) -> batch_producer::JobMessages {
+) -> JobMessages {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() as i64);
-    batch_producer::JobMessages {
+    JobMessages {
         job_id: job_id.into(),
         created: now,
         deadline: now + 24 * 3600,

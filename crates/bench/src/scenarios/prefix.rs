@@ -2,17 +2,20 @@
 //! simulator and a gateway with an LRU of prompt prefixes, its members scored in plan order
 //! (as this processor does) or all at the deadline (as the original processor does).
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use batch_executor::Executor;
 use batch_producer::{JobMessages, Producer, ProducerOptions};
-use dispatcher_sim::{DispatcherHandle, GatewayConfig, GatewayHandle};
+use dispatcher_sim::GatewayConfig;
 use fred::interfaces::ListInterface;
 use tokio_util::sync::CancellationToken;
 
-use super::{blocking, expect_completed, lines, ready, spec};
+use super::simulator::Simulator;
+use super::{
+    async_config, blocking, expect_completed, lines, plan, ready, spec, with_executor, Ctx,
+};
 use crate::inputs::{write_prefix_input, POOL};
-use crate::lab::{load, Lab};
 use crate::report::{Kind, Report, Row, Unit};
 use crate::stats::Summary;
 use crate::BenchError;
@@ -38,47 +41,43 @@ impl Measured {
     }
 }
 
-/// A fresh gateway (empty prefix caches) and dispatcher.
-async fn simulator(
-    lab: &Lab,
-    s: &crate::Settings,
-) -> Result<(GatewayHandle, DispatcherHandle), BenchError> {
+/// Runs `f` (its seconds) against a fresh gateway (empty prefix caches) and dispatcher, and
+/// reads the gateway's prefix-cache counts.
+async fn measure(
+    cx: Ctx<'_>,
+    f: impl AsyncFnOnce() -> Result<f64, BenchError>,
+) -> Result<Measured, BenchError> {
     let gateway = GatewayConfig {
         latency_fixed: BASE_LATENCY,
-        prefix_cache_size: s.prefix_cache,
-        prefix_miss_latency: s.prefix_miss_latency,
+        prefix_cache_size: cx.s.prefix_cache,
+        prefix_miss_latency: cx.s.prefix_miss_latency,
         ..GatewayConfig::default()
     };
-    super::e2e::simulator_with(lab, gateway, 1_000, WORKERS).await
+    let sim = Simulator::with(cx.lab, gateway, 1_000, WORKERS).await?;
+    let secs = f().await;
+    let stats = sim.gateway.stats();
+    sim.stop().await;
+    Ok(Measured {
+        secs: secs?,
+        hits: stats.prefix_cache_hits,
+        misses: stats.prefix_cache_misses,
+    })
 }
 
-pub(crate) async fn run(
-    lab: &Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, progress } = cx;
     let (n, prompts) = (s.prefix_lines, s.prefix_prompts);
     let input = lab.path("prefix.jsonl");
     write_prefix_input(&input, n, prompts, s.request_bytes)?;
-    let queue =
-        batch_keys::request_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?;
-    let result_queue = format!(
-        "{}:producer",
-        batch_keys::result_queue_name(POOL).map_err(|e| BenchError::Config(e.to_string()))?
-    );
+    let queue = batch_keys::request_queue_name(POOL)?;
+    let result_queue = format!("{}:producer", batch_keys::result_queue_name(POOL)?);
     let messages = super::job_messages("batch_prefix", queue.clone(), result_queue);
 
     // The same members both ways; only the scores differ. Positions come from the real plan.
     let (members, positions) = {
         let (input, dir) = (input.clone(), lab.fresh_dir("prefix-plan")?);
         blocking(move || {
-            let limits = batch_plan::Limits {
-                max_requests: u64::MAX,
-                max_file_bytes: u64::MAX,
-                endpoint: None,
-            };
-            let plan = batch_plan::Plan::build(&input, &dir, limits)?;
+            let plan = plan(&input, &dir)?;
             let mut positions = vec![0u64; n];
             for (position, record) in plan.records(&plan.models()[0])?.enumerate() {
                 let record = record.map_err(|e| BenchError::io(&dir, e))?;
@@ -89,11 +88,7 @@ pub(crate) async fn run(
         })
         .await?
     };
-    let members: Vec<String> = members
-        .lines()
-        .enumerate()
-        .map(|(i, line)| messages.member(i as u64, line.as_bytes()))
-        .collect::<Result<_, _>>()?;
+    let members = super::members(&messages, &members)?;
     let plan_ordered: Vec<(f64, String)> = members
         .iter()
         .zip(&positions)
@@ -107,7 +102,7 @@ pub(crate) async fn run(
             ("plan-ordered", &plan_ordered, &mut ordered_runs),
             ("equal", &equal, &mut equal_runs),
         ] {
-            let m = producer_run(lab, s, &messages, scored.clone()).await?;
+            let m = producer_run(cx, &messages, scored.clone()).await?;
             progress(&format!(
                 "   run {run}, {name} scores: {} lines in {:.2} s, prefix-cache hit rate {:.1} %",
                 lines(n),
@@ -117,7 +112,11 @@ pub(crate) async fn run(
             runs.push(m);
         }
     }
-    let executor_runs = executor_runs(lab, s, &input, progress).await?;
+    lab.flush_redis().await?;
+    let executor_runs = with_executor(async_config(lab, "prefix")?, async |executor| {
+        executor_runs(cx, executor, &input).await
+    })
+    .await?;
 
     let col = |runs: &[Measured], f: &dyn Fn(&Measured) -> f64| {
         Summary::new(runs.iter().map(f).collect())
@@ -192,17 +191,16 @@ pub(crate) async fn run(
 
 /// ZADDs `scored` into an empty Redis with a fresh simulator and waits for every result.
 async fn producer_run(
-    lab: &Lab,
-    s: &crate::Settings,
+    cx: Ctx<'_>,
     messages: &JobMessages,
     scored: Vec<(f64, String)>,
 ) -> Result<Measured, BenchError> {
+    let lab = cx.lab;
     let n = scored.len() as u64;
     lab.flush_redis().await?;
-    let (gateway, dispatcher) = simulator(lab, s).await?;
     let producer = Producer::new(lab.client().clone(), ProducerOptions::default());
-    let start = Instant::now();
-    let measured = async {
+    measure(cx, async || {
+        let start = Instant::now();
         producer
             .enqueue_scored(&messages.request_queue, scored)
             .await?;
@@ -219,67 +217,29 @@ async fn producer_run(
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-    }
-    .await;
-    let stats = gateway.stats();
-    dispatcher.shutdown().await;
-    gateway.shutdown().await;
-    Ok(Measured {
-        secs: measured?,
-        hits: stats.prefix_cache_hits,
-        misses: stats.prefix_cache_misses,
     })
+    .await
 }
 
-/// The job through the executor, a fresh simulator per run.
+/// The job through `executor`, a fresh simulator per run.
 async fn executor_runs(
-    lab: &Lab,
-    s: &crate::Settings,
-    input: &std::path::Path,
-    progress: &(dyn Fn(&str) + Send + Sync),
+    cx: Ctx<'_>,
+    executor: &Executor,
+    input: &Path,
 ) -> Result<Vec<Measured>, BenchError> {
-    lab.flush_redis().await?;
-    let executor = Executor::new(load(&lab.async_config("prefix.yaml", "prefix", "")?)?).await?;
+    let Ctx { lab, s, progress } = cx;
     let mut out = Vec::new();
-    let mut failed = None;
     for run in 0..s.long_runs {
-        let (gateway, dispatcher) = match simulator(lab, s).await {
-            Ok(sim) => sim,
-            Err(e) => {
-                failed = Some(e);
-                break;
-            }
-        };
-        let dir = match lab.fresh_dir(&format!("prefix-{run}")) {
-            Ok(dir) => dir,
-            Err(e) => {
-                dispatcher.shutdown().await;
-                gateway.shutdown().await;
-                failed = Some(e);
-                break;
-            }
-        };
-        let start = Instant::now();
-        let batch = match ready(&executor, &spec(input, &dir, None)).await {
-            Ok(job) => executor
-                .execute(job, CancellationToken::new())
-                .await
-                .map_err(BenchError::from),
-            Err(e) => Err(e),
-        };
-        let secs = start.elapsed().as_secs_f64();
-        let stats = gateway.stats();
-        dispatcher.shutdown().await;
-        gateway.shutdown().await;
-        if let Err(e) = batch.and_then(|b| expect_completed(&b, s.prefix_lines)) {
-            failed = Some(e);
-            break;
-        }
-        let m = Measured {
-            secs,
-            hits: stats.prefix_cache_hits,
-            misses: stats.prefix_cache_misses,
-        };
+        let m = measure(cx, async || {
+            let dir = lab.fresh_dir(&format!("prefix-{run}"))?;
+            let start = Instant::now();
+            let job = ready(executor, &spec(input, &dir, None)).await?;
+            let batch = executor.execute(job, CancellationToken::new()).await;
+            let secs = start.elapsed().as_secs_f64();
+            expect_completed(&batch?, s.prefix_lines)?;
+            Ok(secs)
+        })
+        .await?;
         progress(&format!(
             "   run {run}, executor: {} lines in {:.2} s, prefix-cache hit rate {:.1} %",
             lines(s.prefix_lines),
@@ -288,9 +248,5 @@ async fn executor_runs(
         ));
         out.push(m);
     }
-    executor.shutdown().await;
-    match failed {
-        Some(e) => Err(e),
-        None => Ok(out),
-    }
+    Ok(out)
 }

@@ -6,16 +6,16 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
-use fred::interfaces::{ClientLike, HashesInterface, KeysInterface};
-use fred::types::CustomCommand;
+use fred::interfaces::{HashesInterface, KeysInterface};
 use tokio_util::sync::CancellationToken;
 
-use super::e2e::simulator;
+use super::simulator::Simulator;
+use super::Ctx;
 use crate::inputs::write_input;
-use crate::lab::Lab;
+use crate::lab::{info, info_field, Lab};
 use crate::report::{Report, Row, Target, Unit};
 use crate::service::{
-    batch_request, cpu_seconds, create_batches, id_of, load_average, stop, wait_completed, Api,
+    cpu_seconds, create_batches, load_average, stop, upload_for_batches, wait_completed, Api,
     ReplicaSetup, ServeSetup, Service,
 };
 use crate::stats::Summary;
@@ -100,12 +100,8 @@ struct Takeover {
     one_deadline: bool,
 }
 
-pub(crate) async fn run(
-    lab: &Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, progress } = cx;
     s.require_processor()?;
     let load_before = load_average();
     let (batches, lines) = (s.replicas_batches, s.replicas_batch_lines);
@@ -113,8 +109,8 @@ pub(crate) async fn run(
     write_input(&input, lines, s.request_bytes)?;
     lab.flush_redis().await?;
 
-    let (gateway, dispatcher) = simulator(lab, LATENCY, DISPATCHER_CONCURRENCY).await?;
-    let url = gateway.base_url();
+    let sim = Simulator::new(lab, LATENCY, DISPATCHER_CONCURRENCY).await?;
+    let url = sim.gateway.base_url();
     let mut measured: Vec<(Mode, usize, Vec<Throughput>)> = Vec::new();
     let mut failed = None;
     'modes: for mode in [Mode::Async, Mode::Sync] {
@@ -141,15 +137,14 @@ pub(crate) async fn run(
         measured.push((mode, 1, one));
         measured.push((mode, 3, three));
     }
-    dispatcher.shutdown().await;
-    gateway.shutdown().await;
+    sim.stop().await;
     if let Some(e) = failed {
         return Err(e);
     }
 
     let takeover_input = lab.path("replicas-takeover.jsonl");
     write_input(&takeover_input, s.takeover_lines, s.request_bytes)?;
-    let (gateway, dispatcher) = simulator(lab, LATENCY, TAKEOVER_CONCURRENCY).await?;
+    let sim = Simulator::new(lab, LATENCY, TAKEOVER_CONCURRENCY).await?;
     let mut leases = vec![(SHORT_LEASE, s.long_runs)];
     if s.takeover_default_lease {
         leases.push((DEFAULT_LEASE, 1));
@@ -158,7 +153,7 @@ pub(crate) async fn run(
     for (ttl, runs) in leases {
         let mut seen = Vec::new();
         for run in 0..runs {
-            match takeover(lab, s, ttl, run, &takeover_input, progress).await {
+            match takeover(cx, ttl, run, &takeover_input).await {
                 Ok(t) => seen.push(t),
                 Err(e) => {
                     failed = Some(e);
@@ -171,8 +166,7 @@ pub(crate) async fn run(
             break;
         }
     }
-    dispatcher.shutdown().await;
-    gateway.shutdown().await;
+    sim.stop().await;
     if let Some(e) = failed {
         return Err(e);
     }
@@ -349,8 +343,7 @@ async fn throughput(
         .iter()
         .map(|r| Api::new(r.base(), SUBMITTERS))
         .collect();
-    let file = apis[0].upload(input, Duration::from_secs(60)).await?;
-    let body = batch_request(&id_of(&file, "POST /v1/files")?);
+    let body = upload_for_batches(&apis[0], input).await?;
     let cpu_before = cpu(lab, &services).await?;
     let sampling = CancellationToken::new();
     let sampler = tokio::spawn(sample_holders(lab.client().clone(), sampling.clone()));
@@ -392,14 +385,8 @@ async fn cpu(lab: &Lab, services: &[Service]) -> Result<[f64; 3], BenchError> {
         .map(|r| cpu_seconds(r.pid()).unwrap_or(f64::NAN))
         .sum();
     let me = cpu_seconds(std::process::id()).unwrap_or(f64::NAN);
-    let cmd = CustomCommand::new_static("INFO", None, false);
-    let info: String = lab.client().custom(cmd, vec!["cpu"]).await?;
-    let field = |name: &str| {
-        info.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(f64::NAN)
-    };
+    let info = info(lab.client(), "cpu").await?;
+    let field = |name: &str| info_field(&info, name).unwrap_or(f64::NAN);
     let redis = field("used_cpu_sys:") + field("used_cpu_user:");
     Ok([replicas, me, redis])
 }

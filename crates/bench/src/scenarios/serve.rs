@@ -6,17 +6,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fred::interfaces::ClientLike;
-use fred::types::CustomCommand;
 use tokio_util::sync::CancellationToken;
 
-use super::blocking;
-use super::e2e::fast_simulator;
+use super::simulator::Simulator;
+use super::{blocking, Ctx};
 use crate::inputs::write_input;
-use crate::lab::Lab;
+use crate::lab::{info, info_field, Lab};
 use crate::report::{Kind, Report, Row, Target, Unit};
 use crate::service::{
-    batch_request, create_batches, id_of, load_average, rss_mib, stop, wait_completed, Api,
+    create_batches, load_average, rss_mib, stop, upload_for_batches, wait_completed, Api,
     ServeSetup, Service,
 };
 use crate::stats::Summary;
@@ -63,12 +61,8 @@ struct Load {
     requests: usize,
 }
 
-pub(crate) async fn run(
-    lab: &Lab,
-    s: &crate::Settings,
-    report: &mut Report,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<(), BenchError> {
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, .. } = cx;
     s.require_processor()?;
     let load_before = load_average();
     let big = lab.path("serve-upload.jsonl");
@@ -80,15 +74,14 @@ pub(crate) async fn run(
     let small = lab.path("serve-batch.jsonl");
     write_input(&small, s.serve_batch_lines, s.request_bytes)?;
     lab.flush_redis().await?;
-    let (gateway, dispatcher) = fast_simulator(lab).await?;
-    let uploads = uploads(lab, s, &big, big_bytes, progress).await;
+    let sim = Simulator::fast(lab).await?;
+    let uploads = uploads(cx, &big, big_bytes).await;
     let _ = std::fs::remove_file(&big);
     let fanouts = match uploads {
-        Ok(_) => fanouts(lab, s, &small, progress).await,
+        Ok(_) => fanouts(cx, &small).await,
         Err(_) => Ok(Vec::new()),
     };
-    dispatcher.shutdown().await;
-    gateway.shutdown().await;
+    sim.stop().await;
     let (uploads, fanouts) = (uploads?, fanouts?);
     let load_after = load_average();
 
@@ -227,13 +220,8 @@ async fn start(
         .await
 }
 
-async fn uploads(
-    lab: &Lab,
-    s: &crate::Settings,
-    big: &Path,
-    bytes: u64,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<Vec<Upload>, BenchError> {
+async fn uploads(cx: Ctx<'_>, big: &Path, bytes: u64) -> Result<Vec<Upload>, BenchError> {
+    let Ctx { lab, s, progress } = cx;
     let mut runs = Vec::new();
     for run in 0..s.short_runs {
         let dir = service_dir(lab, &format!("upload-{run}"))?;
@@ -298,12 +286,8 @@ fn copy_and_sync(from: &Path, to: &Path) -> Result<f64, BenchError> {
     Ok(secs)
 }
 
-async fn fanouts(
-    lab: &Lab,
-    s: &crate::Settings,
-    input: &Path,
-    progress: &(dyn Fn(&str) + Send + Sync),
-) -> Result<Vec<Fanout>, BenchError> {
+async fn fanouts(cx: Ctx<'_>, input: &Path) -> Result<Vec<Fanout>, BenchError> {
+    let Ctx { lab, s, progress } = cx;
     let mut runs = Vec::new();
     for run in 0..s.long_runs {
         lab.flush_redis().await?;
@@ -347,8 +331,7 @@ async fn fanout(
     input: &Path,
 ) -> Result<(f64, f64, Vec<String>), BenchError> {
     let api = Api::new(service.base(), SUBMITTERS);
-    let file = api.upload(input, Duration::from_secs(60)).await?;
-    let body = batch_request(&id_of(&file, "POST /v1/files")?);
+    let body = upload_for_batches(&api, input).await?;
     let started = Instant::now();
     let ids = create_batches(
         std::slice::from_ref(&api),
@@ -369,11 +352,8 @@ async fn connected_clients(lab: &Lab) -> Result<u64, BenchError> {
 }
 
 async fn clients_of(client: &fred::clients::Client) -> Result<u64, BenchError> {
-    let cmd = CustomCommand::new_static("INFO", None, false);
-    let info: String = client.custom(cmd, vec!["clients"]).await?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("connected_clients:"))
-        .and_then(|v| v.trim().parse().ok())
+    let info = info(client, "clients").await?;
+    info_field(&info, "connected_clients:")
         .ok_or_else(|| BenchError::Check(format!("INFO clients without connected_clients: {info}")))
 }
 

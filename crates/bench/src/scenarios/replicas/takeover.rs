@@ -23,13 +23,12 @@ async fn not_yet(what: &str, started: Instant, limit: Duration) -> Result<(), Be
 }
 
 pub(super) async fn takeover(
-    lab: &Lab,
-    s: &crate::Settings,
+    cx: Ctx<'_>,
     ttl: Duration,
     run: usize,
     input: &Path,
-    progress: &(dyn Fn(&str) + Send + Sync),
 ) -> Result<Takeover, BenchError> {
+    let Ctx { lab, s, progress } = cx;
     lab.flush_redis().await?;
     let dir = lab.fresh_dir(&format!("replicas-takeover-{}-{run}", ttl.as_secs()))?;
     let mut services = start_replicas(lab, s, &dir, 3, |setup| ServeSetup {
@@ -44,8 +43,7 @@ pub(super) async fn takeover(
     })
     .await?;
     let apis: Vec<Api> = services.iter().map(|r| Api::new(r.base(), 8)).collect();
-    let file = apis[0].upload(input, Duration::from_secs(60)).await?;
-    let body = batch_request(&id_of(&file, "POST /v1/files")?);
+    let body = upload_for_batches(&apis[0], input).await?;
     next_second().await;
     let ids = create_batches(&apis, &body, TAKEOVER_BATCHES, TAKEOVER_BATCHES).await?;
 
