@@ -26,18 +26,21 @@ pub(crate) async fn by_pipeline(
         let mut runs = Vec::new();
         for _ in 0..s.long_runs {
             lab.flush_redis().await?;
-            let filler = RedisBenchmark {
-                pipeline: 32,
-                ..bench.clone()
-            };
+            let filler = fill.clone().map(|fill| {
+                let filler = RedisBenchmark {
+                    pipeline: 32,
+                    ..bench.clone()
+                };
+                (filler, fill)
+            });
             let bench = RedisBenchmark {
                 pipeline,
                 ..bench.clone()
             };
-            let (fill, command) = (fill.clone(), command.clone());
+            let command = command.clone();
             runs.push(
                 blocking(move || {
-                    if let Some(fill) = &fill {
+                    if let Some((filler, fill)) = &filler {
                         filler.run(&words(fill))?;
                     }
                     bench.run(&words(&command))
