@@ -12,13 +12,13 @@ ensure_redis() {
     && command -v redis-cli >/dev/null && command -v redis-sentinel >/dev/null; then return; fi
   echo "installing redis-server, redis-tools and redis-sentinel with apt-get..." >&2
   as_root apt-get update -qq >/dev/null || true
-  # redis-sentinel: the Sentinel tests (crates/testkit); redis-cli: TLS commands and cluster creation.
+  # redis-sentinel: the Sentinel tests (tools/testkit); redis-cli: TLS commands and cluster creation.
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
     redis-server redis-tools redis-sentinel >/dev/null
   # Debian starts a system Redis (and Sentinel) with the packages; we never use them.
 }
 
-# The S3-compatible server of the S3 tests (crates/testkit S3Server): moto's moto_server, pinned
+# The S3-compatible server of the S3 tests (tools/testkit S3Server): moto's moto_server, pinned
 # with the Flask it serves through. moto[s3], not moto[server], which brings every AWS service's
 # dependencies.
 MOTO_PACKAGES=("moto[s3]==5.2.5" "flask==3.1.3" "flask-cors==6.0.5")
