@@ -12,6 +12,15 @@ test:
 ci:
     bash .ci/run
 
+# Test the Helm chart: lint, render, Kubernetes schemas, config checks, checkov (CI runs it).
+chart-test:
+    bash scripts/chart-test.sh
+
+# Build the container images (static release binaries, FROM scratch) with buildah and test them
+# inside their own roots. Not in CI: a release build of its own takes about 10 minutes.
+image:
+    bash scripts/image.sh
+
 # Measure the processor against the limits of this machine; writes docs/benchmarks.md and docs/*.svg.
 bench:
     bash scripts/bench.sh

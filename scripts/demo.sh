@@ -9,7 +9,11 @@ cd "$(dirname "$0")/.."
 
 ensure_redis
 ensure_tools curl jq
-cargo build --quiet --bin processor --bin async-dispatcher-sim
+# A first build compiles every dependency: about 10 minutes on a fresh 2-core machine, seconds
+# after. Say so, and let cargo show its progress (its bar on a terminal, a line per crate else).
+echo "== building processor and async-dispatcher-sim (cargo build; the first time takes about" \
+  "10 minutes on 2 cores, later runs seconds)" >&2
+cargo build --bin processor --bin async-dispatcher-sim
 bin=target/debug
 config=examples/config/serve.yaml
 

@@ -130,3 +130,56 @@ ensure_tools() {
   as_root apt-get update -qq >/dev/null || true
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 }
+
+# Installs buildah (the image builds of scripts/image.sh) with apt-get when missing.
+ensure_buildah() {
+  command -v buildah >/dev/null && return
+  echo "installing buildah with apt-get..." >&2
+  as_root apt-get update -qq >/dev/null || true
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah >/dev/null
+}
+
+# helm, at the version the chart tests (scripts/chart-test.sh) run: built from its Go module into
+# $GOPATH/bin (outside the clone, so a build of several minutes happens once per machine).
+HELM_VERSION=v4.3.2
+
+# Puts helm $HELM_VERSION on PATH as `helm`, installing it with `go install` when missing.
+ensure_helm() {
+  local gobin
+  gobin="$(go env GOPATH)/bin"
+  export PATH="$gobin:$PATH"
+  # `helm version` of a go-installed helm says only v4.3: the module's version is in the binary.
+  if [ -x "$gobin/helm" ] && go version -m "$gobin/helm" 2>/dev/null \
+    | grep -qE "^[[:space:]]+mod[[:space:]]+helm.sh/helm/v4[[:space:]]+$HELM_VERSION[[:space:]]"; then
+    return
+  fi
+  echo "installing helm $HELM_VERSION with go install (a few minutes, once)..." >&2
+  go install "helm.sh/helm/v4/cmd/helm@$HELM_VERSION"
+}
+
+# The chart tests' Python tools, pinned: Kubernetes schemas (shipped in the package, offline)
+# and the policy scanner.
+CHART_PY_PACKAGES=("kubernetes-validate==1.37.0" "checkov==3.3.30")
+
+# Installs them into the virtualenv $CHART_VENV (default ~/.cache/batch-processor/chart-venv,
+# outside the clone: checkov and its dependencies take minutes) and exports CHART_VENV.
+ensure_chart_tools() {
+  export CHART_VENV="${CHART_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/batch-processor/chart-venv}"
+  local stamp="$CHART_VENV/.packages-${CHART_PY_PACKAGES[0]#*==}-${CHART_PY_PACKAGES[1]#*==}"
+  if [ -e "$stamp" ] && [ -x "$CHART_VENV/bin/checkov" ] && [ -x "$CHART_VENV/bin/kubernetes-validate" ]; then
+    return
+  fi
+  if ! "$CHART_VENV/bin/python" -c '' 2>/dev/null; then
+    if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+      echo "installing python3 and python3-venv with apt-get..." >&2
+      as_root apt-get update -qq >/dev/null || true
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
+    fi
+    rm -rf "$CHART_VENV"
+    mkdir -p "$(dirname "$CHART_VENV")"
+    python3 -m venv "$CHART_VENV"
+  fi
+  echo "installing ${CHART_PY_PACKAGES[*]} into $CHART_VENV (minutes, once)..." >&2
+  "$CHART_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${CHART_PY_PACKAGES[@]}"
+  touch "$stamp"
+}

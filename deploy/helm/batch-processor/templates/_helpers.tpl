@@ -1,0 +1,139 @@
+{{/* The release's resource name, at most 63 characters. */}}
+{{- define "bp.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "bp.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "bp.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "bp.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "bp.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "bp.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: llm-d
+{{- end -}}
+
+{{- define "bp.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "bp.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the mounted secrets are: the rendered config names these paths. */}}
+{{- define "bp.secretsDir" -}}/etc/batch-processor{{- end -}}
+
+{{/*
+The processor's config file: the values' `config` with the keys the chart owns set from the other
+values. Fails on a key the chart owns, and on a config the service would refuse to start with.
+*/}}
+{{- define "bp.processorConfig" -}}
+{{- $v := .Values -}}
+{{- $dir := include "bp.secretsDir" . -}}
+{{- $config := deepCopy $v.config -}}
+{{- $serve := default dict (get $config "serve") -}}
+{{- range $key := list "redis_url_file" "redis_tls" "work_dir" "observability" -}}
+{{- if hasKey $config $key -}}{{- fail (printf "config.%s is set by the chart: use the chart's values (redis, workDir, service.metricsPort)" $key) -}}{{- end -}}
+{{- end -}}
+{{- range $key := list "listen" "api_keys_file" "tenant_header" "storage" "s3" -}}
+{{- if hasKey $serve $key -}}{{- fail (printf "config.serve.%s is set by the chart: use the chart's values (service, auth, storage)" $key) -}}{{- end -}}
+{{- end -}}
+{{- if not $v.redis.existingSecret -}}{{- fail "redis.existingSecret: name the Secret holding the Redis URL" -}}{{- end -}}
+{{- $_ := set $config "redis_url_file" (printf "%s/redis/%s" $dir $v.redis.key) -}}
+{{- with $v.redis.tls -}}
+{{- if .existingSecret -}}
+{{- $tls := dict -}}
+{{- if .caKey -}}{{- $_ := set $tls "ca_file" (printf "%s/redis-tls/%s" $dir .caKey) -}}{{- end -}}
+{{- if and .certKey .keyKey -}}
+{{- $_ := set $tls "cert_file" (printf "%s/redis-tls/%s" $dir .certKey) -}}
+{{- $_ := set $tls "key_file" (printf "%s/redis-tls/%s" $dir .keyKey) -}}
+{{- end -}}
+{{- if .serverName -}}{{- $_ := set $tls "server_name" .serverName -}}{{- end -}}
+{{- $_ := set $config "redis_tls" $tls -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $config "work_dir" "/var/lib/batch-processor/work" -}}
+{{- $_ := set $config "observability" (dict "addr" (printf "0.0.0.0:%v" $v.service.metricsPort)) -}}
+{{- $_ := set $serve "listen" (printf "0.0.0.0:%v" $v.service.port) -}}
+{{- if and $v.auth.apiKeys.existingSecret $v.auth.tenantHeader -}}
+{{- fail "auth: set either apiKeys.existingSecret or tenantHeader, not both" -}}
+{{- else if $v.auth.apiKeys.existingSecret -}}
+{{- $_ := set $serve "api_keys_file" (printf "%s/api-keys/%s" $dir $v.auth.apiKeys.key) -}}
+{{- else if $v.auth.tenantHeader -}}
+{{- $_ := set $serve "tenant_header" $v.auth.tenantHeader -}}
+{{- else -}}
+{{- fail "auth: set apiKeys.existingSecret or tenantHeader (without either the service only listens on loopback)" -}}
+{{- end -}}
+{{- if eq $v.storage.type "s3" -}}
+{{- if not (hasPrefix "s3://" $v.storage.s3.url) -}}{{- fail "storage.s3.url: s3://bucket/prefix" -}}{{- end -}}
+{{- $_ := set $serve "storage" $v.storage.s3.url -}}
+{{- $s3 := dict -}}
+{{- with $v.storage.s3 -}}
+{{- if .endpoint -}}{{- $_ := set $s3 "endpoint" .endpoint -}}{{- end -}}
+{{- if .region -}}{{- $_ := set $s3 "region" .region -}}{{- end -}}
+{{- if .allowHttp -}}{{- $_ := set $s3 "allow_http" true -}}{{- end -}}
+{{- if .existingSecret -}}
+{{- $_ := set $s3 "access_key_id_file" (printf "%s/s3/%s" $dir .accessKeyIdKey) -}}
+{{- $_ := set $s3 "secret_access_key_file" (printf "%s/s3/%s" $dir .secretAccessKeyKey) -}}
+{{- end -}}
+{{- end -}}
+{{- if $s3 -}}{{- $_ := set $serve "s3" $s3 -}}{{- end -}}
+{{- else if eq $v.storage.type "file" -}}
+{{- $_ := set $serve "storage" "file:///var/lib/batch-processor/storage" -}}
+{{- else -}}
+{{- fail "storage.type: s3 or file" -}}
+{{- end -}}
+{{- $_ := set $config "serve" $serve -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/*
+The pools of config.model_gateways, as `processor queues` derives them: pool → its models,
+sorted by name (both sides must name the same queues: <queue_prefix>:requests:<pool>).
+*/}}
+{{- define "bp.pools" -}}
+{{- $pools := dict -}}
+{{- range $model := keys .Values.config.model_gateways | sortAlpha -}}
+{{- $gw := get $.Values.config.model_gateways $model -}}
+{{- if and $gw $gw.inference_pool_name -}}
+{{- $models := default list (get $pools $gw.inference_pool_name) -}}
+{{- $_ := set $pools $gw.inference_pool_name (append $models $model) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $pools -}}
+{{- end -}}
+
+{{/* The dispatcher's queue entries, one per pool, sorted by pool. */}}
+{{- define "bp.dispatcherQueues" -}}
+{{- $ad := default dict .Values.config.async_dispatch -}}
+{{- $prefix := default "llm-d-async" $ad.queue_prefix -}}
+{{- $pools := include "bp.pools" . | fromJson -}}
+{{- $entries := list -}}
+{{- range $pool := keys $pools | sortAlpha -}}
+{{- $url := "" -}}
+{{- range $model := get $pools $pool -}}
+{{- $gw := get $.Values.config.model_gateways $model -}}
+{{- if and (not $url) $gw.url -}}{{- $url = trimSuffix "/" $gw.url -}}{{- end -}}
+{{- end -}}
+{{- $params := merge (dict "pool" $pool) (deepCopy $.Values.dispatcher.gateParams) -}}
+{{- $entries = append $entries (dict "queue_name" (printf "%s:requests:%s" $prefix $pool) "igw_base_url" (default "http://CHANGE-ME" $url) "request_path_url" $.Values.dispatcher.requestPath "gate_type" $.Values.dispatcher.gateType "gate_params" $params) -}}
+{{- end -}}
+{{- toJson $entries -}}
+{{- end -}}

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Tests the Helm chart deploy/helm/batch-processor (CI runs it from .ci/run), with the default
+# values and each realistic values file in its ci/ folder:
+#   - helm lint, and helm template (namespace llm-d, release name `batch`), as docs/deploy.md says;
+#   - every rendered manifest validated against the Kubernetes $KUBE_VERSION schemas
+#     (kubernetes-validate --strict, schemas shipped in the package: offline);
+#   - the rendered processor config (ConfigMap processor.yaml) accepted by `processor check-config`,
+#     with stand-ins at the mounted secrets' paths;
+#   - in async mode, the rendered dispatcher ConfigMap (queues.json, transport.json) equal, as
+#     JSON, to what `processor queues --json` / `--transport-config` prints for that config;
+#   - checkov on the rendered manifests: no failed check (the chart's skips carry their reasons);
+#   - the chart refusing values the service could not run with.
+# helm is built with `go install` into $GOPATH/bin, the Python tools into a virtualenv under
+# ~/.cache: both once per machine (scripts/lib.sh ensure_helm, ensure_chart_tools).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib.sh
+ensure_helm
+ensure_chart_tools   # exports CHART_VENV
+KUBE_VERSION=1.37.0
+chart=${CHART:-deploy/helm/batch-processor}   # another copy: to see a broken chart fail
+cargo build --quiet --bin processor
+processor=$PWD/target/debug/processor
+py=$CHART_VENV/bin/python
+
+work=$(mktemp -d -t batch-chart-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+passed=0
+failed=0
+check() { # NAME COMMAND...: runs the command, counts and says the outcome
+  local name=$1; shift
+  if "$@" > "$work/check.log" 2>&1; then
+    passed=$((passed + 1)); echo "ok   $name"
+  else
+    failed=$((failed + 1)); echo "FAIL $name"; sed 's/^/     /' "$work/check.log" | tail -n 30
+  fi
+}
+
+# Writes each document of a rendered chart to $2/<kind>-<name>.yaml, and the two ConfigMaps'
+# files to $2/processor.yaml, $2/queues.json and $2/transport.json.
+split_manifests() {
+  "$py" - "$1" "$2" <<'EOF'
+import sys, yaml, os
+src, out = sys.argv[1], sys.argv[2]
+for doc in yaml.safe_load_all(open(src)):
+    if not doc:
+        continue
+    name = f"{doc['kind']}-{doc['metadata']['name']}".lower()
+    with open(os.path.join(out, name + ".yaml"), "w") as f:
+        yaml.safe_dump(doc, f)
+    if doc["kind"] == "ConfigMap":
+        for key, text in doc.get("data", {}).items():
+            with open(os.path.join(out, key), "w") as f:
+                f.write(text)
+EOF
+}
+
+# Stand-ins for the mounted secrets, at the rendered paths moved under $work: the config is
+# checked as the pod would read it.
+secrets_root=$work/secrets
+mkdir -p "$secrets_root/etc/batch-processor"/{redis,api-keys,redis-tls,s3}
+printf 'key-of-tenant-a tenant-a\n' > "$secrets_root/etc/batch-processor/api-keys/api-keys"
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=chart-test-ca \
+  -keyout "$work/ca.key" -out "$secrets_root/etc/batch-processor/redis-tls/ca.crt" 2>/dev/null
+echo AKIACHARTTEST > "$secrets_root/etc/batch-processor/s3/access-key-id"
+echo chart-test-secret > "$secrets_root/etc/batch-processor/s3/secret-access-key"
+
+check_config() { # DIR: processor check-config on the rendered config
+  # The URL's scheme follows the config: redis_tls only goes with a rediss:// URL.
+  local scheme=redis
+  if grep -q '^redis_tls:' "$1/processor.yaml"; then scheme=rediss; fi
+  for key in redis-url url; do
+    echo "$scheme://redis.llm-d.svc.cluster.local:6379" > "$secrets_root/etc/batch-processor/redis/$key"
+  done
+  sed "s|/etc/batch-processor/|$secrets_root/etc/batch-processor/|g" "$1/processor.yaml" > "$1/checked.yaml"
+  if [ "$(grep -c "$secrets_root" "$1/checked.yaml")" = 0 ]; then echo "no mounted secret path in the config"; return 1; fi
+  "$processor" check-config --config "$1/checked.yaml" > "$1/check-config.out"
+}
+
+# The dispatcher's files as `processor queues` prints them for the same config, compared as
+# JSON (lines starting with # are comments, left out).
+compare_queues() { # DIR
+  "$processor" queues --config "$1/checked.yaml" --json > "$1/queues.expected"
+  "$processor" queues --config "$1/checked.yaml" --transport-config > "$1/transport.expected" 2>/dev/null
+  "$py" - "$1" <<'EOF'
+import json, sys, os
+d = sys.argv[1]
+def load(path):
+    return json.loads("".join(l for l in open(path) if not l.lstrip().startswith("#")))
+ok = True
+for rendered, expected in (("queues.json", "queues.expected"), ("transport.json", "transport.expected")):
+    got, want = load(os.path.join(d, rendered)), load(os.path.join(d, expected))
+    if got != want:
+        ok = False
+        print(f"{rendered} differs from `processor queues`:\nchart:  {json.dumps(got, sort_keys=True)}\nqueues: {json.dumps(want, sort_keys=True)}")
+    else:
+        print(f"{rendered}: {len(want if isinstance(want, list) else want['queues'])} queue(s), as `processor queues` prints")
+sys.exit(0 if ok else 1)
+EOF
+}
+
+cases=(default "$chart"/ci/*-values.yaml)
+for case in "${cases[@]}"; do
+  name=$(basename "$case" .yaml)
+  args=()
+  [ "$case" = default ] || args=(-f "$case")
+  dir=$work/$name
+  mkdir -p "$dir/manifests"
+  echo "== $name"
+  check "helm lint ($name)" helm lint --strict "$chart" "${args[@]}"
+  check "helm template ($name)" \
+    bash -c 'helm template batch "$@" > "$0"' "$dir/rendered.yaml" "$chart" --namespace llm-d "${args[@]}"
+  [ -s "$dir/rendered.yaml" ] || continue
+  split_manifests "$dir/rendered.yaml" "$dir/manifests"
+  mv "$dir/manifests/processor.yaml" "$dir/"
+  [ -e "$dir/manifests/queues.json" ] && mv "$dir/manifests/queues.json" "$dir/manifests/transport.json" "$dir/"
+  # ServiceMonitor is a CRD: no Kubernetes schema has it; its fields are checked by name below.
+  check "kubernetes-validate --strict -k $KUBE_VERSION ($name)" \
+    "$CHART_VENV/bin/kubernetes-validate" --strict --quiet -k "$KUBE_VERSION" \
+    $(ls "$dir"/manifests/*.yaml | grep -v /servicemonitor-)
+  check "processor check-config on the rendered config ($name)" check_config "$dir"
+  if [ -e "$dir/queues.json" ]; then
+    check "dispatcher ConfigMap = processor queues ($name)" compare_queues "$dir"
+  fi
+  check "checkov ($name)" "$CHART_VENV/bin/checkov" --quiet --compact --framework kubernetes \
+    --skip-download -d "$dir/manifests"
+done
+
+# Values the service could not start with are refused at render time, naming the value.
+refused() { # EXPECTED-MESSAGE HELM-ARGS...
+  local want=$1; shift
+  if helm template batch "$chart" "$@" > "$work/refused.out" 2>&1; then echo "rendered"; return 1; fi
+  grep -F "$want" "$work/refused.out"
+}
+check "refused: no auth" refused "auth: set apiKeys.existingSecret or tenantHeader" \
+  --set auth.apiKeys.existingSecret=
+check "refused: both auth kinds" refused "not both" --set auth.tenantHeader=X-User
+check "refused: a key the chart owns" refused "config.serve.listen is set by the chart" \
+  --set config.serve.listen=0.0.0.0:1
+check "refused: s3 without a bucket URL" refused "storage.s3.url" --set storage.type=s3
+check "refused: async without a pool" refused "no model in config.model_gateways has an inference_pool_name" \
+  --set config.model_gateways.example-model.inference_pool_name=
+
+echo "chart tests: $passed passed, $failed failed"
+[ "$failed" = 0 ]
