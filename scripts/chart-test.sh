@@ -6,8 +6,9 @@
 #     (kubernetes-validate --strict, schemas shipped in the package: offline);
 #   - the rendered processor config (ConfigMap processor.yaml) accepted by `processor check-config`,
 #     with stand-ins at the mounted secrets' paths;
-#   - in async mode, the rendered dispatcher ConfigMap (queues.json, transport.json) equal, as
-#     JSON, to what `processor queues --json` / `--transport-config` prints for that config;
+#   - in async mode, the rendered dispatcher ConfigMap (queues.json, transport.json, and the
+#     transport config in llm-d-async-values.yaml) equal, as JSON, to what
+#     `processor queues --json` / `--transport-config` prints for that config;
 #   - checkov on the rendered manifests: no failed check (the chart's skips carry their reasons);
 #   - the chart refusing values the service could not run with.
 # helm is built with `go install` into $GOPATH/bin, the Python tools into a virtualenv under
@@ -36,12 +37,12 @@ check() { # NAME COMMAND...: runs the command, counts and says the outcome
   fi
 }
 
-# Writes each document of a rendered chart to $2/<kind>-<name>.yaml, and the two ConfigMaps'
-# files to $2/processor.yaml, $2/queues.json and $2/transport.json.
+# Writes each document of a rendered chart to $2/<kind>-<name>.yaml, and the ConfigMaps' files
+# to $3 (processor.yaml; in async mode queues.json, transport.json, llm-d-async-values.yaml).
 split_manifests() {
-  "$py" - "$1" "$2" <<'EOF'
+  "$py" - "$1" "$2" "$3" <<'EOF'
 import sys, yaml, os
-src, out = sys.argv[1], sys.argv[2]
+src, out, files = sys.argv[1], sys.argv[2], sys.argv[3]
 for doc in yaml.safe_load_all(open(src)):
     if not doc:
         continue
@@ -50,7 +51,7 @@ for doc in yaml.safe_load_all(open(src)):
         yaml.safe_dump(doc, f)
     if doc["kind"] == "ConfigMap":
         for key, text in doc.get("data", {}).items():
-            with open(os.path.join(out, key), "w") as f:
+            with open(os.path.join(files, key), "w") as f:
                 f.write(text)
 EOF
 }
@@ -88,7 +89,17 @@ d = sys.argv[1]
 def load(path):
     return json.loads("".join(l for l in open(path) if not l.lstrip().startswith("#")))
 ok = True
-for rendered, expected in (("queues.json", "queues.expected"), ("transport.json", "transport.expected")):
+import yaml
+# The llm-d-async chart's values carry the same transport config, plus that chart's urlSecret.
+chart_values = yaml.safe_load(open(os.path.join(d, "llm-d-async-values.yaml")))["ap"]
+assert chart_values["transport"] == "redis-sortedset", chart_values["transport"]
+transport = dict(chart_values["transportConfig"])
+secret = transport.pop("urlSecret")
+assert secret["name"] and secret["key"], secret
+with open(os.path.join(d, "chart-transport.json"), "w") as f:
+    json.dump(transport, f)
+for rendered, expected in (("queues.json", "queues.expected"), ("transport.json", "transport.expected"),
+                           ("chart-transport.json", "transport.expected")):
     got, want = load(os.path.join(d, rendered)), load(os.path.join(d, expected))
     if got != want:
         ok = False
@@ -111,9 +122,7 @@ for case in "${cases[@]}"; do
   check "helm template ($name)" \
     bash -c 'helm template batch "$@" > "$0"' "$dir/rendered.yaml" "$chart" --namespace llm-d "${args[@]}"
   [ -s "$dir/rendered.yaml" ] || continue
-  split_manifests "$dir/rendered.yaml" "$dir/manifests"
-  mv "$dir/manifests/processor.yaml" "$dir/"
-  [ -e "$dir/manifests/queues.json" ] && mv "$dir/manifests/queues.json" "$dir/manifests/transport.json" "$dir/"
+  split_manifests "$dir/rendered.yaml" "$dir/manifests" "$dir"
   # ServiceMonitor is a CRD: no Kubernetes schema has it; its fields are checked by name below.
   check "kubernetes-validate --strict -k $KUBE_VERSION ($name)" \
     "$CHART_VENV/bin/kubernetes-validate" --strict --quiet -k "$KUBE_VERSION" \
@@ -138,8 +147,13 @@ check "refused: both auth kinds" refused "not both" --set auth.tenantHeader=X-Us
 check "refused: a key the chart owns" refused "config.serve.listen is set by the chart" \
   --set config.serve.listen=0.0.0.0:1
 check "refused: s3 without a bucket URL" refused "storage.s3.url" --set storage.type=s3
-check "refused: async without a pool" refused "no model in config.model_gateways has an inference_pool_name" \
-  --set config.model_gateways.example-model.inference_pool_name=
+check "refused: async without a pool" refused "no model in \`models\` has an inference_pool_name" \
+  --set 'models[0].name=m' --set 'models[0].url=http://gw'
+check "refused: model_gateways in config" refused "config.model_gateways is set by the chart" \
+  --set config.model_gateways.m.url=http://gw
+check "refused: a model twice" refused "models: m is listed twice" \
+  --set 'models[0].name=m' --set 'models[1].name=m'
+check "refused: no model" refused "models: list at least one model" --set 'models=null'
 
 echo "chart tests: $passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -49,9 +49,10 @@ values. Fails on a key the chart owns, and on a config the service would refuse 
 {{- $dir := include "bp.secretsDir" . -}}
 {{- $config := deepCopy $v.config -}}
 {{- $serve := default dict (get $config "serve") -}}
-{{- range $key := list "redis_url_file" "redis_tls" "work_dir" "observability" -}}
-{{- if hasKey $config $key -}}{{- fail (printf "config.%s is set by the chart: use the chart's values (redis, workDir, service.metricsPort)" $key) -}}{{- end -}}
+{{- range $key := list "redis_url_file" "redis_tls" "work_dir" "observability" "model_gateways" -}}
+{{- if hasKey $config $key -}}{{- fail (printf "config.%s is set by the chart: use the chart's values (redis, workDir, service.metricsPort, models)" $key) -}}{{- end -}}
 {{- end -}}
+{{- $_ := set $config "model_gateways" (include "bp.modelGateways" . | fromJson) -}}
 {{- range $key := list "listen" "api_keys_file" "tenant_header" "storage" "s3" -}}
 {{- if hasKey $serve $key -}}{{- fail (printf "config.serve.%s is set by the chart: use the chart's values (service, auth, storage)" $key) -}}{{- end -}}
 {{- end -}}
@@ -104,14 +105,27 @@ values. Fails on a key the chart owns, and on a config the service would refuse 
 {{- toYaml $config -}}
 {{- end -}}
 
+{{/* config.model_gateways from the `models` list: name → the entry's other keys. */}}
+{{- define "bp.modelGateways" -}}
+{{- $gateways := dict -}}
+{{- range $i, $m := .Values.models -}}
+{{- if not $m.name -}}{{- fail (printf "models[%d]: every model needs a name" $i) -}}{{- end -}}
+{{- if hasKey $gateways $m.name -}}{{- fail (printf "models: %s is listed twice" $m.name) -}}{{- end -}}
+{{- $_ := set $gateways $m.name (omit $m "name") -}}
+{{- end -}}
+{{- if not $gateways -}}{{- fail "models: list at least one model" -}}{{- end -}}
+{{- toJson $gateways -}}
+{{- end -}}
+
 {{/*
 The pools of config.model_gateways, as `processor queues` derives them: pool → its models,
 sorted by name (both sides must name the same queues: <queue_prefix>:requests:<pool>).
 */}}
 {{- define "bp.pools" -}}
 {{- $pools := dict -}}
-{{- range $model := keys .Values.config.model_gateways | sortAlpha -}}
-{{- $gw := get $.Values.config.model_gateways $model -}}
+{{- $gateways := include "bp.modelGateways" . | fromJson -}}
+{{- range $model := keys $gateways | sortAlpha -}}
+{{- $gw := get $gateways $model -}}
 {{- if and $gw $gw.inference_pool_name -}}
 {{- $models := default list (get $pools $gw.inference_pool_name) -}}
 {{- $_ := set $pools $gw.inference_pool_name (append $models $model) -}}
@@ -125,11 +139,12 @@ sorted by name (both sides must name the same queues: <queue_prefix>:requests:<p
 {{- $ad := default dict .Values.config.async_dispatch -}}
 {{- $prefix := default "llm-d-async" $ad.queue_prefix -}}
 {{- $pools := include "bp.pools" . | fromJson -}}
+{{- $gateways := include "bp.modelGateways" . | fromJson -}}
 {{- $entries := list -}}
 {{- range $pool := keys $pools | sortAlpha -}}
 {{- $url := "" -}}
 {{- range $model := get $pools $pool -}}
-{{- $gw := get $.Values.config.model_gateways $model -}}
+{{- $gw := get $gateways $model -}}
 {{- if and (not $url) $gw.url -}}{{- $url = trimSuffix "/" $gw.url -}}{{- end -}}
 {{- end -}}
 {{- $params := merge (dict "pool" $pool) (deepCopy $.Values.dispatcher.gateParams) -}}
