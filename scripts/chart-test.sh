@@ -26,16 +26,7 @@ py=$CHART_VENV/bin/python
 
 work=$(mktemp -d -t batch-chart-XXXXXX)
 trap 'rm -rf "$work"' EXIT
-passed=0
-failed=0
-check() { # NAME COMMAND...: runs the command, counts and says the outcome
-  local name=$1; shift
-  if "$@" > "$work/check.log" 2>&1; then
-    passed=$((passed + 1)); echo "ok   $name"
-  else
-    failed=$((failed + 1)); echo "FAIL $name"; sed 's/^/     /' "$work/check.log" | tail -n 30
-  fi
-}
+export CHECK_LOG=$work/check.log
 
 # Writes each document of a rendered chart to $2/<kind>-<name>.yaml, and the ConfigMaps' files
 # to $3 (processor.yaml; in async mode queues.json, transport.json, llm-d-async-values.yaml).
@@ -155,5 +146,4 @@ check "refused: a model twice" refused "models: m is listed twice" \
   --set 'models[0].name=m' --set 'models[1].name=m'
 check "refused: no model" refused "models: list at least one model" --set 'models=null'
 
-echo "chart tests: $passed passed, $failed failed"
-[ "$failed" = 0 ]
+check_summary "chart tests"

@@ -33,13 +33,7 @@ export PROCESSOR_WORK_DIR="$work/jobs"
 "$bin/async-dispatcher-sim" gateway --listen 127.0.0.1:0 --latency 20ms \
   > "$work/gateway.log" 2>&1 &
 pids+=($!)
-gateway_port=
-for _ in $(seq 1 100); do
-  gateway_port=$(sed -n 's|^listening gateway=http://127.0.0.1:\([0-9]*\).*|\1|p' "$work/gateway.log")
-  if [ -n "$gateway_port" ]; then break; fi
-  sleep 0.1
-done
-if [ -z "$gateway_port" ]; then echo "the gateway did not start; see $work/gateway.log" >&2; exit 1; fi
+gateway_port=$(gateway_port "$work/gateway.log")
 wait_http "$gateway_port"
 
 # The dispatcher gets its queues from the processor's own config: one source of truth.

@@ -28,16 +28,7 @@ cleanup() {
   for c in "${containers[@]}"; do buildah rm "$c" >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
-passed=0
-failed=0
-check() { # NAME COMMAND...: runs the command, counts and says the outcome
-  local name=$1; shift
-  if "$@" > "$work/check.log" 2>&1; then
-    passed=$((passed + 1)); echo "ok   $name"
-  else
-    failed=$((failed + 1)); echo "FAIL $name"; sed 's/^/     /' "$work/check.log" | tail -n 20
-  fi
-}
+export CHECK_LOG=$work/check.log
 
 proc_ctr=$(buildah from --pull=never "$processor_image"); containers+=("$proc_ctr")
 sim_ctr=$(buildah from --pull=never "$sim_image"); containers+=("$sim_ctr")
@@ -70,13 +61,7 @@ pids+=("$REDIS_PID")
 in_sim /usr/local/bin/async-dispatcher-sim gateway --listen 127.0.0.1:0 --latency 20ms \
   > "$work/gateway.log" 2>&1 &
 pids+=($!)
-gateway_port=
-for _ in $(seq 1 100); do
-  gateway_port=$(sed -n 's|^listening gateway=http://127.0.0.1:\([0-9]*\).*|\1|p' "$work/gateway.log")
-  if [ -n "$gateway_port" ]; then break; fi
-  sleep 0.1
-done
-[ -n "$gateway_port" ] || { cat "$work/gateway.log" >&2; echo "the simulator's gateway did not start" >&2; exit 1; }
+gateway_port=$(gateway_port "$work/gateway.log")
 echo "redis://localhost:$REDIS_PORT" > "$proc_root/out/redis-url"
 export PROCESSOR_REDIS_URL_FILE=/out/redis-url
 in_proc /usr/local/bin/processor queues --config /input/examples/config/demo.yaml --json \
@@ -129,5 +114,4 @@ tls_check() {
 }
 check "rediss:// trusted through the image's CA bundle" tls_check
 
-echo "image tests: $passed passed, $failed failed"
-[ "$failed" = 0 ]
+check_summary "image tests"

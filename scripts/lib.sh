@@ -18,6 +18,19 @@ ensure_redis() {
   # Debian starts a system Redis (and Sentinel) with the packages; we never use them.
 }
 
+# Makes a new, empty virtualenv at $1 (python3 and python3-venv installed with apt-get when
+# missing: Debian ships venv's pip bootstrap, ensurepip, in a package of its own).
+make_venv() {
+  if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    echo "installing python3 and python3-venv with apt-get..." >&2
+    as_root apt-get update -qq >/dev/null || true
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
+  fi
+  rm -rf "$1"
+  mkdir -p "$(dirname "$1")"
+  python3 -m venv "$1"
+}
+
 # The S3-compatible server of the S3 tests (tools/testkit S3Server): moto's moto_server, pinned
 # with the Flask it serves through. moto[s3], not moto[server], which brings every AWS service's
 # dependencies.
@@ -29,16 +42,7 @@ ensure_moto() {
   export BATCH_VENV="${BATCH_VENV:-$PWD/target/venv}"
   local stamp="$BATCH_VENV/.moto-${MOTO_PACKAGES[0]#*==}"
   if [ -e "$stamp" ] && [ -x "$BATCH_VENV/bin/moto_server" ]; then return; fi
-  if ! "$BATCH_VENV/bin/python" -c '' 2>/dev/null; then
-    # Debian ships venv's pip bootstrap (ensurepip) in a package of its own.
-    if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-      echo "installing python3 and python3-venv with apt-get..." >&2
-      as_root apt-get update -qq >/dev/null || true
-      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
-    fi
-    rm -rf "$BATCH_VENV"
-    python3 -m venv "$BATCH_VENV"
-  fi
+  if ! "$BATCH_VENV/bin/python" -c '' 2>/dev/null; then make_venv "$BATCH_VENV"; fi
   echo "installing ${MOTO_PACKAGES[*]} into $BATCH_VENV..." >&2
   "$BATCH_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${MOTO_PACKAGES[@]}"
   touch "$stamp"
@@ -106,15 +110,8 @@ ensure_venv() {
   export BATCH_VENV="${BATCH_VENV:-$PWD/target/venv}"
   local stamp="$BATCH_VENV/.openai-$OPENAI_SDK_VERSION"
   if [ -e "$stamp" ] && "$BATCH_VENV/bin/python" -c '' 2>/dev/null; then return; fi
-  # Debian ships venv's pip bootstrap (ensurepip) in a package of its own.
-  if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-    echo "installing python3 and python3-venv with apt-get..." >&2
-    as_root apt-get update -qq >/dev/null || true
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
-  fi
   echo "making the test virtualenv $BATCH_VENV (openai==$OPENAI_SDK_VERSION)..." >&2
-  rm -rf "$BATCH_VENV"
-  python3 -m venv "$BATCH_VENV"
+  make_venv "$BATCH_VENV"
   "$BATCH_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
     "openai==$OPENAI_SDK_VERSION"
   touch "$stamp"
@@ -146,6 +143,9 @@ HELM_VERSION=v4.3.2
 # Puts helm $HELM_VERSION on PATH as `helm`, installing it with `go install` when missing.
 ensure_helm() {
   local gobin
+  # The Go toolchain of these machines lives in /usr/local/go (Debian's golang is too old for helm 4).
+  command -v go >/dev/null || export PATH="/usr/local/go/bin:$PATH"
+  command -v go >/dev/null || { echo "helm is built with go install: install Go (1.25 or later) first" >&2; return 1; }
   gobin="$(go env GOPATH)/bin"
   export PATH="$gobin:$PATH"
   # `helm version` of a go-installed helm says only v4.3: the module's version is in the binary.
@@ -169,17 +169,40 @@ ensure_chart_tools() {
   if [ -e "$stamp" ] && [ -x "$CHART_VENV/bin/checkov" ] && [ -x "$CHART_VENV/bin/kubernetes-validate" ]; then
     return
   fi
-  if ! "$CHART_VENV/bin/python" -c '' 2>/dev/null; then
-    if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-      echo "installing python3 and python3-venv with apt-get..." >&2
-      as_root apt-get update -qq >/dev/null || true
-      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
-    fi
-    rm -rf "$CHART_VENV"
-    mkdir -p "$(dirname "$CHART_VENV")"
-    python3 -m venv "$CHART_VENV"
-  fi
+  if ! "$CHART_VENV/bin/python" -c '' 2>/dev/null; then make_venv "$CHART_VENV"; fi
   echo "installing ${CHART_PY_PACKAGES[*]} into $CHART_VENV (minutes, once)..." >&2
   "$CHART_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${CHART_PY_PACKAGES[@]}"
   touch "$stamp"
+}
+
+# Runs one check of a test script: `check NAME COMMAND...` runs the command with its output in
+# $CHECK_LOG (default: a file under $TMPDIR), counts it in CHECKS_PASSED or CHECKS_FAILED and
+# says ok or FAIL (then with the output's last lines). The script ends with check_summary.
+CHECKS_PASSED=0
+CHECKS_FAILED=0
+check() {
+  local name=$1 log=${CHECK_LOG:-${TMPDIR:-/tmp}/batch-check.$$.log}; shift
+  if "$@" > "$log" 2>&1; then
+    CHECKS_PASSED=$((CHECKS_PASSED + 1)); echo "ok   $name"
+  else
+    CHECKS_FAILED=$((CHECKS_FAILED + 1)); echo "FAIL $name"; sed 's/^/     /' "$log" | tail -n 30
+  fi
+}
+
+# Prints "<what>: N passed, N failed" and fails when one did.
+check_summary() {
+  echo "$1: $CHECKS_PASSED passed, $CHECKS_FAILED failed"
+  [ "$CHECKS_FAILED" = 0 ]
+}
+
+# Waits for the simulator's gateway (`async-dispatcher-sim gateway --listen 127.0.0.1:0`) to
+# print its address in the log $1, and prints its port.
+gateway_port() {
+  local port=
+  for _ in $(seq 1 100); do
+    port=$(sed -n 's|^listening gateway=http://127.0.0.1:\([0-9]*\).*|\1|p' "$1")
+    if [ -n "$port" ]; then echo "$port"; return; fi
+    sleep 0.1
+  done
+  echo "the gateway did not start; see $1" >&2; return 1
 }

@@ -49,8 +49,8 @@ values. Fails on a key the chart owns, and on a config the service would refuse 
 {{- $dir := include "bp.secretsDir" . -}}
 {{- $config := deepCopy $v.config -}}
 {{- $serve := default dict (get $config "serve") -}}
-{{- range $key := list "redis_url_file" "redis_tls" "work_dir" "observability" "model_gateways" -}}
-{{- if hasKey $config $key -}}{{- fail (printf "config.%s is set by the chart: use the chart's values (redis, workDir, service.metricsPort, models)" $key) -}}{{- end -}}
+{{- range $key := list "redis_url_file" "redis_tls" "work_dir" "model_gateways" -}}
+{{- if hasKey $config $key -}}{{- fail (printf "config.%s is set by the chart: use the chart's values (redis, workDir, models)" $key) -}}{{- end -}}
 {{- end -}}
 {{- $_ := set $config "model_gateways" (include "bp.modelGateways" . | fromJson) -}}
 {{- range $key := list "listen" "api_keys_file" "tenant_header" "storage" "s3" -}}
@@ -71,7 +71,6 @@ values. Fails on a key the chart owns, and on a config the service would refuse 
 {{- end -}}
 {{- end -}}
 {{- $_ := set $config "work_dir" "/var/lib/batch-processor/work" -}}
-{{- $_ := set $config "observability" (dict "addr" (printf "0.0.0.0:%v" $v.service.metricsPort)) -}}
 {{- $_ := set $serve "listen" (printf "0.0.0.0:%v" $v.service.port) -}}
 {{- if and $v.auth.apiKeys.existingSecret $v.auth.tenantHeader -}}
 {{- fail "auth: set either apiKeys.existingSecret or tenantHeader, not both" -}}
