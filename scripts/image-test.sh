@@ -44,9 +44,16 @@ printf '127.0.0.1 localhost\n' > "$sim_root/etc/hosts"
 mkdir -p "$proc_root/input" "$proc_root/out"
 cp -r examples "$proc_root/input/"
 chown -R 65532:65532 "$proc_root/out"
-# Runs a command of the processor image as its user, inside its root.
-in_proc() { chroot --userspec=65532:65532 "$proc_root" "$@"; }
-in_sim() { chroot --userspec=65532:65532 "$sim_root" "$@"; }
+# Runs a command of an image as its user, inside its root, with only the image's environment
+# (and the test's PROCESSOR_REDIS_URL_FILE), as a container runtime would.
+image_env() { buildah inspect --type image --format '{{range .OCIv1.Config.Env}}{{println .}}{{end}}' "$1"; }
+mapfile -t proc_env < <(image_env "$processor_image")
+mapfile -t sim_env < <(image_env "$sim_image")
+in_proc() {
+  env -i "${proc_env[@]}" ${PROCESSOR_REDIS_URL_FILE:+PROCESSOR_REDIS_URL_FILE=$PROCESSOR_REDIS_URL_FILE} \
+    chroot --userspec=65532:65532 "$proc_root" "$@"
+}
+in_sim() { env -i "${sim_env[@]}" chroot --userspec=65532:65532 "$sim_root" "$@"; }
 
 check "processor --version" in_proc /usr/local/bin/processor --version
 for config in examples/config/*.yaml; do
