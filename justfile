@@ -17,7 +17,7 @@ chart-test:
     bash scripts/chart-test.sh
 
 # Build the container images (static release binaries, FROM scratch) with buildah and test them
-# inside their own roots. Not in CI: a release build of its own takes about 10 minutes.
+# inside their own roots. Not in CI: a release build of its own takes 10 minutes or more.
 image:
     bash scripts/image.sh
 

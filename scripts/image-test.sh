@@ -22,9 +22,11 @@ ensure_redis
 containers=()
 pids=()
 work=$(mktemp -d -t batch-image-XXXXXX)
+mounts=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount "${mounts[i]}" 2>/dev/null || true; done
   for c in "${containers[@]}"; do buildah rm "$c" >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
@@ -37,6 +39,18 @@ sim_root=$(buildah mount "$sim_ctr")
 # What the image itself must hold (nothing else is copied in but the inputs below).
 for f in /usr/local/bin/processor /etc/ssl/certs/ca-certificates.crt /etc/passwd /etc/group; do
   [ -s "$proc_root$f" ] || { echo "the image lacks $f" >&2; exit 1; }
+done
+# What any container runtime gives a container and an image cannot hold: the basic devices
+# (the random generator reads /dev/urandom) and /proc, bound from the host.
+for root in "$proc_root" "$sim_root"; do
+  mkdir -p "$root/dev" "$root/proc"
+  for dev in null zero random urandom; do
+    touch "$root/dev/$dev"
+    mount --bind "/dev/$dev" "$root/dev/$dev"
+    mounts+=("$root/dev/$dev")
+  done
+  mount --bind /proc "$root/proc"
+  mounts+=("$root/proc")
 done
 # As the kubelet does: /etc/hosts and a writable, mounted work volume; the inputs at /input.
 printf '127.0.0.1 localhost\n' > "$proc_root/etc/hosts"
