@@ -101,6 +101,25 @@ sys.exit(0 if ok else 1)
 EOF
 }
 
+# The ServiceMonitor (a CRD, outside the Kubernetes schemas): its endpoints name ports of the
+# Service it selects, on /metrics.
+check_servicemonitor() { # MANIFESTS-DIR
+  "$py" - "$1" <<'EOF'
+import glob, os, sys, yaml
+d = sys.argv[1]
+(sm,) = [yaml.safe_load(open(p)) for p in glob.glob(os.path.join(d, "servicemonitor-*.yaml"))]
+services = [yaml.safe_load(open(p)) for p in glob.glob(os.path.join(d, "service-*.yaml"))]
+assert sm["apiVersion"] == "monitoring.coreos.com/v1", sm["apiVersion"]
+want = sm["spec"]["selector"]["matchLabels"]
+(svc,) = [s for s in services if want.items() <= s["metadata"]["labels"].items()]
+ports = {p["name"] for p in svc["spec"]["ports"]}
+for ep in sm["spec"]["endpoints"]:
+    assert ep["port"] in ports, (ep["port"], ports)
+    assert ep["path"] == "/metrics", ep["path"]
+print(f"scrapes {[ep['port'] for ep in sm['spec']['endpoints']]} of Service {svc['metadata']['name']}")
+EOF
+}
+
 cases=(default "$chart"/ci/*-values.yaml)
 for case in "${cases[@]}"; do
   name=$(basename "$case" .yaml)
@@ -114,10 +133,13 @@ for case in "${cases[@]}"; do
     bash -c 'helm template batch "$@" > "$0"' "$dir/rendered.yaml" "$chart" --namespace llm-d "${args[@]}"
   [ -s "$dir/rendered.yaml" ] || continue
   split_manifests "$dir/rendered.yaml" "$dir/manifests" "$dir"
-  # ServiceMonitor is a CRD: no Kubernetes schema has it; its fields are checked by name below.
+  # ServiceMonitor is a CRD: no Kubernetes schema has it; check_servicemonitor checks it.
   check "kubernetes-validate --strict -k $KUBE_VERSION ($name)" \
     "$CHART_VENV/bin/kubernetes-validate" --strict --quiet -k "$KUBE_VERSION" \
     $(ls "$dir"/manifests/*.yaml | grep -v /servicemonitor-)
+  if ls "$dir"/manifests/servicemonitor-* >/dev/null 2>&1; then
+    check "ServiceMonitor scrapes a port of the Service ($name)" check_servicemonitor "$dir/manifests"
+  fi
   check "processor check-config on the rendered config ($name)" check_config "$dir"
   if [ -e "$dir/queues.json" ]; then
     check "dispatcher ConfigMap = processor queues ($name)" compare_queues "$dir"
