@@ -111,6 +111,37 @@ async fn file_routes_paginate_and_keep_tenants_apart() {
         .expect(200);
     assert_eq!(page["data"], json!([]), "{page}");
     assert_eq!(page["has_more"], false, "{page}");
+    // `after` as a number of files to skip (the batch gateway's form), with the same cursor fields.
+    let page = a
+        .get("/v1/files?order=asc&limit=2&after=2")
+        .await
+        .expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), uploaded[2..4]);
+    assert_eq!(page["has_more"], true, "{page}");
+    assert_eq!(page["first_id"], uploaded[2]);
+    assert_eq!(page["last_id"], uploaded[3]);
+    let page = a.get("/v1/files?limit=4&after=2").await.expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[2..]);
+    assert_eq!(page["has_more"], false, "{page}");
+    let page = a.get("/v1/files?after=6").await.expect(200);
+    assert_eq!(page["data"], json!([]), "{page}");
+    assert_eq!(page["has_more"], false, "{page}");
+    assert!(
+        page["first_id"].is_null() && page["last_id"].is_null(),
+        "{page}"
+    );
+    // An id that names no file of this listing is refused, named, not a page that starts over.
+    for cursor in ["file-doesnotexist", b_file.as_str(), "-1"] {
+        let error = a
+            .get(&format!("/v1/files?after={cursor}"))
+            .await
+            .expect_error(400);
+        assert_eq!(error["param"], "after", "{error}");
+        assert!(
+            error["message"].as_str().unwrap().contains(cursor),
+            "{error}"
+        );
+    }
     // Purpose filter: no batch has run, so no output files.
     assert_eq!(a.list_all("/v1/files", "purpose=batch", 100).await.len(), 6);
     assert!(a
@@ -282,12 +313,20 @@ async fn bad_requests_get_openai_errors_with_their_statuses() {
     )
     .await
     .expect_error(400);
-    // An unknown input file and another tenant's file are refused alike.
-    let unknown = a.create_batch("file-doesnotexist", "24h").await;
-    let status = unknown.status;
-    assert!(status == 400 || status == 404, "{}", unknown.text());
-    unknown.expect_error(status);
-    b.create_batch(&ok, "24h").await.expect_error(status);
+    // An empty, unknown or another tenant's input file is a bad value in the body: 400, naming
+    // the parameter, with the words the batch gateway uses.
+    let error = a.create_batch("", "24h").await.expect_error(400);
+    assert_eq!(error["param"], "input_file_id", "{error}");
+    for (client, file) in [(&a, "file-doesnotexist"), (&b, ok.as_str())] {
+        let error = client.create_batch(file, "24h").await.expect_error(400);
+        assert_eq!(error["type"], "invalid_request_error", "{error}");
+        assert_eq!(error["param"], "input_file_id", "{error}");
+        assert_eq!(
+            error["message"],
+            format!("Input file with ID '{file}' not found"),
+            "{error}"
+        );
+    }
     assert!(a.list_all("/v1/batches", "", 100).await.is_empty());
     assert!(b.list_all("/v1/batches", "", 100).await.is_empty());
     a.get("/v1/batches?limit=0").await.expect_error(400);
@@ -689,6 +728,30 @@ async fn batches_list_newest_first_page_by_page_per_tenant() {
         .expect(200);
     assert_eq!(page["data"], json!([]), "{page}");
     assert_eq!(page["has_more"], false, "{page}");
+    // The same pages by offset.
+    let page = a.get("/v1/batches?limit=2&after=2").await.expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[2..4]);
+    assert_eq!(page["has_more"], true, "{page}");
+    assert_eq!(page["first_id"], newest_first[2]);
+    assert_eq!(page["last_id"], newest_first[3]);
+    let page = a.get("/v1/batches?limit=2&after=3").await.expect(200);
+    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[3..]);
+    assert_eq!(page["has_more"], false, "{page}");
+    let page = a.get("/v1/batches?after=5").await.expect(200);
+    assert_eq!(page["data"], json!([]), "{page}");
+    // Another tenant's batch, or none, is no cursor.
+    for cursor in [newest_first[0].as_str(), "batch_doesnotexist"] {
+        let client = if cursor == newest_first[0] { &b } else { &a };
+        let error = client
+            .get(&format!("/v1/batches?after={cursor}"))
+            .await
+            .expect_error(400);
+        assert_eq!(error["param"], "after", "{error}");
+        assert!(
+            error["message"].as_str().unwrap().contains(cursor),
+            "{error}"
+        );
+    }
     assert_eq!(ids(&a.list_all("/v1/batches", "", 1).await), newest_first);
     assert_eq!(ids(&a.list_all("/v1/batches", "", 20).await), newest_first);
     assert!(b.list_all("/v1/batches", "", 20).await.is_empty());
@@ -1663,8 +1726,20 @@ async fn webhook_endpoints_are_per_tenant_signed_retried_with_one_id_and_allow_l
         assert!(!shown.contains(&secret[6..]), "{shown}");
         assert!(shown.contains(&we), "{shown}");
     }
-    // Another tenant sees none of it.
+    // Another tenant sees none of it, and cannot page after it.
     assert!(b.list_all("/v1/webhook_endpoints", "", 10).await.is_empty());
+    let e = b
+        .get(&format!("/v1/webhook_endpoints?after={we}"))
+        .await
+        .expect_error(400);
+    assert_eq!(e["param"], "after", "{e}");
+    let page = a.get("/v1/webhook_endpoints?after=0").await.expect(200);
+    assert_eq!(
+        (&page["first_id"], &page["has_more"]),
+        (&json!(we), &json!(false))
+    );
+    let page = a.get("/v1/webhook_endpoints?after=1").await.expect(200);
+    assert_eq!(page["data"], json!([]), "{page}");
     b.get(&format!("/v1/webhook_endpoints/{we}"))
         .await
         .expect_error(404);
