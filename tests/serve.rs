@@ -514,7 +514,7 @@ async fn a_batch_shows_live_counts_and_partial_output_then_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancel_is_idempotent_and_keeps_the_partial_results() {
-    let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
+    let (env, service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
     let (_, id, lines) = submit(&a, "cancel", 200).await;
     let_through(&env, &a, &id, 10).await;
@@ -555,6 +555,8 @@ async fn cancel_is_idempotent_and_keeps_the_partial_results() {
         .expect(200);
     assert_eq!(third["status"], "cancelled", "{third}");
     assert_eq!(third["request_counts"], batch["request_counts"]);
+    // The cancelled requests are no longer counted in flight.
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
     sim.shutdown().await;
 }
 
@@ -595,7 +597,7 @@ async fn a_batch_cancelled_while_queued_never_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
-    let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
+    let (env, service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
     let (_, id, lines) = submit_within(&a, "late", 100, "6s").await;
     let_through(&env, &a, &id, 10).await;
@@ -608,6 +610,7 @@ async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
     assert_eq!(x_count(&batch, "expired"), 100 - done, "{batch}");
     let results = a.results(&batch).await;
     results.assert_each_once_with_errors(&lines, "batch_expired", 100 - done);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
     sim.shutdown().await;
 }
 
@@ -628,6 +631,7 @@ async fn a_cancel_interrupted_by_kill_9_ends_cancelled_after_a_restart() {
     let done = count(&batch, "completed");
     let results = a.results(&batch).await;
     results.assert_each_once_with_errors(&lines, "batch_cancelled", 100 - done);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
     sim.shutdown().await;
 }
 
@@ -826,6 +830,9 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     assert_eq!(queued["status"], "completed", "{queued}");
     a.results(&queued).await.assert_each_once(&queued_lines);
     assert_kept(&before, &inventory(&a).await);
+    // Results of requests sent before the kill are not taken off a gauge that never counted
+    // them (it would go below 0).
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
     sim.shutdown().await;
 }
 
@@ -891,6 +898,41 @@ async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
     assert_eq!(count(&batch, "completed"), 200, "{batch}");
     let results = a.results(&batch).await;
     results.assert_answered(&lines);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_sync_mode_cancel_and_expiry_take_their_requests_off_the_gauges() {
+    let env = Env::start(slow_gateway()).await;
+    let config = sync_service(&env, 4, "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    // Cancelled and expired with requests at the gateway (200 ms each, 4 at once).
+    let (_, cancelled, lines) = submit(&a, "sync-cancel", 200).await;
+    a.wait_batch(&cancelled, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    a.post_empty(&format!("/v1/batches/{cancelled}/cancel"))
+        .await
+        .expect(200);
+    let batch = a.wait_final(&cancelled, FINISH).await;
+    assert_eq!(batch["status"], "cancelled", "{batch}");
+    let done = count(&batch, "completed");
+    a.results(&batch)
+        .await
+        .assert_each_once_with_errors(&lines, "batch_cancelled", 200 - done);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
+
+    let (_, expired, lines) = submit_within(&a, "sync-late", 200, "3s").await;
+    let batch = a.wait_final(&expired, FINISH).await;
+    assert_eq!(batch["status"], "expired", "{batch}");
+    let done = count(&batch, "completed");
+    assert!(done < 200, "{batch}");
+    a.results(&batch)
+        .await
+        .assert_each_once_with_errors(&lines, "batch_expired", 200 - done);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -340,6 +340,41 @@ impl Service {
     pub fn client(&self, key: Option<&str>) -> Api {
         Api::new(&self.base, key)
     }
+
+    /// Waits up to `limit` for every gauge of work in flight on `/metrics`
+    /// (`model_inflight_requests` of each model, `processor_inflight_requests`,
+    /// `batch_service_active_jobs`) to read 0, once its batches ended; panics naming those
+    /// that do not. A gauge that is not shown at all counts as 0.
+    pub async fn expect_idle_gauges(&self, limit: Duration) {
+        let client = self.client(None);
+        let start = Instant::now();
+        loop {
+            let text = client.get("/metrics").await.text();
+            let busy: Vec<&str> = text
+                .lines()
+                .filter(|l| {
+                    [
+                        "model_inflight_requests",
+                        "processor_inflight_requests",
+                        "batch_service_active_jobs",
+                    ]
+                    .iter()
+                    .any(|g| l.starts_with(g) && l[g.len()..].starts_with(['{', ' ']))
+                })
+                .filter(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) != Some(0.0))
+                .collect();
+            if busy.is_empty() {
+                return;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "{}: gauges not back to 0 {limit:?} after the batches ended:\n{}",
+                self.name,
+                busy.join("\n")
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
 
 impl Drop for Service {

@@ -381,7 +381,7 @@ impl AsyncMode {
             let done = producer
                 .enqueue_requests(&q.messages, requests(job, q, records))
                 .await?;
-            m::model_inflight(&q.model.model, done.sent as f64);
+            job.inflight.add(&q.model.model, done.sent);
             job.dispatched(done.sent);
             m::pool_counter("batch_requests_enqueued_total", &q.pool, done.added);
             total += done.added;
@@ -412,7 +412,7 @@ impl AsyncMode {
                 .withdraw(&q.messages, lines, self.retry_queue())
                 .await?;
             m::pool_counter("batch_requests_removed_total", &q.pool, report.removed);
-            m::model_inflight(&q.model.model, -(count as f64));
+            job.inflight.remove(&q.model.model, count as u64);
             if count > 0 {
                 tracing::info!(job = %job.id, model = %q.model.model, removed = report.removed, marked = report.marked, "withdrew pending requests");
             }

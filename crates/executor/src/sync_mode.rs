@@ -15,7 +15,6 @@ use futures::stream::{self, StreamExt};
 use tokio::sync::mpsc;
 
 use crate::job::{End, Job, JobFailure};
-use crate::metrics as m;
 use crate::stop::Stop;
 use crate::{blocking, Dispatch, ExecError};
 
@@ -166,7 +165,7 @@ impl SyncMode {
             Some(slots) => slots.clone().acquire_owned().await.ok(),
             None => None,
         };
-        m::model_inflight(model, 1.0);
+        job.inflight.add(model, 1);
         let outcome = self
             .dispatcher
             .dispatch(
@@ -180,7 +179,7 @@ impl SyncMode {
                 },
             )
             .await;
-        m::model_inflight(model, -1.0);
+        job.inflight.remove(model, 1);
         match outcome {
             SyncOutcome::Http { status, body } => Owned::Http(status, body),
             SyncOutcome::Failed { code, message } => Owned::Failed(code, message),
