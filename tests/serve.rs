@@ -936,6 +936,44 @@ async fn in_sync_mode_cancel_and_expiry_take_their_requests_off_the_gauges() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn observability_addr_serves_the_probes_and_metrics_without_a_key() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let port = batch_testkit::free_port();
+    let config = async_service(
+        &env,
+        TWO_TENANTS,
+        "",
+        &format!("observability:\n  addr: 127.0.0.1:{port}\n"),
+    );
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (_, id, _) = submit(&a, "probed", 5).await;
+    assert_eq!(a.wait_final(&id, FINISH).await["status"], "completed");
+    let probes = Api::new(&format!("http://127.0.0.1:{port}"), None);
+    let health = probes.get("/health").await;
+    assert_eq!((health.status, health.text()), (200, "ok\n".to_owned()));
+    let ready = probes.get("/ready").await;
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    let metrics = probes.get("/metrics").await;
+    assert_eq!(metrics.status, 200);
+    assert!(
+        metrics
+            .text()
+            .lines()
+            .any(|l| l.starts_with("batch_service_jobs{")
+                && l.contains("\"completed\"")
+                && l.ends_with(" 1")),
+        "{}",
+        metrics.text()
+    );
+    // Only the probes: the API stays on its own port.
+    probes.get("/v1/batches").await.expect_error(404);
+    a.get("/v1/batches").await.expect(200);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_window_that_passes_while_the_service_is_stopped_expires_the_batch_on_restart() {
     let (env, mut service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
