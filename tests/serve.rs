@@ -1974,3 +1974,124 @@ async fn a_tenants_requests_in_flight_are_capped_while_another_tenant_runs() {
         "{most} at once: tenant B did not run beside tenant A with a share of its own"
     );
 }
+
+/// The trace id a client's `traceparent` names in [`traces_reach_the_gateway`]: its bytes are
+/// the ASCII `ABCDEFGHIJKLMNOP`, so they show as such in the exported protobuf.
+const CLIENT_TRACE: &str = "4142434445464748494a4b4c4d4e4f50";
+
+/// The trace id of a `traceparent` (`00-<trace>-<span>-<flags>`), checking its shape.
+fn trace_of(traceparent: &str) -> String {
+    let parts: Vec<&str> = traceparent.split('-').collect();
+    assert!(
+        parts.len() == 4
+            && parts[0] == "00"
+            && parts[1].len() == 32
+            && parts[2].len() == 16
+            && parts[3] == "01"
+            && parts[1..3]
+                .iter()
+                .all(|p| p.bytes().all(|b| b.is_ascii_hexdigit())),
+        "not a sampled W3C traceparent: {traceparent}"
+    );
+    parts[1].to_owned()
+}
+
+/// Batch A, created under a client's trace, and batch B, created without one, both complete;
+/// every request the gateway saw carries a `traceparent` of its batch's trace (A's is the
+/// client's), and the spans of A's trace (the API call, the batch's run, its steps) reached
+/// the collector.
+async fn traces_reach_the_gateway(
+    env: &Env,
+    service: &Service,
+    collector: &Receiver,
+    steps: &[&str],
+) {
+    let a = service.client(Some(KEY_A));
+    let (text_a, lines_a) = input_jsonl("traced-a", 30, "llama-3");
+    let (text_b, lines_b) = input_jsonl("traced-b", 10, "llama-3");
+    let file_a = a.upload_ok("a.jsonl", text_a.as_bytes()).await;
+    let file_b = a.upload_ok("b.jsonl", text_b.as_bytes()).await;
+    let client_span = format!("00-{CLIENT_TRACE}-0102030405060708-01");
+    let id_a = id_of(
+        &a.with_header("traceparent", &client_span)
+            .create_batch_ok(&file_a)
+            .await,
+    );
+    let id_b = id_of(&a.create_batch_ok(&file_b).await);
+    for (id, lines) in [(&id_a, &lines_a), (&id_b, &lines_b)] {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        a.results(&batch).await.assert_each_once(lines);
+    }
+    let mut by_trace: BTreeMap<String, usize> = BTreeMap::new();
+    for r in env.gateway.recent_requests() {
+        let traceparent = r
+            .header("traceparent")
+            .unwrap_or_else(|| panic!("a request without a traceparent: {r:?}"));
+        *by_trace.entry(trace_of(traceparent)).or_default() += 1;
+    }
+    assert_eq!(by_trace.len(), 2, "one trace per batch: {by_trace:?}");
+    assert_eq!(
+        by_trace.remove(CLIENT_TRACE),
+        Some(lines_a.len()),
+        "{by_trace:?}"
+    );
+    assert_eq!(by_trace.into_values().next(), Some(lines_b.len()));
+    // The exporter sends within a second or so (OTEL_BSP_SCHEDULE_DELAY).
+    eventually(
+        "the batch's spans at the collector",
+        Duration::from_secs(30),
+        || {
+            let all: String = collector.seen().iter().map(|d| d.body.as_str()).collect();
+            all.contains("ABCDEFGHIJKLMNOP")
+                && all.contains("POST /v1/batches")
+                && all.contains(&format!("batch {id_a}"))
+                && steps.iter().all(|s| all.contains(s))
+        },
+    )
+    .await;
+}
+
+/// `observability.otlp_endpoint` at `collector`, spans sent every 200 ms.
+fn traced(config: &std::path::Path, collector: &Receiver) -> Service {
+    let base = collector.url.trim_end_matches("/hook");
+    let mut yaml = std::fs::read_to_string(config).unwrap();
+    yaml.push_str(&format!("observability:\n  otlp_endpoint: {base}\n"));
+    std::fs::write(config, yaml).unwrap();
+    Launch::new(config)
+        .env("OTEL_BSP_SCHEDULE_DELAY", "200")
+        .env("OTEL_SERVICE_NAME", "batch-processor-test")
+        .start()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_async_mode_every_request_carries_its_batchs_traceparent() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let collector = Receiver::start(0).await;
+    let service = traced(&config, &collector);
+    traces_reach_the_gateway(
+        &env,
+        &service,
+        &collector,
+        &["validate", "enqueue", "dispatch", "finalize"],
+    )
+    .await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_sync_mode_every_request_carries_its_batchs_traceparent() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = sync_service(&env, 4, "");
+    let collector = Receiver::start(0).await;
+    let service = traced(&config, &collector);
+    traces_reach_the_gateway(
+        &env,
+        &service,
+        &collector,
+        &["validate", "dispatch", "finalize"],
+    )
+    .await;
+}

@@ -168,7 +168,7 @@ pub(crate) async fn create(
     );
     batch.endpoint = Some(endpoint);
     batch.metadata = metadata;
-    let stored = StoredBatch {
+    let mut stored = StoredBatch {
         tenant: tenant.0.clone(),
         batch: BatchObject {
             batch,
@@ -180,6 +180,12 @@ pub(crate) async fn create(
         output_expires_after,
         headers: pass_through(&api, &request_headers)?,
     };
+    // The batch's trace is this request's: each run of it, on any replica, is a child of it.
+    if let Some(parent) = batch_observability::traceparent(&tracing::Span::current()) {
+        stored
+            .headers
+            .insert(batch_observability::TRACEPARENT.to_owned(), parent);
+    }
     let max = api.quotas.max_unfinished_batches;
     if api.store.create_batch_within(&stored, max).await?.is_err() {
         return Err(ApiError::new(

@@ -326,6 +326,10 @@ fn algorithm_name<S: Serializer>(a: &LimiterAlgorithm, s: S) -> Result<S::Ok, S:
 pub struct ObservabilityConfig {
     /// Listen address of `/health`, `/ready` and `/metrics`; none by default.
     pub addr: Option<SocketAddr>,
+    /// Base URL of an OpenTelemetry collector's OTLP/HTTP receiver (`http://host:4318`; the
+    /// traces path is added); none by default: no traces unless the `OTEL_EXPORTER_OTLP_*`
+    /// variables name one.
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Limits on one input file.

@@ -94,6 +94,7 @@ fn defaults_fill_a_minimal_sync_config() {
     );
     assert_eq!(c.work_dir, std::env::temp_dir().join("batch-processor"));
     assert_eq!(c.observability.addr, None);
+    assert_eq!(c.observability.otlp_endpoint, None);
     assert_eq!(c.input.max_requests, 50_000);
     assert_eq!(c.input.max_file_bytes, 200 * 1024 * 1024);
 }
@@ -140,7 +141,7 @@ concurrency:
   aimd: {enabled: false, algorithm: aimd, min: 2, backoff_factor: 0.75, additive_increase: 2}
 redis_url_file: redis-url
 work_dir: /var/tmp/jobs
-observability: {addr: "127.0.0.1:9090"}
+observability: {addr: "127.0.0.1:9090", otlp_endpoint: "http://127.0.0.1:4318"}
 input: {max_requests: 10, max_file_bytes: 1MiB}
 "#,
     );
@@ -202,6 +203,10 @@ input: {max_requests: 10, max_file_bytes: 1MiB}
     assert_eq!(
         c.observability.addr,
         Some("127.0.0.1:9090".parse().unwrap())
+    );
+    assert_eq!(
+        c.observability.otlp_endpoint.as_deref(),
+        Some("http://127.0.0.1:4318")
     );
     assert_eq!(
         (c.input.max_requests, c.input.max_file_bytes),

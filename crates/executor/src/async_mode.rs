@@ -17,6 +17,7 @@ mod readers;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 use batch_config::ProcessorConfig;
 use batch_consumer::ConsumerOptions;
@@ -380,6 +381,7 @@ impl AsyncMode {
             };
             let done = producer
                 .enqueue_requests(&q.messages, requests(job, q, records))
+                .instrument(tracing::info_span!("enqueue", model = %q.model.model, pool = %q.pool))
                 .await?;
             job.inflight.add(&q.model.model, done.sent);
             job.dispatched(done.sent);

@@ -32,10 +32,14 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let config = match ProcessorConfig::load_service(&args.config) {
         Ok(c) => c,
-        Err(errors) => return Ok(report_invalid(&errors)),
+        Err(errors) => {
+            super::observe::init_logging(false, None);
+            return Ok(report_invalid(&errors));
+        }
     };
+    let traces = super::observe::init_logging_and_traces(&config)?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    runtime.block_on(async {
+    let outcome = runtime.block_on(async {
         let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
         let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
         let options = ServiceOptions {
@@ -78,5 +82,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         tracing::info!(signal = which, "stopping");
         service.shutdown().await;
         Ok(ExitCode::SUCCESS)
-    })
+    });
+    drop(runtime);
+    if let Some(traces) = traces {
+        traces.shutdown();
+    }
+    outcome
 }
