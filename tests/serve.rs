@@ -2096,3 +2096,124 @@ async fn in_sync_mode_every_request_carries_its_batchs_traceparent() {
     )
     .await;
 }
+
+/// One HTTPS GET of `path` at `addr` (`127.0.0.1:port`) with `key`, trusting only the CA in
+/// `ca`: the status, or the error (a refused handshake).
+async fn https_get(addr: &str, ca: &std::path::Path, key: &str, path: &str) -> Result<u16, String> {
+    use rustls::pki_types::pem::PemObject;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {key}\r\nconnection: close\r\n\r\n"
+    );
+    tls.write_all(request.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut answer = Vec::new();
+    tls.read_to_end(&mut answer)
+        .await
+        .map_err(|e| e.to_string())?;
+    let head = String::from_utf8_lossy(&answer);
+    head.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("not an HTTP answer: {head}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serve_tls_serves_https_and_takes_a_renewed_certificate_without_a_restart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let (first, second) = (env.path("pki-1"), env.path("pki-2"));
+    for dir in [&first, &second] {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    let (old, new) = (
+        batch_testkit::TestPki::generate(&first),
+        batch_testkit::TestPki::generate(&second),
+    );
+    // The mounted secret's files, as the service reads them.
+    let (cert, key) = (env.path("tls.crt"), env.path("tls.key"));
+    std::fs::copy(&old.server_cert, &cert).unwrap();
+    std::fs::copy(&old.server_key, &key).unwrap();
+    let config = async_service(
+        &env,
+        TWO_TENANTS,
+        &format!(
+            "  tls:\n    cert_file: {}\n    key_file: {}\n",
+            cert.display(),
+            key.display()
+        ),
+        "",
+    );
+    let service = Service::start(&config);
+    assert!(service.base.starts_with("https://"), "{}", service.base);
+    let addr = service.base.trim_start_matches("https://").to_owned();
+    assert_eq!(https_get(&addr, &old.ca, KEY_A, "/v1/files").await, Ok(200));
+    assert_eq!(
+        https_get(&addr, &old.ca, "wrong", "/v1/files").await,
+        Ok(401)
+    );
+    // Not another CA's, and not plain HTTP.
+    let refused = https_get(&addr, &new.ca, KEY_A, "/v1/files").await;
+    assert!(refused.is_err(), "{refused:?}");
+    let plain = tokio::time::timeout(Duration::from_secs(10), async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let request = format!(
+            "GET /v1/files HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {KEY_A}\r\n\r\n"
+        );
+        let _ = tcp.write_all(request.as_bytes()).await;
+        let mut answer = Vec::new();
+        let _ = tcp.read_to_end(&mut answer).await;
+        answer
+    })
+    .await
+    .expect("the plain connection is closed");
+    assert!(
+        !String::from_utf8_lossy(&plain).contains("HTTP/1.1 200"),
+        "plain HTTP answered"
+    );
+
+    // A half-written update is not served: the certificate in use stays.
+    std::fs::write(&cert, "not a certificate").unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(https_get(&addr, &old.ca, KEY_A, "/v1/files").await, Ok(200));
+    // The renewed pair is served within a few seconds, with no restart.
+    std::fs::copy(&new.server_key, &key).unwrap();
+    std::fs::copy(&new.server_cert, &cert).unwrap();
+    let since = Instant::now();
+    while https_get(&addr, &new.ca, KEY_A, "/v1/files").await != Ok(200) {
+        assert!(
+            since.elapsed() < Duration::from_secs(15),
+            "the renewed certificate is not served"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let refused = https_get(&addr, &old.ca, KEY_A, "/v1/files").await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(
+        service
+            .stderr_text()
+            .contains("serve.tls: serving the new certificate"),
+        "{}",
+        service.stderr_text()
+    );
+}

@@ -241,7 +241,7 @@ impl Service {
             );
         };
         assert!(
-            addr.starts_with("http://127.0.0.1:"),
+            addr.starts_with("http://127.0.0.1:") || addr.starts_with("https://127.0.0.1:"),
             "not a loopback address: {addr}"
         );
         self.base = addr.trim_end_matches('/').to_owned();

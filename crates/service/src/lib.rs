@@ -23,6 +23,7 @@ mod http;
 mod reaper;
 mod recover;
 mod runner;
+mod tls;
 mod webhooks;
 
 use std::net::SocketAddr;
@@ -96,6 +97,7 @@ pub struct ServiceOptions {
 /// A running service.
 pub struct Service {
     addr: SocketAddr,
+    https: bool,
     probes_addr: Option<SocketAddr>,
     runner: Arc<Runner>,
     executor: Arc<Executor>,
@@ -208,6 +210,17 @@ impl Service {
             None => None,
         };
         let probes_addr = probes.as_ref().map(|(_, a)| *a);
+        // `serve.tls`: a bad certificate or key stops the start, naming the file.
+        let mut tasks_before = Vec::new();
+        let tls = match &serve.tls {
+            Some(files) => {
+                let certificates = tls::Certificates::load(files).map_err(ServiceError::Config)?;
+                let acceptor = certificates.acceptor().map_err(ServiceError::Config)?;
+                tasks_before.push(tokio::spawn(certificates.watch(stop_reaper.clone())));
+                Some(acceptor)
+            }
+            None => None,
+        };
         let webhook_sender =
             Arc::new(webhooks::Sender::new(serve.webhooks.clone()).map_err(ServiceError::Config)?);
         let hooks = Arc::new(ServiceHooks {
@@ -245,7 +258,7 @@ impl Service {
             hooks,
         };
         let stop_http = CancellationToken::new();
-        let mut tasks = Vec::new();
+        let mut tasks = tasks_before;
         {
             let limits = http::EdgeLimits {
                 header_read_timeout: serve.header_read_timeout,
@@ -257,14 +270,17 @@ impl Service {
                 listener,
                 app,
                 limits,
+                tls,
                 stop_http.clone(),
             )));
             if let Some((listener, bound)) = probes {
                 tracing::info!(addr = %bound, "serving /health, /ready and /metrics on observability.addr");
+                // Plain HTTP: kubelet probes and scrapes inside the cluster.
                 tasks.push(tokio::spawn(http::serve(
                     listener,
                     probe_app,
                     limits,
+                    None,
                     stop_http.clone(),
                 )));
             }
@@ -290,6 +306,7 @@ impl Service {
         tracing::info!(%addr, replica, max_active_jobs = serve.max_active_jobs, "service started");
         Ok(Self {
             addr,
+            https: serve.tls.is_some(),
             probes_addr,
             runner,
             executor,
@@ -308,6 +325,11 @@ impl Service {
     /// The address the API listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Whether the API speaks HTTPS (`serve.tls`).
+    pub fn https(&self) -> bool {
+        self.https
     }
 
     /// The address `/health`, `/ready` and `/metrics` are also served on

@@ -60,7 +60,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         };
         // One write: a caller that reads the first line and closes the pipe must not make a
         // second write fail, and a closed stdout does not stop a running service.
-        let mut banner = format!("listening on http://{}\n", service.local_addr());
+        let scheme = if service.https() { "https" } else { "http" };
+        let mut banner = format!("listening on {scheme}://{}\n", service.local_addr());
         if let Some(addr) = service.probes_addr() {
             banner.push_str(&format!("probes and metrics on http://{addr}\n"));
         }
