@@ -112,35 +112,14 @@ async fn file_routes_paginate_and_keep_tenants_apart() {
     assert_eq!(page["data"], json!([]), "{page}");
     assert_eq!(page["has_more"], false, "{page}");
     // `after` as a number of files to skip (the batch gateway's form), with the same cursor fields.
-    let page = a
-        .get("/v1/files?order=asc&limit=2&after=2")
-        .await
-        .expect(200);
-    assert_eq!(ids(page["data"].as_array().unwrap()), uploaded[2..4]);
-    assert_eq!(page["has_more"], true, "{page}");
-    assert_eq!(page["first_id"], uploaded[2]);
-    assert_eq!(page["last_id"], uploaded[3]);
-    let page = a.get("/v1/files?limit=4&after=2").await.expect(200);
-    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[2..]);
-    assert_eq!(page["has_more"], false, "{page}");
-    let page = a.get("/v1/files?after=6").await.expect(200);
-    assert_eq!(page["data"], json!([]), "{page}");
-    assert_eq!(page["has_more"], false, "{page}");
-    assert!(
-        page["first_id"].is_null() && page["last_id"].is_null(),
-        "{page}"
-    );
+    a.expect_page("/v1/files?order=asc&limit=2&after=2", &uploaded[2..4], true)
+        .await;
+    a.expect_page("/v1/files?limit=4&after=2", &newest_first[2..], false)
+        .await;
+    a.expect_page("/v1/files?after=6", &[], false).await;
     // An id that names no file of this listing is refused, named, not a page that starts over.
     for cursor in ["file-doesnotexist", b_file.as_str(), "-1"] {
-        let error = a
-            .get(&format!("/v1/files?after={cursor}"))
-            .await
-            .expect_error(400);
-        assert_eq!(error["param"], "after", "{error}");
-        assert!(
-            error["message"].as_str().unwrap().contains(cursor),
-            "{error}"
-        );
+        a.expect_unknown_cursor("/v1/files", cursor).await;
     }
     // Purpose filter: no batch has run, so no output files.
     assert_eq!(a.list_all("/v1/files", "purpose=batch", 100).await.len(), 6);
@@ -733,29 +712,16 @@ async fn batches_list_newest_first_page_by_page_per_tenant() {
     assert_eq!(page["data"], json!([]), "{page}");
     assert_eq!(page["has_more"], false, "{page}");
     // The same pages by offset.
-    let page = a.get("/v1/batches?limit=2&after=2").await.expect(200);
-    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[2..4]);
-    assert_eq!(page["has_more"], true, "{page}");
-    assert_eq!(page["first_id"], newest_first[2]);
-    assert_eq!(page["last_id"], newest_first[3]);
-    let page = a.get("/v1/batches?limit=2&after=3").await.expect(200);
-    assert_eq!(ids(page["data"].as_array().unwrap()), newest_first[3..]);
-    assert_eq!(page["has_more"], false, "{page}");
-    let page = a.get("/v1/batches?after=5").await.expect(200);
-    assert_eq!(page["data"], json!([]), "{page}");
+    a.expect_page("/v1/batches?limit=2&after=2", &newest_first[2..4], true)
+        .await;
+    a.expect_page("/v1/batches?limit=2&after=3", &newest_first[3..], false)
+        .await;
+    a.expect_page("/v1/batches?after=5", &[], false).await;
     // Another tenant's batch, or none, is no cursor.
-    for cursor in [newest_first[0].as_str(), "batch_doesnotexist"] {
-        let client = if cursor == newest_first[0] { &b } else { &a };
-        let error = client
-            .get(&format!("/v1/batches?after={cursor}"))
-            .await
-            .expect_error(400);
-        assert_eq!(error["param"], "after", "{error}");
-        assert!(
-            error["message"].as_str().unwrap().contains(cursor),
-            "{error}"
-        );
-    }
+    b.expect_unknown_cursor("/v1/batches", &newest_first[0])
+        .await;
+    a.expect_unknown_cursor("/v1/batches", "batch_doesnotexist")
+        .await;
     assert_eq!(ids(&a.list_all("/v1/batches", "", 1).await), newest_first);
     assert_eq!(ids(&a.list_all("/v1/batches", "", 20).await), newest_first);
     assert!(b.list_all("/v1/batches", "", 20).await.is_empty());
@@ -1999,13 +1965,10 @@ fn trace_of(traceparent: &str) -> String {
 /// Batch A, created under a client's trace, and batch B, created without one, both complete;
 /// every request the gateway saw carries a `traceparent` of its batch's trace (A's is the
 /// client's), and the spans of A's trace (the API call, the batch's run, its steps) reached
-/// the collector.
-async fn traces_reach_the_gateway(
-    env: &Env,
-    service: &Service,
-    collector: &Receiver,
-    steps: &[&str],
-) {
+/// the collector (an OTLP receiver in the test).
+async fn traces_reach_the_gateway(env: &Env, config: &std::path::Path, steps: &[&str]) {
+    let collector = Receiver::start(0).await;
+    let service = traced(config, &collector);
     let a = service.client(Some(KEY_A));
     let (text_a, lines_a) = input_jsonl("traced-a", 30, "llama-3");
     let (text_b, lines_b) = input_jsonl("traced-b", 10, "llama-3");
@@ -2069,15 +2032,8 @@ async fn in_async_mode_every_request_carries_its_batchs_traceparent() {
     let env = Env::start(GatewayConfig::default()).await;
     let config = async_service(&env, TWO_TENANTS, "", "");
     let sim = env.dispatcher(&["pool-a"], |_| {}).await;
-    let collector = Receiver::start(0).await;
-    let service = traced(&config, &collector);
-    traces_reach_the_gateway(
-        &env,
-        &service,
-        &collector,
-        &["validate", "enqueue", "dispatch", "finalize"],
-    )
-    .await;
+    let steps = ["validate", "enqueue", "dispatch", "finalize"];
+    traces_reach_the_gateway(&env, &config, &steps).await;
     sim.shutdown().await;
 }
 
@@ -2085,16 +2041,9 @@ async fn in_async_mode_every_request_carries_its_batchs_traceparent() {
 async fn in_sync_mode_every_request_carries_its_batchs_traceparent() {
     let env = Env::start(GatewayConfig::default()).await;
     let config = sync_service(&env, 4, "");
-    let collector = Receiver::start(0).await;
-    let service = traced(&config, &collector);
-    traces_reach_the_gateway(
-        &env,
-        &service,
-        &collector,
-        // Line 0 of each batch has an inference span of its own.
-        &["validate", "dispatch", "inference", "finalize"],
-    )
-    .await;
+    // Line 0 of each batch has an inference span of its own.
+    let steps = ["validate", "dispatch", "inference", "finalize"];
+    traces_reach_the_gateway(&env, &config, &steps).await;
 }
 
 /// One HTTPS GET of `path` at `addr` (`127.0.0.1:port`) with `key`, trusting only the CA in

@@ -707,6 +707,43 @@ impl Api {
         }
     }
 
+    /// GETs one page of a listing at `path` and checks it holds exactly `ids`, with
+    /// `first_id`, `last_id` and `has_more` to match.
+    pub async fn expect_page(&self, path: &str, ids: &[String], has_more: bool) {
+        let page = self.get(path).await.expect(200);
+        let got: Vec<&str> = page["data"]
+            .as_array()
+            .expect("a data array")
+            .iter()
+            .map(|item| item["id"].as_str().expect("an id"))
+            .collect();
+        assert_eq!(got, ids, "{path}: {page}");
+        assert_eq!(page["has_more"], has_more, "{path}: {page}");
+        assert_eq!(
+            page["first_id"],
+            serde_json::json!(ids.first()),
+            "{path}: {page}"
+        );
+        assert_eq!(
+            page["last_id"],
+            serde_json::json!(ids.last()),
+            "{path}: {page}"
+        );
+    }
+
+    /// Checks that `after=cursor` on `route` is a 400 naming `after` and the cursor.
+    pub async fn expect_unknown_cursor(&self, route: &str, cursor: &str) {
+        let error = self
+            .get(&format!("{route}?after={cursor}"))
+            .await
+            .expect_error(400);
+        assert_eq!(error["param"], "after", "{error}");
+        assert!(
+            error["message"].as_str().unwrap().contains(cursor),
+            "{error}"
+        );
+    }
+
     /// Every item of a list route (`/v1/files` or `/v1/batches`, with `query` such as
     /// `order=asc`), page by page of `limit`, following `after` while `has_more`.
     pub async fn list_all(&self, route: &str, query: &str, limit: usize) -> Vec<Value> {
