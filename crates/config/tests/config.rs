@@ -1457,3 +1457,35 @@ fn tenant_header_pass_through_headers_and_webhooks_are_read_and_checked() {
         assert!(errors.join("\n").contains(field), "{serve}: {errors:?}");
     }
 }
+
+#[test]
+fn otlp_endpoint_must_be_plain_http_and_tls_needs_both_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\nobservability: {otlp_endpoint: 'https://collector:4318'}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "observability.otlp_endpoint: expected an http:// URL",
+    );
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\nserve: {tls: {cert_file: tls.crt}}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "serve.tls.key_file: is needed with cert_file",
+    );
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\nserve: {tls: {cert_file: tls.crt, key_file: tls.key}}\n",
+    );
+    let c = load_file(&file).unwrap();
+    let tls = c.serve.tls.expect("serve.tls");
+    assert_eq!(tls.cert_file, dir.path().join("tls.crt"));
+    assert_eq!(tls.key_file, dir.path().join("tls.key"));
+}
