@@ -742,6 +742,10 @@ async fn a_frozen_replica_is_fenced_and_writes_nothing_more() {
     for (b, batch) in batches.iter().zip(&finals) {
         cluster.check_completed(b, batch, victim).await;
     }
+    // The replica that lost its leases counts none of those jobs' requests in flight any more.
+    for replica in &cluster.replicas {
+        replica.expect_idle_gauges(Duration::from_secs(5)).await;
+    }
     let seen = monitor.finish().await;
     assert_never_stopped(&seen);
     for (id, before) in lost.iter().zip(&frozen_counts) {

@@ -111,6 +111,16 @@ async fn file_routes_paginate_and_keep_tenants_apart() {
         .expect(200);
     assert_eq!(page["data"], json!([]), "{page}");
     assert_eq!(page["has_more"], false, "{page}");
+    // `after` as a number of files to skip (the batch gateway's form), with the same cursor fields.
+    a.expect_page("/v1/files?order=asc&limit=2&after=2", &uploaded[2..4], true)
+        .await;
+    a.expect_page("/v1/files?limit=4&after=2", &newest_first[2..], false)
+        .await;
+    a.expect_page("/v1/files?after=6", &[], false).await;
+    // An id that names no file of this listing is refused, named, not a page that starts over.
+    for cursor in ["file-doesnotexist", b_file.as_str(), "-1"] {
+        a.expect_unknown_cursor("/v1/files", cursor).await;
+    }
     // Purpose filter: no batch has run, so no output files.
     assert_eq!(a.list_all("/v1/files", "purpose=batch", 100).await.len(), 6);
     assert!(a
@@ -282,12 +292,20 @@ async fn bad_requests_get_openai_errors_with_their_statuses() {
     )
     .await
     .expect_error(400);
-    // An unknown input file and another tenant's file are refused alike.
-    let unknown = a.create_batch("file-doesnotexist", "24h").await;
-    let status = unknown.status;
-    assert!(status == 400 || status == 404, "{}", unknown.text());
-    unknown.expect_error(status);
-    b.create_batch(&ok, "24h").await.expect_error(status);
+    // An empty, unknown or another tenant's input file is a bad value in the body: 400, naming
+    // the parameter, with the words the batch gateway uses.
+    let error = a.create_batch("", "24h").await.expect_error(400);
+    assert_eq!(error["param"], "input_file_id", "{error}");
+    for (client, file) in [(&a, "file-doesnotexist"), (&b, ok.as_str())] {
+        let error = client.create_batch(file, "24h").await.expect_error(400);
+        assert_eq!(error["type"], "invalid_request_error", "{error}");
+        assert_eq!(error["param"], "input_file_id", "{error}");
+        assert_eq!(
+            error["message"],
+            format!("Input file with ID '{file}' not found"),
+            "{error}"
+        );
+    }
     assert!(a.list_all("/v1/batches", "", 100).await.is_empty());
     assert!(b.list_all("/v1/batches", "", 100).await.is_empty());
     a.get("/v1/batches?limit=0").await.expect_error(400);
@@ -475,7 +493,7 @@ async fn a_batch_shows_live_counts_and_partial_output_then_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancel_is_idempotent_and_keeps_the_partial_results() {
-    let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
+    let (env, service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
     let (_, id, lines) = submit(&a, "cancel", 200).await;
     let_through(&env, &a, &id, 10).await;
@@ -516,6 +534,8 @@ async fn cancel_is_idempotent_and_keeps_the_partial_results() {
         .expect(200);
     assert_eq!(third["status"], "cancelled", "{third}");
     assert_eq!(third["request_counts"], batch["request_counts"]);
+    // The cancelled requests are no longer counted in flight.
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
     sim.shutdown().await;
 }
 
@@ -556,7 +576,7 @@ async fn a_batch_cancelled_while_queued_never_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
-    let (env, _service, a) = two_tenants(GatewayConfig::default(), "").await;
+    let (env, service, a) = two_tenants(GatewayConfig::default(), "").await;
     let sim = gated_dispatcher(&env).await;
     let (_, id, lines) = submit_within(&a, "late", 100, "6s").await;
     let_through(&env, &a, &id, 10).await;
@@ -569,6 +589,7 @@ async fn a_batch_past_its_window_expires_keeping_its_partial_results() {
     assert_eq!(x_count(&batch, "expired"), 100 - done, "{batch}");
     let results = a.results(&batch).await;
     results.assert_each_once_with_errors(&lines, "batch_expired", 100 - done);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
     sim.shutdown().await;
 }
 
@@ -589,6 +610,7 @@ async fn a_cancel_interrupted_by_kill_9_ends_cancelled_after_a_restart() {
     let done = count(&batch, "completed");
     let results = a.results(&batch).await;
     results.assert_each_once_with_errors(&lines, "batch_cancelled", 100 - done);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
     sim.shutdown().await;
 }
 
@@ -689,6 +711,17 @@ async fn batches_list_newest_first_page_by_page_per_tenant() {
         .expect(200);
     assert_eq!(page["data"], json!([]), "{page}");
     assert_eq!(page["has_more"], false, "{page}");
+    // The same pages by offset.
+    a.expect_page("/v1/batches?limit=2&after=2", &newest_first[2..4], true)
+        .await;
+    a.expect_page("/v1/batches?limit=2&after=3", &newest_first[3..], false)
+        .await;
+    a.expect_page("/v1/batches?after=5", &[], false).await;
+    // Another tenant's batch, or none, is no cursor.
+    b.expect_unknown_cursor("/v1/batches", &newest_first[0])
+        .await;
+    a.expect_unknown_cursor("/v1/batches", "batch_doesnotexist")
+        .await;
     assert_eq!(ids(&a.list_all("/v1/batches", "", 1).await), newest_first);
     assert_eq!(ids(&a.list_all("/v1/batches", "", 20).await), newest_first);
     assert!(b.list_all("/v1/batches", "", 20).await.is_empty());
@@ -763,6 +796,9 @@ async fn kill_9_mid_job_and_a_restart_resume_every_line_once() {
     assert_eq!(queued["status"], "completed", "{queued}");
     a.results(&queued).await.assert_each_once(&queued_lines);
     assert_kept(&before, &inventory(&a).await);
+    // Results of requests sent before the kill are not taken off a gauge that never counted
+    // them (it would go below 0).
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
     sim.shutdown().await;
 }
 
@@ -828,6 +864,79 @@ async fn in_sync_mode_kill_9_mid_job_and_a_restart_resume_every_line_once() {
     assert_eq!(count(&batch, "completed"), 200, "{batch}");
     let results = a.results(&batch).await;
     results.assert_answered(&lines);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_sync_mode_cancel_and_expiry_take_their_requests_off_the_gauges() {
+    let env = Env::start(slow_gateway()).await;
+    let config = sync_service(&env, 4, "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    // Cancelled and expired with requests at the gateway (200 ms each, 4 at once).
+    let (_, cancelled, lines) = submit(&a, "sync-cancel", 200).await;
+    a.wait_batch(&cancelled, FINISH, "10 lines done", |b| {
+        count(b, "completed") >= 10
+    })
+    .await;
+    a.post_empty(&format!("/v1/batches/{cancelled}/cancel"))
+        .await
+        .expect(200);
+    let batch = a.wait_final(&cancelled, FINISH).await;
+    assert_eq!(batch["status"], "cancelled", "{batch}");
+    let done = count(&batch, "completed");
+    a.results(&batch)
+        .await
+        .assert_each_once_with_errors(&lines, "batch_cancelled", 200 - done);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
+
+    let (_, expired, lines) = submit_within(&a, "sync-late", 200, "3s").await;
+    let batch = a.wait_final(&expired, FINISH).await;
+    assert_eq!(batch["status"], "expired", "{batch}");
+    let done = count(&batch, "completed");
+    assert!(done < 200, "{batch}");
+    a.results(&batch)
+        .await
+        .assert_each_once_with_errors(&lines, "batch_expired", 200 - done);
+    service.expect_idle_gauges(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn observability_addr_serves_the_probes_and_metrics_without_a_key() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let port = batch_testkit::free_port();
+    let config = async_service(
+        &env,
+        TWO_TENANTS,
+        "",
+        &format!("observability:\n  addr: 127.0.0.1:{port}\n"),
+    );
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let (_, id, _) = submit(&a, "probed", 5).await;
+    assert_eq!(a.wait_final(&id, FINISH).await["status"], "completed");
+    let probes = Api::new(&format!("http://127.0.0.1:{port}"), None);
+    let health = probes.get("/health").await;
+    assert_eq!((health.status, health.text()), (200, "ok\n".to_owned()));
+    let ready = probes.get("/ready").await;
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    let metrics = probes.get("/metrics").await;
+    assert_eq!(metrics.status, 200);
+    assert!(
+        metrics
+            .text()
+            .lines()
+            .any(|l| l.starts_with("batch_service_jobs{")
+                && l.contains("\"completed\"")
+                && l.ends_with(" 1")),
+        "{}",
+        metrics.text()
+    );
+    // Only the probes: the API stays on its own port.
+    probes.get("/v1/batches").await.expect_error(404);
+    a.get("/v1/batches").await.expect(200);
+    sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1663,8 +1772,20 @@ async fn webhook_endpoints_are_per_tenant_signed_retried_with_one_id_and_allow_l
         assert!(!shown.contains(&secret[6..]), "{shown}");
         assert!(shown.contains(&we), "{shown}");
     }
-    // Another tenant sees none of it.
+    // Another tenant sees none of it, and cannot page after it.
     assert!(b.list_all("/v1/webhook_endpoints", "", 10).await.is_empty());
+    let e = b
+        .get(&format!("/v1/webhook_endpoints?after={we}"))
+        .await
+        .expect_error(400);
+    assert_eq!(e["param"], "after", "{e}");
+    let page = a.get("/v1/webhook_endpoints?after=0").await.expect(200);
+    assert_eq!(
+        (&page["first_id"], &page["has_more"]),
+        (&json!(we), &json!(false))
+    );
+    let page = a.get("/v1/webhook_endpoints?after=1").await.expect(200);
+    assert_eq!(page["data"], json!([]), "{page}");
     b.get(&format!("/v1/webhook_endpoints/{we}"))
         .await
         .expect_error(404);
@@ -1817,5 +1938,231 @@ async fn a_tenants_requests_in_flight_are_capped_while_another_tenant_runs() {
     assert!(
         (4..=6).contains(&most),
         "{most} at once: tenant B did not run beside tenant A with a share of its own"
+    );
+}
+
+/// The trace id a client's `traceparent` names in [`traces_reach_the_gateway`]: its bytes are
+/// the ASCII `ABCDEFGHIJKLMNOP`, so they show as such in the exported protobuf.
+const CLIENT_TRACE: &str = "4142434445464748494a4b4c4d4e4f50";
+
+/// The trace id of a `traceparent` (`00-<trace>-<span>-<flags>`), checking its shape.
+fn trace_of(traceparent: &str) -> String {
+    let parts: Vec<&str> = traceparent.split('-').collect();
+    assert!(
+        parts.len() == 4
+            && parts[0] == "00"
+            && parts[1].len() == 32
+            && parts[2].len() == 16
+            && parts[3] == "01"
+            && parts[1..3]
+                .iter()
+                .all(|p| p.bytes().all(|b| b.is_ascii_hexdigit())),
+        "not a sampled W3C traceparent: {traceparent}"
+    );
+    parts[1].to_owned()
+}
+
+/// Batch A, created under a client's trace, and batch B, created without one, both complete;
+/// every request the gateway saw carries a `traceparent` of its batch's trace (A's is the
+/// client's), and the spans of A's trace (the API call, the batch's run, its steps) reached
+/// the collector (an OTLP receiver in the test).
+async fn traces_reach_the_gateway(env: &Env, config: &std::path::Path, steps: &[&str]) {
+    let collector = Receiver::start(0).await;
+    let service = traced(config, &collector);
+    let a = service.client(Some(KEY_A));
+    let (text_a, lines_a) = input_jsonl("traced-a", 30, "llama-3");
+    let (text_b, lines_b) = input_jsonl("traced-b", 10, "llama-3");
+    let file_a = a.upload_ok("a.jsonl", text_a.as_bytes()).await;
+    let file_b = a.upload_ok("b.jsonl", text_b.as_bytes()).await;
+    let client_span = format!("00-{CLIENT_TRACE}-0102030405060708-01");
+    let id_a = id_of(
+        &a.with_header("traceparent", &client_span)
+            .create_batch_ok(&file_a)
+            .await,
+    );
+    let id_b = id_of(&a.create_batch_ok(&file_b).await);
+    for (id, lines) in [(&id_a, &lines_a), (&id_b, &lines_b)] {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        a.results(&batch).await.assert_each_once(lines);
+    }
+    let mut by_trace: BTreeMap<String, usize> = BTreeMap::new();
+    for r in env.gateway.recent_requests() {
+        let traceparent = r
+            .header("traceparent")
+            .unwrap_or_else(|| panic!("a request without a traceparent: {r:?}"));
+        *by_trace.entry(trace_of(traceparent)).or_default() += 1;
+    }
+    assert_eq!(by_trace.len(), 2, "one trace per batch: {by_trace:?}");
+    assert_eq!(
+        by_trace.remove(CLIENT_TRACE),
+        Some(lines_a.len()),
+        "{by_trace:?}"
+    );
+    assert_eq!(by_trace.into_values().next(), Some(lines_b.len()));
+    // The exporter sends within a second or so (OTEL_BSP_SCHEDULE_DELAY).
+    eventually(
+        "the batch's spans at the collector",
+        Duration::from_secs(30),
+        || {
+            let all: String = collector.seen().iter().map(|d| d.body.as_str()).collect();
+            all.contains("ABCDEFGHIJKLMNOP")
+                && all.contains("POST /v1/batches")
+                && all.contains(&format!("batch {id_a}"))
+                && steps.iter().all(|s| all.contains(s))
+        },
+    )
+    .await;
+}
+
+/// `observability.otlp_endpoint` at `collector`, spans sent every 200 ms.
+fn traced(config: &std::path::Path, collector: &Receiver) -> Service {
+    let base = collector.url.trim_end_matches("/hook");
+    let mut yaml = std::fs::read_to_string(config).unwrap();
+    yaml.push_str(&format!("observability:\n  otlp_endpoint: {base}\n"));
+    std::fs::write(config, yaml).unwrap();
+    Launch::new(config)
+        .env("OTEL_BSP_SCHEDULE_DELAY", "200")
+        .env("OTEL_SERVICE_NAME", "batch-processor-test")
+        .start()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_async_mode_every_request_carries_its_batchs_traceparent() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, TWO_TENANTS, "", "");
+    let sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let steps = ["validate", "enqueue", "dispatch", "finalize"];
+    traces_reach_the_gateway(&env, &config, &steps).await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_sync_mode_every_request_carries_its_batchs_traceparent() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = sync_service(&env, 4, "");
+    // Line 0 of each batch has an inference span of its own.
+    let steps = ["validate", "dispatch", "inference", "finalize"];
+    traces_reach_the_gateway(&env, &config, &steps).await;
+}
+
+/// One HTTPS GET of `path` at `addr` (`127.0.0.1:port`) with `key`, trusting only the CA in
+/// `ca`: the status, or the error (a refused handshake).
+async fn https_get(addr: &str, ca: &std::path::Path, key: &str, path: &str) -> Result<u16, String> {
+    use rustls::pki_types::pem::PemObject;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {key}\r\nconnection: close\r\n\r\n"
+    );
+    tls.write_all(request.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut answer = Vec::new();
+    tls.read_to_end(&mut answer)
+        .await
+        .map_err(|e| e.to_string())?;
+    let head = String::from_utf8_lossy(&answer);
+    head.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("not an HTTP answer: {head}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serve_tls_serves_https_and_takes_a_renewed_certificate_without_a_restart() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let (first, second) = (env.path("pki-1"), env.path("pki-2"));
+    for dir in [&first, &second] {
+        std::fs::create_dir_all(dir).unwrap();
+    }
+    let (old, new) = (
+        batch_testkit::TestPki::generate(&first),
+        batch_testkit::TestPki::generate(&second),
+    );
+    // The mounted secret's files, as the service reads them.
+    let (cert, key) = (env.path("tls.crt"), env.path("tls.key"));
+    std::fs::copy(&old.server_cert, &cert).unwrap();
+    std::fs::copy(&old.server_key, &key).unwrap();
+    let config = async_service(
+        &env,
+        TWO_TENANTS,
+        &format!(
+            "  tls:\n    cert_file: {}\n    key_file: {}\n",
+            cert.display(),
+            key.display()
+        ),
+        "",
+    );
+    let service = Service::start(&config);
+    assert!(service.base.starts_with("https://"), "{}", service.base);
+    let addr = service.base.trim_start_matches("https://").to_owned();
+    assert_eq!(https_get(&addr, &old.ca, KEY_A, "/v1/files").await, Ok(200));
+    assert_eq!(
+        https_get(&addr, &old.ca, "wrong", "/v1/files").await,
+        Ok(401)
+    );
+    // Not another CA's, and not plain HTTP.
+    let refused = https_get(&addr, &new.ca, KEY_A, "/v1/files").await;
+    assert!(refused.is_err(), "{refused:?}");
+    let plain = tokio::time::timeout(Duration::from_secs(10), async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let request = format!(
+            "GET /v1/files HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {KEY_A}\r\n\r\n"
+        );
+        let _ = tcp.write_all(request.as_bytes()).await;
+        let mut answer = Vec::new();
+        let _ = tcp.read_to_end(&mut answer).await;
+        answer
+    })
+    .await
+    .expect("the plain connection is closed");
+    assert!(
+        !String::from_utf8_lossy(&plain).contains("HTTP/1.1 200"),
+        "plain HTTP answered"
+    );
+
+    // A half-written update is not served: the certificate in use stays.
+    std::fs::write(&cert, "not a certificate").unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(https_get(&addr, &old.ca, KEY_A, "/v1/files").await, Ok(200));
+    // The renewed pair is served within a few seconds, with no restart.
+    std::fs::copy(&new.server_key, &key).unwrap();
+    std::fs::copy(&new.server_cert, &cert).unwrap();
+    let since = Instant::now();
+    while https_get(&addr, &new.ca, KEY_A, "/v1/files").await != Ok(200) {
+        assert!(
+            since.elapsed() < Duration::from_secs(15),
+            "the renewed certificate is not served"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let refused = https_get(&addr, &old.ca, KEY_A, "/v1/files").await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(
+        service
+            .stderr_text()
+            .contains("serve.tls: serving the new certificate"),
+        "{}",
+        service.stderr_text()
     );
 }

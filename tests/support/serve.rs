@@ -241,7 +241,7 @@ impl Service {
             );
         };
         assert!(
-            addr.starts_with("http://127.0.0.1:"),
+            addr.starts_with("http://127.0.0.1:") || addr.starts_with("https://127.0.0.1:"),
             "not a loopback address: {addr}"
         );
         self.base = addr.trim_end_matches('/').to_owned();
@@ -339,6 +339,41 @@ impl Service {
     /// A client sending `key` as its bearer token (none when `None`).
     pub fn client(&self, key: Option<&str>) -> Api {
         Api::new(&self.base, key)
+    }
+
+    /// Waits up to `limit` for every gauge of work in flight on `/metrics`
+    /// (`model_inflight_requests` of each model, `processor_inflight_requests`,
+    /// `batch_service_active_jobs`) to read 0, once its batches ended; panics naming those
+    /// that do not. A gauge that is not shown at all counts as 0.
+    pub async fn expect_idle_gauges(&self, limit: Duration) {
+        let client = self.client(None);
+        let start = Instant::now();
+        loop {
+            let text = client.get("/metrics").await.text();
+            let busy: Vec<&str> = text
+                .lines()
+                .filter(|l| {
+                    [
+                        "model_inflight_requests",
+                        "processor_inflight_requests",
+                        "batch_service_active_jobs",
+                    ]
+                    .iter()
+                    .any(|g| l.starts_with(g) && l[g.len()..].starts_with(['{', ' ']))
+                })
+                .filter(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) != Some(0.0))
+                .collect();
+            if busy.is_empty() {
+                return;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "{}: gauges not back to 0 {limit:?} after the batches ended:\n{}",
+                self.name,
+                busy.join("\n")
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 }
 
@@ -670,6 +705,43 @@ impl Api {
             output: self.file_lines(&batch["output_file_id"]).await,
             error: self.file_lines(&batch["error_file_id"]).await,
         }
+    }
+
+    /// GETs one page of a listing at `path` and checks it holds exactly `ids`, with
+    /// `first_id`, `last_id` and `has_more` to match.
+    pub async fn expect_page(&self, path: &str, ids: &[String], has_more: bool) {
+        let page = self.get(path).await.expect(200);
+        let got: Vec<&str> = page["data"]
+            .as_array()
+            .expect("a data array")
+            .iter()
+            .map(|item| item["id"].as_str().expect("an id"))
+            .collect();
+        assert_eq!(got, ids, "{path}: {page}");
+        assert_eq!(page["has_more"], has_more, "{path}: {page}");
+        assert_eq!(
+            page["first_id"],
+            serde_json::json!(ids.first()),
+            "{path}: {page}"
+        );
+        assert_eq!(
+            page["last_id"],
+            serde_json::json!(ids.last()),
+            "{path}: {page}"
+        );
+    }
+
+    /// Checks that `after=cursor` on `route` is a 400 naming `after` and the cursor.
+    pub async fn expect_unknown_cursor(&self, route: &str, cursor: &str) {
+        let error = self
+            .get(&format!("{route}?after={cursor}"))
+            .await
+            .expect_error(400);
+        assert_eq!(error["param"], "after", "{error}");
+        assert!(
+            error["message"].as_str().unwrap().contains(cursor),
+            "{error}"
+        );
     }
 
     /// Every item of a list route (`/v1/files` or `/v1/batches`, with `query` such as

@@ -46,7 +46,10 @@ fn main() -> ExitCode {
     if bars {
         cmd::progress::enable_bars();
     }
-    init_logging(bars);
+    // `serve` starts its logging once its config says whether spans also go out as traces.
+    if !matches!(&cli.command, Command::Serve(_)) {
+        cmd::observe::init_logging(bars, None);
+    }
     let outcome = match cli.command {
         Command::CheckConfig(args) => cmd::check_config::run(args),
         Command::Queues(args) => cmd::queues::run(args),
@@ -61,18 +64,4 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// Logs go to stderr, above the progress bars if any, so stdout stays machine-readable.
-/// `RUST_LOG` filters them; by default `info`, or `warn` under progress bars, where a person
-/// reads the screen and the bars say what the info lines would.
-fn init_logging(bars: bool) {
-    let default = if bars { "warn" } else { "info" };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(cmd::progress::LogWriter)
-        .init();
 }

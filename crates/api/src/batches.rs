@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use batch_state::{new_id, now_unix, BatchObject, FineCounts, StoredBatch};
+use batch_state::{new_id, now_unix, BatchObject, Cursor, FineCounts, StoredBatch};
 use batch_wire::{Batch, BatchStatus, ALLOWED_URLS};
 use futures::TryStreamExt;
 use serde::Deserialize;
@@ -76,12 +76,21 @@ pub(crate) async fn create(
     body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<BatchObject>, ApiError> {
     let Json(body) = body.map_err(json_rejection)?;
-    let input_file_id = body.input_file_id.ok_or_else(|| {
-        ApiError::invalid(
-            "Missing the required parameter 'input_file_id'.",
-            Some("input_file_id"),
-        )
-    })?;
+    let input_file_id = match body.input_file_id {
+        None => {
+            return Err(ApiError::invalid(
+                "Missing the required parameter 'input_file_id'.",
+                Some("input_file_id"),
+            ))
+        }
+        Some(id) if id.trim().is_empty() => {
+            return Err(ApiError::invalid(
+                "input_file_id must not be empty.",
+                Some("input_file_id"),
+            ))
+        }
+        Some(id) => id,
+    };
     let endpoint = body.endpoint.ok_or_else(|| {
         ApiError::invalid(
             "Missing the required parameter 'endpoint'.",
@@ -125,7 +134,16 @@ pub(crate) async fn create(
             }
         }
     };
-    let input = owned_file(&api, &tenant, &input_file_id).await?;
+    // The file is named in the body, not the URL: a bad one is a bad request (400), not 404.
+    let input = owned_file(&api, &tenant, &input_file_id)
+        .await
+        .map_err(|e| match e.code {
+            ErrorCode::NotFound => ApiError::invalid(
+                format!("Input file with ID '{input_file_id}' not found"),
+                Some("input_file_id"),
+            ),
+            _ => e,
+        })?;
     if input.file.purpose != "batch" {
         return Err(ApiError::invalid(
             format!(
@@ -150,7 +168,7 @@ pub(crate) async fn create(
     );
     batch.endpoint = Some(endpoint);
     batch.metadata = metadata;
-    let stored = StoredBatch {
+    let mut stored = StoredBatch {
         tenant: tenant.0.clone(),
         batch: BatchObject {
             batch,
@@ -162,6 +180,12 @@ pub(crate) async fn create(
         output_expires_after,
         headers: pass_through(&api, &request_headers)?,
     };
+    // The batch's trace is this request's: each run of it, on any replica, is a child of it.
+    if let Some(parent) = batch_observability::traceparent(&tracing::Span::current()) {
+        stored
+            .headers
+            .insert(batch_observability::TRACEPARENT.to_owned(), parent);
+    }
     let max = api.quotas.max_unfinished_batches;
     if api.store.create_batch_within(&stored, max).await?.is_err() {
         return Err(ApiError::new(
@@ -269,7 +293,11 @@ pub(crate) async fn list(
     let limit = limit(q.limit, 20, 100)?;
     let page = api
         .store
-        .list_batches(&tenant.0, q.after.as_deref(), limit)
+        .list_batches(
+            &tenant.0,
+            q.after.as_deref().map(Cursor::parse).as_ref(),
+            limit,
+        )
         .await?;
     let batches: Vec<BatchObject> = page.data.into_iter().map(|b| b.batch).collect();
     let ids = batches.iter().map(|b| b.batch.id.clone()).collect();

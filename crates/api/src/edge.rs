@@ -8,6 +8,7 @@ use axum::extract::{MatchedPath, Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use tracing::Instrument;
 
 use crate::{Api, ApiError, ErrorCode, REQUEST_ID};
 
@@ -129,7 +130,11 @@ fn head_too_large(request: &Request) -> Option<ApiError> {
     None
 }
 
-/// Counts requests by route (the pattern, not the ids in it) and status.
+/// Routes that get no span of their own: probes and scrapes, every few seconds.
+const UNTRACED: [&str; 3] = ["/health", "/ready", "/metrics"];
+
+/// Counts requests by route (the pattern, not the ids in it) and status, each in a span of
+/// its own (`POST /v1/batches`, ...) under the caller's `traceparent` if it sent one.
 pub(crate) async fn count(request: Request, next: Next) -> Response {
     let route = request
         .extensions()
@@ -141,7 +146,28 @@ pub(crate) async fn count(request: Request, next: Next) -> Response {
         m @ ("GET" | "POST" | "PUT" | "PATCH" | "DELETE" | "HEAD" | "OPTIONS") => m.to_owned(),
         _ => "other".to_owned(),
     };
-    let response = next.run(request).await;
+    let response = if UNTRACED.contains(&route.as_str()) {
+        next.run(request).await
+    } else {
+        let span = tracing::info_span!(
+            "api",
+            otel.name = %format!("{method} {route}"),
+            otel.kind = "server",
+            http.request.method = %method,
+            http.route = %route,
+            http.response.status_code = tracing::field::Empty,
+        );
+        if let Some(parent) = request
+            .headers()
+            .get(batch_observability::TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+        {
+            batch_observability::set_parent(&span, parent);
+        }
+        let response = next.run(request).instrument(span.clone()).await;
+        span.record("http.response.status_code", response.status().as_u16());
+        response
+    };
     metrics::counter!(
         "batch_service_api_requests_total",
         "route" => route,

@@ -159,6 +159,12 @@ impl ApiError {
 
 impl From<batch_state::StoreError> for ApiError {
     fn from(e: batch_state::StoreError) -> Self {
+        if let batch_state::StoreError::UnknownCursor(id) = &e {
+            return Self::invalid(
+                format!("after {id:?} names no object of this listing: give the id of an object listed before, or a number of objects to skip."),
+                Some("after"),
+            );
+        }
         tracing::warn!(error = %e, "state store failed");
         if e.is_transient() {
             Self::new(

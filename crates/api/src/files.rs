@@ -8,7 +8,7 @@ use axum::extract::{Multipart, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use batch_state::{new_id, now_unix, FileObject, Order, QuotaExceeded, StoredFile};
+use batch_state::{new_id, now_unix, Cursor, FileObject, Order, QuotaExceeded, StoredFile};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use serde::Deserialize;
@@ -409,7 +409,7 @@ pub(crate) async fn list(
         .list_files(
             &tenant.0,
             q.purpose.as_deref(),
-            q.after.as_deref(),
+            q.after.as_deref().map(Cursor::parse).as_ref(),
             limit,
             order,
         )

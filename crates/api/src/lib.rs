@@ -219,9 +219,28 @@ impl<S: Send + Sync> axum::extract::FromRequest<S> for Form {
 
 /// The whole API.
 pub fn router(api: Api) -> Router {
+    routers(api).0
+}
+
+/// The whole API, and the probes alone (`/health`, `/ready`, `/metrics`, the same answers as
+/// the API's) for a port of their own (`observability.addr`), where neither keys nor the tenant
+/// header are asked for.
+pub fn routers(api: Api) -> (Router, Router) {
     // Every request clones the state a few times (each middleware and handler): one counter,
     // not every field's.
     let api = Arc::new(api);
+    let probes = Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(request_id))
+        .with_state(api.clone());
+    (full_router(api), probes)
+}
+
+fn full_router(api: Arc<Api>) -> Router {
     let json_limit = usize::try_from(api.edge.max_json_body_bytes).unwrap_or(usize::MAX);
     Router::new()
         .route(

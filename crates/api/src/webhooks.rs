@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::Json;
-use batch_state::{new_id, now_unix, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
+use batch_state::{
+    new_id, now_unix, Cursor, StoreError, StoredWebhook, WebhookEndpoint, BATCH_EVENTS,
+};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -162,13 +164,15 @@ pub(crate) async fn list(
 ) -> Result<Json<Value>, ApiError> {
     let limit = limit(q.limit, 20, 100)?;
     let all = api.store.list_webhooks(&tenant.0).await?;
-    // Oldest first, as stored; `after` continues past that id.
-    let start = match &q.after {
-        Some(after) => all
-            .iter()
-            .position(|w| &w.endpoint.id == after)
-            .map_or(all.len(), |i| i + 1),
+    // Oldest first, as stored; `after` continues past that id or skips that many.
+    let start = match q.after.as_deref().map(Cursor::parse) {
         None => 0,
+        Some(Cursor::Offset(n)) => usize::try_from(n).unwrap_or(usize::MAX).min(all.len()),
+        Some(Cursor::Id(after)) => all
+            .iter()
+            .position(|w| w.endpoint.id == after)
+            .map(|i| i + 1)
+            .ok_or(StoreError::UnknownCursor(after))?,
     };
     let page: Vec<WebhookEndpoint> = all
         .iter()

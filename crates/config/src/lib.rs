@@ -65,7 +65,8 @@ pub use load::{check_tenant, ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, ApiKey, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
     LimiterAlgorithm, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig,
-    S3Config, Secret, ServeConfig, TlsConfig, WebhooksConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
+    S3Config, Secret, ServeConfig, ServeTls, TlsConfig, WebhooksConfig, DEFAULT_REDIS_URL_FILE,
+    REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 

@@ -78,7 +78,7 @@ const AIMD_KEYS: &[&str] = &[
     "backoff_factor",
     "additive_increase",
 ];
-const OBSERVABILITY_KEYS: &[&str] = &["addr"];
+const OBSERVABILITY_KEYS: &[&str] = &["addr", "otlp_endpoint"];
 const INPUT_KEYS: &[&str] = &["max_requests", "max_file_bytes"];
 impl ProcessorConfig {
     /// Loads `path` (YAML) with `PROCESSOR_…` environment overrides, and validates everything.
@@ -215,6 +215,20 @@ fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
     let observability_table = c.table(&root, "observability", OBSERVABILITY_KEYS);
     let observability = ObservabilityConfig {
         addr: c.socket_addr(&observability_table, "addr"),
+        otlp_endpoint: c
+            .text(&observability_table, "otlp_endpoint")
+            .and_then(|url| match url::Url::parse(url.trim()) {
+                // The exporter is built without TLS: a collector beside the pod.
+                Ok(u) if u.scheme() == "http" => Some(url.trim().to_owned()),
+                _ => {
+                    c.at(
+                        &observability_table,
+                        "otlp_endpoint",
+                        format!("expected an http:// URL such as http://127.0.0.1:4318 (no TLS to the collector), got {url:?}"),
+                    );
+                    None
+                }
+            }),
     };
     let input_table = c.table(&root, "input", INPUT_KEYS);
     let defaults = InputLimits::default();

@@ -326,6 +326,10 @@ fn algorithm_name<S: Serializer>(a: &LimiterAlgorithm, s: S) -> Result<S::Ok, S:
 pub struct ObservabilityConfig {
     /// Listen address of `/health`, `/ready` and `/metrics`; none by default.
     pub addr: Option<SocketAddr>,
+    /// Base URL of an OpenTelemetry collector's OTLP/HTTP receiver (`http://host:4318`; the
+    /// traces path is added); none by default: no traces unless the `OTEL_EXPORTER_OTLP_*`
+    /// variables name one.
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Limits on one input file.
@@ -536,6 +540,18 @@ pub struct ServeConfig {
     /// 0: no cap of its own, `concurrency.global` for all). Async mode leaves the metering to the
     /// dispatcher.
     pub tenant_max_requests_in_flight: usize,
+    /// HTTPS on the API with this certificate and key (read again when they change); none:
+    /// plain HTTP.
+    pub tls: Option<ServeTls>,
+}
+
+/// `serve.tls`: PEM files, as a Kubernetes TLS secret mounts them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ServeTls {
+    /// The certificate chain, leaf first.
+    pub cert_file: PathBuf,
+    /// Its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
 }
 
 impl ServeConfig {
@@ -568,6 +584,7 @@ impl ServeConfig {
             tenant_max_files: 10_000,
             tenant_max_running_batches: 8,
             tenant_max_requests_in_flight: 0,
+            tls: None,
         }
     }
 }

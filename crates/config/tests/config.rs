@@ -94,6 +94,7 @@ fn defaults_fill_a_minimal_sync_config() {
     );
     assert_eq!(c.work_dir, std::env::temp_dir().join("batch-processor"));
     assert_eq!(c.observability.addr, None);
+    assert_eq!(c.observability.otlp_endpoint, None);
     assert_eq!(c.input.max_requests, 50_000);
     assert_eq!(c.input.max_file_bytes, 200 * 1024 * 1024);
 }
@@ -140,7 +141,7 @@ concurrency:
   aimd: {enabled: false, algorithm: aimd, min: 2, backoff_factor: 0.75, additive_increase: 2}
 redis_url_file: redis-url
 work_dir: /var/tmp/jobs
-observability: {addr: "127.0.0.1:9090"}
+observability: {addr: "127.0.0.1:9090", otlp_endpoint: "http://127.0.0.1:4318"}
 input: {max_requests: 10, max_file_bytes: 1MiB}
 "#,
     );
@@ -202,6 +203,10 @@ input: {max_requests: 10, max_file_bytes: 1MiB}
     assert_eq!(
         c.observability.addr,
         Some("127.0.0.1:9090".parse().unwrap())
+    );
+    assert_eq!(
+        c.observability.otlp_endpoint.as_deref(),
+        Some("http://127.0.0.1:4318")
     );
     assert_eq!(
         (c.input.max_requests, c.input.max_file_bytes),
@@ -1451,4 +1456,36 @@ fn tenant_header_pass_through_headers_and_webhooks_are_read_and_checked() {
         };
         assert!(errors.join("\n").contains(field), "{serve}: {errors:?}");
     }
+}
+
+#[test]
+fn otlp_endpoint_must_be_plain_http_and_tls_needs_both_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\nobservability: {otlp_endpoint: 'https://collector:4318'}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "observability.otlp_endpoint: expected an http:// URL",
+    );
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\nserve: {tls: {cert_file: tls.crt}}\n",
+    );
+    assert_one_error(
+        &errors_of(&file),
+        "serve.tls.key_file: is needed with cert_file",
+    );
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "model_gateways:\n  m: {url: 'http://127.0.0.1:8000'}\nserve: {tls: {cert_file: tls.crt, key_file: tls.key}}\n",
+    );
+    let c = load_file(&file).unwrap();
+    let tls = c.serve.tls.expect("serve.tls");
+    assert_eq!(tls.cert_file, dir.path().join("tls.crt"));
+    assert_eq!(tls.key_file, dir.path().join("tls.key"));
 }

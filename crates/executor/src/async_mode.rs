@@ -17,6 +17,7 @@ mod readers;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 use batch_config::ProcessorConfig;
 use batch_consumer::ConsumerOptions;
@@ -380,8 +381,9 @@ impl AsyncMode {
             };
             let done = producer
                 .enqueue_requests(&q.messages, requests(job, q, records))
+                .instrument(tracing::info_span!("enqueue", model = %q.model.model, pool = %q.pool))
                 .await?;
-            m::model_inflight(&q.model.model, done.sent as f64);
+            job.inflight.add(&q.model.model, done.sent);
             job.dispatched(done.sent);
             m::pool_counter("batch_requests_enqueued_total", &q.pool, done.added);
             total += done.added;
@@ -412,7 +414,7 @@ impl AsyncMode {
                 .withdraw(&q.messages, lines, self.retry_queue())
                 .await?;
             m::pool_counter("batch_requests_removed_total", &q.pool, report.removed);
-            m::model_inflight(&q.model.model, -(count as f64));
+            job.inflight.remove(&q.model.model, count as u64);
             if count > 0 {
                 tracing::info!(job = %job.id, model = %q.model.model, removed = report.removed, marked = report.marked, "withdrew pending requests");
             }

@@ -130,6 +130,8 @@ pub struct Job {
     progress: watch::Sender<JobProgress>,
     last_result: Mutex<Instant>,
     pub(crate) manifest: Mutex<Manifest>,
+    /// Its requests counted in `model_inflight_requests`.
+    pub(crate) inflight: m::Inflight,
     _lock: DirLock,
 }
 
@@ -250,6 +252,7 @@ impl Job {
             progress,
             last_result: Mutex::new(Instant::now()),
             manifest: Mutex::new(manifest),
+            inflight: m::Inflight::default(),
             _lock: lock,
         })))
     }
@@ -373,7 +376,7 @@ impl Job {
     pub(crate) fn emit(&self, tally: m::Tally, settle_inflight: bool) {
         tally.emit(
             |i| self.plan.models()[i as usize].model.clone(),
-            settle_inflight,
+            settle_inflight.then_some(&self.inflight),
         );
     }
 

@@ -361,6 +361,8 @@ impl Executor {
         cancel: CancellationToken,
         pause: CancellationToken,
     ) -> Result<Batch, ExecError> {
+        // However the run ends (or is dropped), the job's requests leave the in-flight gauge.
+        let _settle = SettleInflight(&job);
         self.resolve_unknown_models(&job).await?;
         let end = if job.status() == BatchStatus::Cancelling || cancel.is_cancelled() {
             End::Cancelled
@@ -558,5 +560,14 @@ pub(crate) async fn wait_for_end(
             changed = progress.changed() => if changed.is_err() { return None },
             _ = stop.halt.cancelled() => return stop.end(),
         }
+    }
+}
+
+/// Takes a job's requests out of `model_inflight_requests` when its run ends.
+struct SettleInflight<'a>(&'a Job);
+
+impl Drop for SettleInflight<'_> {
+    fn drop(&mut self) {
+        self.0.inflight.settle();
     }
 }

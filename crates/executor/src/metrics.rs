@@ -72,9 +72,13 @@ impl Tally {
         }
     }
 
-    /// Emits the counts; `settle_inflight` lowers `model_inflight_requests` by the lines
-    /// written (results of requests that were counted in flight).
-    pub(crate) fn emit(self, model_name: impl Fn(u16) -> String, settle_inflight: bool) {
+    /// Emits the counts; with `settle_inflight`, lowers the job's `model_inflight_requests` by
+    /// the lines written (results of requests that were counted in flight).
+    pub(crate) fn emit(
+        self,
+        model_name: impl Fn(u16) -> String,
+        settle_inflight: Option<&Inflight>,
+    ) {
         for (model, t) in self.models {
             let model = model_label(&model_name(model));
             if t.errors > 0 {
@@ -87,15 +91,68 @@ impl Tally {
                 metrics::counter!("batch_request_generation_tokens_total", "model" => model.clone())
                     .increment(t.completion_tokens);
             }
-            if settle_inflight && t.written > 0 {
-                model_inflight(&model, -(t.written as f64));
+            if let Some(inflight) = settle_inflight {
+                inflight.remove_label(&model, t.written);
             }
         }
     }
 }
 
-pub(crate) fn model_inflight(model: &str, delta: f64) {
-    metrics::gauge!("model_inflight_requests", "model" => model_label(model)).increment(delta);
+/// One job's share of `model_inflight_requests`, per model label. The gauge is shared by every
+/// job of the process, so each job takes back exactly what it added, and all of it when its
+/// run ends however it ends (cancel, expiry, failure, a pause, a lost lease): otherwise
+/// requests that were never answered here would stay counted for good. A result of a request
+/// sent before a restart was never counted by this process, so a job never takes back more
+/// than it holds.
+#[derive(Debug, Default)]
+pub(crate) struct Inflight {
+    held: std::sync::Mutex<BTreeMap<String, u64>>,
+}
+
+impl Inflight {
+    /// `n` more of `model`'s requests in flight.
+    pub(crate) fn add(&self, model: &str, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let label = model_label(model);
+        *self.held().entry(label.clone()).or_default() += n;
+        metrics::gauge!("model_inflight_requests", "model" => label).increment(n as f64);
+    }
+
+    /// `n` of `model`'s requests answered or taken back.
+    pub(crate) fn remove(&self, model: &str, n: u64) {
+        self.remove_label(&model_label(model), n);
+    }
+
+    fn remove_label(&self, label: &str, n: u64) {
+        let mut held = self.held();
+        let Some(count) = held.get_mut(label) else {
+            return;
+        };
+        let n = n.min(*count);
+        *count -= n;
+        if *count == 0 {
+            held.remove(label);
+        }
+        drop(held);
+        if n > 0 {
+            metrics::gauge!("model_inflight_requests", "model" => label.to_owned())
+                .decrement(n as f64);
+        }
+    }
+
+    /// Takes back everything the job still holds: its run ended.
+    pub(crate) fn settle(&self) {
+        let held = std::mem::take(&mut *self.held());
+        for (label, n) in held {
+            metrics::gauge!("model_inflight_requests", "model" => label).decrement(n as f64);
+        }
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, u64>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 pub(crate) fn pool_counter(name: &'static str, pool: &str, n: u64) {

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
+use tracing::Instrument;
 
 use batch_config::ProcessorConfig;
 use batch_redis::Backoff;
@@ -15,7 +16,6 @@ use futures::stream::{self, StreamExt};
 use tokio::sync::mpsc;
 
 use crate::job::{End, Job, JobFailure};
-use crate::metrics as m;
 use crate::stop::Stop;
 use crate::{blocking, Dispatch, ExecError};
 
@@ -166,7 +166,31 @@ impl SyncMode {
             Some(slots) => slots.clone().acquire_owned().await.ok(),
             None => None,
         };
-        m::model_inflight(model, 1.0);
+        // A sample of the requests gets a span of its own in the batch's trace, and the
+        // gateway sees that span as the request's parent; the others carry the batch's.
+        let span = match index % REQUEST_SPAN_EVERY {
+            0 => tracing::info_span!(
+                "inference",
+                line = index,
+                model,
+                status = tracing::field::Empty
+            ),
+            _ => tracing::Span::none(),
+        };
+        let own_headers: Vec<(String, String)>;
+        let headers = match batch_observability::traceparent(&span) {
+            Some(traceparent) => {
+                own_headers = headers
+                    .iter()
+                    .filter(|(name, _)| name != batch_observability::TRACEPARENT)
+                    .cloned()
+                    .chain([(batch_observability::TRACEPARENT.to_owned(), traceparent)])
+                    .collect();
+                &own_headers[..]
+            }
+            None => headers,
+        };
+        job.inflight.add(model, 1);
         let outcome = self
             .dispatcher
             .dispatch(
@@ -179,14 +203,22 @@ impl SyncMode {
                     headers,
                 },
             )
+            .instrument(span.clone())
             .await;
-        m::model_inflight(model, -1.0);
+        job.inflight.remove(model, 1);
+        if let SyncOutcome::Http { status, .. } = &outcome {
+            span.record("status", status);
+        }
         match outcome {
             SyncOutcome::Http { status, body } => Owned::Http(status, body),
             SyncOutcome::Failed { code, message } => Owned::Failed(code, message),
         }
     }
 }
+
+/// One request in this many of a batch (by line index, from the first) gets a span in sync
+/// mode: enough to see the gateway's time in the trace without a span per line.
+const REQUEST_SPAN_EVERY: u64 = 100;
 
 /// Writes answers, retrying a failed write (a full disk) until it succeeds or the job stops.
 async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop) {

@@ -14,6 +14,9 @@
 //!
 //! The server has no listener of its own in the exporter: one port serves probes and metrics.
 //!
+//! Traces: [`trace_layer`] exports `tracing` spans over OTLP when configured, and
+//! [`traceparent`] gives the W3C header of a span, sent on a batch's inference requests.
+//!
 //! ```no_run
 //! use batch_observability::{install_recorder, names, serve, Readiness};
 //! use tokio_util::sync::CancellationToken;
@@ -37,9 +40,13 @@
 
 mod recorder;
 mod server;
+mod traces;
 
 pub use recorder::{install_recorder, names, MetricsHandle};
 pub use server::{serve, Readiness, ServerHandle};
+pub use traces::{
+    set_parent, trace_layer, traceparent, TraceError, TraceLayer, Traces, TRACEPARENT,
+};
 
 use std::net::SocketAddr;
 

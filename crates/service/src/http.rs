@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -58,6 +59,7 @@ pub(crate) async fn serve(
     listener: TcpListener,
     app: axum::Router,
     limits: EdgeLimits,
+    tls: Option<TlsAcceptor>,
     stop: CancellationToken,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
@@ -101,8 +103,23 @@ pub(crate) async fn serve(
         let http = http.clone();
         let service = service.clone();
         let stop = stop.clone();
+        let tls = tls.clone();
         connections.spawn(async move {
-            connection(stream, http, service, limits.idle_timeout, stop).await;
+            let idle = limits.idle_timeout;
+            match tls {
+                None => connection(stream, http, service, idle, stop).await,
+                // The handshake gets the time a request head gets.
+                Some(tls) => {
+                    match tokio::time::timeout(limits.header_read_timeout, tls.accept(stream)).await
+                    {
+                        Ok(Ok(stream)) => connection(stream, http, service, idle, stop).await,
+                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                        Err(_) => {
+                            tracing::debug!("TLS handshake not done within header_read_timeout")
+                        }
+                    }
+                }
+            }
             drop(slot);
         });
     }
@@ -150,8 +167,8 @@ fn trim() {
 fn trim() {}
 
 /// Drives one connection until it ends, it stays idle too long, or the server stops.
-async fn connection(
-    stream: TcpStream,
+async fn connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    stream: S,
     http: hyper::server::conn::http1::Builder,
     service: TowerToHyperService<axum::Router>,
     idle_timeout: Duration,
@@ -222,12 +239,12 @@ impl Activity {
 }
 
 /// A stream that records in [`Activity`] each read or write that moved bytes.
-struct Watched {
-    inner: TcpStream,
+struct Watched<S> {
+    inner: S,
     activity: Arc<Activity>,
 }
 
-impl AsyncRead for Watched {
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -242,7 +259,7 @@ impl AsyncRead for Watched {
     }
 }
 
-impl AsyncWrite for Watched {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -23,6 +23,7 @@ mod http;
 mod reaper;
 mod recover;
 mod runner;
+mod tls;
 mod webhooks;
 
 use std::net::SocketAddr;
@@ -96,6 +97,8 @@ pub struct ServiceOptions {
 /// A running service.
 pub struct Service {
     addr: SocketAddr,
+    https: bool,
+    probes_addr: Option<SocketAddr>,
     runner: Arc<Runner>,
     executor: Arc<Executor>,
     stop_http: CancellationToken,
@@ -126,6 +129,7 @@ impl Service {
     ) -> Result<Self, ServiceError> {
         let serve = config.serve.clone();
         let listen = options.listen.unwrap_or(serve.listen);
+        let probes_addr = config.observability.addr;
         if let Some(header) = &serve.tenant_header {
             tracing::warn!(%listen, header, "serve.tenant_header is set: the service trusts the {header} header to name the caller; it must only be reachable through the authenticating proxy that sets it");
         } else if serve.api_keys.is_empty() {
@@ -192,6 +196,31 @@ impl Service {
                 addr: listen,
                 error,
             })?;
+        // `observability.addr`: the probes and metrics on a port of their own too (a scrape
+        // or kubelet port apart from the API's), bound before anything runs.
+        let probes = match probes_addr {
+            Some(at) => {
+                let listener =
+                    http::bind(at).map_err(|error| ServiceError::Listen { addr: at, error })?;
+                let bound = listener
+                    .local_addr()
+                    .map_err(|error| ServiceError::Listen { addr: at, error })?;
+                Some((listener, bound))
+            }
+            None => None,
+        };
+        let probes_addr = probes.as_ref().map(|(_, a)| *a);
+        // `serve.tls`: a bad certificate or key stops the start, naming the file.
+        let mut tasks_before = Vec::new();
+        let tls = match &serve.tls {
+            Some(files) => {
+                let certificates = tls::Certificates::load(files).map_err(ServiceError::Config)?;
+                let acceptor = certificates.acceptor().map_err(ServiceError::Config)?;
+                tasks_before.push(tokio::spawn(certificates.watch(stop_reaper.clone())));
+                Some(acceptor)
+            }
+            None => None,
+        };
         let webhook_sender =
             Arc::new(webhooks::Sender::new(serve.webhooks.clone()).map_err(ServiceError::Config)?);
         let hooks = Arc::new(ServiceHooks {
@@ -229,20 +258,32 @@ impl Service {
             hooks,
         };
         let stop_http = CancellationToken::new();
-        let mut tasks = Vec::new();
+        let mut tasks = tasks_before;
         {
             let limits = http::EdgeLimits {
                 header_read_timeout: serve.header_read_timeout,
                 idle_timeout: serve.idle_timeout,
                 max_connections: serve.max_connections,
             };
-            let app = batch_api::router(api);
+            let (app, probe_app) = batch_api::routers(api);
             tasks.push(tokio::spawn(http::serve(
                 listener,
                 app,
                 limits,
+                tls,
                 stop_http.clone(),
             )));
+            if let Some((listener, bound)) = probes {
+                tracing::info!(addr = %bound, "serving /health, /ready and /metrics on observability.addr");
+                // Plain HTTP: kubelet probes and scrapes inside the cluster.
+                tasks.push(tokio::spawn(http::serve(
+                    listener,
+                    probe_app,
+                    limits,
+                    None,
+                    stop_http.clone(),
+                )));
+            }
         }
         tasks.push(tokio::spawn(runner.clone().run()));
         tasks.push(tokio::spawn(webhooks::run(
@@ -265,6 +306,8 @@ impl Service {
         tracing::info!(%addr, replica, max_active_jobs = serve.max_active_jobs, "service started");
         Ok(Self {
             addr,
+            https: serve.tls.is_some(),
+            probes_addr,
             runner,
             executor,
             stop_http,
@@ -282,6 +325,17 @@ impl Service {
     /// The address the API listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Whether the API speaks HTTPS (`serve.tls`).
+    pub fn https(&self) -> bool {
+        self.https
+    }
+
+    /// The address `/health`, `/ready` and `/metrics` are also served on
+    /// (`observability.addr`), if set.
+    pub fn probes_addr(&self) -> Option<SocketAddr> {
+        self.probes_addr
     }
 
     /// Stops taking requests and jobs, pauses running jobs (they resume at the next start) and

@@ -7,7 +7,7 @@ use fred::interfaces::{HashesInterface, KeysInterface};
 use fred::types::scripts::Script;
 
 use crate::{
-    parse, split_more, JobLease, Order, Page, QuotaExceeded, Store, StoreError, StoredBatch,
+    parse, split_more, Cursor, JobLease, Order, Page, QuotaExceeded, Store, StoreError, StoredBatch,
 };
 
 static CREATE_BATCH: LazyLock<Script> =
@@ -131,11 +131,11 @@ impl Store {
             .collect()
     }
 
-    /// A page of `tenant`'s batches, newest first, after the id `after`.
+    /// A page of `tenant`'s batches, newest first, after `after`.
     pub async fn list_batches(
         &self,
         tenant: &str,
-        after: Option<&str>,
+        after: Option<&Cursor>,
         limit: usize,
     ) -> Result<Page<StoredBatch>, StoreError> {
         let index = self.key(&["batches", tenant]);

@@ -7,7 +7,7 @@ use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::scripts::Script;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
-use crate::{parse, split_more, Order, Page, QuotaExceeded, Store, StoreError, StoredFile};
+use crate::{parse, split_more, Cursor, Order, Page, QuotaExceeded, Store, StoreError, StoredFile};
 
 static PUT_FILE: LazyLock<Script> =
     LazyLock::new(|| Script::from_lua(include_str!("files/put_file.lua")));
@@ -104,12 +104,12 @@ impl Store {
         Ok(n == 1)
     }
 
-    /// A page of `tenant`'s files, optionally of one purpose, after the id `after`.
+    /// A page of `tenant`'s files, optionally of one purpose, after `after`.
     pub async fn list_files(
         &self,
         tenant: &str,
         purpose: Option<&str>,
-        after: Option<&str>,
+        after: Option<&Cursor>,
         limit: usize,
         order: Order,
     ) -> Result<Page<StoredFile>, StoreError> {

@@ -42,7 +42,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use batch_wire::BatchStatus;
 use fred::clients::Client;
-use fred::interfaces::{ClientLike, KeysInterface};
+use fred::interfaces::{ClientLike, KeysInterface, SortedSetsInterface};
 use fred::types::{ClusterHash, CustomCommand, Value};
 use serde::de::DeserializeOwned;
 
@@ -74,6 +74,9 @@ pub enum StoreError {
     /// The storage copy of a record could not be written or read (see [`Store::with_mirror`]).
     #[error(transparent)]
     Storage(#[from] batch_storage::StorageError),
+    /// A listing's `after` names no object of that listing.
+    #[error("no object {0:?} to list after")]
+    UnknownCursor(String),
 }
 
 impl StoreError {
@@ -81,7 +84,7 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Redis(e) => batch_redis::is_transient(e),
-            Self::Corrupt { .. } => false,
+            Self::Corrupt { .. } | Self::UnknownCursor(_) => false,
             // A store that hiccups (S3 throttling, a network blip) answers again.
             Self::Storage(_) => true,
         }
@@ -112,6 +115,27 @@ pub enum Order {
     Asc,
     /// Newest first.
     Desc,
+}
+
+/// Where a page of a listing starts: OpenAI's `after` is an object id (its SDKs' auto-pagination
+/// passes the last id seen), the batch gateway's a number of objects to skip; both are accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cursor {
+    /// Just past the object with this id, which must be in the listing.
+    Id(String),
+    /// Past the first this many objects.
+    Offset(u64),
+}
+
+impl Cursor {
+    /// Reads an `after` value: all digits is an offset (no object id is all digits), anything
+    /// else an id.
+    pub fn parse(text: &str) -> Self {
+        match text.parse::<u64>() {
+            Ok(n) if text.bytes().all(|b| b.is_ascii_digit()) => Self::Offset(n),
+            _ => Self::Id(text.to_owned()),
+        }
+    }
 }
 
 /// Which of a tenant's quotas a write would exceed.
@@ -189,19 +213,36 @@ impl Store {
         Ok(counts)
     }
 
-    /// Up to `limit + 1` ids of the sorted set `index` after `after`, in `order`.
+    /// Up to `limit + 1` ids of the sorted set `index` after `after`, in `order`; an id cursor
+    /// that is not in the set is [`StoreError::UnknownCursor`] (rather than a page that silently
+    /// starts over or comes back empty).
     async fn range(
         &self,
         index: &str,
-        after: Option<&str>,
+        after: Option<&Cursor>,
         limit: usize,
         order: Order,
     ) -> Result<Vec<String>, StoreError> {
-        let (cmd, from, to) = match (order, after) {
-            (Order::Asc, None) => ("ZRANGEBYLEX", "-".to_owned(), "+".to_owned()),
-            (Order::Asc, Some(a)) => ("ZRANGEBYLEX", format!("({a}"), "+".to_owned()),
-            (Order::Desc, None) => ("ZREVRANGEBYLEX", "+".to_owned(), "-".to_owned()),
-            (Order::Desc, Some(a)) => ("ZREVRANGEBYLEX", format!("({a}"), "-".to_owned()),
+        let (mut from, to) = match order {
+            Order::Asc => ("-".to_owned(), "+".to_owned()),
+            Order::Desc => ("+".to_owned(), "-".to_owned()),
+        };
+        let mut skip = 0;
+        match after {
+            None => {}
+            Some(Cursor::Offset(n)) => skip = i64::try_from(*n).unwrap_or(i64::MAX),
+            Some(Cursor::Id(id)) => {
+                let score: Option<f64> = self.client.zscore(index, id.as_str()).await?;
+                if score.is_none() {
+                    return Err(StoreError::UnknownCursor(id.clone()));
+                }
+                // Exclusive of the cursor itself, whichever way the listing runs.
+                from = format!("({id}");
+            }
+        }
+        let cmd = match order {
+            Order::Asc => "ZRANGEBYLEX",
+            Order::Desc => "ZREVRANGEBYLEX",
         };
         let cmd = CustomCommand::new_static(cmd, ClusterHash::FirstKey, false);
         let args = vec![
@@ -209,7 +250,7 @@ impl Store {
             Value::from(from),
             Value::from(to),
             Value::from("LIMIT"),
-            Value::from(0),
+            Value::from(skip),
             Value::from(limit as i64 + 1),
         ];
         let ids: Vec<String> = self.client.custom(cmd, args).await?;

@@ -56,19 +56,72 @@ async fn listings_page_by_id_per_tenant_and_purpose() {
         .unwrap();
 
     let mut seen = Vec::new();
-    let mut after: Option<String> = None;
+    let mut after: Option<Cursor> = None;
     loop {
         let page = s
-            .list_files("a", None, after.as_deref(), 10, Order::Asc)
+            .list_files("a", None, after.as_ref(), 10, Order::Asc)
             .await
             .unwrap();
         seen.extend(page.data.iter().map(|f| f.file.id.clone()));
-        after = page.data.last().map(|f| f.file.id.clone());
+        after = page.data.last().map(|f| Cursor::Id(f.file.id.clone()));
         if !page.has_more {
             break;
         }
     }
     assert_eq!(seen, ids, "every file of a, once, in order, none of b's");
+
+    // An offset skips that many, and agrees with the id cursor at the same place.
+    let by_offset = s
+        .list_files("a", None, Some(&Cursor::Offset(10)), 10, Order::Asc)
+        .await
+        .unwrap();
+    let by_id = s
+        .list_files("a", None, Some(&Cursor::Id(ids[9].clone())), 10, Order::Asc)
+        .await
+        .unwrap();
+    let offset_ids: Vec<_> = by_offset.data.iter().map(|f| &f.file.id).collect();
+    let id_ids: Vec<_> = by_id.data.iter().map(|f| &f.file.id).collect();
+    assert_eq!(offset_ids, ids[10..20].iter().collect::<Vec<_>>());
+    assert_eq!(offset_ids, id_ids);
+    assert!(by_offset.has_more && by_id.has_more);
+    let last = s
+        .list_files("a", None, Some(&Cursor::Offset(20)), 10, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!((last.data.len(), last.has_more), (5, false));
+    let past = s
+        .list_files("a", None, Some(&Cursor::Offset(25)), 10, Order::Asc)
+        .await
+        .unwrap();
+    assert_eq!((past.data.len(), past.has_more), (0, false));
+    // An id that is not in this listing (another tenant's, another purpose's, none) is refused.
+    for stranger in ["file-999", "file-nope"] {
+        let e = s
+            .list_files(
+                "a",
+                None,
+                Some(&Cursor::Id(stranger.into())),
+                10,
+                Order::Asc,
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, StoreError::UnknownCursor(ref c) if c == stranger),
+            "{e}"
+        );
+    }
+    let e = s
+        .list_files(
+            "a",
+            Some("batch_output"),
+            Some(&Cursor::Id(ids[1].clone())),
+            10,
+            Order::Asc,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::UnknownCursor(_)), "{e}");
 
     let desc = s.list_files("a", None, None, 3, Order::Desc).await.unwrap();
     let got: Vec<_> = desc.data.iter().map(|f| f.file.id.as_str()).collect();
@@ -323,10 +376,38 @@ async fn saving_moves_status_counts_and_lists_newest_first() {
         .collect();
     assert_eq!(ids, ["batch_4", "batch_3"]);
     assert!(page.has_more);
-    let page = s.list_batches("a", Some("batch_1"), 2).await.unwrap();
+    let page = s
+        .list_batches("a", Some(&Cursor::Id("batch_1".into())), 2)
+        .await
+        .unwrap();
     assert_eq!(page.data.len(), 1);
     assert!(!page.has_more);
     assert!(s.list_batches("b", None, 2).await.unwrap().data.is_empty());
+    let page = s
+        .list_batches("a", Some(&Cursor::Offset(3)), 2)
+        .await
+        .unwrap();
+    let ids: Vec<_> = page
+        .data
+        .iter()
+        .map(|b| b.batch.batch.id.as_str())
+        .collect();
+    assert_eq!((ids, page.has_more), (vec!["batch_1", "batch_0"], false));
+    assert!(matches!(
+        s.list_batches("b", Some(&Cursor::Id("batch_1".into())), 2)
+            .await,
+        Err(StoreError::UnknownCursor(_))
+    ));
+}
+
+#[test]
+fn after_is_an_offset_when_all_digits() {
+    assert_eq!(Cursor::parse("2"), Cursor::Offset(2));
+    assert_eq!(Cursor::parse("0"), Cursor::Offset(0));
+    assert_eq!(Cursor::parse("batch_01"), Cursor::Id("batch_01".into()));
+    assert_eq!(Cursor::parse("-1"), Cursor::Id("-1".into()));
+    assert_eq!(Cursor::parse("+1"), Cursor::Id("+1".into()));
+    assert_eq!(Cursor::parse(""), Cursor::Id("".into()));
 }
 
 #[test]
@@ -422,7 +503,8 @@ async fn view(s: &Store) -> Vec<String> {
     for tenant in ["a", "b"] {
         let mut after: Option<String> = None;
         loop {
-            let page = s.list_batches(tenant, after.as_deref(), 2).await.unwrap();
+            let cursor = after.clone().map(Cursor::Id);
+            let page = s.list_batches(tenant, cursor.as_ref(), 2).await.unwrap();
             out.push(format!(
                 "{tenant} batches after {after:?}: {:?} more {}",
                 page.data

@@ -2,8 +2,50 @@
 //! `/metrics`, and signal handling.
 
 use batch_config::ProcessorConfig;
-use batch_observability::{install_recorder, serve, Readiness, ServerHandle};
+use batch_observability::{install_recorder, serve, Readiness, ServerHandle, TraceLayer, Traces};
 use tokio_util::sync::CancellationToken;
+
+/// Logs go to stderr, above the progress bars if any, so stdout stays machine-readable.
+/// `RUST_LOG` filters them; by default `info`, or `warn` under progress bars, where a person
+/// reads the screen and the bars say what the info lines would. With `traces`, the spans the
+/// filter lets through are also exported.
+pub fn init_logging(bars: bool, traces: Option<TraceLayer>) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let default = if bars { "warn" } else { "info" };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // The trace layer sits right on the registry, the one subscriber it can work on.
+    tracing_subscriber::registry()
+        .with(traces)
+        .with(filter)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_writer(super::progress::LogWriter),
+        )
+        .init();
+}
+
+/// Starts the logging, with traces when `observability.otlp_endpoint` or the
+/// `OTEL_EXPORTER_OTLP_*` variables name a collector. Call it before the async runtime starts,
+/// and [`Traces::shutdown`] after it ended, so the last spans are sent.
+pub fn init_logging_and_traces(config: &ProcessorConfig) -> anyhow::Result<Option<Traces>> {
+    let (layer, traces) =
+        match batch_observability::trace_layer(config.observability.otlp_endpoint.as_deref()) {
+            Ok(Some((layer, traces))) => (Some(layer), Some(traces)),
+            Ok(None) => (None, None),
+            Err(e) => {
+                init_logging(false, None);
+                return Err(e.into());
+            }
+        };
+    init_logging(false, layer);
+    if let Some(t) = &traces {
+        tracing::info!(endpoint = t.endpoint(), "sending traces (OTLP over HTTP)");
+    }
+    Ok(traces)
+}
 
 /// The metrics recorder and, when `observability.addr` is set, the HTTP endpoint.
 pub struct Observability {

@@ -32,10 +32,14 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let config = match ProcessorConfig::load_service(&args.config) {
         Ok(c) => c,
-        Err(errors) => return Ok(report_invalid(&errors)),
+        Err(errors) => {
+            super::observe::init_logging(false, None);
+            return Ok(report_invalid(&errors));
+        }
     };
+    let traces = super::observe::init_logging_and_traces(&config)?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    runtime.block_on(async {
+    let outcome = runtime.block_on(async {
         let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
         let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
         let options = ServiceOptions {
@@ -56,7 +60,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         };
         // One write: a caller that reads the first line and closes the pipe must not make a
         // second write fail, and a closed stdout does not stop a running service.
-        let mut banner = format!("listening on http://{}\n", service.local_addr());
+        let scheme = if service.https() { "https" } else { "http" };
+        let mut banner = format!("listening on {scheme}://{}\n", service.local_addr());
+        if let Some(addr) = service.probes_addr() {
+            banner.push_str(&format!("probes and metrics on http://{addr}\n"));
+        }
         if let Some(report) = service.rebuild_report() {
             banner.push_str(&format!(
                 "rebuilt the state from storage: {}\n",
@@ -75,5 +83,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         tracing::info!(signal = which, "stopping");
         service.shutdown().await;
         Ok(ExitCode::SUCCESS)
-    })
+    });
+    drop(runtime);
+    if let Some(traces) = traces {
+        traces.shutdown();
+    }
+    outcome
 }

@@ -33,7 +33,9 @@ const SERVE_KEYS: &[&str] = &[
     "tenant_max_files",
     "tenant_max_running_batches",
     "tenant_max_requests_in_flight",
+    "tls",
 ];
+const TLS_KEYS: &[&str] = &["cert_file", "key_file"];
 const WEBHOOKS_KEYS: &[&str] = &[
     "allowed_hosts",
     "allow_http",
@@ -96,7 +98,9 @@ pub(super) fn serve(
     };
     let state_prefix = name_part(c, &t, "state_prefix", "prefix").unwrap_or(d.state_prefix);
     let s3 = s3(c, &t, needs);
+    let tls = tls(c, &t);
     ServeConfig {
+        tls,
         listen: c.socket_addr(&t, "listen").unwrap_or(d.listen),
         api_keys_file,
         api_keys,
@@ -258,6 +262,26 @@ const RESERVED_HEADERS: &[&str] = &[
     "keep-alive",
     "proxy-authorization",
 ];
+
+/// `serve.tls`: both files or neither.
+fn tls(c: &mut Collector<'_>, serve: &Table<'_>) -> Option<ServeTls> {
+    let t = c.table(serve, "tls", TLS_KEYS);
+    match (c.path(&t, "cert_file"), c.path(&t, "key_file")) {
+        (Some(cert_file), Some(key_file)) => Some(ServeTls {
+            cert_file,
+            key_file,
+        }),
+        (None, None) => None,
+        (Some(_), None) => {
+            c.at(&t, "key_file", "is needed with cert_file");
+            None
+        }
+        (None, Some(_)) => {
+            c.at(&t, "cert_file", "is needed with key_file");
+            None
+        }
+    }
+}
 
 /// `serve.webhooks`.
 fn webhooks(c: &mut Collector<'_>, serve: &Table<'_>) -> WebhooksConfig {

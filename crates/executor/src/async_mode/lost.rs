@@ -105,7 +105,7 @@ impl AsyncMode {
                 .await?;
             if job.resumed && job.progress().borrow().dispatched == 0 {
                 job.dispatched(done.sent);
-                m::model_inflight(&q.model.model, done.sent as f64);
+                job.inflight.add(&q.model.model, done.sent);
             }
             m::pool_counter("batch_requests_requeued_total", &q.pool, done.added);
             total += done.added;

@@ -6,11 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batch_executor::{JobSpec, Prepared};
+use batch_observability::TRACEPARENT;
 use batch_sink::JobSink;
 use batch_state::{layout, Change, JobLease, StoredBatch};
 use batch_storage::StorageError;
 use batch_wire::Batch;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::checkpoints::write_epoch;
 use super::{RunError, Runner};
@@ -24,7 +26,7 @@ impl Runner {
         fenced: &CancellationToken,
     ) -> Result<(), RunError> {
         let id = lease.job.as_str();
-        let Some(mut record) = self
+        let Some(record) = self
             .retry("reading a batch", || self.store.batch(id))
             .await?
         else {
@@ -37,6 +39,36 @@ impl Runner {
         if record.batch.status().is_terminal() {
             return self.end(lease, &dir).await;
         }
+        // This run of the batch is a span of the batch's trace (that of its create request),
+        // whichever replica runs it and however often it is resumed.
+        let span = tracing::info_span!(
+            "batch",
+            otel.name = %format!("batch {id}"),
+            batch.id = %id,
+            tenant = %record.tenant,
+            replica = %self.config.replica,
+            adopted,
+            batch.status = tracing::field::Empty,
+        );
+        if let Some(parent) = record.headers.get(TRACEPARENT) {
+            batch_observability::set_parent(&span, parent);
+        }
+        self.run_record(record, lease, adopted, fenced, &dir)
+            .instrument(span)
+            .await
+    }
+
+    /// [`Runner::run_job`] once the record is read, in the batch's span.
+    async fn run_record(
+        self: &Arc<Self>,
+        mut record: StoredBatch,
+        lease: &JobLease,
+        adopted: bool,
+        fenced: &CancellationToken,
+        dir: &Path,
+    ) -> Result<(), RunError> {
+        let id = lease.job.as_str();
+        let dir = dir.to_path_buf();
         if adopted {
             self.restore(lease, &dir).await?;
         }
@@ -66,8 +98,9 @@ impl Runner {
             output_dir: dir.join("out"),
             job_id: Some(id.to_owned()),
             completion_window: Duration::from_secs(record.window_secs),
-            // The pass-through headers of its create request, on every request of the batch.
-            headers: record.headers.clone(),
+            // The pass-through headers of its create request, and this run's trace context,
+            // on every request of the batch.
+            headers: request_headers(&record),
             created_at: Some(record.batch.batch.created_at),
             endpoint: record.batch.batch.endpoint.clone(),
             request_slots: self.tenant_slots(&record.tenant),
@@ -79,7 +112,12 @@ impl Runner {
         {
             cancel.cancel();
         }
-        let prepared = match self.executor.prepare(&spec).await {
+        let prepared = match self
+            .executor
+            .prepare(&spec)
+            .instrument(tracing::info_span!("validate"))
+            .await
+        {
             Ok(p) => p,
             // An earlier run of the job here (fenced when Redis lost the state) still winds
             // down: not a failure of the batch; it is taken again once that run let go.
@@ -111,17 +149,22 @@ impl Runner {
                     record.batch.model = Some(model.to_owned());
                 }
                 let done = CancellationToken::new();
-                let watcher = tokio::spawn(self.clone().watch(
-                    job.clone(),
-                    record.clone(),
-                    lease.clone(),
-                    cancel.clone(),
-                    fenced.clone(),
-                    done.clone(),
-                ));
+                let watcher = tokio::spawn(
+                    self.clone()
+                        .watch(
+                            job.clone(),
+                            record.clone(),
+                            lease.clone(),
+                            cancel.clone(),
+                            fenced.clone(),
+                            done.clone(),
+                        )
+                        .in_current_span(),
+                );
                 let result = self
                     .executor
                     .execute_until(job.clone(), cancel.clone(), fenced.clone())
+                    .instrument(tracing::info_span!("dispatch"))
                     .await;
                 // Its last save must land before the final one.
                 done.cancel();
@@ -140,6 +183,7 @@ impl Runner {
                 }
             }
         };
+        tracing::Span::current().record("batch.status", batch.status.as_str());
         finalize::finish(
             &self.fencing(lease),
             &self.storage,
@@ -148,6 +192,10 @@ impl Runner {
             &totals,
             &dir,
         )
+        .instrument(tracing::info_span!(
+            "finalize",
+            batch.status = batch.status.as_str()
+        ))
         .await?;
         self.end(lease, &dir).await
     }
@@ -217,4 +265,16 @@ impl Runner {
         let dir = self.job_dir(&lease.job);
         self.end(lease, &dir).await
     }
+}
+
+/// The headers sent on each request of a run: the batch's pass-through headers, with the
+/// `traceparent` of the current span (the run's) instead of the stored one, or none when
+/// traces are off.
+fn request_headers(record: &StoredBatch) -> std::collections::BTreeMap<String, String> {
+    let mut headers = record.headers.clone();
+    headers.remove(TRACEPARENT);
+    if let Some(traceparent) = batch_observability::traceparent(&tracing::Span::current()) {
+        headers.insert(TRACEPARENT.to_owned(), traceparent);
+    }
+    headers
 }

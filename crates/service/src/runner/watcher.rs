@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use batch_state::{Advance, Change, JobLease, StoredBatch};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::{RunError, Runner};
 
@@ -33,7 +34,14 @@ impl Runner {
             // Checkpoint before publishing `now`, so that the checkpoint (what other replicas
             // show of the job's lines) holds every line `now` counts when one is due each turn.
             if last_checkpoint.elapsed() >= self.config.checkpoint_interval {
-                match self.checkpoint(&job, &lease).await {
+                // Each checkpoint is the batch's progress in its trace.
+                let span = tracing::info_span!(
+                    "progress",
+                    completed = now.counts.completed,
+                    failed = now.counts.failed,
+                    total = now.counts.total,
+                );
+                match self.checkpoint(&job, &lease).instrument(span).await {
                     Ok(()) => {}
                     Err(RunError::Fenced) => {
                         fenced.cancel();
