@@ -267,7 +267,7 @@ fn answers_needed(spread: f64, tolerance: f64) -> usize {
 /// per window, or up to eight times over a window of `min_window` answers that spanned up
 /// to three round trips at a low limit.
 /// Then the rules, applied per window of `max(limit, min_window)` successful answers (about
-/// one round trip):
+/// one round trip; longer when the requests' own costs are spread, see **Noise**):
 /// - **Floor**: the least window mean over the last `floor_windows` windows, the gateway's
 ///   unqueued latency (TCP Vegas's base RTT). A mean, not the quickest answer: inference
 ///   latency varies with each request's length, and against the quickest one a typical
@@ -308,7 +308,14 @@ fn answers_needed(spread: f64, tolerance: f64) -> usize {
 /// ```
 /// - **Cut on overload** (429/5xx), once per episode like the reference: to one less than the
 ///   requests in flight when the refused one was sent, the concurrency the gateway just
-///   refused (at least one less than the limit), never below `min`.
+///   refused (at least one less than the limit), never below `min`. Each later refusal of
+///   the same burst lowers it to the most that burst had in flight less its refusals.
+/// - **Noise**: latency that varies per request for reasons no answer reports (prompt
+///   lengths, cache misses, pods of different speeds) is not queueing. Each window measures
+///   the spread of its answers' costs that the in-flight count does not explain; every mean
+///   above is then read with its standard error (2.5 of them on the floor, one on a queued
+///   window), and a window lasts
+///   until that error is small against the tolerance.
 #[derive(Debug, Clone)]
 pub struct GradientLimiter {
     config: GradientConfig,
@@ -338,6 +345,15 @@ pub struct GradientLimiter {
     /// The spread of one answer's own cost (see [`SpreadSums::own_spread`]), followed across
     /// windows.
     spread: f64,
+    /// The refusals of the latest overload episode.
+    burst: Burst,
+}
+
+/// The refusals of one overload episode: the most in flight any of them met, and how many.
+#[derive(Debug, Clone, Copy, Default)]
+struct Burst {
+    peak: usize,
+    refusals: usize,
 }
 
 impl GradientLimiter {
@@ -361,6 +377,7 @@ impl GradientLimiter {
             floors: VecDeque::new(),
             work: config.per_work.then(WorkModel::default),
             spread: 0.0,
+            burst: Burst::default(),
         })
     }
 
@@ -433,20 +450,26 @@ impl GradientLimiter {
 
     /// A 429/5xx met by a request sent at `epoch` with `in_flight` requests out.
     pub fn on_overload(&mut self, in_flight: usize, epoch: u64) -> Option<Change> {
-        if epoch.saturating_add(1) == self.epoch && in_flight <= self.refused_at {
-            // Another refusal of the burst that was just cut for: the gateway refused this
-            // lower concurrency too (the first one sent of an overshoot may answer after
-            // the last), so the limit goes below it, without a new episode.
-            self.refused_at = in_flight.max(1);
+        if epoch.saturating_add(1) == self.epoch {
+            // Another refusal of the burst that was just cut for, without a new episode: of
+            // the most that burst had in flight, each refusal was one too many (an overshoot's
+            // refusals answer together, each counting the others still in flight).
+            self.burst.peak = self.burst.peak.max(in_flight);
+            self.burst.refusals += 1;
             let to = self
                 .limit
-                .min(in_flight.saturating_sub(1))
+                .min(self.burst.peak.saturating_sub(self.burst.refusals))
                 .max(self.config.min);
+            self.refused_at = self.refused_at.min(to + 1);
             return self.set(to);
         }
         if epoch != self.epoch {
             return None;
         }
+        self.burst = Burst {
+            peak: in_flight,
+            refusals: 1,
+        };
         self.epoch += 1;
         self.slow_start = false;
         self.slow_start_cap = None;
@@ -959,33 +982,39 @@ mod tests {
     fn stale_overloads_are_ignored() {
         let mut l = limiter(1, 100);
         l.on_overload(51, 0);
-        // Of the episode just cut for, at a concurrency no lower: nothing new.
-        assert_eq!(l.on_overload(60, 0), None);
         assert_eq!(l.limit(), 50);
         l.on_overload(41, l.epoch());
         assert_eq!(l.limit(), 40);
-        // Of an older episode: ignored, whatever it refused.
+        // Of an older episode than the last: ignored, whatever it refused.
         assert_eq!(l.on_overload(10, 0), None);
         assert_eq!(l.limit(), 40);
     }
 
     #[test]
-    fn an_overshoot_is_cut_to_the_least_concurrency_its_burst_refused() {
-        // Slow start doubled past a gateway of 16: the burst's refusals answer in any order,
-        // and the first one sent, with 17 in flight, says where the gateway ends.
+    fn an_overshoot_is_cut_by_the_refusals_of_its_burst() {
+        // Slow start doubled to 40 past a gateway of 16: 24 of the burst are refused, and
+        // their answers come in any order, each counting the others still in flight.
         let mut l = limiter(1, 64);
+        l.on_overload(41, l.epoch());
         let sent = l.epoch();
+        l.set(40);
         assert_eq!(
             l.on_overload(40, sent),
-            Some(Change::Decreased { from: 64, to: 39 })
+            Some(Change::Decreased { from: 40, to: 39 })
         );
-        assert_eq!(
-            l.on_overload(17, sent),
-            Some(Change::Decreased { from: 39, to: 16 })
-        );
-        assert_eq!(l.on_overload(30, sent), None);
-        assert_eq!(l.limit(), 16);
+        for k in 0..23 {
+            l.on_overload(if k % 2 == 0 { 40 } else { 17 + k }, sent);
+        }
+        assert_eq!(l.limit(), 16, "40 in flight, 24 of them refused");
         assert_eq!(l.epoch(), sent + 1, "one episode");
+        // Refused all together, each still counting the rest: 8 in flight, 4 refused.
+        let mut l = limiter(1, 64);
+        l.set(8);
+        let sent = l.epoch();
+        for _ in 0..4 {
+            l.on_overload(8, sent);
+        }
+        assert_eq!(l.limit(), 4);
     }
 
     #[test]

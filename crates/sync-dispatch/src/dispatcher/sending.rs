@@ -216,7 +216,10 @@ impl Endpoint {
 
     /// Feeds the controller and copies its limit into the semaphore under the controller's
     /// lock, so the semaphore goes through the controller's limits in order. An overload met
-    /// by a request admitted before the last cut belongs to that cut's episode and is ignored.
+    /// by a request admitted before the last cut belongs to that cut's episode: the limiter
+    /// decides what it still says (the reference ignores it; the gradient limiters lower the
+    /// limit to a lower concurrency the same burst was refused at), and it is not counted as
+    /// a decrease of its own.
     pub(super) fn feed(&self, feedback: Feedback, epoch: u64) {
         let sample = Sample {
             latency: Duration::ZERO,
@@ -238,7 +241,7 @@ impl Endpoint {
         let overloaded = match feedback {
             Feedback::Silent => return,
             Feedback::Success => false,
-            Feedback::Overload(_) if controller.epoch() != sample.epoch => return,
+            Feedback::Overload(_) if controller.epoch() != sample.epoch => true,
             Feedback::Overload(signal) => {
                 metrics::counter!(names::AIMD_DECREASES_TOTAL, "endpoint" => self.name.clone(), "signal" => signal)
                     .increment(1);
