@@ -309,7 +309,7 @@ fn answers_needed(spread: f64, tolerance: f64) -> usize {
 /// - **Cut on overload** (429/5xx), once per episode like the reference: to one less than the
 ///   requests in flight when the refused one was sent, the concurrency the gateway just
 ///   refused (at least one less than the limit), never below `min`. Each later refusal of
-///   the same burst lowers it to the most that burst had in flight less its refusals.
+///   the same burst lowers it below the count it was sent with, if lower.
 /// - **Noise**: latency that varies per request for reasons no answer reports (prompt
 ///   lengths, cache misses, pods of different speeds) is not queueing. Each window measures
 ///   the spread of its answers' costs that the in-flight count does not explain; every mean
@@ -345,15 +345,6 @@ pub struct GradientLimiter {
     /// The spread of one answer's own cost (see [`SpreadSums::own_spread`]), followed across
     /// windows.
     spread: f64,
-    /// The refusals of the latest overload episode.
-    burst: Burst,
-}
-
-/// The refusals of one overload episode: the most in flight any of them met, and how many.
-#[derive(Debug, Clone, Copy, Default)]
-struct Burst {
-    peak: usize,
-    refusals: usize,
 }
 
 impl GradientLimiter {
@@ -377,7 +368,6 @@ impl GradientLimiter {
             floors: VecDeque::new(),
             work: config.per_work.then(WorkModel::default),
             spread: 0.0,
-            burst: Burst::default(),
         })
     }
 
@@ -450,26 +440,28 @@ impl GradientLimiter {
 
     /// A 429/5xx met by a request sent at `epoch` with `in_flight` requests out.
     pub fn on_overload(&mut self, in_flight: usize, epoch: u64) -> Option<Change> {
-        if epoch.saturating_add(1) == self.epoch {
-            // Another refusal of the burst that was just cut for, without a new episode: of
-            // the most that burst had in flight, each refusal was one too many (an overshoot's
-            // refusals answer together, each counting the others still in flight).
-            self.burst.peak = self.burst.peak.max(in_flight);
-            self.burst.refusals += 1;
+        self.on_refusal(in_flight, in_flight, epoch)
+    }
+
+    /// A 429/5xx met by a request sent at `epoch` with `sent_with` requests out, which saw
+    /// at most `met` out until its answer (requests sent after it may have reached the
+    /// gateway first). The first of an episode cuts below `met`; each later refusal of the
+    /// episode just cut for lowers the limit below its own `sent_with`, without a new
+    /// episode: an overshoot's refusals answer in any order (together, each still counting
+    /// the others), and the first one sent says best where the gateway ends.
+    pub fn on_refusal(&mut self, sent_with: usize, met: usize, epoch: u64) -> Option<Change> {
+        if epoch.saturating_add(1) == self.epoch && sent_with < self.refused_at {
+            self.refused_at = sent_with.max(1);
             let to = self
                 .limit
-                .min(self.burst.peak.saturating_sub(self.burst.refusals))
+                .min(sent_with.saturating_sub(1))
                 .max(self.config.min);
-            self.refused_at = self.refused_at.min(to + 1);
             return self.set(to);
         }
         if epoch != self.epoch {
             return None;
         }
-        self.burst = Burst {
-            peak: in_flight,
-            refusals: 1,
-        };
+        let in_flight = met.max(sent_with);
         self.epoch += 1;
         self.slow_start = false;
         self.slow_start_cap = None;
@@ -674,7 +666,7 @@ impl Limiter for GradientLimiter {
 
     fn on_result(&mut self, sample: Sample) -> Option<Change> {
         if sample.overloaded {
-            self.on_overload(sample.in_flight, sample.epoch)
+            self.on_refusal(sample.in_flight, sample.in_flight_at_answer, sample.epoch)
         } else {
             self.on_answer(sample.latency, sample.tokens, sample.in_flight)
         }
@@ -991,30 +983,32 @@ mod tests {
     }
 
     #[test]
-    fn an_overshoot_is_cut_by_the_refusals_of_its_burst() {
+    fn an_overshoot_is_cut_to_the_least_concurrency_its_burst_was_sent_with() {
         // Slow start doubled to 40 past a gateway of 16: 24 of the burst are refused, and
-        // their answers come in any order, each counting the others still in flight.
+        // their answers come in any order, each having met about 40 in flight.
         let mut l = limiter(1, 64);
-        l.on_overload(41, l.epoch());
-        let sent = l.epoch();
         l.set(40);
+        let sent = l.epoch();
         assert_eq!(
-            l.on_overload(40, sent),
+            l.on_refusal(39, 40, sent),
             Some(Change::Decreased { from: 40, to: 39 })
         );
-        for k in 0..23 {
-            l.on_overload(if k % 2 == 0 { 40 } else { 17 + k }, sent);
-        }
-        assert_eq!(l.limit(), 16, "40 in flight, 24 of them refused");
+        assert_eq!(
+            l.on_refusal(17, 40, sent),
+            Some(Change::Decreased { from: 39, to: 16 })
+        );
+        assert_eq!(l.on_refusal(30, 40, sent), None);
+        assert_eq!(l.limit(), 16);
         assert_eq!(l.epoch(), sent + 1, "one episode");
-        // Refused all together, each still counting the rest: 8 in flight, 4 refused.
+        // At a hard limit, a probe's refusals come one after another, each sent with the
+        // same count: the limit stays one below it.
         let mut l = limiter(1, 64);
-        l.set(8);
+        l.set(65);
         let sent = l.epoch();
-        for _ in 0..4 {
-            l.on_overload(8, sent);
+        for _ in 0..5 {
+            l.on_refusal(65, 66, sent);
         }
-        assert_eq!(l.limit(), 4);
+        assert_eq!(l.limit(), 64);
     }
 
     #[test]
@@ -1163,6 +1157,7 @@ mod tests {
                 let fresh = epoch == l.epoch();
                 let before = l.limit();
                 let change = l.on_result(Sample {
+                    in_flight_at_answer: 0,
                     latency: Duration::from_millis(ms),
                     overloaded,
                     in_flight,

@@ -198,16 +198,17 @@ impl Endpoint {
         in_flight: (usize, usize),
         epoch: u64,
     ) {
-        let (feedback, in_flight) = match status {
-            200..=299 => (Feedback::Success, in_flight.0),
-            429 => (Feedback::Overload(signals::RATE_LIMITED), in_flight.1),
-            500..=599 => (Feedback::Overload(signals::SERVER_ERROR), in_flight.1),
+        let feedback = match status {
+            200..=299 => Feedback::Success,
+            429 => Feedback::Overload(signals::RATE_LIMITED),
+            500..=599 => Feedback::Overload(signals::SERVER_ERROR),
             _ => return,
         };
         let sample = Sample {
             latency,
             overloaded: false,
-            in_flight,
+            in_flight: in_flight.0,
+            in_flight_at_answer: in_flight.1,
             epoch,
             tokens,
         };
@@ -225,6 +226,7 @@ impl Endpoint {
             latency: Duration::ZERO,
             overloaded: false,
             in_flight: 0,
+            in_flight_at_answer: 0,
             epoch,
             tokens: None,
         };
