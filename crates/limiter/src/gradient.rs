@@ -119,33 +119,146 @@ impl GradientConfig {
     }
 }
 
+/// A window's cost is a mean of answers whose latencies vary with what each request asks
+/// (prompt length, cache hits, the pod it lands on), not only with the load. The floor, the
+/// least of many such means, would sit a couple of standard errors below their true value,
+/// and an ordinary window would look queued. So each window keeps the spread of its answers:
+/// - the floor is taken from each window's mean plus [`FLOOR_ERRORS`] standard errors (about
+///   what the least of `floor_windows` unqueued means falls below their true value);
+/// - a window counts as queued only when its mean minus [`QUEUE_ERRORS`] standard errors
+///   passes the tolerance (and, as before, `confirm_windows` in a row);
+/// - a window lasts long enough for its standard error to be at most half the tolerance's
+///   margin ([`answers_needed`]), up to [`MAX_WINDOW`] answers: noisy answers are
+///   measured over more of them, answers that all cost the same over `min_window`.
+///
+/// Answers that all cost the same have no spread, and then all of this is the plain mean.
+const FLOOR_ERRORS: f64 = 2.5;
+/// See [`FLOOR_ERRORS`].
+const QUEUE_ERRORS: f64 = 1.0;
+/// The longest window, in answers, however noisy they are.
+const MAX_WINDOW: usize = 1024;
+/// How fast the spread seen is followed, per window.
+const SPREAD_WEIGHT: f64 = 0.2;
+
 /// Successes gathered toward the next decision.
 #[derive(Debug, Clone, Default)]
 struct Window {
     count: usize,
-    latency_sum: f64,
-    tokens_sum: f64,
+    sums: Sums,
+    spread: SpreadSums,
     in_flight_sum: f64,
     max_in_flight: usize,
 }
 
 impl Window {
-    fn add(&mut self, latency: f64, tokens: f64, in_flight: usize) {
+    fn add(&mut self, latency: f64, tokens: f64, in_flight: usize, cost: f64) {
         self.count += 1;
-        self.latency_sum += latency;
-        self.tokens_sum += tokens;
+        self.sums.add(latency, tokens);
+        self.spread.add(cost, in_flight as f64);
         self.in_flight_sum += in_flight as f64;
         self.max_in_flight = self.max_in_flight.max(in_flight);
     }
 }
 
+/// Each answer's own cost (its latency over its work, as the work was known when it came)
+/// against the requests in flight when it was sent: what of its spread the concurrency
+/// explains is queueing, the rest is the requests' own.
+#[derive(Debug, Clone, Copy, Default)]
+struct SpreadSums {
+    n: f64,
+    cost: f64,
+    cost_sq: f64,
+    in_flight: f64,
+    in_flight_sq: f64,
+    cost_in_flight: f64,
+}
+
+impl SpreadSums {
+    fn add(&mut self, cost: f64, in_flight: f64) {
+        self.n += 1.0;
+        self.cost += cost;
+        self.cost_sq += cost * cost;
+        self.in_flight += in_flight;
+        self.in_flight_sq += in_flight * in_flight;
+        self.cost_in_flight += cost * in_flight;
+    }
+
+    /// The spread of one answer's cost that the in-flight count does not explain, over the
+    /// mean cost (a coefficient of variation).
+    fn own_spread(&self) -> f64 {
+        let n = self.n;
+        if n < 3.0 {
+            return 0.0;
+        }
+        let mean = self.cost / n;
+        if mean <= 0.0 {
+            return 0.0;
+        }
+        let var_cost = (self.cost_sq / n - mean * mean).max(0.0);
+        let mean_f = self.in_flight / n;
+        let var_f = self.in_flight_sq / n - mean_f * mean_f;
+        let cov = self.cost_in_flight / n - mean * mean_f;
+        // Only a concurrency that makes answers slower is queueing.
+        let explained = if var_f > 1e-9 && cov > 0.0 {
+            cov * cov / var_f
+        } else {
+            0.0
+        };
+        ((var_cost - explained).max(0.0) * n / (n - 2.0)).sqrt() / mean
+    }
+}
+
 /// What a closed window keeps for the floor: its sums, so that its cost per unit of work can
 /// be measured again as the fixed cost in tokens is learnt better.
-#[derive(Debug, Clone, Copy)]
-struct Closed {
+#[derive(Debug, Clone, Copy, Default)]
+struct Sums {
     count: f64,
-    latency_sum: f64,
-    tokens_sum: f64,
+    latency: f64,
+    tokens: f64,
+}
+
+impl Sums {
+    fn add(&mut self, latency: f64, tokens: f64) {
+        self.count += 1.0;
+        self.latency += latency;
+        self.tokens += tokens;
+    }
+
+    fn merge(&mut self, other: &Sums) {
+        self.count += other.count;
+        self.latency += other.latency;
+        self.tokens += other.tokens;
+    }
+}
+
+/// A window's cost and its standard error.
+#[derive(Debug, Clone, Copy)]
+struct Cost {
+    mean: f64,
+    error: f64,
+}
+
+impl Cost {
+    /// What must pass the tolerance for the window to count as queued.
+    fn low(self) -> f64 {
+        (self.mean - QUEUE_ERRORS * self.error).max(0.0)
+    }
+
+    /// What a window offers as the floor.
+    fn high(self) -> f64 {
+        self.mean + FLOOR_ERRORS * self.error
+    }
+}
+
+/// Answers a window needs for its standard error to be at most half of `tolerance`'s margin,
+/// given the spread of one answer's cost.
+fn answers_needed(spread: f64, tolerance: f64) -> usize {
+    let n = (2.0 * spread / (tolerance - 1.0)).powi(2).ceil();
+    if n.is_finite() {
+        (n as usize).min(MAX_WINDOW)
+    } else {
+        MAX_WINDOW
+    }
 }
 
 /// A concurrency limit that fills the gateway without queueing in it.
@@ -154,7 +267,7 @@ struct Closed {
 /// per window, or up to eight times over a window of `min_window` answers that spanned up
 /// to three round trips at a low limit.
 /// Then the rules, applied per window of `max(limit, min_window)` successful answers (about
-/// one round trip):
+/// one round trip; longer when the requests' own costs are spread, see **Noise**):
 /// - **Floor**: the least window mean over the last `floor_windows` windows, the gateway's
 ///   unqueued latency (TCP Vegas's base RTT). A mean, not the quickest answer: inference
 ///   latency varies with each request's length, and against the quickest one a typical
@@ -195,7 +308,14 @@ struct Closed {
 /// ```
 /// - **Cut on overload** (429/5xx), once per episode like the reference: to one less than the
 ///   requests in flight when the refused one was sent, the concurrency the gateway just
-///   refused (at least one less than the limit), never below `min`.
+///   refused (at least one less than the limit), never below `min`. Each later refusal of
+///   the same burst lowers it below the count it was sent with, if lower.
+/// - **Noise**: latency that varies per request for reasons no answer reports (prompt
+///   lengths, cache misses, pods of different speeds) is not queueing. Each window measures
+///   the spread of its answers' costs that the in-flight count does not explain; every mean
+///   above is then read with its standard error (2.5 of them on the floor, one on a queued
+///   window), and a window lasts
+///   until that error is small against the tolerance.
 #[derive(Debug, Clone)]
 pub struct GradientLimiter {
     config: GradientConfig,
@@ -219,9 +339,12 @@ pub struct GradientLimiter {
     /// While a restarted slow start runs, the limit it stops at.
     slow_start_cap: Option<usize>,
     window: Window,
-    floors: VecDeque<Closed>,
+    floors: VecDeque<Sums>,
     /// With `per_work`, the fit of latency against length.
     work: Option<WorkModel>,
+    /// The spread of one answer's own cost (see [`SpreadSums::own_spread`]), followed across
+    /// windows.
+    spread: f64,
 }
 
 impl GradientLimiter {
@@ -244,6 +367,7 @@ impl GradientLimiter {
             window: Window::default(),
             floors: VecDeque::new(),
             work: config.per_work.then(WorkModel::default),
+            spread: 0.0,
         })
     }
 
@@ -273,13 +397,24 @@ impl GradientLimiter {
         self.epoch
     }
 
-    /// The least cost of a remembered window (see [`Self::cost`]).
+    /// The least cost a remembered window may have (the high end of each, see [`Cost`]).
+    /// Consecutive windows are pooled until they hold as many answers as a window now needs
+    /// ([`answers_needed`]): windows closed before the spread was known may be too short
+    /// for their error to be trusted.
     fn floor_secs(&self) -> Option<f64> {
         let k = self.fixed_tokens();
-        self.floors
-            .iter()
-            .map(|w| Self::cost(w, k))
-            .reduce(f64::min)
+        let needed = answers_needed(self.spread, self.config.tolerance) as f64;
+        let mut floor: Option<f64> = None;
+        let mut pooled = Sums::default();
+        for (i, w) in self.floors.iter().enumerate() {
+            pooled.merge(w);
+            if pooled.count >= needed || i + 1 == self.floors.len() {
+                let high = self.cost(&pooled, k).high();
+                floor = Some(floor.map_or(high, |f| f.min(high)));
+                pooled = Sums::default();
+            }
+        }
+        floor
     }
 
     /// The fixed cost of an answer in tokens, with `per_work`.
@@ -288,19 +423,45 @@ impl GradientLimiter {
     }
 
     /// A window's latency per answer, or with `per_work` (`k` known) per unit of work: one
-    /// output token, or the fixed cost of an answer, `k` tokens.
-    fn cost(w: &Closed, k: Option<f64>) -> f64 {
-        match k {
-            Some(k) => w.latency_sum / (w.tokens_sum + k * w.count),
-            None => w.latency_sum / w.count,
+    /// output token, or the fixed cost of an answer, `k` tokens; with its standard error from
+    /// the spread followed across windows (a window's own spread says little when rare long
+    /// answers may or may not fall in it).
+    fn cost(&self, w: &Sums, k: Option<f64>) -> Cost {
+        let work = match k {
+            Some(k) => w.tokens + k * w.count,
+            None => w.count,
+        };
+        let mean = w.latency / work;
+        Cost {
+            mean,
+            error: self.spread * mean / w.count.max(1.0).sqrt(),
         }
     }
 
     /// A 429/5xx met by a request sent at `epoch` with `in_flight` requests out.
     pub fn on_overload(&mut self, in_flight: usize, epoch: u64) -> Option<Change> {
+        self.on_refusal(in_flight, in_flight, epoch)
+    }
+
+    /// A 429/5xx met by a request sent at `epoch` with `sent_with` requests out, which saw
+    /// at most `met` out until its answer (requests sent after it may have reached the
+    /// gateway first). The first of an episode cuts below `met`; each later refusal of the
+    /// episode just cut for lowers the limit below its own `sent_with`, without a new
+    /// episode: an overshoot's refusals answer in any order (together, each still counting
+    /// the others), and the first one sent says best where the gateway ends.
+    pub fn on_refusal(&mut self, sent_with: usize, met: usize, epoch: u64) -> Option<Change> {
+        if epoch.saturating_add(1) == self.epoch && sent_with < self.refused_at {
+            self.refused_at = sent_with.max(1);
+            let to = self
+                .limit
+                .min(sent_with.saturating_sub(1))
+                .max(self.config.min);
+            return self.set(to);
+        }
         if epoch != self.epoch {
             return None;
         }
+        let in_flight = met.max(sent_with);
         self.epoch += 1;
         self.slow_start = false;
         self.slow_start_cap = None;
@@ -346,7 +507,8 @@ impl GradientLimiter {
             (Some(work), None) => work.mean_tokens(),
             (None, _) => 0.0,
         };
-        self.window.add(latency, tokens, in_flight);
+        let work = self.fixed_tokens().map_or(1.0, |k| tokens + k);
+        self.window.add(latency, tokens, in_flight, latency / work);
         if self.window.count < self.window_size() {
             return None;
         }
@@ -354,15 +516,21 @@ impl GradientLimiter {
         if self.floors.len() == self.config.floor_windows {
             self.floors.pop_front();
         }
-        let closed = Closed {
-            count: window.count as f64,
-            latency_sum: window.latency_sum,
-            tokens_sum: window.tokens_sum,
+        self.floors.push_back(window.sums);
+        // From here on, "mean" is the low end of the window's cost (per answer, or per unit
+        // of work): the part of it that the spread of the requests' own costs cannot explain.
+        let k = self.fixed_tokens();
+        // Followed as a variance, so that the windows a rare long answer fell in weigh as
+        // much as it does.
+        let spread = window.spread.own_spread();
+        self.spread = if self.floors.len() == 1 {
+            spread
+        } else {
+            (self.spread.powi(2) * (1.0 - SPREAD_WEIGHT) + spread.powi(2) * SPREAD_WEIGHT).sqrt()
         };
-        self.floors.push_back(closed);
-        // From here on, "mean" is the window's cost: per answer, or per unit of work.
-        let mean = Self::cost(&closed, self.fixed_tokens());
-        let floor = self.floor_secs().unwrap_or(mean);
+        let cost = self.cost(&window.sums, k);
+        let floor = self.floor_secs().unwrap_or(cost.mean);
+        let mean = cost.low().max(f64::MIN_POSITIVE);
         let mean_in_flight = window.in_flight_sum / window.count as f64;
         self.calm_windows += 1;
         let near_floor = mean <= floor * (1.0 + (self.config.tolerance - 1.0) / 4.0);
@@ -468,11 +636,12 @@ impl GradientLimiter {
     fn window_size(&self) -> usize {
         // Per unit of work a window of a few answers says little: one short answer of a
         // misjudged fixed cost would set the floor. So no shorter windows in slow start.
-        if self.slow_start && !self.config.per_work {
+        let size = if self.slow_start && !self.config.per_work {
             self.limit
         } else {
             self.limit.max(self.config.min_window)
-        }
+        };
+        size.max(answers_needed(self.spread, self.config.tolerance))
     }
 
     fn set(&mut self, to: usize) -> Option<Change> {
@@ -497,7 +666,7 @@ impl Limiter for GradientLimiter {
 
     fn on_result(&mut self, sample: Sample) -> Option<Change> {
         if sample.overloaded {
-            self.on_overload(sample.in_flight, sample.epoch)
+            self.on_refusal(sample.in_flight, sample.in_flight_at_answer, sample.epoch)
         } else {
             self.on_answer(sample.latency, sample.tokens, sample.in_flight)
         }
@@ -805,8 +974,74 @@ mod tests {
     fn stale_overloads_are_ignored() {
         let mut l = limiter(1, 100);
         l.on_overload(51, 0);
-        assert_eq!(l.on_overload(10, 0), None);
         assert_eq!(l.limit(), 50);
+        l.on_overload(41, l.epoch());
+        assert_eq!(l.limit(), 40);
+        // Of an older episode than the last: ignored, whatever it refused.
+        assert_eq!(l.on_overload(10, 0), None);
+        assert_eq!(l.limit(), 40);
+    }
+
+    #[test]
+    fn an_overshoot_is_cut_to_the_least_concurrency_its_burst_was_sent_with() {
+        // Slow start doubled to 40 past a gateway of 16: 24 of the burst are refused, and
+        // their answers come in any order, each having met about 40 in flight.
+        let mut l = limiter(1, 64);
+        l.set(40);
+        let sent = l.epoch();
+        assert_eq!(
+            l.on_refusal(39, 40, sent),
+            Some(Change::Decreased { from: 40, to: 39 })
+        );
+        assert_eq!(
+            l.on_refusal(17, 40, sent),
+            Some(Change::Decreased { from: 39, to: 16 })
+        );
+        assert_eq!(l.on_refusal(30, 40, sent), None);
+        assert_eq!(l.limit(), 16);
+        assert_eq!(l.epoch(), sent + 1, "one episode");
+        // At a hard limit, a probe's refusals come one after another, each sent with the
+        // same count: the limit stays one below it.
+        let mut l = limiter(1, 64);
+        l.set(65);
+        let sent = l.epoch();
+        for _ in 0..5 {
+            l.on_refusal(65, 66, sent);
+        }
+        assert_eq!(l.limit(), 64);
+    }
+
+    #[test]
+    fn a_spread_that_does_not_grow_with_concurrency_is_not_queueing() {
+        // Two kinds of request, 20 ms and 400 ms, at the same concurrency: the windows' means
+        // vary by a third around 210 ms, and a plain minimum would take most for queueing.
+        let mut l = limiter(1, 64);
+        l.on_overload(17, 0);
+        let mut state = 1u64;
+        for _ in 0..20_000 {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let ms = if state >> 63 == 0 { 20 } else { 400 };
+            l.on_success(Duration::from_millis(ms), l.limit());
+        }
+        assert!(l.limit() >= 16, "{}", l.limit());
+        assert!((0.8..1.0).contains(&l.spread), "{}", l.spread);
+        assert!(
+            l.window_size() >= 32,
+            "measured over longer windows: {}",
+            l.window_size()
+        );
+        // A spread the concurrency explains is queueing's, not the requests' own: it does
+        // not widen what counts as noise, nor lengthen the windows.
+        let mut l = limiter(1, 64);
+        l.on_overload(33, 0);
+        for i in 0..2_000u64 {
+            let in_flight = 16 + (i % 17) as usize;
+            l.on_success(Duration::from_millis(20 * in_flight as u64 / 16), in_flight);
+        }
+        assert!(l.spread < 0.05, "{}", l.spread);
+        assert_eq!(l.window_size(), l.limit().max(16));
     }
 
     #[test]
@@ -922,6 +1157,7 @@ mod tests {
                 let fresh = epoch == l.epoch();
                 let before = l.limit();
                 let change = l.on_result(Sample {
+                    in_flight_at_answer: 0,
                     latency: Duration::from_millis(ms),
                     overloaded,
                     in_flight,

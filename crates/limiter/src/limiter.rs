@@ -22,6 +22,9 @@ pub struct Sample {
     pub overloaded: bool,
     /// Requests of this endpoint in flight when this one was sent, itself included.
     pub in_flight: usize,
+    /// For an overload, the most requests in flight from its send to its answer (requests sent
+    /// after it may have reached the gateway first); 0 when not known, as `in_flight` then.
+    pub in_flight_at_answer: usize,
     /// The limiter's [`Limiter::epoch`] when the request was sent.
     pub epoch: u64,
     /// The answer's `usage.completion_tokens`, when it has one.
@@ -165,6 +168,7 @@ mod tests {
             latency: Duration::from_millis(1),
             overloaded,
             in_flight: 10,
+            in_flight_at_answer: 0,
             epoch,
             tokens: None,
         };

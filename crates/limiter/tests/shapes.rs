@@ -22,8 +22,28 @@ struct Shape {
     capacity: usize,
     /// C goes to this between 30 % and 60 % of the run.
     low_capacity: Option<usize>,
+    /// C drifts slowly down to half and back up, a cosine of period 20 s.
+    drift: bool,
     /// Model-server mode: time per token × max(1, n / C), 429 only past this.
     queue_limit: Option<usize>,
+    /// Latency that varies per request for reasons the reported usage does not show.
+    noise: Noise,
+}
+
+/// Per-request variation of the latency that the answer's `completion_tokens` does not show
+/// (prefill of long prompts, prefix-cache misses, slower pods): a factor on the latency.
+#[derive(Debug, Clone, Copy)]
+enum Noise {
+    None,
+    /// Lognormal of median 1 and this sigma.
+    Lognormal(f64),
+    /// Two kinds of request, half each, of these factors.
+    TwoKinds(f64, f64),
+    /// This share of requests this many times longer.
+    Tail(f64, f64),
+    /// Two pods behind one URL, C/2 slots each, this one's latency × the factor; the gateway
+    /// routes to the pod with fewer in flight (the fast one on a tie).
+    SlowPod(f64),
 }
 
 const HARD: Shape = Shape {
@@ -33,7 +53,9 @@ const HARD: Shape = Shape {
     tail: None,
     capacity: 64,
     low_capacity: None,
+    drift: false,
     queue_limit: None,
+    noise: Noise::None,
 };
 
 const LENGTHS: Shape = Shape {
@@ -72,6 +94,7 @@ enum Kind {
         epoch: u64,
         tokens: u64,
         refused: bool,
+        pod: usize,
     },
     /// A backed-off request is ready to queue for a permit again.
     Retry,
@@ -108,6 +131,7 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
     let mut events = BinaryHeap::new();
     let (mut now, mut started, mut done, mut ready_retries) = (0.0f64, 0usize, 0usize, 0usize);
     let (mut holders, mut gateway_in_flight, mut refusals) = (0usize, 0usize, 0usize);
+    let mut pods = [0usize; 2];
     let (mut served_ms, mut unloaded_ms, mut tokens_ms, mut tokens_total) = (0.0, 0.0, 0.0, 0.0);
     let (mut capacity_time, mut t95) = (0.0, 0.0);
     let mut limits = Vec::new();
@@ -119,6 +143,10 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
         n as f64 * (shape.fixed_ms + shape.per_token_ms * mean_tokens) / shape.capacity as f64;
     let capacity_at = |t: f64| match shape.low_capacity {
         Some(low) if t >= 0.3 * full && t < 0.6 * full => low,
+        _ if shape.drift => {
+            let c = shape.capacity as f64;
+            (c * (0.75 + 0.25 * (std::f64::consts::TAU * t / 20_000.0).cos())).round() as usize
+        }
         _ => shape.capacity,
     };
     while done < n {
@@ -134,7 +162,13 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
             let admit_limit = shape.queue_limit.unwrap_or(c);
             let in_flight = holders;
             let epoch = limiter.epoch();
-            if gateway_in_flight >= admit_limit {
+            // Behind one URL, two pods of C/2 slots: the one with fewer in flight.
+            let pod = usize::from(matches!(shape.noise, Noise::SlowPod(_)) && pods[1] < pods[0]);
+            let full_now = match shape.noise {
+                Noise::SlowPod(_) => pods[pod] >= admit_limit / 2,
+                _ => gateway_in_flight >= admit_limit,
+            };
+            if full_now {
                 refusals += 1;
                 events.push(Reverse(Event {
                     at: now + 0.1,
@@ -144,11 +178,13 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
                         epoch,
                         tokens: 0,
                         refused: true,
+                        pod,
                     },
                 }));
                 continue;
             }
             gateway_in_flight += 1;
+            pods[pod] += 1;
             let mut tokens = match shape.lengths {
                 Some((median, sigma)) => lognormal(&mut rng, median, sigma),
                 None => 16.0,
@@ -163,8 +199,27 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
                 Some(_) => (gateway_in_flight as f64 / c as f64).max(1.0),
                 None => 1.0,
             };
-            let unloaded = shape.fixed_ms + shape.per_token_ms * tokens;
-            let latency = shape.fixed_ms + shape.per_token_ms * tokens * stretch;
+            let factor = match shape.noise {
+                Noise::None => 1.0,
+                Noise::Lognormal(sigma) => lognormal(&mut rng, 1.0, sigma),
+                Noise::TwoKinds(a, b) => {
+                    if rng.random::<bool>() {
+                        a
+                    } else {
+                        b
+                    }
+                }
+                Noise::Tail(share, factor) => {
+                    if rng.random::<f64>() < share {
+                        factor
+                    } else {
+                        1.0
+                    }
+                }
+                Noise::SlowPod(factor) => [1.0, factor][pod],
+            };
+            let unloaded = (shape.fixed_ms + shape.per_token_ms * tokens) * factor;
+            let latency = (shape.fixed_ms + shape.per_token_ms * tokens * stretch) * factor;
             served_ms += latency;
             unloaded_ms += unloaded;
             tokens_ms += shape.per_token_ms * tokens * stretch;
@@ -177,6 +232,7 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
                     epoch,
                     tokens: tokens as u64,
                     refused: false,
+                    pod,
                 },
             }));
         }
@@ -198,16 +254,14 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
                 epoch,
                 tokens,
                 refused,
+                pod,
             } => {
                 holders -= 1;
                 let sample = Sample {
                     latency: std::time::Duration::from_secs_f64((now - sent) / 1000.0),
                     overloaded: refused,
-                    in_flight: if refused {
-                        in_flight.max(holders + 1)
-                    } else {
-                        in_flight
-                    },
+                    in_flight,
+                    in_flight_at_answer: in_flight.max(holders + 1),
                     epoch,
                     tokens: (!refused).then_some(tokens),
                 };
@@ -220,6 +274,7 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
                     }));
                 } else {
                     gateway_in_flight -= 1;
+                    pods[pod] -= 1;
                     done += 1;
                     if done * 20 == n * 19 {
                         t95 = now;
@@ -318,10 +373,82 @@ fn a_model_server_is_held_near_its_knee() {
     }
 }
 
-/// Why the work limiter is the default: the plain gradient takes the spread of answer times
-/// for queueing and sits far below the capacity.
+/// Answer lengths the plain gradient is not told about are a spread of the requests' own
+/// costs like any other: it measures them over longer windows rather than take them for
+/// queueing (it sat at 0.6-0.7 of the ceiling before the spread was measured).
 #[test]
-fn the_plain_gradient_is_fooled_by_the_spread_of_lengths() {
+fn the_plain_gradient_holds_lengths_it_is_not_told_about() {
     let o = run(Algorithm::Gradient, LENGTHS, 30_000, 1);
-    assert!(o.share_of_ceiling < 0.8, "{o:?}");
+    assert!(o.share_of_ceiling >= 0.9, "{o:?}");
+}
+
+/// The independent gateway of the noisy shapes: 16 at once, 429 above, 50 ms per answer
+/// before the shape's variation, every answer reporting 16 output tokens whatever it took.
+const SIXTEEN: Shape = Shape {
+    fixed_ms: 50.0,
+    capacity: 16,
+    ..HARD
+};
+
+/// The targets on a shape whose latency varies for reasons the usage does not show, and never
+/// below the reference AIMD on the same shape (by more than the noise of one run).
+fn meets_targets_beside_aimd(shape: Shape) {
+    meets_targets(Algorithm::Work, shape);
+    for seed in 1..=3 {
+        let work = run(Algorithm::Work, shape, 6_140, seed).share_of_ceiling;
+        let aimd = run(Algorithm::Aimd, shape, 6_140, seed).share_of_ceiling;
+        eprintln!("seed {seed}: work {work:.3}, aimd {aimd:.3} of the ceiling");
+        assert!(
+            work >= aimd - 0.02,
+            "seed {seed}: work {work:.3} < aimd {aimd:.3}"
+        );
+    }
+}
+
+#[test]
+fn sixteen_at_a_fixed_latency() {
+    meets_targets_beside_aimd(SIXTEEN);
+}
+
+#[test]
+fn sixteen_with_lognormal_latency_the_usage_does_not_show() {
+    meets_targets_beside_aimd(Shape {
+        noise: Noise::Lognormal(0.8),
+        ..SIXTEEN
+    });
+}
+
+#[test]
+fn sixteen_with_two_kinds_of_request_20_and_400_ms() {
+    meets_targets_beside_aimd(Shape {
+        fixed_ms: 1.0,
+        noise: Noise::TwoKinds(20.0, 400.0),
+        ..SIXTEEN
+    });
+}
+
+#[test]
+fn sixteen_with_a_tenth_of_requests_ten_times_longer() {
+    meets_targets_beside_aimd(Shape {
+        noise: Noise::Tail(0.1, 10.0),
+        ..SIXTEEN
+    });
+}
+
+#[test]
+fn a_fast_and_a_slow_pod_behind_one_url() {
+    meets_targets_beside_aimd(Shape {
+        noise: Noise::SlowPod(3.0),
+        ..SIXTEEN
+    });
+}
+
+#[test]
+fn a_capacity_drifting_slowly_to_half_and_back() {
+    meets_targets_beside_aimd(Shape {
+        drift: true,
+        capacity: 64,
+        noise: Noise::Lognormal(0.5),
+        ..SIXTEEN
+    });
 }

@@ -301,6 +301,41 @@ async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
     assert!(d.cuts("m").unwrap() >= 1);
 }
 
+/// A burst past the gateway's capacity: every refusal of the burst reaches the limiter, not
+/// only the first one answered, so the limit goes to what the burst's last refusals saw
+/// rather than down one cut at a time through further refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refusal_of_an_overshoot_lowers_the_limit_toward_the_capacity() {
+    const CAPACITY: usize = 4;
+    let counters = Arc::new(Counters::default());
+    let seen = counters.clone();
+    let gateway = Gateway::start_shared(counters.clone(), move |_, _| {
+        if seen.inflight.load(Ordering::SeqCst) > CAPACITY {
+            Reply::status(429).header("retry-after", "0")
+        } else {
+            // Admitted ones outlast every refusal of the burst.
+            Reply::ok().after(Duration::from_millis(500))
+        }
+    })
+    .await;
+    // Slow start from 1 doubles per round trip: 1, 2 and 4 are served, then a burst of 8
+    // meets a gateway of 4 and 4 of it are refused.
+    let d = SyncDispatcher::new(gradient(100, 32, 1));
+    let mut options = fast_options(&gateway.url);
+    options.max_retries = 0;
+    d.add_endpoint("m", options).unwrap();
+    let calls = join_all((0..15).map(|_| d.dispatch("m", request("r")))).await;
+    let served = calls
+        .iter()
+        .filter(|o| matches!(o, SyncOutcome::Http { status: 200, .. }))
+        .count();
+    assert_eq!(served, 11);
+    // The first refusal answered met 8 in flight, the last ones about 5.
+    let limit = d.limit("m").unwrap();
+    assert!(limit <= 5, "the burst's refusals took the limit to {limit}");
+    assert_eq!(d.cuts("m"), Some(1), "one episode");
+}
+
 /// Answers of varied length (10 ms + 1 ms per output token, told in `usage`) under a hard
 /// limit: the work limiter weighs each latency by the answer's tokens, so the spread of
 /// lengths is not taken for queueing and the limit sits at the capacity.

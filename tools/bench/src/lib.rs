@@ -68,7 +68,7 @@ pub use lab::Lab;
 pub use machine::{utc_date, Machine};
 pub use redis_benchmark::{parse_csv_rps, RedisBenchmark};
 pub use report::{
-    thousands, AimdSample, AimdTrace, Kind, Limit, Report, Row, RssPoint, Target, Unit,
+    thousands, AimdSample, AimdTrace, Kind, Limit, Report, Row, RssPoint, Target, Unit, AIMD_PLOTS,
 };
 pub use rss::{rss_helper, RSS_HELPER_ARG};
 pub use scenarios::Scenario;

@@ -268,7 +268,7 @@ pub struct Report {
 }
 
 /// The limit plots, by gateway behaviour: what each shows and its file.
-pub const AIMD_PLOTS: [(&str, &str); 5] = [
+pub const AIMD_PLOTS: [(&str, &str); 9] = [
     ("(a) Against a hard limit, fixed latency", "aimd-limit.svg"),
     (
         "(b) Against a hard limit, answers of lognormal length",
@@ -286,6 +286,19 @@ pub const AIMD_PLOTS: [(&str, &str); 5] = [
         "(e) Against a model server (time per token grows past C, 429 only past Q)",
         "aimd-limit-model-server.svg",
     ),
+    (
+        "(f) 16 at once, 50 ms × a lognormal factor the usage does not show",
+        "aimd-limit-unseen-lognormal.svg",
+    ),
+    (
+        "(g) 16 at once, two kinds of request (20 ms, 400 ms), the same usage",
+        "aimd-limit-unseen-two-kinds.svg",
+    ),
+    (
+        "(h) 16 at once, 10 % of the requests 10 × longer, the same usage",
+        "aimd-limit-unseen-tail.svg",
+    ),
+    ("(i) 16 at once, 503 when full", "aimd-limit-503.svg"),
 ];
 
 const HEADER: [&str; 8] = [

@@ -111,15 +111,8 @@ fn quick_run_reports_every_scenario() {
         md.contains("| CPU |") && md.contains("| redis-server |"),
         "{md}"
     );
-    for plot in [
-        "rates.svg",
-        "rss.svg",
-        "aimd-limit.svg",
-        "aimd-limit-lengths.svg",
-        "aimd-limit-tail.svg",
-        "aimd-limit-changing.svg",
-        "aimd-limit-model-server.svg",
-    ] {
+    let limit_plots = batch_bench::AIMD_PLOTS.map(|(_, file)| file);
+    for plot in ["rates.svg", "rss.svg"].into_iter().chain(limit_plots) {
         let svg = std::fs::read_to_string(out.path().join(plot)).unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("</svg>"), "{plot}");
         assert!(

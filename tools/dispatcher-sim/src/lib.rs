@@ -56,5 +56,5 @@ pub use dispatcher::{
 };
 pub use gateway_sim::{
     check_listen_addr, FailureKind, FailureRule, Gateway, GatewayConfig, GatewayHandle,
-    GatewayLoad, GatewayStats, SeenRequest, SimError,
+    GatewayLoad, GatewayStats, SeenRequest, SimError, Unseen,
 };

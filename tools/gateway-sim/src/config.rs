@@ -62,6 +62,89 @@ pub struct GatewayConfig {
     /// Extra latency of a request whose prefix is not cached (only with `prefix_cache_size` > 0).
     #[serde(with = "crate::duration_serde")]
     pub prefix_miss_latency: Duration,
+    /// Latency that varies per request for reasons its `usage` does not show (prompt length,
+    /// cache hits, the pod it lands on): a factor drawn per request on its unloaded latency,
+    /// the reported token counts unchanged. Not in model-server mode.
+    pub unseen: Unseen,
+    /// The status of the answer past the capacity: 429 (with `Retry-After`), or 503 as some
+    /// gateways say they are full.
+    pub full_status: u16,
+}
+
+/// A per-request latency factor the answer's `usage` does not show ([`GatewayConfig::unseen`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Unseen {
+    /// Every request costs what its tokens say.
+    #[default]
+    None,
+    /// A lognormal factor of median 1 and this sigma.
+    Lognormal {
+        /// The sigma of the factor's natural log.
+        sigma: f64,
+    },
+    /// Two kinds of request, half each, of these factors.
+    TwoKinds {
+        /// One kind's factor.
+        a: f64,
+        /// The other's.
+        b: f64,
+    },
+    /// This share of requests this many times longer.
+    Tail {
+        /// The share, in [0, 1].
+        share: f64,
+        /// How many times longer.
+        factor: f64,
+    },
+}
+
+impl Unseen {
+    /// The factor of one request.
+    pub fn factor(self, rng: &mut impl rand::Rng) -> f64 {
+        match self {
+            Unseen::None => 1.0,
+            Unseen::Lognormal { sigma } => (sigma * standard_normal(rng)).exp(),
+            Unseen::TwoKinds { a, b } => {
+                if rng.random::<bool>() {
+                    a
+                } else {
+                    b
+                }
+            }
+            Unseen::Tail { share, factor } => {
+                if rng.random::<f64>() < share {
+                    factor
+                } else {
+                    1.0
+                }
+            }
+        }
+    }
+
+    fn validate(self) -> Result<(), SimError> {
+        let ok = match self {
+            Unseen::None => true,
+            Unseen::Lognormal { sigma } => sigma >= 0.0 && sigma.is_finite(),
+            Unseen::TwoKinds { a, b } => a > 0.0 && b > 0.0 && a.is_finite() && b.is_finite(),
+            Unseen::Tail { share, factor } => {
+                (0.0..=1.0).contains(&share) && factor >= 1.0 && factor.is_finite()
+            }
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(SimError::Config(format!(
+                "unseen: {self:?} is out of range (sigma ≥ 0, factors > 0, share in [0, 1], tail factor ≥ 1)"
+            )))
+        }
+    }
+}
+
+/// One standard normal from two uniforms (Box-Muller).
+fn standard_normal(rng: &mut impl rand::Rng) -> f64 {
+    let (u1, u2): (f64, f64) = (rng.random(), rng.random());
+    (-2.0 * (1.0 - u1).ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
 
 impl Default for GatewayConfig {
@@ -82,6 +165,8 @@ impl Default for GatewayConfig {
             seed: None,
             prefix_cache_size: 0,
             prefix_miss_latency: Duration::ZERO,
+            unseen: Unseen::None,
+            full_status: 429,
         }
     }
 }
@@ -127,6 +212,13 @@ impl GatewayConfig {
                 }
                 Some(_) => {}
             }
+        }
+        self.unseen.validate()?;
+        if !matches!(self.full_status, 429 | 503) {
+            return Err(SimError::Config(format!(
+                "full_status must be 429 or 503, got {}",
+                self.full_status
+            )));
         }
         for (i, rule) in self.failures.iter().enumerate() {
             if !(0.0..=1.0).contains(&rule.rate) {
@@ -186,10 +278,7 @@ impl GatewayConfig {
         let Some(median) = self.length_median else {
             return requested;
         };
-        // Box-Muller: one standard normal from two uniforms.
-        let (u1, u2): (f64, f64) = (rng.random(), rng.random());
-        let normal = (-2.0 * (1.0 - u1).ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-        let mut tokens = median as f64 * (self.length_sigma * normal).exp();
+        let mut tokens = median as f64 * (self.length_sigma * standard_normal(rng)).exp();
         if self.tail_share > 0.0 && rng.random::<f64>() < self.tail_share {
             tokens *= self.tail_factor;
         }

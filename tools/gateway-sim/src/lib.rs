@@ -46,7 +46,7 @@ mod timer;
 
 use std::net::SocketAddr;
 
-pub use config::{FailureKind, FailureRule, GatewayConfig};
+pub use config::{FailureKind, FailureRule, GatewayConfig, Unseen};
 pub use gateway::{Gateway, GatewayHandle, GatewayLoad, GatewayStats, SeenRequest};
 
 /// What went wrong starting or configuring a simulator: this gateway, or the dispatcher of

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use batch_wire::hash::body_digest;
 use common::{get, post};
-use gateway_sim::{FailureKind, FailureRule, Gateway, GatewayConfig, GatewayHandle, SeenRequest};
+use gateway_sim::{
+    FailureKind, FailureRule, Gateway, GatewayConfig, GatewayHandle, SeenRequest, Unseen,
+};
 use serde_json::Value;
 
 async fn start(config: GatewayConfig) -> GatewayHandle {
@@ -178,6 +180,79 @@ async fn drawn_lengths_are_reported_in_usage_and_charged_per_token() {
     assert!(stats.mean_latency().unwrap() >= unloaded);
     let per_token = stats.mean_token_time().unwrap();
     assert!(per_token >= Duration::from_micros(199), "{per_token:?}");
+}
+
+/// A cost the usage does not show: two kinds of request, one 10 times slower, each reporting
+/// the same 16 tokens; the gateway's unloaded latency counts each request's own cost.
+#[tokio::test]
+async fn an_unseen_cost_varies_the_latency_but_not_the_usage() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(2),
+        unseen: Unseen::TwoKinds { a: 1.0, b: 10.0 },
+        seed: Some(5),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", gw.base_url());
+    let (mut fast, mut slow) = (0, 0);
+    for _ in 0..40 {
+        let started = Instant::now();
+        let (status, _, body) = post(&url, r#"{"model":"m","max_tokens":16,"messages":[]}"#, &[])
+            .await
+            .unwrap();
+        let took = started.elapsed();
+        assert_eq!(status, 200);
+        let reply: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(reply["usage"]["completion_tokens"], 16);
+        if took >= Duration::from_millis(20) {
+            slow += 1;
+        } else {
+            fast += 1;
+        }
+    }
+    assert!(fast >= 8 && slow >= 8, "{fast} fast, {slow} slow");
+    let unloaded = gw.stats().mean_unloaded_latency().unwrap();
+    let expected = Duration::from_millis(2) * (fast + 10 * slow) / 40;
+    assert!(
+        unloaded.abs_diff(expected) < Duration::from_micros(50),
+        "{unloaded:?} vs {expected:?}"
+    );
+    let bad = GatewayConfig {
+        unseen: Unseen::Tail {
+            share: 1.5,
+            factor: 10.0,
+        },
+        ..GatewayConfig::default()
+    };
+    assert!(bad.validate().is_err());
+}
+
+/// A gateway that says 503 when it is full, as some do, instead of 429.
+#[tokio::test]
+async fn a_full_gateway_may_say_503() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(400),
+        capacity: Some(1),
+        full_status: 503,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    let first = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, r#"{"model":"m"}"#, &[]).await.unwrap() })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, headers, _) = post(&url, r#"{"model":"m"}"#, &[]).await.unwrap();
+    assert_eq!(status, 503);
+    assert!(!headers.contains_key("retry-after"));
+    assert_eq!(first.await.unwrap().0, 200);
+    assert!(GatewayConfig {
+        full_status: 404,
+        ..GatewayConfig::default()
+    }
+    .validate()
+    .is_err());
 }
 
 /// Model-server mode: past C the time per output token grows with the requests running, the

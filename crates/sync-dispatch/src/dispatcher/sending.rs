@@ -198,16 +198,17 @@ impl Endpoint {
         in_flight: (usize, usize),
         epoch: u64,
     ) {
-        let (feedback, in_flight) = match status {
-            200..=299 => (Feedback::Success, in_flight.0),
-            429 => (Feedback::Overload(signals::RATE_LIMITED), in_flight.1),
-            500..=599 => (Feedback::Overload(signals::SERVER_ERROR), in_flight.1),
+        let feedback = match status {
+            200..=299 => Feedback::Success,
+            429 => Feedback::Overload(signals::RATE_LIMITED),
+            500..=599 => Feedback::Overload(signals::SERVER_ERROR),
             _ => return,
         };
         let sample = Sample {
             latency,
             overloaded: false,
-            in_flight,
+            in_flight: in_flight.0,
+            in_flight_at_answer: in_flight.1,
             epoch,
             tokens,
         };
@@ -216,12 +217,16 @@ impl Endpoint {
 
     /// Feeds the controller and copies its limit into the semaphore under the controller's
     /// lock, so the semaphore goes through the controller's limits in order. An overload met
-    /// by a request admitted before the last cut belongs to that cut's episode and is ignored.
+    /// by a request admitted before the last cut belongs to that cut's episode: the limiter
+    /// decides what it still says (the reference ignores it; the gradient limiters lower the
+    /// limit to a lower concurrency the same burst was refused at), and it is not counted as
+    /// a decrease of its own.
     pub(super) fn feed(&self, feedback: Feedback, epoch: u64) {
         let sample = Sample {
             latency: Duration::ZERO,
             overloaded: false,
             in_flight: 0,
+            in_flight_at_answer: 0,
             epoch,
             tokens: None,
         };
@@ -238,7 +243,7 @@ impl Endpoint {
         let overloaded = match feedback {
             Feedback::Silent => return,
             Feedback::Success => false,
-            Feedback::Overload(_) if controller.epoch() != sample.epoch => return,
+            Feedback::Overload(_) if controller.epoch() != sample.epoch => true,
             Feedback::Overload(signal) => {
                 metrics::counter!(names::AIMD_DECREASES_TOTAL, "endpoint" => self.name.clone(), "signal" => signal)
                     .increment(1);

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use batch_executor::Executor;
-use dispatcher_sim::{GatewayConfig, GatewayStats};
+use dispatcher_sim::{GatewayConfig, GatewayStats, Unseen};
 use tokio_util::sync::CancellationToken;
 
 use super::{expect_completed, lines, ready, simulator, spec, Ctx};
@@ -36,6 +36,13 @@ const TAIL_FACTOR: f64 = 20.0;
 /// The mean unloaded latency with lognormal lengths (10 ms + 1 ms × 40 × e^(σ²/2)), to size
 /// the runs and time the changing gateway's phases.
 const LENGTHS_LATENCY: Duration = Duration::from_micros(65_100);
+/// The gateways whose latency varies for reasons the usage does not show: this many at once,
+/// each answer this long before its own factor, every answer reporting the same usage.
+const SMALL_CAPACITY: usize = 16;
+const SMALL_LATENCY: Duration = Duration::from_millis(50);
+/// Their runs last this many times as long as the others': a noisy latency takes more
+/// answers to measure.
+const SMALL_RUN_FACTOR: f64 = 4.0;
 const PER_ENDPOINT: usize = 128;
 const GLOBAL: usize = 256;
 const SAMPLE_EVERY: Duration = Duration::from_millis(10);
@@ -57,16 +64,55 @@ enum Behaviour {
     /// (e) A model server with `Lengths`' answers: past C the time per output token grows
     /// with the requests running, 429 only past the queue limit.
     ModelServer,
+    /// (f) 16 at once, 50 ms × a lognormal factor (sigma 0.8) that the usage does not show.
+    UnseenLognormal,
+    /// (g) 16 at once, two kinds of request, 20 ms and 400 ms, half each, the same usage.
+    UnseenTwoKinds,
+    /// (h) 16 at once, 50 ms, 10 % of the requests 10 × longer, the same usage.
+    UnseenTail,
+    /// (i) 16 at once, fixed 50 ms, 503 (not 429) when full.
+    Full503,
 }
 
 impl Behaviour {
-    const ALL: [Behaviour; 5] = [
+    const ALL: [Behaviour; 9] = [
         Behaviour::Hard,
         Behaviour::Lengths,
         Behaviour::Tail,
         Behaviour::Changing,
         Behaviour::ModelServer,
+        Behaviour::UnseenLognormal,
+        Behaviour::UnseenTwoKinds,
+        Behaviour::UnseenTail,
+        Behaviour::Full503,
     ];
+
+    /// The gateway's usual capacity C.
+    fn capacity(self) -> usize {
+        if self.small() {
+            SMALL_CAPACITY
+        } else {
+            CAPACITY
+        }
+    }
+
+    /// One of the gateways of 16 whose latency the usage does not explain.
+    fn small(self) -> bool {
+        matches!(
+            self,
+            Behaviour::UnseenLognormal
+                | Behaviour::UnseenTwoKinds
+                | Behaviour::UnseenTail
+                | Behaviour::Full503
+        )
+    }
+
+    /// Whether a processor configuration is run against this gateway: the fixed limit and
+    /// the plain gradient only at the first five; the others compare the default with the
+    /// reference.
+    fn runs(self, candidate: Candidate) -> bool {
+        !self.small() || matches!(candidate.algorithm, "aimd" | "work")
+    }
 
     fn label(self) -> &'static str {
         match self {
@@ -75,6 +121,12 @@ impl Behaviour {
             Behaviour::Tail => "(c) hard limit, lognormal lengths, 1 % 20× longer",
             Behaviour::Changing => "(d) changing limit, lognormal lengths",
             Behaviour::ModelServer => "(e) model server, lognormal lengths",
+            Behaviour::UnseenLognormal => {
+                "(f) 16 at once, 50 ms × lognormal the usage does not show"
+            }
+            Behaviour::UnseenTwoKinds => "(g) 16 at once, 20 or 400 ms, the same usage",
+            Behaviour::UnseenTail => "(h) 16 at once, 50 ms, 10 % 10× longer, the same usage",
+            Behaviour::Full503 => "(i) 16 at once, fixed 50 ms, 503 when full",
         }
     }
 
@@ -85,6 +137,10 @@ impl Behaviour {
             Behaviour::Tail => "aimd-limit-tail.svg",
             Behaviour::Changing => "aimd-limit-changing.svg",
             Behaviour::ModelServer => "aimd-limit-model-server.svg",
+            Behaviour::UnseenLognormal => "aimd-limit-unseen-lognormal.svg",
+            Behaviour::UnseenTwoKinds => "aimd-limit-unseen-two-kinds.svg",
+            Behaviour::UnseenTail => "aimd-limit-unseen-tail.svg",
+            Behaviour::Full503 => "aimd-limit-503.svg",
         }
     }
 
@@ -92,13 +148,23 @@ impl Behaviour {
     fn unloaded(self) -> Duration {
         match self {
             Behaviour::Hard => LATENCY,
+            // 50 ms × e^(σ²/2)
+            Behaviour::UnseenLognormal => SMALL_LATENCY.mul_f64((0.8f64 * 0.8 / 2.0).exp()),
+            Behaviour::UnseenTwoKinds => Duration::from_millis(210),
+            Behaviour::UnseenTail => SMALL_LATENCY.mul_f64(1.9),
+            Behaviour::Full503 => SMALL_LATENCY,
             _ => LENGTHS_LATENCY,
         }
     }
 
-    /// Lines of the run: about as long as `aimd_lines` at the fixed-latency gateway.
+    /// Lines of the run: about as long as `aimd_lines` at the fixed-latency gateway (the
+    /// gateways of 16, [`SMALL_RUN_FACTOR`] times as long).
     fn lines(self, aimd_lines: usize) -> usize {
-        let n = aimd_lines as f64 * LATENCY.as_secs_f64() / self.unloaded().as_secs_f64();
+        let longer = if self.small() { SMALL_RUN_FACTOR } else { 1.0 };
+        let n = aimd_lines as f64 * LATENCY.as_secs_f64() / self.unloaded().as_secs_f64()
+            * self.capacity() as f64
+            / CAPACITY as f64
+            * longer;
         // A multiple of 20, so 95 % of it is a whole number.
         ((n / 20.0).round() as usize).max(1) * 20
     }
@@ -131,6 +197,35 @@ impl Behaviour {
                 batching: true,
                 ..lengths
             },
+            small => {
+                let small_hard = GatewayConfig {
+                    latency_fixed: SMALL_LATENCY,
+                    capacity: Some(SMALL_CAPACITY),
+                    ..hard
+                };
+                match small {
+                    Behaviour::UnseenLognormal => GatewayConfig {
+                        unseen: Unseen::Lognormal { sigma: 0.8 },
+                        ..small_hard
+                    },
+                    Behaviour::UnseenTwoKinds => GatewayConfig {
+                        latency_fixed: Duration::from_millis(20),
+                        unseen: Unseen::TwoKinds { a: 1.0, b: 20.0 },
+                        ..small_hard
+                    },
+                    Behaviour::UnseenTail => GatewayConfig {
+                        unseen: Unseen::Tail {
+                            share: 0.1,
+                            factor: 10.0,
+                        },
+                        ..small_hard
+                    },
+                    _ => GatewayConfig {
+                        full_status: 503,
+                        ..small_hard
+                    },
+                }
+            }
         }
     }
 }
@@ -217,14 +312,14 @@ fn capacity_at(behaviour: Behaviour, n: usize, t: f64) -> usize {
     if behaviour == Behaviour::Changing && t >= low && t < high {
         LOW_CAPACITY
     } else {
-        CAPACITY
+        behaviour.capacity()
     }
 }
 
 /// C averaged over `[0, elapsed]`.
 fn time_weighted_capacity(behaviour: Behaviour, n: usize, elapsed: f64) -> f64 {
     if behaviour != Behaviour::Changing || elapsed <= 0.0 {
-        return CAPACITY as f64;
+        return behaviour.capacity() as f64;
     }
     let (low, high) = phases(n, behaviour.unloaded());
     let low_time = (elapsed.min(high) - low).max(0.0);
@@ -267,6 +362,9 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         let input = lab.path(&format!("aimd-{lines_here}.jsonl"));
         write_input(&input, lines_here, 1024)?;
         for candidate in CANDIDATES {
+            if !behaviour.runs(candidate) {
+                continue;
+            }
             let label = format!("{}, {}", behaviour.label(), candidate.label());
             if only
                 .as_ref()
@@ -278,7 +376,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
             for run in 0..s.long_runs {
                 let r = one_run(lab, &input, lines_here, behaviour, candidate, run).await?;
                 progress(&format!(
-                    "   {}, {}, run {run}: {:.0} req/s ({:.0} % of {:.0}), 429 responses {:.1} % of requests, time per token × {:.2}, mean limit {:.1}",
+                    "   {}, {}, run {run}: {:.0} req/s ({:.0} % of {:.0}), refusals {:.1} % of requests, time per token × {:.2}, mean limit {:.1}",
                     behaviour.label(),
                     candidate.label(),
                     r.throughput,
@@ -296,6 +394,10 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
     report.note(AIMD, format!(
         "The simulated gateway (tools/gateway-sim) in five shapes, each answering 429 (`Retry-After: 0`) past its limit: **(a)** at most C = {CAPACITY} at once, every answer L = {} ms; **(b)** the same C, an answer taking {} ms + {} ms per output token, its length drawn per request from a lognormal of median {LENGTH_MEDIAN} tokens and sigma {LENGTH_SIGMA} (seeded, whatever the request's `max_tokens`, reported in `usage.completion_tokens`); **(c)** as (b), {:.0} % of the answers {TAIL_FACTOR:.0} × longer; **(d)** as (b), C going {CAPACITY} → {LOW_CAPACITY} → {CAPACITY} at 30 % and 60 % of the time the job takes at C; **(e)** a model server with (b)'s answers: past C = {CAPACITY} running, the time per output token grows by running / C (re-read every 16 tokens: continuous batching), and only past Q = {QUEUE_LIMIT} the answer is 429.",
         LATENCY.as_millis(), PROMPT.as_millis(), PER_TOKEN.as_millis(), TAIL_SHARE * 100.0
+    ));
+    report.note(AIMD, format!(
+        "Four more gateways admit {SMALL_CAPACITY} at once (429 above, `Retry-After: 0`) and vary each request's latency for a reason its `usage` does not show (every answer reports the same `completion_tokens`, as with prompts of different lengths, prefix-cache misses or pods of different speeds): **(f)** {} ms × a lognormal factor of sigma 0.8; **(g)** two kinds of request, 20 ms and 400 ms, half each; **(h)** {} ms, 10 % of the requests 10 × longer; **(i)** a fixed {} ms, and 503 instead of 429 when full. Their runs last {SMALL_RUN_FACTOR:.0} times as long as the others' (a noisy latency takes more answers to measure), and they compare the default `work` with the reference `aimd`.",
+        SMALL_LATENCY.as_millis(), SMALL_LATENCY.as_millis(), SMALL_LATENCY.as_millis()
     ));
     report.note(AIMD, format!(
         "Each throughput is the job's lines answered per second until {:.0} % of them were (the last answers of a job drain at a falling concurrency whatever the limiter, for as long as its longest answer takes: with (c)'s tail, seconds). The limit it is compared with is C / the mean latency the gateway itself served in that run (time-weighted C for (d)), of the run with the median throughput; for (e), C / the mean unloaded latency of its answers: the throughput at the knee. (e) also reports the gateway's mean time per output token over its unloaded value ({} ms), target ≤ 1.25.",
@@ -367,7 +469,8 @@ fn record(
     let limit = Summary::new(runs.iter().map(|r| r.mean_limit).collect());
     let stretch = Summary::new(runs.iter().map(|r| r.token_stretch).collect());
     let median = throughput.median_run();
-    let ceiling = median.map_or(CAPACITY as f64 / behaviour.unloaded().as_secs_f64(), |i| {
+    let c = behaviour.capacity();
+    let ceiling = median.map_or(c as f64 / behaviour.unloaded().as_secs_f64(), |i| {
         runs[i].ceiling
     });
     let label = format!("{}, {}", behaviour.label(), candidate.label());
@@ -376,13 +479,18 @@ fn record(
             format!("time-weighted C / mean latency, C = {CAPACITY} → {LOW_CAPACITY} → {CAPACITY}")
         }
         Behaviour::ModelServer => format!("knee: C / mean unloaded latency, C = {CAPACITY}"),
-        _ => format!("C / mean latency, C = {CAPACITY}"),
+        _ => format!("C / mean latency, C = {c}"),
     };
     let row = |figure: &str, unit, value| Row::new(AIMD, format!("{label}: {figure}"), unit, value);
     let rate = format!("throughput, {} lines", lines(n));
     let mut rate_row =
         row(&rate, Unit::PerSecond("req/s"), throughput.clone()).limit(ceiling_name, ceiling);
-    let mut share_row = row("429 responses / requests", Unit::Percent, share);
+    let refusals = if behaviour == Behaviour::Full503 {
+        "503 responses / requests"
+    } else {
+        "429 responses / requests"
+    };
+    let mut share_row = row(refusals, Unit::Percent, share);
     if candidate.targeted {
         rate_row = rate_row.target(Target::RatioAtLeast(0.9));
         if behaviour != Behaviour::ModelServer {
@@ -407,7 +515,7 @@ fn record(
         report.aimd.push(AimdTrace {
             label,
             plot: behaviour.plot().to_owned(),
-            capacity: CAPACITY,
+            capacity: c,
             samples: std::mem::take(&mut runs[i].samples),
         });
     }
@@ -434,7 +542,7 @@ async fn one_run(
         behaviour, candidate.algorithm
     ))?;
     let mut samples = Vec::new();
-    let mut capacity = CAPACITY;
+    let mut capacity = behaviour.capacity();
     // The gateway's counters when MEASURED_SHARE of the lines had been answered, and when.
     let mut measured: Option<(f64, GatewayStats)> = None;
     let start = Instant::now();
@@ -476,14 +584,16 @@ async fn one_run(
     } else {
         mean_capacity / secs(at.mean_latency())
     };
-    let token_stretch = match behaviour {
-        Behaviour::Hard => 1.0,
-        _ => secs(stats.mean_token_time()) / PER_TOKEN.as_secs_f64(),
+    let token_stretch = if behaviour == Behaviour::Hard || behaviour.small() {
+        1.0
+    } else {
+        secs(stats.mean_token_time()) / PER_TOKEN.as_secs_f64()
     };
     Ok(Run {
         throughput: at.answered as f64 / until,
         ceiling,
-        share_429: stats.responses(429) as f64 / n as f64,
+        // A gateway that says it is full with 503 is refused as with 429.
+        share_429: (stats.responses(429) + stats.responses(503)) as f64 / n as f64,
         token_stretch,
         mean_limit,
         samples,
@@ -515,5 +625,8 @@ mod tests {
         assert_eq!(Behaviour::Hard.lines(20_000), 20_000);
         assert_eq!(Behaviour::Lengths.lines(20_000), 6_140);
         assert_eq!(Behaviour::Tail.lines(1_000) % 20, 0);
+        // 16 at once at about 210 ms: four times as long as the others, at its own rate.
+        assert_eq!(Behaviour::UnseenTwoKinds.lines(20_000), 1_900);
+        assert_eq!(Behaviour::Full503.lines(20_000), 6_400);
     }
 }

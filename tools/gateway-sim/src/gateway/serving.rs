@@ -184,6 +184,15 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
     let active = state.active();
     let config = &active.config;
     let Some((_slot, in_flight)) = state.admit(config.admission_limit()) else {
+        if config.full_status == 503 {
+            return state.count(openai_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the gateway is at capacity",
+                "server_error",
+                None,
+                Some("service_unavailable"),
+            ));
+        }
         return state.count(too_many_requests(
             config,
             "the gateway is at capacity",
@@ -207,7 +216,13 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
     if state.prefix_miss(config, endpoint, request) {
         fixed = fixed.saturating_add(config.prefix_miss_latency);
     }
-    let per_token = config.latency(tokens).saturating_sub(config.latency_fixed);
+    let mut per_token = config.latency(tokens).saturating_sub(config.latency_fixed);
+    if !config.batching && config.unseen != crate::Unseen::None {
+        // The request's own cost, which its usage does not show.
+        let factor = config.unseen.factor(&mut *lock(&state.rng));
+        fixed = fixed.mul_f64(factor);
+        per_token = per_token.mul_f64(factor);
+    }
     let unloaded = fixed.saturating_add(per_token);
     let token_time = if config.batching {
         crate::timer::sleep(fixed).await;
