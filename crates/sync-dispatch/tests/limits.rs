@@ -256,21 +256,28 @@ fn gradient(global: usize, per_endpoint: usize, aimd_min: usize) -> LimitOptions
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
-    const CAPACITY: usize = 4;
+/// A gateway serving at most `capacity` at once, each answer after `latency`, and 429
+/// (`Retry-After: 0`) past it; with its counters.
+async fn hard_limit(capacity: usize, latency: Duration) -> (Gateway, Arc<Counters>) {
     let counters = Arc::new(Counters::default());
     let seen = counters.clone();
     let gateway = Gateway::start_shared(counters.clone(), move |_, _| {
-        if seen.inflight.load(Ordering::SeqCst) > CAPACITY {
+        if seen.inflight.load(Ordering::SeqCst) > capacity {
             Reply::status(429).header("retry-after", "0")
         } else {
-            // Long enough that a loaded machine's scheduling delays stay within the
-            // limiter's tolerance of its latency floor.
-            Reply::ok().after(Duration::from_millis(40))
+            Reply::ok().after(latency)
         }
     })
     .await;
+    (gateway, counters)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
+    const CAPACITY: usize = 4;
+    // Long enough that a loaded machine's scheduling delays stay within the limiter's
+    // tolerance of its latency floor.
+    let (gateway, counters) = hard_limit(CAPACITY, Duration::from_millis(40)).await;
     let d = SyncDispatcher::new(gradient(100, 32, 1));
     let mut options = fast_options(&gateway.url);
     options.max_retries = 1000;
@@ -307,17 +314,8 @@ async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_refusal_of_an_overshoot_lowers_the_limit_toward_the_capacity() {
     const CAPACITY: usize = 4;
-    let counters = Arc::new(Counters::default());
-    let seen = counters.clone();
-    let gateway = Gateway::start_shared(counters.clone(), move |_, _| {
-        if seen.inflight.load(Ordering::SeqCst) > CAPACITY {
-            Reply::status(429).header("retry-after", "0")
-        } else {
-            // Admitted ones outlast every refusal of the burst.
-            Reply::ok().after(Duration::from_millis(500))
-        }
-    })
-    .await;
+    // Admitted ones outlast every refusal of the burst.
+    let (gateway, _) = hard_limit(CAPACITY, Duration::from_millis(500)).await;
     // Slow start from 1 doubles per round trip: 1, 2 and 4 are served, then a burst of 8
     // meets a gateway of 4 and 4 of it are refused.
     let d = SyncDispatcher::new(gradient(100, 32, 1));
