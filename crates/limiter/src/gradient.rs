@@ -146,7 +146,6 @@ struct Window {
     count: usize,
     sums: Sums,
     spread: SpreadSums,
-    in_flight_sum: f64,
     max_in_flight: usize,
 }
 
@@ -155,7 +154,6 @@ impl Window {
         self.count += 1;
         self.sums.add(latency, tokens);
         self.spread.add(cost, in_flight as f64);
-        self.in_flight_sum += in_flight as f64;
         self.max_in_flight = self.max_in_flight.max(in_flight);
     }
 }
@@ -531,7 +529,7 @@ impl GradientLimiter {
         let cost = self.cost(&window.sums, k);
         let floor = self.floor_secs().unwrap_or(cost.mean);
         let mean = cost.low().max(f64::MIN_POSITIVE);
-        let mean_in_flight = window.in_flight_sum / window.count as f64;
+        let mean_in_flight = window.spread.in_flight / window.count as f64;
         self.calm_windows += 1;
         let near_floor = mean <= floor * (1.0 + (self.config.tolerance - 1.0) / 4.0);
         self.windows_off_floor = if near_floor {
