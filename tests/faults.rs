@@ -730,3 +730,65 @@ async fn a_redis_restarted_empty_mid_job_loses_no_line() {
     );
     sim.shutdown().await;
 }
+
+/// Results that another process parked for a job of this process's own list (it read the list
+/// while this process's lease had lapsed) reach the job: the job reads its parked list whoever
+/// holds the lease, fresh job or resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn results_parked_for_a_job_on_its_own_list_reach_it() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let lines = write_input(&env.path("in.jsonl"), 20, &["llama-3"]);
+    // A long lost-request timeout: a line is never re-sent here, so only the parked list can
+    // answer the lines taken off the queue below.
+    let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 10m\n");
+    env.redis
+        .command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "0"]);
+    let sim = env.dispatcher(&["pool-a"], closed_gate).await;
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let out = env.path("out");
+    let run = executor.run(
+        JobSpec::new(env.path("in.jsonl"), &out),
+        CancellationToken::new(),
+    );
+    tokio::pin!(run);
+    let queued = async {
+        eventually("the job enqueued", Duration::from_secs(30), || {
+            env.redis.command(&["ZCARD", QUEUE]) == ":20"
+        })
+        .await
+    };
+    tokio::select! { _ = queued => {}, _ = &mut run => panic!("finished with the gate closed") }
+    // What the reader of another process does with results of a job it does not run: the
+    // requests are taken, answered, and their results parked beside the list for the job.
+    let taken = env.redis.command_list(&["ZPOPMIN", QUEUE, "5"]);
+    for member in taken.iter().step_by(2) {
+        let envelope = batch_wire::Envelope::parse(member).unwrap();
+        let id = envelope.data.id;
+        let (job, _) = batch_wire::split_request_id(&id).unwrap();
+        let list = envelope.internal.result_queue_name.unwrap();
+        let parked = batch_keys::ListKeys::new(&list).parked_list(&job);
+        let body = serde_json::json!({
+            "id": "chatcmpl-parked", "object": "chat.completion", "model": "llama-3",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "parked"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        });
+        let result = serde_json::json!({"id": id, "status_code": 200, "payload": body.to_string()});
+        env.redis.command(&["LPUSH", &parked, &result.to_string()]);
+    }
+    env.redis
+        .command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
+    let batch = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the parked results reached the job")
+        .unwrap();
+    assert_eq!(batch.status, BatchStatus::Completed);
+    let results = Results::read(&out);
+    results.assert_each_once(&lines);
+    assert_eq!(
+        env.gateway.stats().total,
+        15,
+        "the parked lines were not sent again"
+    );
+    executor.shutdown().await;
+    sim.shutdown().await;
+}

@@ -4,9 +4,15 @@
 //! holder keeps pushing back. A process that dies stops renewing, so its lease lapses after one
 //! TTL; a process found dead on this very machine (same boot, same PID namespace, its PID gone)
 //! loses its lease at once. Two live processes never read one list.
+//!
+//! A process knows its own leases by a random token drawn when it starts (the holder's
+//! `instance`) and a serial per lease. A lease of this process that is no longer live here (its
+//! holder gave up on it after a cut from Redis longer than a TTL, while Redis kept the key) is
+//! taken back at once, not waited out as if another process held it.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use fred::clients::Client;
@@ -109,6 +115,25 @@ fn process_space() -> String {
     format!("{boot}/{ns}")
 }
 
+/// The leases this process holds now, by key: the value each was taken with. A value of this
+/// process that is not here belongs to a lease it gave up, which it may take back at once.
+fn live() -> std::sync::MutexGuard<'static, HashMap<String, String>> {
+    static LIVE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    LIVE.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// True when `value` is a lease value of this very process (its start token) that no live
+/// lease of this process holds on `key`: one it gave up, after a cut longer than a TTL.
+fn is_own_given_up(key: &str, value: &str, holder: &Holder) -> bool {
+    let me = Holder::this_process();
+    holder.instance == me.instance
+        && holder.host == me.host.replace(' ', "_")
+        && holder.pid == me.pid
+        && live().get(key).map(String::as_str) != Some(value)
+}
+
 // KEYS[1] = lease; ARGV[1] = me, ARGV[2] = ttl ms, ARGV[3] = a holder known dead ('' if none).
 // Returns {1, me} when taken (or renewed), {0, holder} when another holds it.
 const ACQUIRE_LUA: &str = r#"
@@ -183,6 +208,10 @@ impl Lease {
                 return Ok(Acquired::Taken(Self::start(client.clone(), key, me, ttl)));
             }
             match Holder::decode(&value) {
+                Some(h) if is_own_given_up(key, &value, &h) => {
+                    tracing::info!(key, "taking back a lease this process gave up");
+                    dead = value;
+                }
                 Some(h) if h.is_dead_here() => {
                     tracing::info!(key, holder = %h, "taking the lease of a process that is gone");
                     dead = value;
@@ -223,6 +252,7 @@ impl Lease {
     }
 
     fn start(client: Client, key: &str, me: String, ttl: Duration) -> Lease {
+        live().insert(key.to_owned(), me.clone());
         let lease = Lease {
             client,
             key: key.to_owned(),
@@ -281,6 +311,15 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         self.stop.cancel();
+        forget(&self.key, &self.me);
+    }
+}
+
+/// Takes a lease of this process off the live ones (given up, lost or released).
+fn forget(key: &str, me: &str) {
+    let mut live = live();
+    if live.get(key).map(String::as_str) == Some(me) {
+        live.remove(key);
     }
 }
 
@@ -332,6 +371,7 @@ async fn renew(
                 key,
                 "could not renew the lease for a whole TTL; stopping until it is taken again"
             );
+            forget(&key, &me);
             lost.cancel();
             return;
         }
@@ -358,5 +398,44 @@ mod tests {
             ..gone.clone()
         };
         assert!(!elsewhere.is_dead_here(), "cannot tell for another host");
+    }
+
+    /// A lease this process gave up (not renewable for a whole TTL, say through a cut from
+    /// Redis) while Redis kept its key is this process's own: taken back at once, not waited
+    /// out as another process's. A lease it still holds is not taken twice.
+    #[tokio::test]
+    async fn a_lease_this_process_gave_up_is_taken_back_at_once() {
+        let redis = batch_testkit::RedisServer::start();
+        let client = batch_redis::connect(&redis.url(), &Default::default())
+            .await
+            .unwrap();
+        let key = "{llm-d-async:results:pool-a:$batch}:lease";
+        let ttl = Duration::from_secs(30);
+        let Acquired::Taken(first) = Lease::try_acquire(&client, key, ttl).await.unwrap() else {
+            panic!("a free lease is taken");
+        };
+        match Lease::try_acquire(&client, key, ttl).await.unwrap() {
+            Acquired::Held(Ok(h)) => assert_eq!(&h, Holder::this_process()),
+            _ => panic!("a lease held live here is not taken twice"),
+        }
+        // What the renewer does when it gives up: stop renewing and forget the lease; the key
+        // stays in Redis until its TTL runs out.
+        first.stop.cancel();
+        forget(&first.key, &first.me);
+        assert_eq!(
+            redis.command(&["GET", key]),
+            first.me,
+            "the key outlives the give-up"
+        );
+        let Acquired::Taken(again) = Lease::try_acquire(&client, key, ttl).await.unwrap() else {
+            panic!("a lease this process gave up is its own to take back");
+        };
+        assert_ne!(again.value(), first.value());
+        drop(first);
+        match Lease::try_acquire(&client, key, ttl).await.unwrap() {
+            Acquired::Held(Ok(_)) => {}
+            _ => panic!("dropping the old lease does not free the new one"),
+        }
+        again.release().await;
     }
 }

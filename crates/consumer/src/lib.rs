@@ -164,7 +164,9 @@ impl Default for ConsumerOptions {
             poll_timeout: Duration::from_secs(5),
             blocking: true,
             min_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(5),
+            // Short: after an outage the consumer is reading again within 2 s of Redis
+            // answering, and one command every 2 s costs a dead link nothing.
+            max_backoff: Duration::from_secs(2),
             lease_ttl: Duration::from_secs(10),
             linger: Duration::from_millis(10),
             routes: None,

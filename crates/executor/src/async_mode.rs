@@ -109,6 +109,9 @@ impl AsyncMode {
             .try_queue_names()
             .map_err(|e| ExecError::Config(e.to_string()))?;
         let client = batch_redis::connect(&redis_url, &connect).await?;
+        // Waiting until a deadline is for the start only: the consumers' later connections
+        // retry in loops of their own that watch the stop signals.
+        connect.until = None;
         batch_redis::check_durability(&client, config.redis_allow_eviction).await?;
         let lost_after = config.async_dispatch.lost_request_timeout;
         if lost_after < DISPATCHER_REQUEST_TIMEOUT {
@@ -247,9 +250,10 @@ impl AsyncMode {
                     .start_consumer(pool, list, None, &setup)
                     .await?;
             }
-            if job.resumed || !own {
-                self.readers.start_parked(list, job);
-            }
+            // Always, even on this process's own list: while its lease had lapsed (a cut from
+            // Redis longer than the lease), another process may have read the list and parked
+            // this job's results, which only this reader takes in.
+            self.readers.start_parked(list, job);
         }
         if job.resumed {
             // Results that arrived while no process ran the job are written first, so what is

@@ -58,6 +58,24 @@ impl JobSpec {
             request_slots: None,
         }
     }
+
+    /// How long until the job's deadline: the one recorded in its directory when it ran
+    /// before, its window from now when it is new (or its `batch.json` cannot be read, which
+    /// preparing it will report); `None` when it has ended.
+    pub fn time_left(&self) -> Option<Duration> {
+        match batch_sink::read_batch(&self.output_dir) {
+            Ok(Some(b)) if b.status.is_terminal() => None,
+            Ok(Some(b)) => {
+                let now = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs() as i64);
+                Some(Duration::from_secs(
+                    b.expires_at.saturating_sub(now).max(0) as u64
+                ))
+            }
+            _ => Some(self.completion_window),
+        }
+    }
 }
 
 /// Where a job stands, published while it runs.

@@ -34,7 +34,7 @@
 mod durability;
 mod fault;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fred::prelude::*;
 use fred::types::config::ServerConfig;
@@ -50,8 +50,12 @@ pub use fault::{is_transient, Backoff, Retry, RetryError};
 /// How [`connect`] connects and how hard it tries.
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
-    /// Attempts before giving up (at least 1).
+    /// Attempts before giving up (at least 1), unless `until` is later.
     pub attempts: u32,
+    /// Keep trying until this instant, however many attempts that takes (a job waits out a
+    /// Redis that is down when it starts, as it does one that goes down while it runs, until
+    /// its own deadline). `None`: `attempts` alone bounds the tries.
+    pub until: Option<Instant>,
     /// Wait after the first failure; doubled after each, up to `max_backoff`.
     pub initial_backoff: Duration,
     /// Longest wait between attempts.
@@ -70,6 +74,7 @@ impl Default for ConnectOptions {
     fn default() -> Self {
         Self {
             attempts: 6,
+            until: None,
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
@@ -217,7 +222,9 @@ pub fn builder(url: &str, options: &ConnectOptions) -> Result<Builder, ConnectEr
             c.max_command_attempts = 10;
         })
         .with_performance_config(|p| p.default_command_timeout = options.command_timeout)
-        .set_policy(ReconnectPolicy::new_exponential(0, 100, 10_000, 2));
+        // Reconnects at most 2 s apart: after an outage ends the client is back within 2 s,
+        // not the 10 s a longer cap would leave it waiting (a cheap attempt on a dead link).
+        .set_policy(ReconnectPolicy::new_exponential(0, 100, 2_000, 2));
     Ok(builder)
 }
 
@@ -243,10 +250,14 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
         reason: e.reason,
     })?;
     let tls = options.tls.clone().unwrap_or_default();
-    let attempts = options.attempts.max(1);
     let mut backoff = Backoff::new(options.initial_backoff, options.max_backoff);
     let mut last = String::new();
-    for attempt in 1..=attempts {
+    let mut attempt = 0;
+    let more = |attempt: u32| {
+        attempt < options.attempts.max(1) || options.until.is_some_and(|u| Instant::now() < u)
+    };
+    while more(attempt) {
+        attempt += 1;
         let client = builder.build().map_err(|e| ConnectError::BadUrl {
             url: shown.clone(),
             reason: e.details().to_string(),
@@ -283,9 +294,23 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
                         });
                     }
                 }
-                if attempt < attempts {
-                    let wait = backoff.next_wait();
-                    tracing::warn!(url = %shown, attempt, error = %last, "Redis not reachable, retrying in {wait:?}");
+                if more(attempt) {
+                    let mut wait = backoff.next_wait();
+                    if let Some(until) = options.until {
+                        wait = wait.min(until.saturating_duration_since(Instant::now()));
+                    }
+                    if attempt == 1 {
+                        match options.until {
+                            Some(until) => {
+                                tracing::warn!(url = %shown, error = %last, "Redis not reachable; waiting for it for up to {:?} (the jobs' deadline), logged once", until.saturating_duration_since(Instant::now()))
+                            }
+                            None => {
+                                tracing::warn!(url = %shown, error = %last, "Redis not reachable; retrying (logged once)")
+                            }
+                        }
+                    } else {
+                        tracing::debug!(url = %shown, attempt, error = %last, "Redis still not reachable, retrying in {wait:?}");
+                    }
                     tokio::time::sleep(wait).await;
                 }
             }
@@ -293,7 +318,7 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
     }
     Err(ConnectError::Unreachable {
         url: shown,
-        attempts,
+        attempts: attempt,
         last,
     })
 }

@@ -17,7 +17,8 @@ use super::{load_config, EXIT_INVALID};
 pub const RUN_EXIT_CODES: &str = "\
 Exit codes:
   0  every job completed (some lines may still have failed: see request_counts)
-  1  unexpected failure (Redis unreachable after retries, I/O error, bug)
+  1  unexpected failure (Redis unreachable until the jobs' deadline or after
+     --redis-attempts, I/O error, bug)
   2  invalid configuration or usage
   3  a job failed (invalid input file: see errors.data in batch.json; or a system error)
   4  a job expired (its completion window passed; partial results kept)
@@ -54,6 +55,11 @@ pub struct Args {
     /// Never draw a progress bar, even on a terminal.
     #[arg(long)]
     no_progress: bool,
+    /// Give up after this many attempts to reach Redis at start (async mode), and exit 1.
+    /// Without it, a Redis that is down at start is waited out until the jobs' deadline, as
+    /// an outage while they run is (a pod restarted during a Redis failover resumes by itself).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    redis_attempts: Option<u32>,
 }
 
 impl Args {
@@ -147,16 +153,46 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let show_bars = args.shows_progress();
-    runtime.block_on(run_jobs(config, specs, show_bars))
+    let mut connect = config.redis_connect_options();
+    match args.redis_attempts {
+        Some(n) => connect.attempts = n,
+        None => connect.until = Some(latest_deadline(&specs)),
+    }
+    runtime.block_on(run_jobs(config, connect, specs, show_bars))
+}
+
+/// When the last of the jobs expires ([`JobSpec::time_left`]): until then, a Redis that is
+/// down at start is waited for.
+fn latest_deadline(specs: &[JobSpec]) -> std::time::Instant {
+    let left = specs.iter().filter_map(JobSpec::time_left).max();
+    std::time::Instant::now() + left.unwrap_or_default()
 }
 
 async fn run_jobs(
     config: batch_config::ProcessorConfig,
+    connect: batch_redis::ConnectOptions,
     specs: Vec<JobSpec>,
     show_bars: bool,
 ) -> anyhow::Result<ExitCode> {
     let observability = super::observe::start(&config).await?;
-    let executor = match Executor::new(config).await {
+    // Signals are heard from the start: a SIGTERM while Redis is waited for stops the wait.
+    let cancel = CancellationToken::new();
+    let pause = CancellationToken::new();
+    tokio::spawn(super::observe::handle_signals(
+        cancel.clone(),
+        pause.clone(),
+    ));
+    let built = tokio::select! {
+        built = Executor::with_redis_options(config, connect) => Some(built),
+        _ = pause.cancelled() => None,
+        _ = cancel.cancelled() => None,
+    };
+    let Some(built) = built else {
+        eprintln!("processor: stopped while waiting for Redis; the jobs are untouched (run the same command again)");
+        observability.stop().await;
+        return Ok(ExitCode::from(6));
+    };
+    let executor = match built {
         Ok(e) => e,
         Err(e @ batch_executor::ExecError::UnsafeRedis(_)) => {
             eprintln!("processor: {e}");
@@ -165,11 +201,14 @@ async fn run_jobs(
         }
         Err(e) => return Err(e.into()),
     };
-    let cancel = CancellationToken::new();
-    tokio::spawn(super::observe::handle_signals(
-        cancel.clone(),
-        executor.pause_token(),
-    ));
+    {
+        // From here the executor's own token carries a SIGTERM to the jobs.
+        let (pause, jobs) = (pause.clone(), executor.pause_token());
+        tokio::spawn(async move {
+            pause.cancelled().await;
+            jobs.cancel();
+        });
+    }
 
     let mut prepared = Vec::with_capacity(specs.len());
     for spec in &specs {
