@@ -368,6 +368,7 @@ async fn an_invalid_input_fails_the_job_with_its_line_numbers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_at_start_is_a_clear_error_after_bounded_retries() {
+    // With --redis-attempts (without it, a run waits until the job's deadline: net_faults.rs).
     let env = Env::start(GatewayConfig::default()).await;
     write_input(&env.path("in.jsonl"), 5, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "");
@@ -379,6 +380,7 @@ async fn redis_down_at_start_is_a_clear_error_after_bounded_retries() {
     .unwrap();
     let started = Instant::now();
     let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("out"))
+        .args(["--redis-attempts", "6"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&run.stderr);

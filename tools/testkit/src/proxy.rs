@@ -9,8 +9,10 @@
 //!   a link goes down (toxiproxy's disabled proxy);
 //! - [`Fault::ResetPeer`]: every connection, open or new, is reset (RST) when it next carries
 //!   data;
-//! - [`Fault::Blackhole`]: data is accepted and never passed on, nor answered (toxiproxy's
-//!   `timeout` toxic with no timeout);
+//! - [`Fault::Blackhole`]: data is accepted and held, nothing is passed on nor answered, until
+//!   the fault changes: a partitioned link, where TCP keeps what it could not deliver (bytes
+//!   dropped from the middle of a live stream would be no network's behaviour);
+//! - [`Fault::HoldReplies`]: the same for the server's replies only, while requests pass;
 //! - [`Fault::Slow`]: chunks are cut into `slice` bytes and passed on at `bytes_per_sec`
 //!   (toxiproxy's `slicer` and `bandwidth` together).
 //!
@@ -53,8 +55,11 @@ pub enum Fault {
     Cut,
     /// Every connection is reset (RST) when it next carries data.
     ResetPeer,
-    /// Data is taken and dropped; nothing comes back.
+    /// Data is taken and held until the fault changes; nothing comes back meanwhile.
     Blackhole,
+    /// Requests pass, replies are held until the fault changes: an asymmetric partition, where
+    /// the server acts on what the client sends while the client hears nothing.
+    HoldReplies,
     /// Chunks cut into `slice` bytes, passed on at `bytes_per_sec`.
     Slow {
         /// Bytes per piece.
@@ -198,8 +203,8 @@ async fn connection(
     let fds = [client.as_raw_fd(), server.as_raw_fd()];
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let up = pipe(client_read, server_write, fault.clone(), fds);
-    let down = pipe(server_read, client_write, fault.clone(), fds);
+    let up = pipe(client_read, server_write, fault.clone(), fds, false);
+    let down = pipe(server_read, client_write, fault.clone(), fds, true);
     let mut watch = fault;
     let broken = async move {
         // A cut closes what is open; a reset waits for data (the pipes see to it).
@@ -235,6 +240,7 @@ async fn pipe(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     fault: watch::Receiver<Fault>,
     fds: [std::os::fd::RawFd; 2],
+    replies: bool,
 ) -> Ended {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -243,9 +249,17 @@ async fn pipe(
             Ok(n) => n,
         };
         let chunk = &buf[..n];
-        let now = *fault.borrow();
+        let mut watch = fault.clone();
+        let mut now = *watch.borrow_and_update();
+        while now == Fault::Blackhole || (replies && now == Fault::HoldReplies) {
+            // Held, as TCP holds what a partitioned link cannot carry, until the fault changes.
+            if watch.changed().await.is_err() {
+                return Ended::Closed;
+            }
+            now = *watch.borrow_and_update();
+        }
         let sent = match now {
-            Fault::None => to.write_all(chunk).await,
+            Fault::None | Fault::Blackhole | Fault::HoldReplies => to.write_all(chunk).await,
             Fault::Latency { base, jitter } => {
                 tokio::time::sleep(spread(base, jitter)).await;
                 to.write_all(chunk).await
@@ -256,7 +270,6 @@ async fn pipe(
                 fds.into_iter().for_each(linger_zero);
                 return Ended::Broken;
             }
-            Fault::Blackhole => Ok(()),
             Fault::Slow {
                 slice,
                 bytes_per_sec,
@@ -414,6 +427,30 @@ mod tests {
             ),
             "nothing comes back: {err}"
         );
+        let mut held = std::net::TcpStream::connect(("127.0.0.1", proxy.port())).unwrap();
+        held.write_all(b"late").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        proxy.set(Fault::None);
+        held.set_read_timeout(Some(long)).unwrap();
+        let mut got = [0u8; 4];
+        held.read_exact(&mut got).unwrap();
+        assert_eq!(
+            &got, b"late",
+            "what was held is delivered once the link heals"
+        );
+
+        // Replies held: the request reaches the server, the answer comes once it heals.
+        let mut asked = std::net::TcpStream::connect(("127.0.0.1", proxy.port())).unwrap();
+        proxy.set(Fault::HoldReplies);
+        asked.write_all(b"half").unwrap();
+        asked
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        assert!(asked.read(&mut got).is_err(), "no reply while held");
+        proxy.set(Fault::None);
+        asked.set_read_timeout(Some(long)).unwrap();
+        asked.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"half");
 
         proxy.set(Fault::ResetPeer);
         assert!(round_trip(proxy.port(), long).is_err(), "reset");
