@@ -561,3 +561,98 @@ async fn resumed_jobs_on_a_list_read_elsewhere_write_their_parked_results_at_onc
     }
     second.shutdown().await;
 }
+
+/// Bodies the dispatcher would change or drop (a number beyond float64's range, an integer
+/// beyond ±2^53, an escaped lone surrogate): refused per line in async mode, naming the field,
+/// before anything is enqueued; the same file in sync mode is sent byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_the_dispatcher_would_change_are_refused_in_async_mode_only() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let mut lines = write_input(&env.path("in.jsonl"), 6, &["llama-3"]);
+    let with = |line: &str, field: &str| {
+        line.replacen(
+            r#""max_tokens":8"#,
+            &format!(r#""max_tokens":8,{field}"#),
+            1,
+        )
+    };
+    lines[1] = with(&lines[1], r#""temperature":1e400"#);
+    lines[2] = with(&lines[2], r#""seed":9007199254740993"#);
+    lines[4] = lines[4].replacen("question number", r"question \ud800 number", 1);
+    assert!(
+        lines[1].contains("1e400") && lines[2].contains("seed") && lines[4].contains(r"\ud800")
+    );
+    std::fs::write(env.path("in.jsonl"), lines.join("\n") + "\n").unwrap();
+
+    let config = env.async_config(&[("llama-3", "pool-a")], "");
+    let run = run_cmd(&config, &env.path("in.jsonl"), &env.path("async"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(3), "{stderr}");
+    let batch = batch_json(&env.path("async"));
+    assert_eq!(batch["status"], "failed");
+    let bad: Vec<(u64, String, String)> = batch["errors"]["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            assert!(
+                e["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("the dispatcher would"),
+                "{e}"
+            );
+            (
+                e["line"].as_u64().unwrap(),
+                e["code"].as_str().unwrap().to_owned(),
+                e["param"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let expected = [
+        (2, "body.temperature"),
+        (3, "body.seed"),
+        (5, "body.messages[1].content"),
+    ];
+    assert_eq!(
+        bad,
+        expected.map(|(l, p)| (l, "invalid_request".to_owned(), p.to_owned())),
+        "{stderr}"
+    );
+    assert_eq!(
+        env.redis
+            .command(&["EXISTS", "llm-d-async:requests:pool-a"]),
+        ":0",
+        "nothing enqueued"
+    );
+
+    let config = env.sync_config(&["llama-3"], "", "");
+    run_ok(&config, &env.path("in.jsonl"), &env.path("sync"));
+    let mut ids: Vec<String> = std::fs::read_to_string(env.path("sync/output.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["custom_id"].to_string())
+        .collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        (0..6).map(|i| format!("\"req-{i}\"")).collect::<Vec<_>>()
+    );
+    let sent: Vec<String> = env
+        .gateway
+        .recent_requests()
+        .into_iter()
+        .map(|r| r.body_digest)
+        .collect();
+    for line in &lines {
+        // The body is the line's first field (the keys are written in order).
+        let raw =
+            &line[line.find(r#""body":"#).unwrap() + 7..line.find(r#","custom_id""#).unwrap()];
+        assert!(
+            sent.contains(&batch_wire::hash::body_digest(raw.as_bytes())),
+            "sync mode sent the body as it is: {raw}"
+        );
+    }
+}

@@ -278,6 +278,8 @@ impl Executor {
             max_requests: self.config.input.max_requests,
             max_file_bytes: self.config.input.max_file_bytes,
             endpoint,
+            // Only async mode's requests pass through the dispatcher, which re-encodes them.
+            dispatcher: self.config.dispatch_mode == DispatchMode::Async,
         };
         let (spec, work_dir) = (spec.clone(), self.config.work_dir.clone());
         let prepared = tokio::task::spawn_blocking(move || Job::prepare(&spec, &work_dir, limits))

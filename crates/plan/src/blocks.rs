@@ -149,27 +149,15 @@ pub(crate) fn check_block(block: Block, limits: &Limits) -> CheckedBlock {
                             line: Some(line_no),
                         }])
                     }
-                    Ok(line) => {
-                        let start = checked.custom_ids.len();
-                        checked.custom_ids.push_str(&line.custom_id);
-                        let model = match checked.models.iter().position(|m| *m == line.model) {
-                            Some(i) => i,
-                            None => {
-                                checked.models.push(line.model.into_owned());
-                                checked.models.len() - 1
-                            }
-                        };
-                        let url = batch_wire::ALLOWED_URLS
-                            .iter()
-                            .find(|u| **u == line.url)
-                            .expect("a valid line has an allowed url");
-                        Outcome::Valid {
-                            custom_id: (start, checked.custom_ids.len()),
-                            model,
-                            url,
-                            prefix_hash: line.prefix_hash,
-                        }
-                    }
+                    Ok(line) => match limits.dispatcher.then(|| dispatcher_change(text)) {
+                        Some(Some((field, why))) => Outcome::Invalid(vec![BatchError {
+                            code: error_codes::DISPATCHER_CANNOT_CARRY.into(),
+                            message: format!("{field}: {why}"),
+                            param: Some(field),
+                            line: Some(line_no),
+                        }]),
+                        _ => valid(&mut checked, line),
+                    },
                 },
             }
         };
@@ -183,6 +171,29 @@ pub(crate) fn check_block(block: Block, limits: &Limits) -> CheckedBlock {
         line_no += 1;
     }
     checked
+}
+
+/// A valid line's outcome, its custom_id and model kept in the block's buffers.
+fn valid(checked: &mut CheckedBlock, line: CheckedLine<'_>) -> Outcome {
+    let start = checked.custom_ids.len();
+    checked.custom_ids.push_str(&line.custom_id);
+    let model = match checked.models.iter().position(|m| *m == line.model) {
+        Some(i) => i,
+        None => {
+            checked.models.push(line.model.into_owned());
+            checked.models.len() - 1
+        }
+    };
+    let url = batch_wire::ALLOWED_URLS
+        .iter()
+        .find(|u| **u == line.url)
+        .expect("a valid line has an allowed url");
+    Outcome::Valid {
+        custom_id: (start, checked.custom_ids.len()),
+        model,
+        url,
+        prefix_hash: line.prefix_hash,
+    }
 }
 
 /// The lines of `bytes`, each with its newline (the last may lack one), given the offset after

@@ -32,6 +32,7 @@
 //! ```
 
 mod blocks;
+mod carry;
 mod custom_ids;
 mod records;
 mod rules;
@@ -50,6 +51,7 @@ use batch_wire::{error_codes, BatchError};
 use blocks::{
     blank_line_error, check_block, Block, BlockReader, CheckedBlock, InOrder, LineCheck, Outcome,
 };
+pub use carry::dispatcher_change;
 pub use custom_ids::CustomIds;
 pub use records::{InputFile, Record, RecordReader, RECORD_LEN};
 pub use validate::{check_line, check_line_with_serde, CheckedLine, NO_PREFIX};
@@ -73,6 +75,9 @@ pub struct Limits {
     /// The one `url` every line must name (the batch's `endpoint`, as OpenAI requires), one of
     /// [`batch_wire::ALLOWED_URLS`]; `None` lets each line name its own.
     pub endpoint: Option<&'static str>,
+    /// The requests go through the llm-d-async dispatcher (async mode): a line whose body it
+    /// would change or drop is refused ([`dispatcher_change`]).
+    pub dispatcher: bool,
 }
 
 impl Default for Limits {
@@ -81,6 +86,7 @@ impl Default for Limits {
             max_requests: 50_000,
             max_file_bytes: 200 * 1024 * 1024,
             endpoint: None,
+            dispatcher: false,
         }
     }
 }

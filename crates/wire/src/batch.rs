@@ -69,6 +69,9 @@ pub mod error_codes {
     pub const MISSING_MODEL: &str = "missing_model";
     /// Validation: `body.stream` is true.
     pub const STREAMING_NOT_SUPPORTED: &str = "invalid_request";
+    /// Validation (async mode): the body holds a value the dispatcher would change or drop (a
+    /// number beyond float64, an integer beyond ±2^53, a lone surrogate).
+    pub const DISPATCHER_CANNOT_CARRY: &str = "invalid_request";
     /// Validation: the file has more bytes than allowed (the code of the service's 413 too).
     pub const FILE_TOO_LARGE: &str = "file_too_large";
     /// Validation: the file has more request lines than allowed (the service's 413 too).
