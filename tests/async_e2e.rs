@@ -270,8 +270,9 @@ async fn requests_lost_by_a_crashed_dispatcher_are_enqueued_again() {
 // ---- The binary ------------------------------------------------------------------------------
 
 /// A v0.9 dispatcher keeps the requests it is sending in no Redis key. A processor killed with
-/// every request enqueued and run again must not take those for lost: it looks twice, a few
-/// seconds apart, before it puts a line back, and the gateway gets each line once.
+/// every request enqueued and run again must not take those for lost: no line is put back
+/// before `lost_request_timeout` has passed since the job last handed requests over, and the
+/// gateway gets each line once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_resume_does_not_send_again_what_the_dispatcher_is_sending() {
     let (env, lines, config, sim) =

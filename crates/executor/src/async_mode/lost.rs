@@ -1,6 +1,7 @@
 //! Lost lines: which of a job's unresolved lines are nowhere in the dispatcher's hands and
 //! have no result waiting, and putting them back. A v0.9 dispatcher holds what it is sending in
-//! no Redis key, so a line is put back only once two looks far enough apart both miss it.
+//! no Redis key, so a line is put back only once no answer can still come for it: two looks far
+//! enough apart both miss it, `lost_request_timeout` after the job last handed requests over.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -15,39 +16,33 @@ use crate::metrics as m;
 use crate::stop::Stop;
 use crate::{blocking, ExecError};
 
-/// How far apart the two looks of a resume are (at most half of `lost_request_timeout`).
-const RESUME_CONFIRM: Duration = Duration::from_secs(5);
-
 /// Lines found missing by a look, and since when.
 pub(super) type Suspects = HashMap<u32, Instant>;
 
 impl AsyncMode {
-    /// At the resume of a job whose requests were all enqueued once: puts back what two looks,
-    /// [`RESUME_CONFIRM`] apart, both find nowhere. A v0.9 dispatcher keeps what it is sending
-    /// in no Redis key, so one look at a resume would send those lines a second time.
-    pub(super) async fn put_back_confirmed(
+    /// At the resume of a job whose requests were all enqueued once: a line that is in no key
+    /// may still be in the dispatcher's hands (a v0.9 dispatcher keeps what it is sending in
+    /// no Redis key, for up to its request timeout and retries). So lines are put back here
+    /// only when the job last handed requests over at least `lost_request_timeout` ago (as its
+    /// state records), when no answer can still come; otherwise the running job's lost-request
+    /// check, whose quiet clock starts at that same moment, puts back what stays missing.
+    pub(super) async fn put_back_lost_at_resume(
         &self,
         job: &Arc<Job>,
         queues: &[ModelQueue],
         producer: &Producer,
         stop: &Stop,
     ) -> Result<u64, ExecError> {
-        let after = RESUME_CONFIRM.min(self.config.async_dispatch.lost_request_timeout / 2);
-        let first = Some((Suspects::new(), after));
-        let (_, suspects) = self
-            .put_back_missing(job, queues, producer, first, &stop.halt)
-            .await?;
-        if suspects.is_empty() {
-            return Ok(0);
+        let lost_after = self.config.async_dispatch.lost_request_timeout;
+        match job.since_sent() {
+            Some(ago) if ago >= lost_after => {
+                let (n, _) = self
+                    .put_back_missing(job, queues, producer, None, &stop.halt)
+                    .await?;
+                Ok(n)
+            }
+            _ => Ok(0),
         }
-        tokio::select! {
-            _ = stop.halt.cancelled() => return Ok(0),
-            _ = tokio::time::sleep(after) => {}
-        }
-        let (n, _) = self
-            .put_back_missing(job, queues, producer, Some((suspects, after)), &stop.halt)
-            .await?;
-        Ok(n)
     }
 
     /// Puts back the unresolved lines whose requests are nowhere in the dispatcher's hands
