@@ -36,12 +36,15 @@ pids+=($!)
 gateway_port=$(gateway_port "$work/gateway.log")
 wait_http "$gateway_port"
 
-# The dispatcher gets its queues from the processor's own config: one source of truth.
+# The dispatcher gets its queues from the processor's own config: one source of truth. Their
+# prometheus-budget gates need --prometheus-url, as the real dispatcher's do; the simulated gate
+# reads the gateway's own metrics page, so the gateway stands in for Prometheus here.
 "$bin/processor" queues --config "$config" --json \
   --igw-base-url "http://127.0.0.1:$gateway_port" > "$work/queues.json"
 "$bin/async-dispatcher-sim" --redis.url "redis://127.0.0.1:$redis_port" \
   --redis.ss.queues-config-file "$work/queues.json" \
   --redis.ss.poll-interval-ms 100 --redis.ss.batch-size 20 \
+  --prometheus-url "http://127.0.0.1:$gateway_port" \
   > "$work/dispatcher.log" 2>&1 &
 pids+=($!)
 

@@ -106,6 +106,50 @@ impl DispatcherQueues {
         serde_json::to_string_pretty(&self.queues_config).unwrap_or_else(|_| "[]".to_owned())
     }
 
+    /// Whether some queue's gate reads Prometheus: the dispatcher then needs `--prometheus-url`
+    /// and refuses to start without it.
+    pub fn needs_prometheus(&self) -> bool {
+        self.queues_config
+            .iter()
+            .any(|q| q.gate_type.starts_with("prometheus"))
+    }
+
+    /// The command that starts a v0.9 dispatcher (`--redis.ss.*` flags, which later releases
+    /// still take) with the queues file at `queues_file`: every flag the printed configuration
+    /// needs. Secrets stay in the environment: `$REDIS_URL`, and `$PROMETHEUS_URL` when a gate
+    /// reads Prometheus.
+    pub fn command_v0_9(&self, queues_file: &str) -> String {
+        let mut line = format!(
+            "llm-d-async --message-queue-impl=redis-sortedset --redis.url \"$REDIS_URL\" --redis.ss.queues-config-file {}",
+            shell_word(queues_file)
+        );
+        if let Some(list) = &self.result_queue_name {
+            line.push_str(&format!(
+                " --redis.ss.result-queue-name {}",
+                shell_word(list)
+            ));
+        }
+        self.push_prometheus(&mut line);
+        line
+    }
+
+    /// The command that starts a v0.10 dispatcher with the transport config at
+    /// `transport_file` (which must have its `url` added), every flag it needs.
+    pub fn command_v0_10(&self, transport_file: &str) -> String {
+        let mut line = format!(
+            "llm-d-async --transport redis-sortedset --transport-config-file {}",
+            shell_word(transport_file)
+        );
+        self.push_prometheus(&mut line);
+        line
+    }
+
+    fn push_prometheus(&self, line: &mut String) {
+        if self.needs_prometheus() {
+            line.push_str(" --prometheus-url \"$PROMETHEUS_URL\"");
+        }
+    }
+
     /// The v0.10 transport config with the dispatcher's defaults and these queue entries.
     pub fn transport_config(&self) -> DispatcherTransportConfig {
         DispatcherTransportConfig {
@@ -187,5 +231,32 @@ impl ProcessorConfig {
             queues_config,
             result_queue_name,
         })
+    }
+}
+
+/// `word` quoted for a POSIX shell when it holds anything but plain characters (a result list
+/// name holds `$`).
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./:=@%+,".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shell_word;
+
+    #[test]
+    fn shell_words_are_quoted_only_when_needed() {
+        assert_eq!(shell_word("queues.json"), "queues.json");
+        assert_eq!(
+            shell_word("llm-d-async:results:pool-a:$batch"),
+            "'llm-d-async:results:pool-a:$batch'"
+        );
+        assert_eq!(shell_word("it's here"), r"'it'\''s here'");
+        assert_eq!(shell_word(""), "''");
     }
 }

@@ -250,6 +250,12 @@ struct DispatcherArgs {
     /// Embedded gateway: extra latency of a prefix-cache miss.
     #[arg(long = "gateway.prefix-miss-latency", value_parser = duration, default_value = "0s")]
     gateway_prefix_miss_latency: Duration,
+    /// The Prometheus a `prometheus-*` gate queries. The real dispatcher refuses to start
+    /// without it when a queue has such a gate, and so does the simulator; its simulated gate
+    /// reads the pool's load from the metrics page itself (`gate_params.metrics_url`, else the
+    /// queue's gateway `/metrics`), not through this Prometheus.
+    #[arg(long = "prometheus-url", value_name = "URL")]
+    prometheus_url: Option<String>,
     /// Where the dispatcher serves /metrics.
     #[arg(long = "metrics-listen", default_value = "127.0.0.1:0")]
     metrics_listen: SocketAddr,
@@ -339,6 +345,19 @@ async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
             bail!("the queue entries are required: --transport-config-file, --transport-config (with queues), --redis.ss.queues-config-file or --redis.ss.queues-config")
         }
     };
+    if args.prometheus_url.is_none() {
+        if let Some(q) = queues.iter().find(|q| {
+            q.gate_type
+                .as_deref()
+                .is_some_and(|g| g.starts_with("prometheus"))
+        }) {
+            bail!(
+                "the gate of {} ({}) reads Prometheus: --prometheus-url is required",
+                q.queue_name,
+                q.gate_type.as_deref().unwrap_or_default()
+            );
+        }
+    }
     let redis_url = transport
         .as_ref()
         .and_then(|t| t.url.clone())

@@ -24,9 +24,13 @@ struct Sim {
 
 impl Sim {
     fn spawn(args: &[&str]) -> Sim {
-        let mut child = Command::new(BIN)
-            .args(args)
-            .env_remove("REDIS_URL")
+        let mut command = Command::new(BIN);
+        command.args(args).env_remove("REDIS_URL");
+        Sim::spawn_command(command)
+    }
+
+    fn spawn_command(mut command: Command) -> Sim {
+        let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -248,6 +252,9 @@ fn processes_messages_end_to_end_from_a_queues_config_file() {
         "--redis.ss.poll-interval-ms",
         "50",
         "--embedded-gateway",
+        // Needed by the prometheus-budget gate, as by the real dispatcher's.
+        "--prometheus-url",
+        "http://127.0.0.1:9",
     ]);
     let pairs = sim.listening();
     assert!(sim.url(&pairs, "gateway").starts_with("http://127.0.0.1:"));
@@ -547,4 +554,84 @@ fn crash_after_loses_nothing_in_v0_10() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(redis.command(&["ZCARD", "q"]), ":0");
+}
+
+/// The dispatcher configuration and command lines `processor queues` prints (both releases'
+/// forms) start the simulator exactly as printed, which then carries a request; without the
+/// `--prometheus-url` they print, it refuses to start, as the real dispatcher does.
+#[test]
+fn the_configuration_processor_queues_prints_starts_the_simulator() {
+    let redis = RedisServer::start();
+    let dir = tempdir().unwrap();
+    let gateway = Sim::spawn(&["gateway", "--listen", "127.0.0.1:0"]);
+    let gateway_url = gateway.url(&gateway.listening(), "gateway");
+    let url_file = dir.path().join("redis-url");
+    std::fs::write(&url_file, redis.url()).unwrap();
+    let yaml = dir.path().join("async.yaml");
+    std::fs::write(
+        &yaml,
+        format!(
+            "dispatch_mode: async\nredis_url_file: {}\nmodel_gateways:\n  m:\n    url: {gateway_url}\n    inference_pool_name: pool-a\n",
+            url_file.display()
+        ),
+    )
+    .unwrap();
+    let config = batch_config::ProcessorConfig::load(&yaml).unwrap();
+    let queues = config.dispatcher_queues().unwrap();
+    assert!(
+        queues.needs_prometheus(),
+        "the default gate reads Prometheus"
+    );
+    std::fs::write(dir.path().join("queues.json"), queues.queues_config_json()).unwrap();
+    let mut transport: serde_json::Value =
+        serde_json::from_str(&queues.transport_config().to_json()).unwrap();
+    transport["url"] = redis.url().into();
+    std::fs::write(dir.path().join("transport.json"), transport.to_string()).unwrap();
+
+    let deadline = now() + 600;
+    let chat = r#"{"messages":[{"content":"hi","role":"user"}],"model":"m"}"#;
+    let commands = [
+        queues.command_v0_9("queues.json"),
+        queues.command_v0_10("transport.json"),
+    ];
+    for (n, printed) in commands.iter().enumerate() {
+        let line = printed
+            .strip_prefix("llm-d-async ")
+            .unwrap_or_else(|| panic!("{printed}"));
+        let shell = |line: &str| {
+            let mut command = Command::new("sh");
+            command
+                .arg("-c")
+                .arg(format!("exec {BIN} {line}"))
+                .current_dir(dir.path())
+                .env("REDIS_URL", redis.url())
+                .env("PROMETHEUS_URL", "http://127.0.0.1:9");
+            command
+        };
+        let without = line.replace(r#" --prometheus-url "$PROMETHEUS_URL""#, "");
+        assert_ne!(without, line, "{printed}");
+        let refused = shell(&without).output().unwrap();
+        assert!(!refused.status.success(), "{printed}");
+        let said = String::from_utf8_lossy(&refused.stderr);
+        assert!(said.contains("--prometheus-url is required"), "{said}");
+
+        let mut sim = Sim::spawn_command(shell(line));
+        sim.listening();
+        let id = format!("r{n}");
+        enqueue(
+            &redis,
+            "llm-d-async:requests:pool-a",
+            &envelope(&id, deadline, chat, "results-here"),
+            deadline,
+        );
+        let got = pop_results(&redis, "results-here", 1);
+        assert_eq!(
+            (got[0].id.as_str(), got[0].status_code),
+            (id.as_str(), Some(200)),
+            "{printed}"
+        );
+        sim.terminate();
+        let status = sim.wait(Duration::from_secs(15));
+        assert!(status.success(), "{status:?}; stderr:\n{}", sim.stderr());
+    }
 }

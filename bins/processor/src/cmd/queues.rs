@@ -55,6 +55,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(EXIT_INVALID));
     }
     let text = if args.json {
+        eprintln!("# start it with: {}", queues.command_v0_9("queues.json"));
         format!("{}\n", queues.queues_config_json())
     } else if args.transport_config {
         eprintln!(
@@ -64,6 +65,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             config.redis_url_file.display()
         );
         placeholder_note(&queues, |line| eprintln!("{line}"));
+        eprintln!(
+            "# start it with: {}",
+            queues.command_v0_10("transport.json")
+        );
         format!("{}\n", queues.transport_config().to_json())
     } else {
         human(&queues)
@@ -103,6 +108,29 @@ fn human(queues: &DispatcherQueues) -> String {
     placeholder_note(queues, |line| {
         let _ = writeln!(out, "{line}");
     });
+    out.push_str(&commands(queues));
+    out
+}
+
+/// The dispatcher's command lines, with what each variable must hold.
+fn commands(queues: &DispatcherQueues) -> String {
+    let mut out = String::from(
+        "\n# Start the dispatcher with every flag it needs (REDIS_URL holds the Redis URL):\n",
+    );
+    if queues.needs_prometheus() {
+        out.push_str(
+            "# PROMETHEUS_URL: the Prometheus the prometheus-budget gates query, which must scrape the\n\
+             # pools' model servers with an `inference_pool` label (the gate's `pool`); without\n\
+             # --prometheus-url the dispatcher refuses to start.\n",
+        );
+    }
+    out.push_str("# v0.9, with the file `processor queues --json` writes:\n");
+    out.push_str(&queues.command_v0_9("queues.json"));
+    out.push_str(
+        "\n# v0.10, with the file `processor queues --transport-config` writes (its url added):\n",
+    );
+    out.push_str(&queues.command_v0_10("transport.json"));
+    out.push('\n');
     out
 }
 
