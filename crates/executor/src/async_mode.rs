@@ -274,8 +274,11 @@ impl AsyncMode {
             return Ok(stop.end().unwrap_or(End::Paused));
         }
         let enqueued = if job.resumed && job.was_enqueued() {
-            self.put_back_lost_at_resume(job, &queues, &producer, stop)
-                .await
+            // Nothing is put back at once: a line in no key may still be in the dispatcher's
+            // hands (a v0.9 dispatcher keeps what it is sending in no key, and a line it took
+            // from the queue just before the resume is as new as any). The lost-request check
+            // below puts back what stays missing once no answer can still come for it.
+            Ok(0)
         } else if job.resumed {
             self.put_back_missing(job, &queues, &producer, None, &stop.halt)
                 .await
@@ -284,15 +287,8 @@ impl AsyncMode {
             self.enqueue_all(job, &queues, &producer).await
         };
         if enqueued.is_ok() && !stop.halt.is_cancelled() {
-            let (j, sent) = (job.clone(), matches!(enqueued, Ok(n) if n > 0));
-            blocking(move || {
-                j.mark_enqueued()?;
-                if sent {
-                    j.mark_sent()?;
-                }
-                Ok(())
-            })
-            .await?;
+            let j = job.clone();
+            blocking(move || j.mark_enqueued()).await?;
         }
         let enqueued = match enqueued {
             Ok(n) => n,
@@ -307,13 +303,7 @@ impl AsyncMode {
         let mut follow = tokio::time::interval(FOLLOW_EVERY);
         follow.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut progress = job.progress();
-        // The quiet clock starts when requests were last handed over: at a resume that may
-        // be a while ago, and lines the dispatcher still holds are not taken for lost before
-        // `lost_request_timeout` has passed since.
-        match job.since_sent().filter(|_| job.resumed) {
-            Some(ago) => job.quiet_since(ago),
-            None => job.touch(),
-        }
+        job.touch();
         let mut suspects: Option<Suspects> = None;
         loop {
             let end = tokio::select! {
@@ -358,8 +348,6 @@ impl AsyncMode {
                 Ok((n, left)) => {
                     tracing::warn!(job = %job.id, requeued = n, "requests lost downstream were enqueued again");
                     suspects = Some(left);
-                    let j = job.clone();
-                    blocking(move || j.mark_sent()).await?;
                 }
                 Err(e) => return stopped_or(e, stop),
             }

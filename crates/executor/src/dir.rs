@@ -76,11 +76,6 @@ pub(crate) struct Manifest {
     /// at a resume is then in the dispatcher's hands or lost, not one never sent.
     #[serde(default)]
     pub enqueued: bool,
-    /// When the job last handed requests to the dispatcher (enqueued or put back), Unix
-    /// seconds (async mode): a line missing at a resume may still be in the dispatcher's hands
-    /// until `lost_request_timeout` after this.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sent_at: Option<i64>,
 }
 
 /// Where the input was and what it held.

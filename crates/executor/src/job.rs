@@ -300,7 +300,6 @@ impl Job {
                     input: record,
                     result_lists: BTreeMap::new(),
                     enqueued: false,
-                    sent_at: None,
                 };
                 m.write(&spec.output_dir)?;
                 Ok(m)
@@ -329,28 +328,6 @@ impl Job {
             manifest.write(&self.dir)?;
         }
         Ok(())
-    }
-
-    /// Records that requests were handed to the dispatcher now.
-    pub(crate) fn mark_sent(&self) -> Result<(), ExecError> {
-        let mut manifest = self.manifest.lock().expect("manifest lock");
-        manifest.sent_at = Some(unix_now());
-        manifest.write(&self.dir)
-    }
-
-    /// How long ago the job last handed requests to the dispatcher, as recorded; `None` when
-    /// no run recorded it.
-    pub(crate) fn since_sent(&self) -> Option<Duration> {
-        let at = self.manifest.lock().expect("manifest lock").sent_at?;
-        Some(Duration::from_secs(
-            unix_now().saturating_sub(at).max(0) as u64
-        ))
-    }
-
-    /// Takes the quiet clock back to `ago`: the lost-request check then counts from there.
-    pub(crate) fn quiet_since(&self, ago: Duration) {
-        let at = Instant::now().checked_sub(ago).unwrap_or_else(Instant::now);
-        *self.last_result.lock().expect("progress lock") = at;
     }
 
     /// Whether every request reached the request queues once, in this run or an earlier one.
@@ -605,10 +582,4 @@ mod tests {
         assert_ne!(new_job_id(), new_job_id());
         assert!(new_job_id().starts_with("batch_"));
     }
-}
-
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64)
 }

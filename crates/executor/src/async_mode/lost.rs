@@ -1,7 +1,8 @@
 //! Lost lines: which of a job's unresolved lines are nowhere in the dispatcher's hands and
 //! have no result waiting, and putting them back. A v0.9 dispatcher holds what it is sending in
-//! no Redis key, so a line is put back only once no answer can still come for it: two looks far
-//! enough apart both miss it, `lost_request_timeout` after the job last handed requests over.
+//! no Redis key, so a line is put back only once no answer can still come for it: after
+//! `lost_request_timeout` without a result (counted from a resume too), two looks far enough
+//! apart both miss it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -13,38 +14,12 @@ use tokio_util::sync::CancellationToken;
 use super::{requests, AsyncMode, ModelQueue};
 use crate::job::Job;
 use crate::metrics as m;
-use crate::stop::Stop;
 use crate::{blocking, ExecError};
 
 /// Lines found missing by a look, and since when.
 pub(super) type Suspects = HashMap<u32, Instant>;
 
 impl AsyncMode {
-    /// At the resume of a job whose requests were all enqueued once: a line that is in no key
-    /// may still be in the dispatcher's hands (a v0.9 dispatcher keeps what it is sending in
-    /// no Redis key, for up to its request timeout and retries). So lines are put back here
-    /// only when the job last handed requests over at least `lost_request_timeout` ago (as its
-    /// state records), when no answer can still come; otherwise the running job's lost-request
-    /// check, whose quiet clock starts at that same moment, puts back what stays missing.
-    pub(super) async fn put_back_lost_at_resume(
-        &self,
-        job: &Arc<Job>,
-        queues: &[ModelQueue],
-        producer: &Producer,
-        stop: &Stop,
-    ) -> Result<u64, ExecError> {
-        let lost_after = self.config.async_dispatch.lost_request_timeout;
-        match job.since_sent() {
-            Some(ago) if ago >= lost_after => {
-                let (n, _) = self
-                    .put_back_missing(job, queues, producer, None, &stop.halt)
-                    .await?;
-                Ok(n)
-            }
-            _ => Ok(0),
-        }
-    }
-
     /// Puts back the unresolved lines whose requests are nowhere in the dispatcher's hands
     /// and whose results wait nowhere unread. Reads only those lines.
     ///
