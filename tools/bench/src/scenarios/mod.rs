@@ -225,7 +225,7 @@ pub(crate) fn plan(input: &Path, dir: &Path) -> Result<batch_plan::Plan, BenchEr
     let limits = batch_plan::Limits {
         max_requests: u64::MAX,
         max_file_bytes: u64::MAX,
-        endpoint: None,
+        ..batch_plan::Limits::default()
     };
     Ok(batch_plan::Plan::build(input, dir, limits)?)
 }
