@@ -272,11 +272,11 @@ async fn sigterm_while_waiting_for_redis_at_start_pauses() {
     assert!(log_of(&out).contains("stopped while waiting for Redis"));
 }
 
-/// Two processes on one pool, each behind its own faulty link: A's is cut for longer than the
-/// lease TTL (so B's standby reader takes A's list and parks A's results) and B's is slow.
-/// Both jobs finish, each line once, whoever read which list.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_processes_with_faulty_links_finish_every_line_once() {
+/// Processes on one pool, each behind its own faulty link: the first's is cut for longer than
+/// the lease TTL (so another's standby reader takes its list and parks its results), the
+/// second's is slow, the third's (when there is one) holds everything for 8 s then resets.
+/// Every job finishes, each line once, whoever read which list.
+async fn processes_with_faulty_links(n: usize) {
     let env = Env::start(fixed_latency(Duration::from_millis(100))).await;
     let config = env.async_config(&[("llama-3", "pool-a")], "");
     let sim = env
@@ -285,55 +285,147 @@ async fn two_processes_with_faulty_links_finish_every_line_once() {
             c.batch_size = 50;
         })
         .await;
-    let a_lines = write_input(&env.path("a.jsonl"), 2000, &["llama-3"]);
-    let b_lines: Vec<String> = {
-        // Other custom_ids than A's, so that a result written to the wrong job would show.
-        let lines = write_input(&env.path("b.jsonl"), 1500, &["llama-3"]);
-        let lines: Vec<String> = lines.iter().map(|l| l.replace("req-", "b-req-")).collect();
-        std::fs::write(env.path("b.jsonl"), lines.join("\n") + "\n").unwrap();
-        lines
-    };
-    let (a_link, b_link) = (
-        FaultProxy::start(env.redis.port()),
-        FaultProxy::start(env.redis.port()),
-    );
-    let (a_out, b_out) = (env.path("a-out"), env.path("b-out"));
-    let a = start(
-        &config_via(&env, &config, &a_link, "a"),
-        &env.path("a.jsonl"),
-        &a_out,
-    );
-    started(&a_out, a_lines.len()).await;
-    let b = start(
-        &config_via(&env, &config, &b_link, "b"),
-        &env.path("b.jsonl"),
-        &b_out,
-    );
-    started(&b_out, b_lines.len()).await;
-    b_link.set(Fault::Latency {
+    let mut jobs = Vec::new();
+    for (i, name) in ["a", "b", "c"].into_iter().enumerate().take(n) {
+        // Other custom_ids in each job, so that a result written to the wrong job would show.
+        let input = env.path(&format!("{name}.jsonl"));
+        let lines: Vec<String> = write_input(&input, 2000 - 400 * i, &["llama-3"])
+            .iter()
+            .map(|l| l.replace("req-", &format!("{name}-req-")))
+            .collect();
+        std::fs::write(&input, lines.join("\n") + "\n").unwrap();
+        let link = FaultProxy::start(env.redis.port());
+        let out = env.path(&format!("{name}-out"));
+        let child = start(&config_via(&env, &config, &link, name), &input, &out);
+        started(&out, lines.len()).await;
+        jobs.push((lines, link, out, child));
+    }
+    jobs[1].1.set(Fault::Latency {
         base: Duration::from_millis(50),
         jitter: Duration::from_millis(25),
     });
-    let took = hold(
-        &a_link,
-        Fault::Cut,
-        Duration::from_secs(14),
-        &a_out,
-        a_lines.len(),
-    )
-    .await;
-    eprintln!("A wrote again {took:?} after its cut");
-    let status = wait(&mut { a }, Duration::from_secs(120));
-    assert!(status.success(), "{status:?}\n{}", log_of(&a_out));
-    let status = wait(&mut { b }, Duration::from_secs(120));
-    assert!(status.success(), "{status:?}\n{}", log_of(&b_out));
-    Results::read(&a_out).assert_each_once(&a_lines);
-    Results::read(&b_out).assert_each_once(&b_lines);
-    assert_eq!(
-        env.gateway.stats().total,
-        (a_lines.len() + b_lines.len()) as u64,
-        "sends = lines"
+    let third = async {
+        if let Some((lines, link, out, _)) = jobs.get(2) {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let took = hold(
+                link,
+                Fault::Blackhole,
+                Duration::from_secs(8),
+                out,
+                lines.len(),
+            )
+            .await;
+            link.set(Fault::ResetPeer);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            link.set(Fault::None);
+            eprintln!("C wrote again {took:?} after its blackhole");
+        }
+    };
+    let (lines, link, out, _) = &jobs[0];
+    let (took, ()) = tokio::join!(
+        hold(link, Fault::Cut, Duration::from_secs(14), out, lines.len()),
+        third
     );
+    eprintln!("A wrote again {took:?} after its cut");
+    let mut total = 0;
+    for (lines, _link, out, mut child) in jobs {
+        let status = wait(&mut child, Duration::from_secs(120));
+        assert!(status.success(), "{status:?}\n{}", log_of(&out));
+        Results::read(&out).assert_each_once(&lines);
+        total += lines.len() as u64;
+    }
+    assert_eq!(env.gateway.stats().total, total, "sends = lines");
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_processes_with_faulty_links_finish_every_line_once() {
+    processes_with_faulty_links(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_processes_with_faulty_links_finish_every_line_once() {
+    processes_with_faulty_links(3).await;
+}
+
+/// A rolling restart of two `processor serve` replicas (SIGTERM, start again, one after the
+/// other) while the other replica's link to Redis is cut for 5 s: both batches complete, each
+/// line once, sent once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rolling_restart_of_serve_with_a_cut_in_the_middle_loses_nothing() {
+    let env = Env::start(fixed_latency(Duration::from_millis(100))).await;
+    let sim = env
+        .dispatcher(&["pool-a"], |c| {
+            c.concurrency = 8;
+            c.batch_size = 50;
+        })
+        .await;
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    let base = env.async_config(&[("llama-3", "pool-a")], "");
+    let links = [
+        FaultProxy::start(env.redis.port()),
+        FaultProxy::start(env.redis.port()),
+    ];
+    let mut replicas: Vec<serve::Service> = links
+        .iter()
+        .enumerate()
+        .map(|(n, link)| {
+            let config = config_via(&env, &base, link, &format!("replica-{n}"));
+            let own = std::fs::read_to_string(&config).unwrap().replace(
+                &format!("work_dir: {}\n", env.path("work").display()),
+                &format!("work_dir: {}\n", env.path(&format!("work-{n}")).display()),
+            );
+            std::fs::write(&config, own).unwrap();
+            serve::add_serve_section(
+                &config,
+                &storage,
+                batches::TWO_TENANTS,
+                &format!(
+                    "  replica_id: replica-{n}\n  lease_ttl: 2s\n  checkpoint_interval: 300ms\n"
+                ),
+                "",
+            );
+            serve::Service::start(&config)
+        })
+        .collect();
+    let api = replicas[0].client(Some(batches::KEY_A));
+    let mut submitted = Vec::new();
+    for name in ["one", "two"] {
+        submitted.push(batches::submit(&api, name, 1500).await);
+    }
+    for (_, id, _) in &submitted {
+        api.wait_batch(id, Duration::from_secs(60), "some lines done", |b| {
+            batches::count(b, "completed") > 0
+        })
+        .await;
+    }
+    for (restarted, cut) in [(0, 1), (1, 0)] {
+        links[cut].set(Fault::Cut);
+        let (status, took) =
+            replicas[restarted].signal_and_wait(libc::SIGTERM, Duration::from_secs(20));
+        assert!(
+            status.success(),
+            "{status:?}\n{}",
+            replicas[restarted].all_stderr()
+        );
+        eprintln!("replica-{restarted} stopped in {took:?} while replica-{cut} was cut off");
+        replicas[restarted].restart();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        links[cut].set(Fault::None);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let api = replicas[1].client(Some(batches::KEY_A));
+    let mut lines = 0;
+    for (_, id, batch_lines) in &submitted {
+        let batch = api.wait_final(id, Duration::from_secs(180)).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        let results = api.results(&batch).await;
+        results.assert_each_once(batch_lines);
+        results.assert_answers_match(batch_lines);
+        lines += batch_lines.len() as u64;
+    }
+    assert_eq!(env.gateway.stats().total, lines, "sends = lines");
     sim.shutdown().await;
 }
 

@@ -150,6 +150,8 @@ pub struct Job {
     pub(crate) manifest: Mutex<Manifest>,
     /// Its requests counted in `model_inflight_requests`.
     pub(crate) inflight: m::Inflight,
+    /// See [`Job::hold_results`].
+    results_held: std::sync::atomic::AtomicBool,
     _lock: DirLock,
 }
 
@@ -271,6 +273,7 @@ impl Job {
             last_result: Mutex::new(Instant::now()),
             manifest: Mutex::new(manifest),
             inflight: m::Inflight::default(),
+            results_held: Default::default(),
             _lock: lock,
         })))
     }
@@ -328,6 +331,21 @@ impl Job {
             manifest.write(&self.dir)?;
         }
         Ok(())
+    }
+
+    /// Holds back (or lets through again) the results that come for this job: while held,
+    /// the result consumers leave them to the job's parked list instead of writing them here.
+    /// A service holds them while it cannot confirm the job's lease: another replica may have
+    /// taken the job over, and what this one wrote then would be lost with its run; parked,
+    /// they reach whichever run holds the job.
+    pub fn hold_results(&self, held: bool) {
+        self.results_held
+            .store(held, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether [`Job::hold_results`] holds its results back.
+    pub(crate) fn results_held(&self) -> bool {
+        self.results_held.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Whether every request reached the request queues once, in this run or an earlier one.

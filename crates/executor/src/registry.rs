@@ -46,7 +46,9 @@ impl ResultHandler for Registry {
             by_job.sort_by(|a, b| a.1.job_id.cmp(&b.1.job_id));
         }
         for group in by_job.chunk_by(|a, b| same(a.1, b.1)) {
-            let Some(job) = self.get(&group[0].1.job_id) else {
+            // A job whose results are held is not written here: they are parked for it.
+            let job = self.get(&group[0].1.job_id).filter(|j| !j.results_held());
+            let Some(job) = job else {
                 report.not_here.extend(group.iter().map(|(i, _)| *i));
                 continue;
             };

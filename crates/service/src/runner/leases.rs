@@ -23,30 +23,44 @@ impl Runner {
     /// lease was lost (this process was frozen or cut off past it) stops at once.
     pub(super) async fn heartbeat(self: Arc<Self>) {
         let every = self.config.lease_ttl / 3;
+        let mut renewed = std::time::Instant::now();
         loop {
             tokio::select! {
                 _ = self.stop.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
+            if renewed.elapsed() >= self.config.lease_ttl / 2 {
+                // The leases may lapse before the next renewal and another replica take the
+                // jobs: from here their results are parked, not written where they could be
+                // lost with a fenced run.
+                self.hold_results();
+            }
             let leases: Vec<JobLease> = {
                 let active = self.active.lock().expect("active lock");
                 active.values().map(|a| a.lease.clone()).collect()
             };
-            match self.store.renew(&leases, self.config.lease_ttl).await {
-                Ok(renewal) => {
-                    for lease in renewal.lost {
-                        if !self.is_active(&lease) {
+            let renewal =
+                tokio::time::timeout(every, self.store.renew(&leases, self.config.lease_ttl));
+            match renewal.await {
+                Ok(Ok(renewal)) => {
+                    renewed = std::time::Instant::now();
+                    let lost: std::collections::HashSet<&str> =
+                        renewal.lost.iter().map(|l| l.job.as_str()).collect();
+                    self.hold_results_but(&lost);
+                    for lease in &renewal.lost {
+                        if !self.is_active(lease) {
                             // It ended (or paused) meanwhile and let go of the lease itself.
                             continue;
                         }
-                        self.log_lost(&lease).await;
+                        self.log_lost(lease).await;
                         self.stop_fenced(&lease.job);
                     }
                     for lease in renewal.regained {
                         self.regained(&lease).await;
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "could not renew job leases"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "could not renew job leases"),
+                Err(_) => tracing::debug!("renewing job leases timed out"),
             }
         }
     }
@@ -110,6 +124,25 @@ impl Runner {
             .is_some_and(|a| a.lease.epoch == lease.epoch)
         {
             active.remove(&lease.job);
+        }
+    }
+
+    /// Holds back the results of every job running here
+    /// ([`batch_executor::Job::hold_results`]).
+    fn hold_results(&self) {
+        let active = self.active.lock().expect("active lock");
+        for job in active.values().filter_map(|a| a.job.as_ref()) {
+            job.hold_results(true);
+        }
+    }
+
+    /// Lets the results of the jobs running here through again, but those of `lost` jobs.
+    fn hold_results_but(&self, lost: &std::collections::HashSet<&str>) {
+        let active = self.active.lock().expect("active lock");
+        for (id, a) in active.iter() {
+            if let Some(job) = &a.job {
+                job.hold_results(lost.contains(id.as_str()));
+            }
         }
     }
 
