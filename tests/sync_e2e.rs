@@ -458,3 +458,63 @@ async fn the_gateway_sees_the_reference_headers() {
         assert!(ttft > 3_500_000 && ttft <= 3_600_000, "{ttft}");
     }
 }
+
+/// `load` end to end: a job on a model server that runs 8 at once (vLLM mode of the gateway
+/// simulator) with `concurrency.per_endpoint: 32`. The limit follows the server's metrics, not
+/// the limiter's bound: after the first readings it stays under the server's capacity less the
+/// headroom (so the server's queue stays empty for online requests), every line is answered
+/// once, and each body carries the configured `priority`.
+#[tokio::test]
+async fn the_pools_load_sets_the_limit_and_bodies_carry_the_priority() {
+    let _serial = TIMING.lock().await;
+    let env = Env::start(GatewayConfig {
+        latency_fixed: Duration::from_millis(30),
+        latency_per_token: Duration::from_millis(4),
+        max_num_seqs: Some(8),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let lines = write_input(&env.path("in.jsonl"), 400, &["llama-3"]);
+    let load_section = format!(
+        "    load:\n      metrics_urls: [{}/metrics]\n      priority: 5\n",
+        env.gateway.base_url()
+    );
+    let config = env.sync_config(
+        &["llama-3"],
+        &load_section,
+        "concurrency:\n  per_endpoint: 32\n",
+    );
+    let executor = Executor::new(load(&config)).await.unwrap();
+    let started = Instant::now();
+    let samples = run_to_completion(&env, &executor, &lines).await;
+    eprintln!(
+        "400 lines in {:?}; limits {:?}..; most in flight at the server {}",
+        started.elapsed(),
+        &samples[..samples.len().min(20)],
+        env.gateway.stats().max_in_flight_seen
+    );
+    // Learnt from the server's queue within the first readings, then 8 × 0.85 at most.
+    let settled: Vec<usize> = samples.iter().skip(samples.len() / 4).copied().collect();
+    assert!(settled.iter().all(|&l| l <= 6), "{settled:?}");
+    assert!(
+        env.gateway.stats().max_in_flight_seen < 16,
+        "{:?}",
+        env.gateway.stats()
+    );
+    // The bodies as sent: the input's own bytes with `"priority":5,` in front.
+    let sent: Vec<usize> = lines
+        .iter()
+        .map(|l| {
+            let line: std::collections::HashMap<String, &serde_json::value::RawValue> =
+                serde_json::from_str(l).unwrap();
+            line["body"].get().len() + r#""priority":5,"#.len()
+        })
+        .collect();
+    let seen = env.gateway.recent_requests();
+    assert!(!seen.is_empty());
+    assert!(
+        seen.iter().all(|r| sent.contains(&r.body_len)),
+        "{:?}",
+        seen[0]
+    );
+}

@@ -300,6 +300,53 @@ impl<'f> Collector<'f> {
         default
     }
 
+    /// A whole number, negative or not; `None` when unset or invalid.
+    pub(crate) fn signed(&mut self, table: &Table<'_>, key: &str) -> Option<i64> {
+        let number = match table.get(key)? {
+            Value::Num(_, n) => integer(*n).ok_or_else(|| describe_num(*n)),
+            Value::String(_, s) => s.trim().parse::<i128>().map_err(|_| format!("{s:?}")),
+            other => Err(describe(other)),
+        };
+        let problem = match number {
+            Ok(n) => match i64::try_from(n) {
+                Ok(n) => return Some(n),
+                Err(_) => format!("{n} is out of range"),
+            },
+            Err(got) => format!("expected a whole number, got {got}"),
+        };
+        self.at(table, key, problem);
+        None
+    }
+
+    /// A list of non-empty strings; a single string is a list of one (as an environment
+    /// variable gives it). Empty when unset or invalid.
+    pub(crate) fn strings(&mut self, table: &Table<'_>, key: &str) -> Vec<String> {
+        let items = match table.get(key) {
+            None => return Vec::new(),
+            Some(Value::String(_, s)) => return vec![s.clone()],
+            Some(Value::Array(_, items)) => items,
+            Some(other) => {
+                let problem = format!("expected a list of strings, got {}", describe(other));
+                self.at(table, key, problem);
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            match item {
+                Value::String(_, s) if !s.trim().is_empty() => out.push(s.clone()),
+                other => {
+                    let problem = format!(
+                        "[{i}]: expected a non-empty string, got {}",
+                        describe(other)
+                    );
+                    self.at(table, key, problem);
+                }
+            }
+        }
+        out
+    }
+
     /// A number, whole or not; `default` when unset or invalid.
     pub(crate) fn float(&mut self, table: &Table<'_>, key: &str, default: f64) -> f64 {
         let number = match table.get(key) {

@@ -64,9 +64,9 @@ pub use error::{ConfigError, ConfigErrors};
 pub use load::{check_tenant, ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, ApiKey, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
-    LimiterAlgorithm, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig, RedisTlsConfig,
-    S3Config, Secret, ServeConfig, ServeTls, TlsConfig, WebhooksConfig, DEFAULT_REDIS_URL_FILE,
-    REDACTED,
+    LimiterAlgorithm, LoadConfig, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig,
+    RedisTlsConfig, S3Config, Secret, ServeConfig, ServeTls, TlsConfig, WebhooksConfig,
+    DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 

@@ -62,6 +62,16 @@ const MODEL_KEYS: &[&str] = &[
     "tls_client_cert_file",
     "tls_client_key_file",
     "tls_insecure_skip_verify",
+    "load",
+];
+const LOAD_KEYS: &[&str] = &[
+    "metrics_urls",
+    "prometheus_url",
+    "pool",
+    "max_running_per_pod",
+    "interval",
+    "headroom",
+    "priority",
 ];
 const TLS_KEYS: &[&str] = &[
     "ca_cert_file",
@@ -380,6 +390,7 @@ fn model(c: &mut Collector<'_>, t: &Table<'_>, mode: DispatchMode) -> ModelGatew
         .and_then(|file| read_secret(c, t, "api_key_file", file));
     let inference_objective = c.text(t, "inference_objective");
     let tls = tls(c, t);
+    let load = load_config(c, t, mode);
 
     ModelGatewayConfig {
         url,
@@ -392,7 +403,74 @@ fn model(c: &mut Collector<'_>, t: &Table<'_>, mode: DispatchMode) -> ModelGatew
         api_key,
         inference_objective,
         tls,
+        load,
     }
+}
+
+/// `load`: one source of the pool's load, in sync mode only.
+fn load_config(c: &mut Collector<'_>, model: &Table<'_>, mode: DispatchMode) -> Option<LoadConfig> {
+    model.get("load")?;
+    let t = c.table(model, "load", LOAD_KEYS);
+    let d = LoadConfig::default();
+    if mode == DispatchMode::Async {
+        c.at(
+            model,
+            "load",
+            "is read in sync mode only (in async mode the dispatcher's gate reads the pool's load: see processor queues)",
+        );
+    }
+    let metrics_urls = c.strings(&t, "metrics_urls");
+    for (i, url) in metrics_urls.iter().enumerate() {
+        if let Err(problem) = check_http_url(url) {
+            c.at(&t, "metrics_urls", format!("[{i}] {url:?}: {problem}"));
+        }
+    }
+    let prometheus_url = c.text(&t, "prometheus_url");
+    if let Some(Err(problem)) = prometheus_url.as_deref().map(check_http_url) {
+        c.at(&t, "prometheus_url", problem);
+    }
+    let pool = name_part(c, &t, "pool", "pool name");
+    match (metrics_urls.is_empty(), prometheus_url.is_some()) {
+        (true, false) if t.get("metrics_urls").is_none() => c.at(
+            model,
+            "load",
+            "set metrics_urls (the model servers' /metrics) or prometheus_url with pool",
+        ),
+        (false, true) => c.at(
+            &t,
+            "prometheus_url",
+            "set metrics_urls or prometheus_url, not both",
+        ),
+        (_, true) if pool.is_none() && t.get("pool").is_none() => c.at(
+            &t,
+            "pool",
+            "missing (prometheus_url needs the pool's inference_pool label)",
+        ),
+        _ => {}
+    }
+    let max_running_per_pod = t
+        .get("max_running_per_pod")
+        .map(|_| c.bounded_count(&t, "max_running_per_pod", 1usize, 1, 1_000_000));
+    let interval = c.bounded_duration(
+        &t,
+        "interval",
+        d.interval,
+        std::time::Duration::from_secs(60),
+    );
+    let headroom = c.float(&t, "headroom", d.headroom);
+    if !(0.0..1.0).contains(&headroom) {
+        c.at(&t, "headroom", format!("must be in [0, 1), got {headroom}"));
+    }
+    let priority = c.signed(&t, "priority");
+    Some(LoadConfig {
+        metrics_urls,
+        prometheus_url,
+        pool,
+        max_running_per_pod,
+        interval,
+        headroom,
+        priority,
+    })
 }
 
 /// TLS settings, written either flat (`tls_ca_cert_file`, as the issue and the Go processor spell

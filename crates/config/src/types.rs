@@ -186,6 +186,47 @@ pub struct ModelGatewayConfig {
     /// TLS towards the gateway; printed with the flat `tls_*` keys the config file uses.
     #[serde(flatten)]
     pub tls: TlsConfig,
+    /// Sync mode: the batch's concurrency follows the room the pool's online traffic leaves,
+    /// read from the model servers' metrics; the limiter alone when absent.
+    pub load: Option<LoadConfig>,
+}
+
+/// `model_gateways.<m>.load`: where the pool's load is read and how much the batch leaves
+/// free. Exactly one source: `metrics_urls`, or `prometheus_url` with `pool`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LoadConfig {
+    /// The model servers' own metrics pages (vLLM's `/metrics`), one per pod.
+    pub metrics_urls: Vec<String>,
+    /// Prometheus's base URL, read for the series labelled `inference_pool: <pool>`.
+    pub prometheus_url: Option<String>,
+    /// The `inference_pool` label of the pool's series in Prometheus.
+    pub pool: Option<String>,
+    /// Requests a pod runs at once (vLLM's `--max-num-seqs`); learnt from the metrics when
+    /// absent (a pod with requests waiting runs all it can).
+    pub max_running_per_pod: Option<usize>,
+    /// How often the load is read (default 250ms).
+    #[serde(serialize_with = "ser_duration")]
+    pub interval: Duration,
+    /// The share of the pool's capacity left free for online requests (default 0.15, in
+    /// [0, 1)).
+    pub headroom: f64,
+    /// Sent as the body's `priority` when the line has none (vLLM serves lower numbers first;
+    /// online requests have 0): for servers started with `--scheduling-policy priority`.
+    pub priority: Option<i64>,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        Self {
+            metrics_urls: Vec::new(),
+            prometheus_url: None,
+            pool: None,
+            max_running_per_pod: None,
+            interval: Duration::from_millis(250),
+            headroom: 0.15,
+            priority: None,
+        }
+    }
 }
 
 impl Default for ModelGatewayConfig {
@@ -201,6 +242,7 @@ impl Default for ModelGatewayConfig {
             api_key: None,
             inference_objective: None,
             tls: TlsConfig::default(),
+            load: None,
         }
     }
 }

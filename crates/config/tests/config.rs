@@ -1489,3 +1489,118 @@ fn otlp_endpoint_must_be_plain_http_and_tls_needs_both_files() {
     assert_eq!(tls.cert_file, dir.path().join("tls.crt"));
     assert_eq!(tls.key_file, dir.path().join("tls.key"));
 }
+
+#[test]
+fn load_is_read_with_its_defaults_and_every_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        r#"
+model_gateways:
+  a:
+    url: http://127.0.0.1:8000
+    load:
+      metrics_urls: [http://127.0.0.1:8001/metrics, http://127.0.0.1:8002/metrics]
+  b:
+    url: http://127.0.0.1:8000
+    load:
+      prometheus_url: http://127.0.0.1:9090
+      pool: pool-b
+      max_running_per_pod: 16
+      interval: 500ms
+      headroom: 0.3
+      priority: -2
+  c:
+    url: http://127.0.0.1:8000
+"#,
+    );
+    let c = load_file(&file).unwrap();
+    let a = c.model_gateways["a"].load.as_ref().unwrap();
+    assert_eq!(
+        a.metrics_urls,
+        [
+            "http://127.0.0.1:8001/metrics",
+            "http://127.0.0.1:8002/metrics"
+        ]
+    );
+    assert_eq!(a.prometheus_url, None);
+    assert_eq!(a.max_running_per_pod, None);
+    assert_eq!(a.interval, Duration::from_millis(250));
+    assert_eq!(a.headroom, 0.15);
+    assert_eq!(a.priority, None);
+    let b = c.model_gateways["b"].load.as_ref().unwrap();
+    assert_eq!(b.prometheus_url.as_deref(), Some("http://127.0.0.1:9090"));
+    assert_eq!(b.pool.as_deref(), Some("pool-b"));
+    assert_eq!(b.max_running_per_pod, Some(16));
+    assert_eq!(b.interval, Duration::from_millis(500));
+    assert_eq!(b.headroom, 0.3);
+    assert_eq!(b.priority, Some(-2));
+    assert_eq!(c.model_gateways["c"].load, None);
+}
+
+#[test]
+fn a_bad_load_section_names_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = |name: &str, mode: &str, load: &str| {
+        let text = format!(
+            "dispatch_mode: {mode}\nmodel_gateways:\n  m:\n    url: http://127.0.0.1:8000\n    inference_pool_name: p\n    load: {load}\n"
+        );
+        let file = write(dir.path(), name, &text);
+        errors_of(&file)
+    };
+    assert_one_error(
+        &case("none.yaml", "sync", "{headroom: 0.2}"),
+        "model_gateways.m.load: set metrics_urls (the model servers' /metrics) or prometheus_url with pool",
+    );
+    assert_one_error(
+        &case(
+            "both.yaml",
+            "sync",
+            "{metrics_urls: [http://a:1/metrics], prometheus_url: http://p:9090, pool: x}",
+        ),
+        "model_gateways.m.load.prometheus_url: set metrics_urls or prometheus_url, not both",
+    );
+    assert_one_error(
+        &case("pool.yaml", "sync", "{prometheus_url: http://p:9090}"),
+        "model_gateways.m.load.pool: missing",
+    );
+    assert_one_error(
+        &case("url.yaml", "sync", "{metrics_urls: [ftp://a/metrics]}"),
+        "model_gateways.m.load.metrics_urls: [0] \"ftp://a/metrics\"",
+    );
+    assert_one_error(
+        &case(
+            "headroom.yaml",
+            "sync",
+            "{metrics_urls: [http://a:1/metrics], headroom: 1}",
+        ),
+        "model_gateways.m.load.headroom: must be in [0, 1), got 1",
+    );
+    let typo = case("key.yaml", "sync", "{metrics_url: [http://a:1/metrics]}");
+    assert!(
+        typo[0].ends_with(
+            "model_gateways.m.load.metrics_url: unknown key (did you mean metrics_urls?)"
+        ),
+        "{typo:#?}"
+    );
+    assert_one_error(
+        &case(
+            "priority.yaml",
+            "sync",
+            "{metrics_urls: [http://a:1/metrics], priority: high}",
+        ),
+        "model_gateways.m.load.priority: expected a whole number",
+    );
+    let in_async = case(
+        "async.yaml",
+        "async",
+        "{metrics_urls: [http://a:1/metrics]}",
+    );
+    assert!(
+        in_async
+            .iter()
+            .any(|e| e.contains("model_gateways.m.load: is read in sync mode only")),
+        "{in_async:#?}"
+    );
+}

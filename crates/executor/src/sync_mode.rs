@@ -8,7 +8,8 @@ use tracing::Instrument;
 use batch_config::ProcessorConfig;
 use batch_redis::Backoff;
 use batch_sync_dispatch::{
-    EndpointOptions, LimitOptions, SyncDispatcher, SyncOutcome, SyncRequest, TlsOptions,
+    EndpointOptions, LimitOptions, LoadOptions, SyncDispatcher, SyncOutcome, SyncRequest,
+    TlsOptions,
 };
 use batch_wire::{InputLine, Outcome};
 use futures::future::{self, BoxFuture};
@@ -57,6 +58,15 @@ impl SyncMode {
                     client_key_file: gw.tls.client_key_file.clone(),
                     insecure_skip_verify: gw.tls.insecure_skip_verify,
                 },
+                load: gw.load.as_ref().map(|l| LoadOptions {
+                    metrics_urls: l.metrics_urls.clone(),
+                    prometheus_url: l.prometheus_url.clone(),
+                    pool: l.pool.clone(),
+                    max_running_per_pod: l.max_running_per_pod,
+                    interval: l.interval,
+                    headroom: l.headroom,
+                    priority: l.priority,
+                }),
             };
             dispatcher.add_endpoint(model, options)?;
         }
@@ -86,10 +96,11 @@ impl SyncMode {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let width = self.config.concurrency.per_endpoint.max(1);
+        let concurrency = &self.config.concurrency;
         // Answers go to one writer, which writes whatever has come in one blocking call and one
         // flush, instead of a thread hand-off and a write per answer.
-        let (answers, mut written) = mpsc::channel::<(u64, Owned)>(width + WRITE_BATCH);
+        let (answers, mut written) =
+            mpsc::channel::<(u64, Owned)>(concurrency.per_endpoint.max(1) + WRITE_BATCH);
         let mut per_model = Vec::new();
         for model in job.plan.models() {
             if !self.config.model_gateways.contains_key(&model.model) {
@@ -101,6 +112,13 @@ impl SyncMode {
             };
             job.dispatched(records.len() as u64);
             let name = model.model.as_str();
+            // The most calls the endpoint's limit may let through: its limiter's bound, or
+            // the global limit when the pool's load sets it.
+            let width = match self.config.model_gateways.get(name) {
+                Some(gw) if gw.load.is_some() => concurrency.global,
+                _ => concurrency.per_endpoint,
+            }
+            .max(1);
             let headers = &headers;
             let answers = answers.clone();
             let calls = stream::iter(records)

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -22,6 +22,7 @@ use crate::retry::{self, Backoff, RetryCause};
 use crate::{DispatchError, EndpointOptions, LimitOptions, SyncOutcome, SyncRequest, TlsOptions};
 
 mod sending;
+mod yielding;
 
 /// Milliseconds left to the job's SLO when the attempt is sent.
 const SLO_TTFT_HEADER: &str = "x-slo-ttft-ms";
@@ -90,6 +91,10 @@ struct Endpoint {
     per_attempt: bool,
     /// Attempts of this endpoint waiting for their HTTP answer.
     attempts: AtomicUsize,
+    /// While true, the pool's load sets the limit and the limiter's changes are not applied.
+    load_fresh: AtomicBool,
+    /// The `priority` put into bodies that have none.
+    priority: Option<i64>,
 }
 
 /// The permits a dispatch holds, taken again after a backoff that gave them up.
@@ -227,6 +232,8 @@ impl SyncDispatcher {
             limiter: limiter.map(Mutex::new),
             per_attempt,
             attempts: AtomicUsize::new(0),
+            load_fresh: AtomicBool::new(false),
+            priority: options.load.as_ref().and_then(|l| l.priority),
         });
 
         let mut endpoints = self
@@ -236,6 +243,14 @@ impl SyncDispatcher {
             .unwrap_or_else(|p| p.into_inner());
         if endpoints.contains_key(name) {
             return Err(DispatchError::DuplicateEndpoint(name.to_owned()));
+        }
+        if let Some(load) = options.load {
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return Err(invalid(
+                    "load is read by a task: add the endpoint within a Tokio runtime".into(),
+                ));
+            };
+            runtime.spawn(yielding::follow(Arc::downgrade(&endpoint), load, *limits));
         }
         endpoints.insert(name.to_owned(), endpoint);
         metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => name.to_owned())
@@ -288,6 +303,10 @@ impl SyncDispatcher {
             );
         };
         let model = endpoint.name.clone();
+        let mut request = request;
+        if let Some(priority) = endpoint.priority {
+            request.body = crate::load::with_priority(&request.body, priority);
+        }
         let prepared = match endpoint.prepare(&request) {
             Ok(prepared) => prepared,
             Err(message) => {
@@ -421,7 +440,7 @@ fn expired(detail: &str) -> SyncOutcome {
 }
 
 /// An error with its causes, since hyper's top-level messages are terse ("client error (Connect)").
-fn error_chain(error: &dyn StdError) -> String {
+pub(crate) fn error_chain(error: &dyn StdError) -> String {
     let mut message = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

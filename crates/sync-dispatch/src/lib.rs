@@ -15,6 +15,10 @@
 //!   answer is no signal. [`Algorithm::Gradient`] and [`Algorithm::Work`] hear every attempt
 //!   instead (2xx latency and `usage.completion_tokens`, 429/5xx overload) and give the
 //!   permits back while a request backs off.
+//! - Load ([`EndpointOptions::load`]): the endpoint's limit follows the room the pool's model
+//!   servers leave for online traffic, read from their metrics ([`load`]), the limiter taking
+//!   over while no fresh reading is at hand; the body may carry a `priority` for servers
+//!   that schedule by it.
 //! - Headers: `Content-Type: application/json`, `X-Request-ID`, `x-slo-ttft-ms` (milliseconds
 //!   left to the SLO), `Authorization: Bearer` and `x-gateway-inference-objective` when
 //!   configured, and the job's pass-through headers (which cannot override these).
@@ -50,6 +54,7 @@
 
 mod client;
 mod dispatcher;
+pub mod load;
 pub mod metrics;
 mod options;
 mod retry;
@@ -61,6 +66,7 @@ use bytes::Bytes;
 pub use batch_limiter::Algorithm;
 pub use client::{build as build_client, HttpClient};
 pub use dispatcher::SyncDispatcher;
+pub use load::LoadOptions;
 pub use options::{EndpointOptions, LimitOptions, TlsOptions};
 
 /// One request to send.

@@ -8,6 +8,12 @@ pub const AIMD_CONCURRENCY_LIMIT: &str = "batch_processor_aimd_concurrency_limit
 pub const AIMD_DECREASES_TOTAL: &str = "batch_processor_aimd_decreases_total";
 /// Counter `{endpoint}`: windows of successes that raised the limit.
 pub const AIMD_INCREASES_TOTAL: &str = "batch_processor_aimd_increases_total";
+/// Gauge `{endpoint}`: the pool's requests that are not the batch's (running plus waiting,
+/// less the batch's own in flight), at the last load reading.
+pub const POOL_ONLINE_REQUESTS: &str = "batch_processor_pool_online_requests";
+/// Gauge `{endpoint}`: 1 while the pool's load sets the endpoint's limit, 0 while the limiter
+/// does (no load configured, or no fresh reading).
+pub const LOAD_FOLLOWED: &str = "batch_processor_load_followed";
 /// Gauge: requests holding both permits (sending, waiting for an answer, or backing off).
 pub const INFLIGHT_REQUESTS: &str = "processor_inflight_requests";
 /// Histogram `{model}`: seconds from sending the first attempt to the final answer.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use batch_limiter::Algorithm;
 
-use crate::DispatchError;
+use crate::{DispatchError, LoadOptions};
 
 /// TLS settings of an endpoint. Endpoints with equal settings share one connection pool.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
@@ -40,6 +40,9 @@ pub struct EndpointOptions {
     pub inference_objective: Option<String>,
     /// TLS settings for `https://` bases.
     pub tls: TlsOptions,
+    /// Read the pool's load and leave online traffic its room ([`crate::load`]); the limiter
+    /// alone when absent.
+    pub load: Option<LoadOptions>,
 }
 
 impl EndpointOptions {
@@ -55,6 +58,7 @@ impl EndpointOptions {
             api_key: None,
             inference_objective: None,
             tls: TlsOptions::default(),
+            load: None,
         }
     }
 
@@ -71,6 +75,9 @@ impl EndpointOptions {
                 "max_backoff ({:?}) is below initial_backoff ({:?})",
                 self.max_backoff, self.initial_backoff
             )));
+        }
+        if let Some(load) = &self.load {
+            load.validate().map_err(invalid)?;
         }
         if self.tls.client_cert_file.is_some() != self.tls.client_key_file.is_some() {
             return Err(invalid(
@@ -92,6 +99,7 @@ impl fmt::Debug for EndpointOptions {
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("inference_objective", &self.inference_objective)
             .field("tls", &self.tls)
+            .field("load", &self.load)
             .finish()
     }
 }

@@ -69,6 +69,25 @@ pub struct GatewayConfig {
     /// The status of the answer past the capacity: 429 (with `Retry-After`), or 503 as some
     /// gateways say they are full.
     pub full_status: u16,
+    /// vLLM mode: at most this many requests run at once (vLLM's `--max-num-seqs`); the rest
+    /// wait in the server's queue, in arrival order (or by `priority` with
+    /// `priority_scheduling`). A request's time is then its wait, plus `latency_fixed` (time to
+    /// the first token), plus its tokens at `latency_per_token` each, slowed by `itl_growth` as
+    /// more run. The `/metrics` page shows vLLM's `vllm:num_requests_running` and
+    /// `vllm:num_requests_waiting`. Not with `capacity`, `queue_limit` or `batching`.
+    pub max_num_seqs: Option<usize>,
+    /// vLLM mode: requests waiting past this many are refused with `full_status` at once (as a
+    /// gateway in front of a full server does); unbounded when absent, as vLLM itself is.
+    pub max_waiting: Option<usize>,
+    /// vLLM mode: how much longer each output token takes with `max_num_seqs` running than
+    /// with one (0.5 = 50 % longer), growing linearly in between: decode shares the GPU.
+    pub itl_growth: f64,
+    /// vLLM mode: the waiting queue served by the request body's `priority` (lower first, 0
+    /// when absent; vLLM's `--scheduling-policy priority`), arrival order among equals.
+    /// Running requests are not preempted.
+    pub priority_scheduling: bool,
+    /// vLLM mode: the `model_name` label of the vLLM metrics.
+    pub served_model_name: String,
 }
 
 /// A per-request latency factor the answer's `usage` does not show ([`GatewayConfig::unseen`]).
@@ -167,6 +186,11 @@ impl Default for GatewayConfig {
             prefix_miss_latency: Duration::ZERO,
             unseen: Unseen::None,
             full_status: 429,
+            max_num_seqs: None,
+            max_waiting: None,
+            itl_growth: 0.0,
+            priority_scheduling: false,
+            served_model_name: "sim-model".to_owned(),
         }
     }
 }
@@ -214,6 +238,7 @@ impl GatewayConfig {
             }
         }
         self.unseen.validate()?;
+        self.validate_vllm_mode()?;
         if !matches!(self.full_status, 429 | 503) {
             return Err(SimError::Config(format!(
                 "full_status must be 429 or 503, got {}",
@@ -229,6 +254,44 @@ impl GatewayConfig {
             }
         }
         Ok(())
+    }
+
+    fn validate_vllm_mode(&self) -> Result<(), SimError> {
+        if !(self.itl_growth >= 0.0 && self.itl_growth.is_finite()) {
+            return Err(SimError::Config(format!(
+                "itl_growth must be 0 or more, got {}",
+                self.itl_growth
+            )));
+        }
+        let Some(seqs) = self.max_num_seqs else {
+            if self.max_waiting.is_some() || self.priority_scheduling {
+                return Err(SimError::Config(
+                    "max_waiting and priority_scheduling need max_num_seqs".into(),
+                ));
+            }
+            return Ok(());
+        };
+        if seqs == 0 {
+            return Err(SimError::Config("max_num_seqs must be at least 1".into()));
+        }
+        if self.capacity.is_some() || self.queue_limit.is_some() || self.batching {
+            return Err(SimError::Config(
+                "max_num_seqs (vLLM mode) does not go with capacity, queue_limit or batching"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// vLLM mode: how much longer an output token takes with `running` requests running.
+    pub fn itl_stretch(&self, running: usize) -> f64 {
+        match self.max_num_seqs {
+            Some(seqs) if seqs > 1 => {
+                let busy = running.saturating_sub(1).min(seqs - 1) as f64 / (seqs - 1) as f64;
+                1.0 + self.itl_growth * busy
+            }
+            _ => 1.0,
+        }
     }
 
     /// The latency of a reply with `tokens` output tokens.

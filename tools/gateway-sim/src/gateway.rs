@@ -24,8 +24,10 @@ use crate::prom::Page;
 use crate::reply::{self, Endpoint};
 use crate::SimError;
 
+mod engine;
 mod serving;
 
+use engine::{Arrival, Engine};
 use serving::handle;
 
 /// How many requests `/admin/requests` remembers.
@@ -247,6 +249,8 @@ struct GatewayState {
     unloaded_micros: AtomicU64,
     completion_tokens: AtomicU64,
     token_micros: AtomicU64,
+    /// vLLM mode's running requests and waiting queue.
+    engine: Arc<Engine>,
 }
 
 /// Locks a mutex, shrugging off poisoning: the data are counters, still meaningful.
@@ -277,6 +281,7 @@ impl GatewayState {
             unloaded_micros: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
             token_micros: AtomicU64::new(0),
+            engine: Arc::default(),
         };
         // Validated by the caller.
         let _ = state.set_config(config);
@@ -465,6 +470,33 @@ impl GatewayState {
             &[],
             s.prefix_cache_misses as f64,
         );
+        let config = &self.active().config;
+        if let Some(seqs) = config.max_num_seqs {
+            let (running, waiting) = self.engine.counts();
+            let model = [("model_name", config.served_model_name.as_str())];
+            page.family(
+                "vllm:num_requests_running",
+                "gauge",
+                "Number of requests in model execution batches.",
+            )
+            .sample("vllm:num_requests_running", &model, running as f64)
+            .family(
+                "vllm:num_requests_waiting",
+                "gauge",
+                "Number of requests waiting to be processed.",
+            )
+            .sample("vllm:num_requests_waiting", &model, waiting as f64)
+            .family(
+                "vllm:kv_cache_usage_perc",
+                "gauge",
+                "KV-cache usage. 1 means 100 percent usage.",
+            )
+            .sample(
+                "vllm:kv_cache_usage_perc",
+                &model,
+                running as f64 / seqs as f64,
+            );
+        }
         page.finish()
     }
 }

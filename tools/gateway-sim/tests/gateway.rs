@@ -765,3 +765,117 @@ async fn capacity_changes_at_run_time_take_effect_for_newcomers() {
     }
     assert_eq!(statuses, vec![200; 5]);
 }
+
+/// vLLM mode: `max_num_seqs` run at once, the rest wait in the server's queue (seen on
+/// `/metrics` under vLLM's names), a waiting online request (priority 0) goes before waiting
+/// batch requests (priority 10) that came earlier, and past `max_waiting` the answer is 429.
+#[tokio::test]
+async fn vllm_mode_runs_max_num_seqs_and_queues_the_rest_by_priority() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(400),
+        max_num_seqs: Some(2),
+        max_waiting: Some(4),
+        priority_scheduling: true,
+        retry_after_secs: 0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    let metrics_url = format!("{}/metrics", gw.base_url());
+    let send = |body: &'static str| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let status = post(&url, body, &[]).await.unwrap().0;
+            (status, started.elapsed())
+        })
+    };
+    let batch = r#"{"model":"m","max_tokens":1,"priority":10}"#;
+    let mut batch_calls = Vec::new();
+    for _ in 0..5 {
+        batch_calls.push(send(batch));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let metrics = get(&metrics_url).await.1;
+    assert!(
+        metrics.contains("vllm:num_requests_running{model_name=\"sim-model\"} 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("vllm:num_requests_waiting{model_name=\"sim-model\"} 3"),
+        "{metrics}"
+    );
+    let online = send(r#"{"model":"m","max_tokens":1}"#);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // Four wait now: another is refused at once.
+    let refused = send(batch).await.unwrap();
+    assert_eq!(refused.0, 429);
+    assert!(refused.1 < Duration::from_millis(200), "{:?}", refused.1);
+
+    // The online request runs in the second wave (done at ~0.8 s), ahead of the batch
+    // requests waiting; in arrival order it would run in the third (~1.2 s).
+    let (status, online_took) = online.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        online_took >= Duration::from_millis(600) && online_took < Duration::from_millis(1000),
+        "{online_took:?}"
+    );
+    let mut took: Vec<Duration> = Vec::new();
+    for call in batch_calls {
+        let (status, t) = call.await.unwrap();
+        assert_eq!(status, 200);
+        took.push(t);
+    }
+    // Two in the first wave (~0.4 s), one beside the online one (~0.8 s), two last (~1.2 s).
+    assert!(took[0] < Duration::from_millis(600), "{took:?}");
+    assert!(took[4] >= Duration::from_millis(1050), "{took:?}");
+    let after = get(&metrics_url).await.1;
+    assert!(
+        after.contains("vllm:num_requests_running{model_name=\"sim-model\"} 0"),
+        "{after}"
+    );
+}
+
+/// vLLM mode: each output token is slower as more requests run, by `itl_growth` at full batch.
+#[tokio::test]
+async fn vllm_mode_slows_tokens_as_more_run() {
+    let per_token = Duration::from_millis(4);
+    let gw = start(GatewayConfig {
+        latency_per_token: per_token,
+        max_num_seqs: Some(4),
+        itl_growth: 1.0,
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/completions", gw.base_url());
+    let burst = |n: usize| {
+        let calls: Vec<_> = (0..n)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move {
+                    post(&url, r#"{"model":"m","max_tokens":64}"#, &[])
+                        .await
+                        .unwrap()
+                        .0
+                })
+            })
+            .collect();
+        async move {
+            for call in calls {
+                assert_eq!(call.await.unwrap(), 200);
+            }
+        }
+    };
+    burst(1).await;
+    let alone = gw.stats().mean_token_time().unwrap();
+    assert!(alone < per_token.mul_f64(1.3), "{alone:?}");
+    burst(4).await;
+    let s = gw.stats();
+    let full = Duration::from_secs_f64(
+        (s.token_micros_total as f64 - alone.as_secs_f64() * 1e6 * 64.0) / 1e6 / 256.0,
+    );
+    assert!(
+        full >= per_token.mul_f64(1.7),
+        "{full:?} per token with 4 running"
+    );
+}

@@ -258,9 +258,13 @@ impl Endpoint {
                     .increment(1);
             }
             tracing::debug!(endpoint = %self.name, ?change, "AIMD limit moved");
-            self.semaphore.set_limit(change.new_limit());
+            if !self.load_fresh.load(Ordering::SeqCst) {
+                self.semaphore.set_limit(change.new_limit());
+            }
         }
-        metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => self.name.clone())
-            .set(controller.limit() as f64);
+        if !self.load_fresh.load(Ordering::SeqCst) {
+            metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => self.name.clone())
+                .set(controller.limit() as f64);
+        }
     }
 }

@@ -12,6 +12,7 @@ mod prefix;
 mod replicas;
 mod serve;
 mod simulator;
+mod yielding;
 
 use std::future::Future;
 use std::path::Path;
@@ -53,11 +54,14 @@ pub enum Scenario {
     Replicas,
     /// The hand-written JSON passes against serde_json doing the same work.
     Json,
+    /// A batch beside online traffic on a vLLM-like server: online latency and the batch's
+    /// share of the spare capacity, with and without `load`.
+    Yield,
 }
 
 impl Scenario {
     /// Every scenario, in run order.
-    pub const ALL: [Scenario; 9] = [
+    pub const ALL: [Scenario; 10] = [
         Scenario::Enqueue,
         Scenario::Drain,
         Scenario::EndToEnd,
@@ -67,6 +71,7 @@ impl Scenario {
         Scenario::Serve,
         Scenario::Replicas,
         Scenario::Json,
+        Scenario::Yield,
     ];
 
     /// The command-line name.
@@ -81,6 +86,7 @@ impl Scenario {
             Scenario::Serve => "serve",
             Scenario::Replicas => "replicas",
             Scenario::Json => "json",
+            Scenario::Yield => "yield",
         }
     }
 }
@@ -129,6 +135,7 @@ pub(crate) async fn run(
         Scenario::Serve => serve::run(cx, report).await,
         Scenario::Replicas => replicas::run(cx, report).await,
         Scenario::Json => json::run(cx, report).await,
+        Scenario::Yield => yielding::run(cx, report).await,
     }
 }
 

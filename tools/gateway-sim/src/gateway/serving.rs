@@ -184,20 +184,7 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
     let active = state.active();
     let config = &active.config;
     let Some((_slot, in_flight)) = state.admit(config.admission_limit()) else {
-        if config.full_status == 503 {
-            return state.count(openai_error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the gateway is at capacity",
-                "server_error",
-                None,
-                Some("service_unavailable"),
-            ));
-        }
-        return state.count(too_many_requests(
-            config,
-            "the gateway is at capacity",
-            None,
-        ));
+        return state.count(full(config));
     };
     if let Some(kind) = state.pick_failure(&active, parts.uri.path()) {
         return match kind {
@@ -224,7 +211,19 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
         per_token = per_token.mul_f64(factor);
     }
     let unloaded = fixed.saturating_add(per_token);
-    let token_time = if config.batching {
+    let token_time = if let Some(seqs) = config.max_num_seqs {
+        let priority = request.get("priority").and_then(Value::as_i64);
+        let priority = priority.filter(|_| config.priority_scheduling).unwrap_or(0);
+        let _running = match state.engine.arrive(seqs, config.max_waiting, priority) {
+            Arrival::Running(slot) => slot,
+            Arrival::Waiting(pending) => pending.run().await,
+            Arrival::Refused => return state.count(full(config)),
+        };
+        crate::timer::sleep(fixed).await;
+        let started = Instant::now();
+        decode_vllm(&state, config, tokens).await;
+        started.elapsed()
+    } else if config.batching {
         crate::timer::sleep(fixed).await;
         let started = Instant::now();
         decode(&state, config, tokens).await;
@@ -258,6 +257,33 @@ async fn decode(state: &GatewayState, config: &GatewayConfig, tokens: u64) {
         crate::timer::sleep(time.mul_f64(stretch)).await;
         left -= step;
     }
+}
+
+/// vLLM mode: each step of [`DECODE_STEP`] tokens takes the per-token time stretched by
+/// [`GatewayConfig::itl_stretch`] of the requests running when it starts.
+async fn decode_vllm(state: &GatewayState, config: &GatewayConfig, tokens: u64) {
+    let mut left = tokens;
+    while left > 0 {
+        let step = left.min(DECODE_STEP);
+        let stretch = config.itl_stretch(state.engine.counts().0);
+        let time = config.latency(step).saturating_sub(config.latency_fixed);
+        crate::timer::sleep(time.mul_f64(stretch)).await;
+        left -= step;
+    }
+}
+
+/// The answer when the gateway (or vLLM mode's waiting queue) is full.
+fn full(config: &GatewayConfig) -> Resp {
+    if config.full_status == 503 {
+        return openai_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the gateway is at capacity",
+            "server_error",
+            None,
+            Some("service_unavailable"),
+        );
+    }
+    too_many_requests(config, "the gateway is at capacity", None)
 }
 
 fn too_many_requests(config: &GatewayConfig, message: &str, dropped_reason: Option<&str>) -> Resp {

@@ -1,0 +1,253 @@
+//! A batch beside online traffic on a model server that schedules as vLLM does (the gateway
+//! simulator's vLLM mode): with `load`, the batch leaves online requests their room.
+//!
+//! These tests check the direction only (online latency clearly lower with `load` than
+//! without, the batch still progressing, each request answered once), not figures a loaded
+//! machine would move; the figures are the bench's (`just bench`, the yield group).
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use batch_sync_dispatch::{LimitOptions, LoadOptions, SyncDispatcher, SyncOutcome, SyncRequest};
+use bytes::Bytes;
+use common::fast_options;
+use gateway_sim::{Gateway, GatewayConfig, GatewayHandle};
+use rand::Rng;
+
+/// A vLLM-like server: 8 running at once, 40 ms to the first token, 4 ms per token (25 per
+/// answer): 0.14 s an answer, ~57 answers/s at capacity.
+async fn model_server(priority_scheduling: bool) -> GatewayHandle {
+    Gateway::start(
+        "127.0.0.1:0".parse().unwrap(),
+        GatewayConfig {
+            latency_fixed: Duration::from_millis(40),
+            latency_per_token: Duration::from_millis(4),
+            default_max_tokens: 25,
+            max_num_seqs: Some(8),
+            itl_growth: 0.3,
+            priority_scheduling,
+            ..GatewayConfig::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// What a phase measured.
+#[derive(Debug)]
+struct Phase {
+    online_p95: Duration,
+    online_sent: usize,
+    online_failed: usize,
+    batch_done: usize,
+}
+
+/// Online traffic (Poisson, `rate` per second) for `span`, beside a batch sent through
+/// `dispatcher` as fast as it lets it.
+async fn run_phase(
+    gateway: &GatewayHandle,
+    dispatcher: Option<SyncDispatcher>,
+    rate: f64,
+    span: Duration,
+) -> Phase {
+    let done = Arc::new(AtomicUsize::new(0));
+    let batch = dispatcher.map(|d| {
+        let done = done.clone();
+        tokio::spawn(async move {
+            let body = Bytes::from_static(br#"{"model":"m","prompt":"batch"}"#);
+            let mut n = 0u64;
+            let mut calls = tokio::task::JoinSet::new();
+            loop {
+                // More waiting than any limit lets through: the dispatcher decides the pace.
+                while calls.len() < 64 {
+                    let (d, body, done) = (d.clone(), body.clone(), done.clone());
+                    n += 1;
+                    calls.spawn(async move {
+                        let id = format!("batch-{n}");
+                        let outcome = d
+                            .dispatch(
+                                "m",
+                                SyncRequest {
+                                    id: &id,
+                                    path: "/v1/completions",
+                                    body,
+                                    slo_deadline: SystemTime::now() + Duration::from_secs(3600),
+                                    headers: &[],
+                                },
+                            )
+                            .await;
+                        if matches!(outcome, SyncOutcome::Http { status: 200, .. }) {
+                            done.fetch_add(1, Ordering::SeqCst);
+                        }
+                    });
+                }
+                calls.join_next().await;
+            }
+        })
+    });
+    // Let the batch take what it takes before online traffic is measured.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let batch_before = done.load(Ordering::SeqCst);
+    let url = format!("{}/v1/completions", gateway.base_url());
+    let mut online = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    let mut next = Duration::ZERO;
+    while next < span {
+        tokio::time::sleep_until((started + next).into()).await;
+        let url = url.clone();
+        online.spawn(async move {
+            let sent = Instant::now();
+            let answer =
+                batch_testkit::http::post(&url, r#"{"model":"m","prompt":"online"}"#, &[]).await;
+            (answer.map(|a| a.0).unwrap_or(0), sent.elapsed())
+        });
+        let gap: f64 = -(1.0 - rand::rng().random::<f64>()).ln() / rate;
+        next += Duration::from_secs_f64(gap);
+    }
+    let batch_done = done.load(Ordering::SeqCst) - batch_before;
+    let mut latencies = Vec::new();
+    let mut failed = 0;
+    while let Some(call) = online.join_next().await {
+        let (status, took) = call.unwrap();
+        if status == 200 {
+            latencies.push(took);
+        } else {
+            failed += 1;
+        }
+    }
+    if let Some(batch) = batch {
+        batch.abort();
+    }
+    latencies.sort();
+    let p95 = latencies[(latencies.len() * 95 / 100).min(latencies.len() - 1)];
+    Phase {
+        online_p95: p95,
+        online_sent: latencies.len() + failed,
+        online_failed: failed,
+        batch_done,
+    }
+}
+
+/// The processor's default limits for one endpoint (the work limiter, 10 at first).
+fn default_limits() -> LimitOptions {
+    LimitOptions {
+        algorithm: batch_sync_dispatch::Algorithm::Work,
+        ..LimitOptions::default()
+    }
+}
+
+fn dispatcher(gateway: &GatewayHandle, load: Option<LoadOptions>) -> SyncDispatcher {
+    let d = SyncDispatcher::new(default_limits());
+    let mut options = fast_options(&gateway.base_url());
+    options.load = load;
+    d.add_endpoint("m", options).unwrap();
+    d
+}
+
+fn load_of(gateway: &GatewayHandle) -> LoadOptions {
+    LoadOptions {
+        metrics_urls: vec![format!("{}/metrics", gateway.base_url())],
+        ..LoadOptions::default()
+    }
+}
+
+/// Online at about half the server's capacity: without `load` the batch's limiter fills the
+/// server and online requests wait behind it; with `load` (only `metrics_urls` set) online
+/// p95 is clearly lower, and the batch still gets a good part of the spare capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_load_the_batch_leaves_online_traffic_its_room() {
+    let span = Duration::from_secs(8);
+    let rate = 28.0;
+    let gateway = model_server(false).await;
+    let alone = run_phase(&gateway, None, rate, span).await;
+    let without = run_phase(&gateway, Some(dispatcher(&gateway, None)), rate, span).await;
+    let with = run_phase(
+        &gateway,
+        Some(dispatcher(&gateway, Some(load_of(&gateway)))),
+        rate,
+        span,
+    )
+    .await;
+    eprintln!(
+        "online alone: {alone:?}\nbatch without load: {without:?}\nbatch with load: {with:?}"
+    );
+    for phase in [&alone, &without, &with] {
+        assert_eq!(phase.online_failed, 0, "{phase:?}");
+        assert!(phase.online_sent > 100, "{phase:?}");
+    }
+    assert!(
+        with.online_p95.as_secs_f64() < 0.75 * without.online_p95.as_secs_f64(),
+        "online p95 with load {:?}, without {:?}",
+        with.online_p95,
+        without.online_p95
+    );
+    // The spare capacity is about half the server's (~28 answers/s): the batch must not
+    // stop. 8 s at a tenth of it is 22 answers.
+    assert!(with.batch_done > 22, "{with:?}");
+}
+
+/// Priority: with a server scheduling by priority, the batch's requests (sent with a higher
+/// number) wait behind online ones, and the bodies carry it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_sends_its_priority_and_a_priority_server_serves_online_first() {
+    let gateway = model_server(true).await;
+    let load = LoadOptions {
+        priority: Some(10),
+        ..load_of(&gateway)
+    };
+    let with = run_phase(
+        &gateway,
+        Some(dispatcher(&gateway, Some(load))),
+        28.0,
+        Duration::from_secs(5),
+    )
+    .await;
+    eprintln!("batch with load and priority: {with:?}");
+    assert!(with.batch_done > 10, "{with:?}");
+    let seen = gateway.recent_requests();
+    assert!(seen.iter().any(|r| r.body_len > 0));
+    // Batch bodies grew by the priority member; online ones did not.
+    let batch_len = br#"{"priority":10,"model":"m","prompt":"batch"}"#.len();
+    assert!(
+        seen.iter().any(|r| r.body_len == batch_len),
+        "no batch body with its priority"
+    );
+}
+
+/// A load source that never answers leaves the limiter in charge: every request is
+/// answered, and the endpoint's limit is the limiter's.
+#[tokio::test]
+async fn a_dead_load_source_leaves_the_limiter_in_charge() {
+    let gateway = model_server(false).await;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}/metrics", dead.local_addr().unwrap());
+    drop(dead);
+    let d = dispatcher(
+        &gateway,
+        Some(LoadOptions {
+            metrics_urls: vec![dead_url],
+            ..LoadOptions::default()
+        }),
+    );
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..200 {
+        let d = d.clone();
+        calls.spawn(async move {
+            let id = format!("r{i}");
+            d.dispatch("m", common::request(&id)).await
+        });
+    }
+    let mut ok = 0;
+    while let Some(outcome) = calls.join_next().await {
+        if matches!(outcome.unwrap(), SyncOutcome::Http { status: 200, .. }) {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 200);
+    assert_eq!(gateway.stats().total, 200);
+    // The limiter's bound (per_endpoint 10), not a limit a reading would give (up to 100).
+    assert!(d.limit("m").unwrap() <= 10, "{:?}", d.limit("m"));
+}

@@ -1,0 +1,395 @@
+//! A batch beside online traffic on one model server that schedules as vLLM does (the gateway
+//! simulator's vLLM mode): what the online requests' latency becomes while the batch runs, and
+//! how much of the capacity the online traffic leaves the batch gets, for sync mode without
+//! `load`, with it at several headrooms, and with a server that schedules by priority.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use batch_executor::Executor;
+use bytes::Bytes;
+use dispatcher_sim::{GatewayConfig, GatewayHandle};
+use rand::{Rng, SeedableRng};
+use tokio_util::sync::CancellationToken;
+
+use super::{ready, resolved, simulator, spec, Ctx};
+use crate::inputs::{request_line, write_input};
+use crate::lab::{load, Lab};
+use crate::report::{Kind, Report, Row, Target, Unit};
+use crate::service::Api;
+use crate::stats::Summary;
+use crate::BenchError;
+
+const YIELD: &str = "Yield";
+/// The server: this many run at once, the first token after `TTFT`, each next one `PER_TOKEN`
+/// later, `ITL_GROWTH` slower with the batch full; every answer has the input's 16 tokens.
+const SEQS: usize = 16;
+const TTFT: Duration = Duration::from_millis(100);
+const PER_TOKEN: Duration = Duration::from_millis(20);
+const ITL_GROWTH: f64 = 0.25;
+/// Waves: this long at the server's capacity, then as long at a tenth of it.
+const WAVE: Duration = Duration::from_secs(5);
+/// The batch's priority when the server schedules by it (online requests have 0).
+const BATCH_PRIORITY: i64 = 10;
+
+/// How the online traffic arrives.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Shape {
+    /// Poisson arrivals at this share of the capacity.
+    Steady(f64),
+    /// Poisson arrivals at the capacity for [`WAVE`], then at a tenth of it, and again.
+    Waves,
+}
+
+impl Shape {
+    fn label(self) -> String {
+        match self {
+            Shape::Steady(share) => format!("online at {:.0} % of capacity", share * 100.0),
+            Shape::Waves => format!(
+                "online in waves ({} s at capacity, {} s at 10 %)",
+                WAVE.as_secs(),
+                WAVE.as_secs()
+            ),
+        }
+    }
+
+    /// Arrivals per second at `t` into the phase, with the server's capacity `c`.
+    fn rate(self, c: f64, t: Duration) -> f64 {
+        match self {
+            Shape::Steady(share) => c * share,
+            Shape::Waves if ((t.as_secs_f64() / WAVE.as_secs_f64()) as u64).is_multiple_of(2) => c,
+            Shape::Waves => c * 0.1,
+        }
+    }
+}
+
+/// A processor configuration beside the online traffic.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    /// `load.headroom`, or no `load` section.
+    headroom: Option<f64>,
+    /// The server schedules by priority and the batch sends [`BATCH_PRIORITY`].
+    priority: bool,
+    /// Its rows carry the issue's targets.
+    targeted: bool,
+}
+
+impl Case {
+    fn label(self) -> String {
+        match (self.headroom, self.priority) {
+            (None, _) => "sync, no load (work limiter)".to_owned(),
+            (Some(h), false) => format!("sync, load (headroom {h})"),
+            (Some(h), true) => format!("sync, load (headroom {h}) + priority"),
+        }
+    }
+}
+
+const CASES: [Case; 5] = [
+    Case {
+        headroom: None,
+        priority: false,
+        targeted: false,
+    },
+    Case {
+        headroom: Some(0.15),
+        priority: false,
+        targeted: true,
+    },
+    Case {
+        headroom: Some(0.3),
+        priority: false,
+        targeted: false,
+    },
+    Case {
+        headroom: Some(0.0),
+        priority: false,
+        targeted: false,
+    },
+    Case {
+        headroom: Some(0.15),
+        priority: true,
+        targeted: false,
+    },
+];
+
+/// What the online traffic met in one phase.
+#[derive(Debug, Clone, Default)]
+struct Online {
+    latencies: Vec<f64>,
+    errors: usize,
+    rate: f64,
+}
+
+impl Online {
+    fn quantile(&self, q: f64) -> f64 {
+        if self.latencies.is_empty() {
+            return f64::NAN;
+        }
+        let i = ((self.latencies.len() as f64 * q) as usize).min(self.latencies.len() - 1);
+        self.latencies[i]
+    }
+}
+
+fn server(priority_scheduling: bool) -> GatewayConfig {
+    GatewayConfig {
+        latency_fixed: TTFT,
+        latency_per_token: PER_TOKEN,
+        max_num_seqs: Some(SEQS),
+        itl_growth: ITL_GROWTH,
+        priority_scheduling,
+        ..GatewayConfig::default()
+    }
+}
+
+pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
+    let Ctx { lab, s, progress } = cx;
+    let span = if s.quick {
+        Duration::from_secs(4)
+    } else {
+        Duration::from_secs(20)
+    };
+    let (shapes, cases): (Vec<Shape>, Vec<Case>) = if s.quick {
+        (vec![Shape::Steady(0.5)], CASES[..2].to_vec())
+    } else {
+        (
+            vec![
+                Shape::Steady(0.25),
+                Shape::Steady(0.5),
+                Shape::Steady(0.75),
+                Shape::Waves,
+            ],
+            CASES.to_vec(),
+        )
+    };
+    let body = online_body();
+    let capacity = measure_capacity(span, &body).await?;
+    progress(&format!(
+        "   the server alone, {SEQS} callers: {capacity:.1} answers/s"
+    ));
+    report.rows.push(
+        Row::new(
+            YIELD,
+            format!("the server's capacity: {SEQS} callers at once, answers/s"),
+            Unit::PerSecond("req/s"),
+            Summary::one(capacity),
+        )
+        .kind(Kind::Limit),
+    );
+    let n = (capacity * (span.as_secs_f64() + 10.0) * 2.0) as usize;
+    let input = lab.path("yield.jsonl");
+    write_input(&input, n, 256)?;
+    for shape in shapes {
+        let gateway = simulator::gateway(server(false)).await?;
+        let alone = online(&gateway, shape, capacity, span, &body).await?;
+        gateway.shutdown().await;
+        progress(&format!(
+            "   {}, alone: p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms, {:.1} req/s",
+            shape.label(),
+            alone.quantile(0.5) * 1e3,
+            alone.quantile(0.95) * 1e3,
+            alone.quantile(0.99) * 1e3,
+            alone.rate
+        ));
+        let figure = |what: &str| format!("{}, online alone: {what}", shape.label());
+        for (q, name) in [(0.5, "p50"), (0.95, "p95"), (0.99, "p99")] {
+            report.rows.push(
+                Row::new(
+                    YIELD,
+                    figure(&format!("{name} latency")),
+                    Unit::Seconds,
+                    Summary::one(alone.quantile(q)),
+                )
+                .kind(Kind::Limit),
+            );
+        }
+        let spare = (capacity - alone.rate).max(1e-9);
+        for case in &cases {
+            let (with, batch_rate) =
+                beside(lab, &input, *case, shape, capacity, span, &body).await?;
+            let share = batch_rate / spare;
+            progress(&format!(
+                "   {}, {}: online p50 {:.0} ms, p95 {:.0} ms ({:.2}× alone), p99 {:.0} ms, {} errors; batch {:.1} req/s = {:.0} % of the spare {:.1}",
+                shape.label(),
+                case.label(),
+                with.quantile(0.5) * 1e3,
+                with.quantile(0.95) * 1e3,
+                with.quantile(0.95) / alone.quantile(0.95),
+                with.quantile(0.99) * 1e3,
+                with.errors,
+                batch_rate,
+                share * 100.0,
+                spare
+            ));
+            let figure = |what: &str| format!("{}, {}: {what}", shape.label(), case.label());
+            let mut p95 = Row::new(
+                YIELD,
+                figure("online p95 / alone"),
+                Unit::Factor,
+                Summary::one(with.quantile(0.95) / alone.quantile(0.95)),
+            );
+            let p99 = Row::new(
+                YIELD,
+                figure("online p99 / alone"),
+                Unit::Factor,
+                Summary::one(with.quantile(0.99) / alone.quantile(0.99)),
+            );
+            let mut batch = Row::new(
+                YIELD,
+                figure("batch rate / spare capacity"),
+                Unit::Percent,
+                Summary::one(share),
+            );
+            if case.targeted && shape == Shape::Steady(0.5) {
+                p95 = p95.target(Target::AtMost(1.2));
+                batch = batch.target(Target::AtLeast(0.7));
+            }
+            report.rows.push(p95);
+            report.rows.push(p99);
+            report.rows.push(batch);
+            if with.errors > 0 {
+                report.note(
+                    YIELD,
+                    format!(
+                        "{}: {} online requests failed.",
+                        figure("errors"),
+                        with.errors
+                    ),
+                );
+            }
+        }
+    }
+    report.note(YIELD, format!(
+        "One simulated model server in vLLM mode (tools/gateway-sim): {SEQS} requests run at once (`max_num_seqs`), the rest wait in its queue in arrival order; an answer takes {} ms to its first token, then {} ms per token for its 16 tokens, up to {:.0} % slower per token with {SEQS} running. Its capacity is measured first, in the same run, with {SEQS} callers keeping it exactly full. Online traffic is open-loop (Poisson arrivals, each request timed from its send to its whole answer, not streamed: time to first token is not measured here), {} s per phase after the batch has run 3 s; the batch is a job of 256-byte lines run by the executor in sync mode with the default limits (`per_endpoint` 10, the `work` limiter) and, with `load`, `metrics_urls` on the server's `/metrics` and the headroom named. The spare capacity is the measured capacity less the online rate; `+ priority` is a server scheduling by priority (`--scheduling-policy priority`) and the batch sending `load.priority: {BATCH_PRIORITY}`. Targets (issue 40): at 50 % online load, online p95 within 1.2× of online alone while the batch gets at least 70 % of the spare capacity.",
+        TTFT.as_millis(), PER_TOKEN.as_millis(), ITL_GROWTH * 100.0, span.as_secs()
+    ));
+    Ok(())
+}
+
+/// An online request: the bench's own chat line, sent as is.
+fn online_body() -> Bytes {
+    let line: serde_json::Value =
+        serde_json::from_str(&request_line(0, 256)).unwrap_or(serde_json::Value::Null);
+    Bytes::from(line["body"].to_string())
+}
+
+/// Answers per second with exactly [`SEQS`] callers, each sending again as its answer comes.
+async fn measure_capacity(span: Duration, body: &Bytes) -> Result<f64, BenchError> {
+    let gateway = simulator::gateway(server(false)).await?;
+    let api = Api::new(&gateway.base_url(), SEQS);
+    let until = Instant::now() + span.min(Duration::from_secs(8));
+    let started = Instant::now();
+    let callers = (0..SEQS).map(|_| {
+        let (api, body) = (api.clone(), body.clone());
+        async move {
+            let mut n = 0usize;
+            while Instant::now() < until {
+                let reply = api
+                    .post_json_bytes("/v1/chat/completions", body.clone())
+                    .await?;
+                if reply.status == hyper::StatusCode::OK {
+                    n += 1;
+                }
+            }
+            Ok::<_, BenchError>(n)
+        }
+    });
+    let answered: usize = futures::future::try_join_all(callers)
+        .await?
+        .into_iter()
+        .sum();
+    let rate = answered as f64 / started.elapsed().as_secs_f64();
+    gateway.shutdown().await;
+    Ok(rate)
+}
+
+/// Sends online traffic of `shape` for `span`, waits for every answer.
+async fn online(
+    gateway: &GatewayHandle,
+    shape: Shape,
+    capacity: f64,
+    span: Duration,
+    body: &Bytes,
+) -> Result<Online, BenchError> {
+    let api = Api::new(&gateway.base_url(), 256);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(40);
+    let mut calls = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    let mut at = Duration::ZERO;
+    let mut sent = 0usize;
+    while at < span {
+        tokio::time::sleep_until((started + at).into()).await;
+        let (api, body) = (api.clone(), body.clone());
+        calls.spawn(async move {
+            let sent = Instant::now();
+            let reply = api.post_json_bytes("/v1/chat/completions", body).await;
+            let ok = matches!(&reply, Ok(r) if r.status == hyper::StatusCode::OK);
+            (ok, sent.elapsed().as_secs_f64())
+        });
+        sent += 1;
+        let rate = shape.rate(capacity, at).max(1e-3);
+        at += Duration::from_secs_f64(-(1.0 - rng.random::<f64>()).ln() / rate);
+    }
+    let mut out = Online {
+        rate: sent as f64 / span.as_secs_f64(),
+        ..Online::default()
+    };
+    while let Some(call) = calls.join_next().await {
+        match call {
+            Ok((true, took)) => out.latencies.push(took),
+            _ => out.errors += 1,
+        }
+    }
+    out.latencies.sort_by(f64::total_cmp);
+    Ok(out)
+}
+
+/// Runs the batch of `case` beside online traffic of `shape`; the online figures and the
+/// batch's answers per second over the online phase.
+async fn beside(
+    lab: &Lab,
+    input: &std::path::Path,
+    case: Case,
+    shape: Shape,
+    capacity: f64,
+    span: Duration,
+    body: &Bytes,
+) -> Result<(Online, f64), BenchError> {
+    let gateway = simulator::gateway(server(case.priority)).await?;
+    let load_section = match case.headroom {
+        None => String::new(),
+        Some(headroom) => {
+            let priority = if case.priority {
+                format!("      priority: {BATCH_PRIORITY}\n")
+            } else {
+                String::new()
+            };
+            format!(
+                "    load:\n      metrics_urls: [{}/metrics]\n      headroom: {headroom}\n{priority}",
+                gateway.base_url()
+            )
+        }
+    };
+    let config = lab.sync_config("yield.yaml", &gateway.base_url(), &load_section, "")?;
+    let executor = Arc::new(Executor::new(load(&config)?).await?);
+    let out = lab.fresh_dir("yield-out")?;
+    let job = ready(&executor, &spec(input, &out, None)).await?;
+    let progress = job.progress();
+    let stop = CancellationToken::new();
+    let execution = {
+        let (executor, job, stop) = (executor.clone(), job.clone(), stop.clone());
+        tokio::spawn(async move { executor.execute(job, stop).await })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = resolved(&progress.borrow());
+    let started = Instant::now();
+    let online = online(&gateway, shape, capacity, span, body).await;
+    let batch_rate =
+        (resolved(&progress.borrow()) - before) as f64 / started.elapsed().as_secs_f64();
+    stop.cancel();
+    let _ = execution.await;
+    if let Ok(executor) = Arc::try_unwrap(executor) {
+        executor.shutdown().await;
+    }
+    gateway.shutdown().await;
+    Ok((online?, batch_rate))
+}
