@@ -204,7 +204,8 @@ pub struct LoadConfig {
     /// Requests a pod runs at once (vLLM's `--max-num-seqs`); learnt from the metrics when
     /// absent (a pod with requests waiting runs all it can).
     pub max_running_per_pod: Option<usize>,
-    /// How often the load is read (default 250ms).
+    /// How often the load is read (default 100ms: an answer lasts a fraction of a second, and
+    /// online bursts come faster than a slower reading sees them).
     #[serde(serialize_with = "ser_duration")]
     pub interval: Duration,
     /// The share of the pool's capacity left free for online requests (default 0.15, in
@@ -222,7 +223,7 @@ impl Default for LoadConfig {
             prometheus_url: None,
             pool: None,
             max_running_per_pod: None,
-            interval: Duration::from_millis(250),
+            interval: Duration::from_millis(100),
             headroom: 0.15,
             priority: None,
         }

@@ -1526,7 +1526,7 @@ model_gateways:
     );
     assert_eq!(a.prometheus_url, None);
     assert_eq!(a.max_running_per_pod, None);
-    assert_eq!(a.interval, Duration::from_millis(250));
+    assert_eq!(a.interval, Duration::from_millis(100));
     assert_eq!(a.headroom, 0.15);
     assert_eq!(a.priority, None);
     let b = c.model_gateways["b"].load.as_ref().unwrap();

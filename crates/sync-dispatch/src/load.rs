@@ -54,14 +54,14 @@ pub struct LoadOptions {
 }
 
 impl Default for LoadOptions {
-    /// No source; every 250 ms; 15 % headroom; no priority.
+    /// No source; every 100 ms; 15 % headroom; no priority.
     fn default() -> Self {
         Self {
             metrics_urls: Vec::new(),
             prometheus_url: None,
             pool: None,
             max_running_per_pod: None,
-            interval: Duration::from_millis(250),
+            interval: Duration::from_millis(100),
             headroom: 0.15,
             priority: None,
         }

@@ -251,3 +251,48 @@ async fn a_dead_load_source_leaves_the_limiter_in_charge() {
     // The limiter's bound (per_endpoint 10), not a limit a reading would give (up to 100).
     assert!(d.limit("m").unwrap() <= 10, "{:?}", d.limit("m"));
 }
+
+/// Fresh readings set the limit (here above the limiter's bound of 10: a pool of 40 with
+/// nothing running); once the source stops answering, within a second or so the limiter's
+/// limit is back; when it answers again, the readings take over again.
+#[tokio::test]
+async fn a_source_that_goes_away_hands_the_limit_back_to_the_limiter_and_back() {
+    let gateway = model_server(false).await;
+    let source = model_server(false).await;
+    let addr = source.addr();
+    let d = dispatcher(
+        &gateway,
+        Some(LoadOptions {
+            max_running_per_pod: Some(40),
+            headroom: 0.0,
+            ..load_of(&source)
+        }),
+    );
+    let followed = |d: &SyncDispatcher| d.limit("m").unwrap() == 40;
+    assert!(
+        common::eventually(Duration::from_secs(5), || followed(&d)).await,
+        "{:?}",
+        d.limit("m")
+    );
+    source.shutdown().await;
+    let started = Instant::now();
+    assert!(
+        common::eventually(Duration::from_secs(5), || d.limit("m").unwrap() <= 10).await,
+        "{:?}",
+        d.limit("m")
+    );
+    let back = started.elapsed();
+    assert!(back >= Duration::from_millis(900), "{back:?}: not stale yet");
+    // The source comes back on the same address.
+    let _again = Gateway::start(addr, GatewayConfig {
+        max_num_seqs: Some(8),
+        ..GatewayConfig::default()
+    })
+    .await
+    .unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(5), || followed(&d)).await,
+        "{:?}",
+        d.limit("m")
+    );
+}

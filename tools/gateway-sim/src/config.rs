@@ -72,15 +72,16 @@ pub struct GatewayConfig {
     /// vLLM mode: at most this many requests run at once (vLLM's `--max-num-seqs`); the rest
     /// wait in the server's queue, in arrival order (or by `priority` with
     /// `priority_scheduling`). A request's time is then its wait, plus `latency_fixed` (time to
-    /// the first token), plus its tokens at `latency_per_token` each, slowed by `itl_growth` as
-    /// more run. The `/metrics` page shows vLLM's `vllm:num_requests_running` and
+    /// the first token), plus its tokens at `latency_per_token` each, both slowed by
+    /// `itl_growth` as more run. The `/metrics` page shows vLLM's `vllm:num_requests_running` and
     /// `vllm:num_requests_waiting`. Not with `capacity`, `queue_limit` or `batching`.
     pub max_num_seqs: Option<usize>,
     /// vLLM mode: requests waiting past this many are refused with `full_status` at once (as a
     /// gateway in front of a full server does); unbounded when absent, as vLLM itself is.
     pub max_waiting: Option<usize>,
-    /// vLLM mode: how much longer each output token takes with `max_num_seqs` running than
-    /// with one (0.5 = 50 % longer), growing linearly in between: decode shares the GPU.
+    /// vLLM mode: how much longer the first token and each next one take with `max_num_seqs`
+    /// running than with one (0.5 = 50 % longer), growing linearly in between, as the batch
+    /// shares the GPU: llm-d-inference-sim's `--time-factor-under-load` less 1.
     pub itl_growth: f64,
     /// vLLM mode: the waiting queue served by the request body's `priority` (lower first, 0
     /// when absent; vLLM's `--scheduling-policy priority`), arrival order among equals.

@@ -72,43 +72,59 @@ struct Case {
     priority: bool,
     /// Its rows carry the targets.
     targeted: bool,
+    /// `load.interval` in milliseconds, when not the default.
+    interval_ms: Option<u64>,
 }
 
 impl Case {
     fn label(self) -> String {
+        let interval = self
+            .interval_ms
+            .map_or(String::new(), |ms| format!(", every {ms} ms"));
         match (self.headroom, self.priority) {
             (None, _) => "sync, no load (work limiter)".to_owned(),
-            (Some(h), false) => format!("sync, load (headroom {h})"),
-            (Some(h), true) => format!("sync, load (headroom {h}) + priority"),
+            (Some(h), false) => format!("sync, load (headroom {h}{interval})"),
+            (Some(h), true) => format!("sync, load (headroom {h}{interval}) + priority"),
         }
     }
 }
 
-const CASES: [Case; 5] = [
+const CASES: [Case; 6] = [
     Case {
         headroom: None,
         priority: false,
         targeted: false,
+        interval_ms: None,
     },
     Case {
         headroom: Some(0.15),
         priority: false,
         targeted: true,
+        interval_ms: None,
     },
     Case {
         headroom: Some(0.3),
         priority: false,
         targeted: false,
+        interval_ms: None,
     },
     Case {
         headroom: Some(0.0),
         priority: false,
         targeted: false,
+        interval_ms: None,
+    },
+    Case {
+        headroom: Some(0.15),
+        priority: false,
+        targeted: false,
+        interval_ms: Some(250),
     },
     Case {
         headroom: Some(0.15),
         priority: true,
         targeted: false,
+        interval_ms: None,
     },
 ];
 
@@ -363,8 +379,11 @@ async fn beside(
             } else {
                 String::new()
             };
+            let interval = case
+                .interval_ms
+                .map_or(String::new(), |ms| format!("      interval: {ms}ms\n"));
             format!(
-                "    load:\n      metrics_urls: [{}/metrics]\n      headroom: {headroom}\n{priority}",
+                "    load:\n      metrics_urls: [{}/metrics]\n      headroom: {headroom}\n{priority}{interval}",
                 gateway.base_url()
             )
         }

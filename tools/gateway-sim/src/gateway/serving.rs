@@ -219,7 +219,9 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
             Arrival::Waiting(pending) => pending.run().await,
             Arrival::Refused => return state.count(full(config)),
         };
-        crate::timer::sleep(fixed).await;
+        // The first token is slowed by the running batch as the later ones are.
+        let stretch = config.itl_stretch(state.engine.counts().0);
+        crate::timer::sleep(fixed.mul_f64(stretch)).await;
         let started = Instant::now();
         decode_vllm(&state, config, tokens).await;
         started.elapsed()
