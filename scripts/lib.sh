@@ -18,6 +18,16 @@ ensure_redis() {
   # Debian starts a system Redis (and Sentinel) with the packages; we never use them.
 }
 
+# Installs prometheus with apt-get when missing: the test of sync mode's load read through
+# Prometheus's query API starts one of its own (tools/testkit). Debian starts a system
+# Prometheus with the package; the tests never use it.
+ensure_prometheus() {
+  if command -v prometheus >/dev/null; then return; fi
+  echo "installing prometheus with apt-get..." >&2
+  as_root apt-get update -qq >/dev/null || true
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+}
+
 # Makes a new, empty virtualenv at $1 (python3 and python3-venv installed with apt-get when
 # missing: Debian ships venv's pip bootstrap, ensurepip, in a package of its own).
 make_venv() {

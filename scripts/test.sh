@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 ensure_redis
+ensure_prometheus   # sync mode's load through Prometheus (crates/sync-dispatch/tests/yielding.rs)
 ensure_venv   # exports BATCH_VENV
 ensure_moto   # the same virtualenv
 ensure_schemathesis   # the same virtualenv: the fuzz of the running service

@@ -19,7 +19,7 @@
 //! intervals, hands the endpoint back to its limiter (with one warning) until readings come
 //! again.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -191,11 +191,16 @@ impl Yield {
 }
 
 /// Reads every pod's load once: the metrics pages, or Prometheus.
+///
+/// With Prometheus the counts are as old as its last scrape, which the answer's time says
+/// (`timestamp()`, the oldest pod's); the caller then takes off the batch's requests in flight
+/// at that time, not now, or a reading a second old would count the batch's newest requests
+/// as gone. A metrics page is read now: no time.
 pub(crate) async fn read(
     client: &HttpClient,
     options: &LoadOptions,
     timeout: Duration,
-) -> Result<Vec<PodLoad>, String> {
+) -> Result<(Vec<PodLoad>, Option<SystemTime>), String> {
     let fetch = async {
         if let (Some(prometheus), Some(pool)) = (&options.prometheus_url, &options.pool) {
             return from_prometheus(client, prometheus, pool).await;
@@ -205,7 +210,7 @@ pub(crate) async fn read(
             let page = get(client, url).await?;
             pods.push(parse_page(&page).map_err(|e| format!("{url}: {e}"))?);
         }
-        Ok(pods)
+        Ok((pods, None))
     };
     tokio::time::timeout(timeout, fetch)
         .await
@@ -283,14 +288,16 @@ async fn from_prometheus(
     client: &HttpClient,
     prometheus: &str,
     pool: &str,
-) -> Result<Vec<PodLoad>, String> {
+) -> Result<(Vec<PodLoad>, Option<SystemTime>), String> {
     let pool = pool.replace('\\', "\\\\").replace('"', "\\\"");
+    let base = prometheus.trim_end_matches('/');
+    let query = async |q: String| {
+        let encoded: String = url::form_urlencoded::byte_serialize(q.as_bytes()).collect();
+        get(client, &format!("{base}/api/v1/query?query={encoded}")).await
+    };
     let mut pods: Vec<(String, PodLoad)> = Vec::new();
     for (gauge, waiting) in [(RUNNING, false), (WAITING, true)] {
-        let query = format!("{gauge}{{inference_pool=\"{pool}\"}}");
-        let encoded: String = url::form_urlencoded::byte_serialize(query.as_bytes()).collect();
-        let base = prometheus.trim_end_matches('/');
-        let page = get(client, &format!("{base}/api/v1/query?query={encoded}")).await?;
+        let page = query(format!("{gauge}{{inference_pool=\"{pool}\"}}")).await?;
         for (labels, value) in parse_vector(&page)? {
             let pod = match pods.iter_mut().find(|(l, _)| *l == labels) {
                 Some((_, pod)) => pod,
@@ -312,7 +319,14 @@ async fn from_prometheus(
             "Prometheus has no {RUNNING} series with inference_pool=\"{pool}\""
         ));
     }
-    Ok(pods.into_iter().map(|(_, pod)| pod).collect())
+    let page = query(format!("timestamp({RUNNING}{{inference_pool=\"{pool}\"}})")).await?;
+    let scraped = parse_vector(&page)?
+        .into_iter()
+        .map(|(_, at)| at)
+        .reduce(f64::min)
+        .and_then(|at| Duration::try_from_secs_f64(at).ok())
+        .map(|at| SystemTime::UNIX_EPOCH + at);
+    Ok((pods.into_iter().map(|(_, pod)| pod).collect(), scraped))
 }
 
 /// An instant vector's series: their labels but the name (as a sorted key) and values.

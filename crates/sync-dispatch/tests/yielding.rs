@@ -282,12 +282,18 @@ async fn a_source_that_goes_away_hands_the_limit_back_to_the_limiter_and_back() 
         d.limit("m")
     );
     let back = started.elapsed();
-    assert!(back >= Duration::from_millis(900), "{back:?}: not stale yet");
+    assert!(
+        back >= Duration::from_millis(900),
+        "{back:?}: not stale yet"
+    );
     // The source comes back on the same address.
-    let _again = Gateway::start(addr, GatewayConfig {
-        max_num_seqs: Some(8),
-        ..GatewayConfig::default()
-    })
+    let _again = Gateway::start(
+        addr,
+        GatewayConfig {
+            max_num_seqs: Some(8),
+            ..GatewayConfig::default()
+        },
+    )
     .await
     .unwrap();
     assert!(
@@ -295,4 +301,45 @@ async fn a_source_that_goes_away_hands_the_limit_back_to_the_limiter_and_back() 
         "{:?}",
         d.limit("m")
     );
+}
+
+/// The same through a real Prometheus scraping the server every 250 ms (`prometheus_url` with
+/// `pool`, the `inference_pool` label): its counts are a scrape old, and the batch's own
+/// requests are taken off as they were at the scrape. Online p95 is clearly lower than without
+/// `load`, and the batch still progresses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_prometheus_too_the_batch_leaves_online_traffic_its_room() {
+    let span = Duration::from_secs(8);
+    let rate = 28.0;
+    let gateway = model_server(false).await;
+    let prometheus = batch_testkit::PrometheusServer::start(
+        &[gateway.addr().to_string()],
+        "pool-a",
+        Duration::from_millis(250),
+    );
+    let load = LoadOptions {
+        metrics_urls: Vec::new(),
+        prometheus_url: Some(prometheus.url()),
+        pool: Some("pool-a".into()),
+        ..LoadOptions::default()
+    };
+    let d = dispatcher(&gateway, Some(load));
+    // Readings come through Prometheus: an idle pool of 8 with headroom 0.15 gives 6 at most,
+    // above the limiter's start of 5 once the capacity is learnt; first the probe grows it.
+    assert!(
+        common::eventually(Duration::from_secs(10), || d.limit("m").unwrap() > 5).await,
+        "{:?}",
+        d.limit("m")
+    );
+    let without = run_phase(&gateway, Some(dispatcher(&gateway, None)), rate, span).await;
+    let with = run_phase(&gateway, Some(d), rate, span).await;
+    eprintln!("batch without load: {without:?}\nbatch with load through Prometheus: {with:?}");
+    assert_eq!(with.online_failed, 0, "{with:?}");
+    assert!(
+        with.online_p95.as_secs_f64() < 0.8 * without.online_p95.as_secs_f64(),
+        "online p95 with load {:?}, without {:?}",
+        with.online_p95,
+        without.online_p95
+    );
+    assert!(with.batch_done > 22, "{with:?}");
 }

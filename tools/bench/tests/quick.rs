@@ -90,6 +90,10 @@ fn quick_run_reports_every_scenario() {
         "| Replicas | sync, 6 batches × 200 lines: 3 replicas / 1 replica, throughput |",
         "| Replicas | lease_ttl 5 s: SIGKILL of a replica → each of its jobs' leases held by another |",
         "| Replicas | lease_ttl 5 s: SIGKILL of a replica → each of its jobs' completed count growing again |",
+        "| Yield | the server's capacity: 16 callers at once, answers/s |",
+        "| Yield | online at 50 % of capacity, online alone: p95 latency |",
+        "| Yield | online at 50 % of capacity, sync, no load (work limiter): online p95 / alone |",
+        "| Yield | online at 50 % of capacity, sync, load (headroom 0.15): batch rate / spare capacity |",
     ] {
         assert!(md.contains(row), "no row {row:?} in\n{md}");
     }

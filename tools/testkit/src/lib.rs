@@ -48,12 +48,14 @@ pub fn damage(bytes: &mut Vec<u8>, at: usize, byte: u8, how: u8) {
 mod cluster;
 pub mod http;
 mod process;
+mod prometheus;
 mod proxy;
 mod s3;
 mod sentinel;
 mod tls;
 
 pub use cluster::RedisCluster;
+pub use prometheus::PrometheusServer;
 pub use proxy::{Fault, FaultProxy, ProxyStats};
 pub use s3::{moto_binary, S3Server, S3_BUCKET};
 pub use sentinel::RedisSentinels;

@@ -1,10 +1,15 @@
 //! The task that sets an endpoint's limit from the pool's load ([`crate::load`]), and hands
 //! the endpoint back to its limiter while no fresh reading comes.
 
+use std::collections::VecDeque;
 use std::sync::Weak;
 
 use super::*;
 use crate::load::{self, LoadOptions, Yield};
+
+/// Counts of the batch's attempts in flight kept, one per reading: at the default 100 ms, the
+/// last 30 s, more than a Prometheus scrape interval.
+const OURS_KEPT: usize = 300;
 
 /// Reads the load every `options.interval` until the endpoint is dropped.
 pub(super) async fn follow(endpoint: Weak<Endpoint>, options: LoadOptions, limits: LimitOptions) {
@@ -22,18 +27,36 @@ pub(super) async fn follow(endpoint: Weak<Endpoint>, options: LoadOptions, limit
     // batch would go on by a picture of the pool that is no longer true.
     let stale_after = (options.interval * 3).max(Duration::from_secs(1));
     let mut last_good = Instant::now();
+    // The batch's attempts in flight at each tick, for readings as old as Prometheus's scrape.
+    let mut ours_then: VecDeque<(SystemTime, usize)> = VecDeque::new();
     let mut ticker = tokio::time::interval(options.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        let Some(client) = endpoint.upgrade().map(|e| e.client.clone()) else {
+        let Some((client, now)) = endpoint
+            .upgrade()
+            .map(|e| (e.client.clone(), e.attempts.load(Ordering::SeqCst)))
+        else {
             return;
         };
+        ours_then.push_back((SystemTime::now(), now));
+        while ours_then.len() > OURS_KEPT {
+            ours_then.pop_front();
+        }
         let reading = load::read(&client, &options, stale_after).await;
         let Some(e) = endpoint.upgrade() else { return };
         match reading {
-            Ok(pods) => {
-                let ours = e.attempts.load(Ordering::SeqCst);
+            Ok((pods, taken)) => {
+                let ours = match taken {
+                    // The last count at or before the scrape (the oldest kept if it is older).
+                    Some(taken) => ours_then
+                        .iter()
+                        .rev()
+                        .find(|(at, _)| *at <= taken)
+                        .or(ours_then.front())
+                        .map_or(0, |(_, n)| *n),
+                    None => e.attempts.load(Ordering::SeqCst),
+                };
                 let limit = rule.limit(&pods, ours);
                 let pool: f64 = pods.iter().map(|p| p.running + p.waiting).sum();
                 if !e.load_fresh.swap(true, Ordering::SeqCst) {
