@@ -227,6 +227,10 @@ async fn dropping_a_dispatch_during_backoff_releases_its_permits() {
     assert_eq!(d.global_in_use(), 0);
 }
 
+/// The tests that read a limiter's limit off a gateway of known capacity run one at a time:
+/// side by side on two cores, each one's CPU time is latency, and refusals, for the others.
+static TIMING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Runs `work` while sampling endpoint "m"'s limit every 5 ms.
 async fn sampling_limit<T>(
     d: &SyncDispatcher,
@@ -274,6 +278,7 @@ async fn hard_limit(capacity: usize, latency: Duration) -> (Gateway, Arc<Counter
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
+    let _serial = TIMING.lock().await;
     const CAPACITY: usize = 4;
     // Long enough that a loaded machine's scheduling delays stay within the limiter's
     // tolerance of its latency floor.
@@ -313,6 +318,7 @@ async fn the_gradient_limiter_finds_a_hard_limit_from_below() {
 /// rather than down one cut at a time through further refusals.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_refusal_of_an_overshoot_lowers_the_limit_toward_the_capacity() {
+    let _serial = TIMING.lock().await;
     const CAPACITY: usize = 4;
     // Admitted ones outlast every refusal of the burst.
     let (gateway, _) = hard_limit(CAPACITY, Duration::from_millis(500)).await;
@@ -339,6 +345,7 @@ async fn every_refusal_of_an_overshoot_lowers_the_limit_toward_the_capacity() {
 /// lengths is not taken for queueing and the limit sits at the capacity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_work_limiter_reads_answer_lengths_and_fills_a_hard_limit() {
+    let _serial = TIMING.lock().await;
     const CAPACITY: usize = 6;
     // A lognormal-like spread: most answers short, some ten times longer.
     const LENGTHS: [u64; 12] = [12, 40, 25, 160, 33, 8, 60, 18, 110, 45, 20, 240];

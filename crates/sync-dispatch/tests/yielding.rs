@@ -17,6 +17,10 @@ use common::fast_options;
 use gateway_sim::{Gateway, GatewayConfig, GatewayHandle};
 use rand::Rng;
 
+/// The tests that time online requests beside a batch run one at a time: side by side on two
+/// cores, each one's CPU time would be latency for the others.
+static TIMING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A vLLM-like server: 8 running at once, 40 ms to the first token, 4 ms per token (25 per
 /// answer): 0.14 s an answer, ~57 answers/s at capacity.
 async fn model_server(priority_scheduling: bool) -> GatewayHandle {
@@ -159,6 +163,7 @@ fn load_of(gateway: &GatewayHandle) -> LoadOptions {
 /// p95 is clearly lower, and the batch still gets a good part of the spare capacity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_load_the_batch_leaves_online_traffic_its_room() {
+    let _serial = TIMING.lock().await;
     let span = Duration::from_secs(8);
     let rate = 28.0;
     let gateway = model_server(false).await;
@@ -193,6 +198,7 @@ async fn with_load_the_batch_leaves_online_traffic_its_room() {
 /// number) wait behind online ones, and the bodies carry it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_batch_sends_its_priority_and_a_priority_server_serves_online_first() {
+    let _serial = TIMING.lock().await;
     let gateway = model_server(true).await;
     let load = LoadOptions {
         priority: Some(10),
@@ -309,6 +315,7 @@ async fn a_source_that_goes_away_hands_the_limit_back_to_the_limiter_and_back() 
 /// `load`, and the batch still progresses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_prometheus_too_the_batch_leaves_online_traffic_its_room() {
+    let _serial = TIMING.lock().await;
     let span = Duration::from_secs(8);
     let rate = 28.0;
     let gateway = model_server(false).await;
