@@ -89,42 +89,33 @@ impl Case {
     }
 }
 
+impl Case {
+    /// `load` with `headroom`, read every `interval_ms` (the default when `None`).
+    const fn load(headroom: f64, interval_ms: Option<u64>) -> Self {
+        Case {
+            headroom: Some(headroom),
+            priority: false,
+            targeted: false,
+            interval_ms,
+        }
+    }
+}
+
 const CASES: [Case; 6] = [
     Case {
         headroom: None,
-        priority: false,
-        targeted: false,
-        interval_ms: None,
+        ..Case::load(0.0, None)
     },
     Case {
-        headroom: Some(0.15),
-        priority: false,
         targeted: true,
-        interval_ms: None,
+        ..Case::load(0.15, None)
     },
+    Case::load(0.3, None),
+    Case::load(0.0, None),
+    Case::load(0.15, Some(250)),
     Case {
-        headroom: Some(0.3),
-        priority: false,
-        targeted: false,
-        interval_ms: None,
-    },
-    Case {
-        headroom: Some(0.0),
-        priority: false,
-        targeted: false,
-        interval_ms: None,
-    },
-    Case {
-        headroom: Some(0.15),
-        priority: false,
-        targeted: false,
-        interval_ms: Some(250),
-    },
-    Case {
-        headroom: Some(0.15),
         priority: true,
-        targeted: false,
-        interval_ms: None,
+        ..Case::load(0.15, None)
     },
 ];
 
