@@ -201,8 +201,6 @@ async fn a_gate_closed_for_three_lost_timeouts_sends_each_request_once() {
     let env = Env::start(fixed_latency(Duration::from_millis(200))).await;
     let lines = write_input(&env.path("in.jsonl"), 300, &["llama-3"]);
     let config = env.async_config(&[("llama-3", "pool-a")], "  lost_request_timeout: 1s\n");
-    env.redis
-        .command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
     let sim = env
         .dispatcher(&["pool-a"], |c| {
             closed_gate(c);
@@ -213,6 +211,8 @@ async fn a_gate_closed_for_three_lost_timeouts_sends_each_request_once() {
             }
         })
         .await;
+    env.redis
+        .command(&["SET", dispatcher_sim::DEFAULT_BUDGET_KEY, "1"]);
     let executor = Executor::new(load(&config)).await.unwrap();
     let out = env.path("out");
     let run = executor.run(

@@ -16,7 +16,7 @@ use dispatcher_sim::{
     Dispatcher, DispatcherConfig, DispatcherHandle, DispatcherVersion, Gateway, GatewayConfig,
     GatewayHandle, QueueEntry,
 };
-use fred::interfaces::SortedSetsInterface;
+use fred::interfaces::{KeysInterface, SortedSetsInterface};
 use support::*;
 use tokio_util::sync::CancellationToken;
 
@@ -138,7 +138,13 @@ async fn a_cluster_job_resumes_after_kill_9_and_a_cancel_empties_its_queue() {
     sim.shutdown().await;
 
     // A second job, gate closed, cancelled with Ctrl-C: nothing of it stays queued.
-    let closed = rig.dispatcher(closed_gate).await;
+    // Shut as the real gate is shut: its key at 0 (not set would be open).
+    let client = rig.client().await;
+    let _: () = client
+        .set(dispatcher_sim::DEFAULT_BUDGET_KEY, 0, None, None, false)
+        .await
+        .unwrap();
+    let closed = rig.dispatcher(redis_gate).await;
     write_input(&rig.path("cancel.jsonl"), 10_000, &["llama-3"]);
     let cancel_out = rig.path("cancel-out");
     let mut child = Child(
@@ -148,7 +154,6 @@ async fn a_cluster_job_resumes_after_kill_9_and_a_cancel_empties_its_queue() {
             .spawn()
             .unwrap(),
     );
-    let client = rig.client().await;
     let mut queued = 0;
     for _ in 0..600 {
         queued = client.zcard::<u64, _>(QUEUE).await.unwrap();

@@ -15,7 +15,7 @@ use batch_testkit::{RedisServer, TempDir};
 use batch_wire::{hash::body_digest, Batch, InputLine};
 use dispatcher_sim::{
     Dispatcher, DispatcherConfig, DispatcherHandle, Gateway, GatewayConfig, GatewayHandle,
-    QueueEntry,
+    QueueEntry, DEFAULT_BUDGET_KEY,
 };
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -485,11 +485,39 @@ pub fn spawn_runs<'a>(
         .collect()
 }
 
-/// Every queue of the simulated dispatcher behind a `redis` gate on `DEFAULT_BUDGET_KEY`. As
-/// with the real dispatcher, a key that is not set leaves the gate open: a test that needs it
-/// shut sets the key to 0 first, and nothing is taken until it sets it above 0.
+/// Every queue of the simulated dispatcher behind a `redis` gate as the real dispatcher takes it:
+/// the gate's own `address` (the dispatcher's Redis) and `DEFAULT_BUDGET_KEY` as its budget. The
+/// real gate counts a key that is not set as open, so this sets the key to 0 first: nothing is
+/// taken until a test sets it above 0. Only for a plain `redis://host:port` URL.
 pub fn closed_gate(config: &mut DispatcherConfig) {
+    let address = gate_address(&config.redis_url);
+    let port = address
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .unwrap_or_else(|| panic!("closed_gate needs a redis://host:port URL, not {address}"));
+    let reply = batch_testkit::command_on(port, &["SET", DEFAULT_BUDGET_KEY, "0"]);
+    assert_eq!(reply, ["+OK"], "shutting the gate");
+    redis_gate(config);
+}
+
+/// Every queue behind a `redis` gate on `DEFAULT_BUDGET_KEY`, with the `address` the real
+/// dispatcher needs; the key's value is left to the test (not set: open, as in the real one).
+pub fn redis_gate(config: &mut DispatcherConfig) {
+    let address = gate_address(&config.redis_url);
     for q in &mut config.queues {
         q.gate_type = Some("redis".into());
+        q.gate_params.insert("address".into(), address.clone());
+        q.gate_params
+            .insert("budget_key".into(), DEFAULT_BUDGET_KEY.to_owned());
     }
+}
+
+/// The first `host:port` of a Redis URL, as a gate's `address`.
+fn gate_address(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    rest.split(['/', ',', '?'])
+        .next()
+        .unwrap_or(rest)
+        .to_owned()
 }
