@@ -577,8 +577,14 @@ pub struct ServeConfig {
     /// Files one tenant may store (default 10,000); an upload over it is a 429.
     pub tenant_max_files: u64,
     /// Batches of one tenant running at once on all replicas beyond which a free slot goes to
-    /// another tenant's queued batch first, when one waits (default 8).
+    /// every other tenant's queued batch first, when one waits (default 8). Below it, slots are
+    /// shared by weight: a free slot goes to the tenant with the smallest share of the running
+    /// batches, (running + 1) / weight.
     pub tenant_max_running_batches: usize,
+    /// Each tenant's weight in the share of batch slots (default 1 for every tenant): a tenant
+    /// of weight 3 runs three batches for one of a tenant of weight 1 while both have some
+    /// queued. Keys are tenant names as `api_keys_file` gives them.
+    pub tenant_weights: std::collections::BTreeMap<String, u32>,
     /// Requests of one tenant's batches in flight at once on a replica, in sync mode (default
     /// 0: no cap of its own, `concurrency.global` for all). Async mode leaves the metering to the
     /// dispatcher.
@@ -626,6 +632,7 @@ impl ServeConfig {
             tenant_max_stored_bytes: 100 << 30,
             tenant_max_files: 10_000,
             tenant_max_running_batches: 8,
+            tenant_weights: std::collections::BTreeMap::new(),
             tenant_max_requests_in_flight: 0,
             tls: None,
         }

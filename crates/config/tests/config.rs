@@ -1604,3 +1604,41 @@ fn a_bad_load_section_names_the_field() {
         "{in_async:#?}"
     );
 }
+
+#[test]
+fn tenant_weights_are_whole_numbers_per_tenant_and_default_to_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = service_config(dir.path(), "  listen: 127.0.0.1:9000\n");
+    assert!(load_service_file(&file)
+        .unwrap()
+        .serve
+        .tenant_weights
+        .is_empty());
+
+    let file = service_config(
+        dir.path(),
+        "  tenant_weights:\n    alice: 3\n    team-b: 1\n",
+    );
+    let weights = load_service_file(&file).unwrap().serve.tenant_weights;
+    assert_eq!(
+        weights.into_iter().collect::<Vec<_>>(),
+        [("alice".to_owned(), 3), ("team-b".to_owned(), 1)]
+    );
+
+    let file = service_config(
+        dir.path(),
+        "  tenant_weights:\n    alice: 0\n    bob: lots\n    carol: 5000\n",
+    );
+    let errors: Vec<String> = match load_service_file(&file) {
+        Ok(c) => panic!("accepted: {:?}", c.serve.tenant_weights),
+        Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+    };
+    let all = errors.join("\n");
+    for field in [
+        "serve.tenant_weights.alice",
+        "serve.tenant_weights.bob",
+        "serve.tenant_weights.carol",
+    ] {
+        assert!(all.contains(field), "no error for {field}: {all}");
+    }
+}

@@ -182,7 +182,10 @@ impl Service {
                 max_active_jobs: serve.max_active_jobs,
                 lease_ttl: serve.lease_ttl,
                 checkpoint_interval: serve.checkpoint_interval,
-                tenant_share: serve.tenant_max_running_batches,
+                tenant_share: batch_state::SlotShare {
+                    cap: serve.tenant_max_running_batches,
+                    weights: serve.tenant_weights.clone(),
+                },
                 tenant_requests: serve.tenant_max_requests_in_flight,
             },
         );

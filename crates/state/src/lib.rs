@@ -50,6 +50,7 @@ pub use batch_wire::{CachedTokens, ReasoningTokens, Usage};
 pub use files::FileQuota;
 pub use layout::STATE_PREFIX;
 pub use leases::{JobLease, Renewal};
+pub use queue::SlotShare;
 pub use records::{
     BatchObject, FileObject, FineCounts, Page, StoredBatch, StoredFile, FINE_COUNTS_KEY,
 };

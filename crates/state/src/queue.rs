@@ -1,11 +1,16 @@
 //! The job queue: every tenant's queued batches by SLO deadline in one sorted set, each
-//! tenant's in one of its own (for the fair share), and the cancel queue of batches whose cancel
+//! tenant's in one of its own (for the fair pick), and the cancel queue of batches whose cancel
 //! was asked while they waited.
 //!
 //! A claim is two scripts: `pick` finds the job to take (reading every queued tenant's queue,
 //! each named in its KEYS), `take` takes it under a new lease if it is still queued (another
 //! replica may have taken it between the two; then the next is picked).
+//!
+//! The pick is fair across tenants: a free slot goes to the tenant with the smallest weighted
+//! share of the running jobs, so a tenant with one batch queued never waits behind another
+//! tenant's hundreds; within a tenant, by deadline.
 
+use std::collections::BTreeMap;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -20,17 +25,34 @@ static TAKE: LazyLock<Script> = LazyLock::new(|| Script::from_lua(include_str!("
 /// How many picks a claim tries when other replicas keep taking the picked job first.
 const CLAIM_TRIES: usize = 16;
 
+/// How free slots are shared among tenants' queued batches.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlotShare {
+    /// Running jobs (on all replicas) at which a tenant comes after every tenant under it
+    /// (`serve.tenant_max_running_batches`; 0: none).
+    pub cap: usize,
+    /// Each tenant's weight (`serve.tenant_weights`); a tenant not named weighs 1. A tenant of
+    /// weight 2 gets two slots for one of a tenant of weight 1 while both have batches queued.
+    pub weights: BTreeMap<String, u32>,
+}
+
+impl SlotShare {
+    fn weight(&self, tenant: &str) -> u32 {
+        self.weights.get(tenant).copied().unwrap_or(1).max(1)
+    }
+}
+
 impl Store {
-    /// Takes the most urgent queued job (earliest deadline) for `replica` under a new lease;
-    /// when its tenant already runs `share` jobs (0: no share), the most urgent job of a tenant
-    /// running fewer, if one waits.
+    /// Takes a queued job for `replica` under a new lease: the most urgent job (earliest
+    /// deadline) of the tenant with the smallest weighted share of the running jobs after
+    /// taking it (see [`SlotShare`]); ties go to the earliest deadline.
     pub async fn claim_queued(
         &self,
         replica: &str,
         ttl: Duration,
-        share: usize,
+        share: &SlotShare,
     ) -> Result<Option<JobLease>, StoreError> {
-        self.claim("queue", replica, ttl, share).await
+        self.claim("queue", replica, ttl, Some(share)).await
     }
 
     /// Takes a job whose cancel was asked while it waited in the queue.
@@ -39,7 +61,7 @@ impl Store {
         replica: &str,
         ttl: Duration,
     ) -> Result<Option<JobLease>, StoreError> {
-        self.claim("cancelq", replica, ttl, 0).await
+        self.claim("cancelq", replica, ttl, None).await
     }
 
     async fn claim(
@@ -47,7 +69,7 @@ impl Store {
         queue: &str,
         replica: &str,
         ttl: Duration,
-        share: usize,
+        share: Option<&SlotShare>,
     ) -> Result<Option<JobLease>, StoreError> {
         for _ in 0..CLAIM_TRIES {
             let Some((id, tenant)) = self.pick(queue, share).await? else {
@@ -76,16 +98,16 @@ impl Store {
         Ok(None)
     }
 
-    /// The id and tenant ("" for none) of the job to take from `queue`, if any waits.
+    /// The id and tenant ("" for none) of the job to take from `queue`, if any waits: shared
+    /// fairly among tenants with `share`, else the most urgent.
     async fn pick(
         &self,
         queue: &str,
-        share: usize,
+        share: Option<&SlotShare>,
     ) -> Result<Option<(String, String)>, StoreError> {
-        let tenants: Vec<String> = if share > 0 {
-            self.client.smembers(self.key(&["tenants_queued"])).await?
-        } else {
-            Vec::new()
+        let tenants: Vec<String> = match share {
+            Some(_) => self.client.smembers(self.key(&["tenants_queued"])).await?,
+            None => Vec::new(),
         };
         let mut keys = vec![
             self.key(&[queue]),
@@ -93,8 +115,17 @@ impl Store {
             self.key(&["tenant_of"]),
         ];
         keys.extend(tenants.iter().map(|t| self.key(&["tqueue", t])));
-        let mut args = vec![share.to_string()];
+        let mut args = vec![
+            share.map_or(0, |s| s.cap).to_string(),
+            if share.is_some() { "1" } else { "0" }.to_owned(),
+            tenants.len().to_string(),
+        ];
+        let weights: Vec<String> = tenants
+            .iter()
+            .map(|t| share.map_or(1, |s| s.weight(t)).to_string())
+            .collect();
         args.extend(tenants);
+        args.extend(weights);
         let got: Option<(String, String)> =
             PICK.evalsha_with_reload(&self.client, keys, args).await?;
         Ok(got)

@@ -187,7 +187,11 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     s.create_batch(&batch("a", "batch_mid", 200)).await.unwrap();
     assert_eq!(s.queued().await.unwrap(), 3);
 
-    let soon = s.claim_queued("r1", TTL, 0).await.unwrap().unwrap();
+    let soon = s
+        .claim_queued("r1", TTL, &SlotShare::default())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((soon.job.as_str(), soon.epoch), ("batch_soon", 1));
     assert_eq!(
         s.request_cancel("batch_late").await.unwrap(),
@@ -212,10 +216,20 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     );
     assert_eq!(s.claim_cancelled("r1", TTL).await.unwrap(), None);
     assert_eq!(
-        job_of(s.claim_queued("r2", TTL, 0).await.unwrap()).as_deref(),
+        job_of(
+            s.claim_queued("r2", TTL, &SlotShare::default())
+                .await
+                .unwrap()
+        )
+        .as_deref(),
         Some("batch_mid")
     );
-    assert_eq!(s.claim_queued("r2", TTL, 0).await.unwrap(), None);
+    assert_eq!(
+        s.claim_queued("r2", TTL, &SlotShare::default())
+            .await
+            .unwrap(),
+        None
+    );
     let running = s.running().await.unwrap();
     assert_eq!(running.get("batch_soon").map(String::as_str), Some("r1"));
     assert_eq!(running.get("batch_mid").map(String::as_str), Some("r2"));
@@ -228,7 +242,11 @@ async fn a_cancel_request_moves_the_record_and_a_racing_save_keeps_it() {
     let redis = RedisServer::start();
     let s = store(&redis).await;
     s.create_batch(&batch("a", "batch_1", 100)).await.unwrap();
-    let lease = s.claim_queued("r1", TTL, 0).await.unwrap().unwrap();
+    let lease = s
+        .claim_queued("r1", TTL, &SlotShare::default())
+        .await
+        .unwrap()
+        .unwrap();
     // The runner's copy of the record, read before the cancel.
     let mut runner = s.batch("batch_1").await.unwrap().unwrap();
     let running = Change::Running {
@@ -274,7 +292,11 @@ async fn a_lapsed_lease_is_adopted_with_a_new_epoch_that_fences_the_old_holder()
     let s = store(&redis).await;
     s.create_batch(&batch("a", "batch_1", 100)).await.unwrap();
     let short = std::time::Duration::from_millis(300);
-    let first = s.claim_queued("r1", short, 0).await.unwrap().unwrap();
+    let first = s
+        .claim_queued("r1", short, &SlotShare::default())
+        .await
+        .unwrap()
+        .unwrap();
     let record = s.batch("batch_1").await.unwrap().unwrap();
     assert_eq!(s.save_batch(&record, Some(&first)).await.unwrap(), 1);
 
@@ -326,7 +348,12 @@ async fn a_lapsed_lease_nobody_took_is_held_again_by_its_replica() {
     let short = std::time::Duration::from_millis(200);
     let mut leases = Vec::new();
     for _ in 0..3 {
-        leases.push(s.claim_queued("r1", short, 0).await.unwrap().unwrap());
+        leases.push(
+            s.claim_queued("r1", short, &SlotShare::default())
+                .await
+                .unwrap()
+                .unwrap(),
+        );
     }
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     let record = s.batch("batch_1").await.unwrap().unwrap();
@@ -419,28 +446,87 @@ fn ids_sort_by_creation_time() {
     assert_eq!(a.len(), "batch_".len() + 24);
 }
 
-#[tokio::test]
-async fn a_tenant_at_its_share_yields_a_slot_to_another_tenants_queued_batch() {
-    let redis = RedisServer::start();
-    let s = store(&redis).await;
-    // Tenant a's batches are all more urgent than tenant b's.
-    for i in 0..5 {
-        s.create_batch(&batch("a", &format!("batch_a{i}"), 100 + i))
+/// Queues `n` batches of `tenant`, `batch_<tenant><i>`, due one second apart from `due`.
+async fn queue_many(s: &Store, tenant: &str, n: i64, due: i64) {
+    for i in 0..n {
+        s.create_batch(&batch(tenant, &format!("batch_{tenant}{i:03}"), due + i))
             .await
             .unwrap();
     }
-    s.create_batch(&batch("b", "batch_b0", 500)).await.unwrap();
-    s.create_batch(&batch("b", "batch_b1", 600)).await.unwrap();
+}
+
+/// The ids `share` claims on `s`, one after another, until the queue is empty.
+async fn claim_all(s: &Store, share: &SlotShare) -> Vec<String> {
     let mut order = Vec::new();
-    for _ in 0..7 {
-        order.push(job_of(s.claim_queued("r1", TTL, 2).await.unwrap()).unwrap());
+    while let Some(lease) = s.claim_queued("r1", TTL, share).await.unwrap() {
+        order.push(lease.job);
     }
-    // a runs 2, then b's most urgent goes first, then b again (b under 2), then a's rest.
+    order
+}
+
+#[tokio::test]
+async fn free_slots_go_round_the_tenants_whatever_each_has_queued() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    // Tenant a's batches are all more urgent than tenant b's, and many more.
+    queue_many(&s, "a", 5, 100).await;
+    queue_many(&s, "b", 2, 500).await;
+    // Equal shares: the earlier deadline; then whoever runs fewer; a tenant at the cap (2)
+    // after every tenant under it.
+    let share = SlotShare {
+        cap: 2,
+        ..SlotShare::default()
+    };
     assert_eq!(
-        order,
-        ["batch_a0", "batch_a1", "batch_b0", "batch_b1", "batch_a2", "batch_a3", "batch_a4"]
+        claim_all(&s, &share).await,
+        [
+            "batch_a000",
+            "batch_b000",
+            "batch_a001",
+            "batch_b001",
+            "batch_a002",
+            "batch_a003",
+            "batch_a004"
+        ]
     );
-    assert_eq!(s.claim_queued("r1", TTL, 2).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn a_tenant_with_one_batch_queued_is_next_after_another_tenants_hundreds() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    queue_many(&s, "a", 400, 100).await;
+    // Four slots, all a's; then b creates one batch, the least urgent of all.
+    let share = SlotShare::default();
+    for _ in 0..4 {
+        s.claim_queued("r1", TTL, &share).await.unwrap().unwrap();
+    }
+    s.create_batch(&batch("b", "batch_b", 10_000))
+        .await
+        .unwrap();
+    let next = s.claim_queued("r1", TTL, &share).await.unwrap().unwrap();
+    assert_eq!(next.job, "batch_b");
+}
+
+#[tokio::test]
+async fn weights_give_a_tenant_slots_in_proportion() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    queue_many(&s, "a", 30, 100).await;
+    queue_many(&s, "b", 30, 100).await;
+    let share = SlotShare {
+        cap: 0,
+        weights: [("a".to_owned(), 3)].into_iter().collect(),
+    };
+    // Of the first 12 slots (none ends), a gets 9 and b 3.
+    let mut a = 0;
+    for _ in 0..12 {
+        let lease = s.claim_queued("r1", TTL, &share).await.unwrap().unwrap();
+        a += usize::from(lease.job.starts_with("batch_a"));
+    }
+    assert_eq!(a, 9);
+    // The rest all run too: no slot is held back for a tenant with nothing queued.
+    assert_eq!(claim_all(&s, &share).await.len(), 48);
 }
 
 #[tokio::test]
@@ -574,10 +660,22 @@ async fn a_flushed_redis_is_rebuilt_from_the_storage_copy() {
     }
     s.create_batch(&batch("b", "batch_9", 50)).await.unwrap();
     let ttl = Duration::from_secs(30);
-    let l0 = s.claim_queued("r0", ttl, 0).await.unwrap().unwrap();
-    let l1 = s.claim_queued("r0", ttl, 0).await.unwrap().unwrap();
+    let l0 = s
+        .claim_queued("r0", ttl, &SlotShare::default())
+        .await
+        .unwrap()
+        .unwrap();
+    let l1 = s
+        .claim_queued("r0", ttl, &SlotShare::default())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((l0.job.as_str(), l1.job.as_str()), ("batch_9", "batch_0"));
-    let l2 = s.claim_queued("r0", ttl, 0).await.unwrap().unwrap();
+    let l2 = s
+        .claim_queued("r0", ttl, &SlotShare::default())
+        .await
+        .unwrap()
+        .unwrap();
     let mut done = batch("a", "batch_1", 101);
     done.batch.batch.set_status(BatchStatus::Completed, 5);
     assert_eq!(s.save_batch(&done, Some(&l2)).await.unwrap(), 1);
@@ -634,10 +732,18 @@ async fn a_flushed_redis_is_rebuilt_from_the_storage_copy() {
     );
     // The queue in deadline order, the cancelled one on the cancel queue.
     let order: Vec<String> = [
-        s.claim_queued("r1", ttl, 0).await.unwrap(),
-        s.claim_queued("r1", ttl, 0).await.unwrap(),
-        s.claim_queued("r1", ttl, 0).await.unwrap(),
-        s.claim_queued("r1", ttl, 0).await.unwrap(),
+        s.claim_queued("r1", ttl, &SlotShare::default())
+            .await
+            .unwrap(),
+        s.claim_queued("r1", ttl, &SlotShare::default())
+            .await
+            .unwrap(),
+        s.claim_queued("r1", ttl, &SlotShare::default())
+            .await
+            .unwrap(),
+        s.claim_queued("r1", ttl, &SlotShare::default())
+            .await
+            .unwrap(),
     ]
     .into_iter()
     .map(|l| l.map(|l| l.job).unwrap_or_default())

@@ -32,6 +32,7 @@ const SERVE_KEYS: &[&str] = &[
     "tenant_max_stored_bytes",
     "tenant_max_files",
     "tenant_max_running_batches",
+    "tenant_weights",
     "tenant_max_requests_in_flight",
     "tls",
 ];
@@ -164,6 +165,7 @@ pub(super) fn serve(
             1,
             1 << 20,
         ),
+        tenant_weights: tenant_weights(c, &t),
         tenant_max_requests_in_flight: c.bounded_count(
             &t,
             "tenant_max_requests_in_flight",
@@ -172,6 +174,22 @@ pub(super) fn serve(
             1_000_000,
         ),
     }
+}
+
+/// `serve.tenant_weights`: tenant name to a whole weight from 1 to 1,000.
+fn tenant_weights(
+    c: &mut Collector<'_>,
+    serve: &Table<'_>,
+) -> std::collections::BTreeMap<String, u32> {
+    let t = c.table(serve, "tenant_weights", &[]);
+    let names: Vec<String> = t.entries().map(|(name, _)| name.clone()).collect();
+    names
+        .into_iter()
+        .map(|name| {
+            let weight = c.bounded_count(&t, &name, 1, 1, 1_000);
+            (name, weight)
+        })
+        .collect()
 }
 
 /// `serve.s3`; the key files are read for the service only.

@@ -41,9 +41,9 @@ pub(crate) struct RunnerConfig {
     pub max_active_jobs: usize,
     pub lease_ttl: Duration,
     pub checkpoint_interval: Duration,
-    /// `serve.tenant_max_running_batches`: a tenant running this many jobs yields a free slot
-    /// to another tenant's queued batch.
-    pub tenant_share: usize,
+    /// How a free slot is shared among tenants: `serve.tenant_max_running_batches` and
+    /// `serve.tenant_weights`.
+    pub tenant_share: batch_state::SlotShare,
     /// `serve.tenant_max_requests_in_flight`: requests of one tenant's jobs in flight at once
     /// on this replica, sync mode (0: no cap but `concurrency.global`).
     pub tenant_requests: usize,

@@ -53,7 +53,7 @@ impl Runner {
             };
             match self
                 .store
-                .claim_queued(me, self.config.lease_ttl, self.config.tenant_share)
+                .claim_queued(me, self.config.lease_ttl, &self.config.tenant_share)
                 .await
             {
                 Ok(Some(lease)) => {

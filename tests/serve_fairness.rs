@@ -1,0 +1,179 @@
+//! `processor serve` shares its batch slots fairly among tenants by default: a tenant that queues
+//! one batch is not made to wait behind another tenant's backlog, however long, on one replica
+//! or three. Real redis-server, the `processor` binary, sync mode against the simulated gateway
+//! at 50 ms per answer, every setting at its default but `max_active_jobs` (4 on one replica, 2
+//! each on three).
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use support::batches::*;
+use support::serve::*;
+use support::*;
+
+/// Lines in each batch.
+const LINES: usize = 40;
+
+/// The config of replica `n` of a service on `env`'s Redis and storage, running `slots` batches
+/// at once.
+fn replica(env: &Env, n: usize, slots: usize) -> PathBuf {
+    let config = env.sync_config(
+        &["llama-3"],
+        "",
+        &format!("redis_url_file: {}\n", env.redis_url_file.display()),
+    );
+    let own = env.path(&format!("replica-{n}.yaml"));
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        &format!("work_dir: {}\n", env.path("work").display()),
+        &format!("work_dir: {}\n", env.path(&format!("work-{n}")).display()),
+    );
+    std::fs::write(&own, text).unwrap();
+    let storage = env.path("storage");
+    std::fs::create_dir_all(&storage).unwrap();
+    add_serve_section(
+        &own,
+        &storage,
+        TWO_TENANTS,
+        &format!("  replica_id: replica-{n}\n  max_active_jobs: {slots}\n"),
+        "",
+    );
+    own
+}
+
+/// Tenant B's batch of `file`, created and followed (every 10 ms) until it is completed.
+struct Followed {
+    /// From its creation until it ran.
+    started: Duration,
+    /// From its creation until it was completed.
+    completed: Duration,
+    /// How many batches of `other` started between its creation and its start.
+    overtaken: usize,
+}
+
+/// Batches of `api`'s tenant that wait for a slot.
+async fn waiting(api: &Api) -> usize {
+    let listed = api.list_all("/v1/batches", "", 100).await;
+    listed
+        .iter()
+        .filter(|b| b["status"] == "validating")
+        .count()
+}
+
+/// Creates a batch of `file` for `api`'s tenant and follows it to its end; `other` is another
+/// tenant, whose waiting batches are counted at the creation and at the start.
+async fn follow(api: &Api, file: &str, other: &Api) -> Followed {
+    let before = waiting(other).await;
+    let begun = Instant::now();
+    let id = id_of(&api.create_batch_ok(file).await);
+    let mut started = None;
+    let mut overtaken = 0;
+    loop {
+        let batch = api.batch(&id).await;
+        let status = batch["status"].as_str().unwrap_or_default().to_owned();
+        if status != "validating" && started.is_none() {
+            started = Some(begun.elapsed());
+            overtaken = before.saturating_sub(waiting(other).await);
+        }
+        if status == "completed" {
+            return Followed {
+                started: started.unwrap_or_default(),
+                completed: begun.elapsed(),
+                overtaken,
+            };
+        }
+        assert!(!is_final(&status), "{batch}");
+        assert!(begun.elapsed() < FINISH, "batch {id} still {status}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Tenant B's batch on an idle service (the best of three, the limiter warmed up by the first)
+/// and again once tenant A has queued `backlog` batches and runs one in every slot, across
+/// `replicas` replicas: one of 4 slots, or each of 2 (fewer than the 8 at which
+/// `tenant_max_running_batches` makes A give way).
+async fn b_beside_a_backlog(replicas: usize, backlog: usize) -> (Followed, Followed) {
+    let env = Env::start(fixed_latency(Duration::from_millis(50))).await;
+    let slots = if replicas == 1 { 4 } else { 2 };
+    let services: Vec<Service> = (1..=replicas)
+        .map(|n| Service::start(&replica(&env, n, slots)))
+        .collect();
+    let (a, b) = (
+        services[0].client(Some(KEY_A)),
+        services[replicas - 1].client(Some(KEY_B)),
+    );
+    let (text, _) = input_jsonl("fair", LINES, "llama-3");
+    let a_file = a.upload_ok("a.jsonl", text.as_bytes()).await;
+    let b_file = b.upload_ok("b.jsonl", text.as_bytes()).await;
+    let mut idle: Option<Followed> = None;
+    for _ in 0..3 {
+        let run = follow(&b, &b_file, &a).await;
+        if idle
+            .as_ref()
+            .is_none_or(|best| run.completed < best.completed)
+        {
+            idle = Some(run);
+        }
+    }
+    // A's backlog, created 16 at a time, each replica's API taking a share.
+    let apis: Vec<Api> = services.iter().map(|s| s.client(Some(KEY_A))).collect();
+    let mut created = 0;
+    while created < backlog {
+        let round = (backlog - created).min(16);
+        let creates = (0..round).map(|i| apis[(created + i) % replicas].create_batch_ok(&a_file));
+        futures::future::join_all(creates).await;
+        created += round;
+    }
+    // A alone takes every slot of every replica.
+    let all = slots * replicas;
+    let deadline = Instant::now() + FINISH;
+    loop {
+        let listed = a.list_all("/v1/batches", "", 100).await;
+        let running = listed
+            .iter()
+            .filter(|b| b["status"] == "in_progress")
+            .count();
+        if running >= all {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{running} of A's batches running"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let loaded = follow(&b, &b_file, &a).await;
+    (idle.expect("three runs"), loaded)
+}
+
+/// B's batch takes the first slot that frees after its creation: at most one of A's waiting
+/// batches per other replica starts before it (two replicas may pick at the same moment; the
+/// one that loses the take picks again), whatever A queued.
+fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Followed)) {
+    eprintln!(
+        "{replicas} replica(s), A queued {backlog}: B alone started after {:?}, completed after {:?}; \
+         beside A started after {:?}, completed after {:?}, {} of A's batches started first",
+        idle.started, idle.completed, loaded.started, loaded.completed, loaded.overtaken
+    );
+    assert!(
+        loaded.overtaken < replicas,
+        "tenant B waited behind tenant A's backlog: {} of A's batches started first",
+        loaded.overtaken
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenants_batch_is_not_held_behind_another_tenants_forty() {
+    assert_fair(1, 40, b_beside_a_backlog(1, 40).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenants_batch_is_not_held_behind_another_tenants_four_hundred() {
+    assert_fair(1, 400, b_beside_a_backlog(1, 400).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenants_batch_is_not_held_behind_another_tenants_forty_on_three_replicas() {
+    assert_fair(3, 40, b_beside_a_backlog(3, 40).await);
+}
