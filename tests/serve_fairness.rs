@@ -1,6 +1,6 @@
 //! `processor serve` shares its batch slots fairly among tenants by default: a tenant that queues
 //! one batch is not made to wait behind another tenant's backlog, however long, on one replica
-//! or three. Real redis-server, the `processor` binary, sync mode against the simulated gateway
+//! or three; and in sync mode a replica's requests are shared per tenant, not per batch. Real redis-server, the `processor` binary, sync mode against the simulated gateway
 //! at 50 ms per answer, every setting at its default but `max_active_jobs` (4 on one replica, 2
 //! each on three).
 
@@ -50,37 +50,48 @@ struct Followed {
     completed: Duration,
     /// How many batches of `other` started between its creation and its start.
     overtaken: usize,
+    /// Lines of `other`'s batches answered while it ran.
+    beside: u64,
 }
 
-/// Batches of `api`'s tenant that wait for a slot.
-async fn waiting(api: &Api) -> usize {
+/// Batches of `api`'s tenant that wait for a slot, and their lines answered so far.
+async fn tenant(api: &Api) -> (usize, u64) {
     let listed = api.list_all("/v1/batches", "", 100).await;
-    listed
+    let waiting = listed
         .iter()
         .filter(|b| b["status"] == "validating")
-        .count()
+        .count();
+    let done = listed.iter().map(|b| count(b, "completed")).sum();
+    (waiting, done)
 }
 
 /// Creates a batch of `file` for `api`'s tenant and follows it to its end; `other` is another
 /// tenant, whose waiting batches are counted at the creation and at the start.
 async fn follow(api: &Api, file: &str, other: &Api) -> Followed {
-    let before = waiting(other).await;
     let begun = Instant::now();
     let id = id_of(&api.create_batch_ok(file).await);
+    // Counted once the batch exists: a slot that freed before could only go to `other`.
+    let (before, _) = tenant(other).await;
     let mut started = None;
     let mut overtaken = 0;
+    let mut other_done = 0;
     loop {
         let batch = api.batch(&id).await;
         let status = batch["status"].as_str().unwrap_or_default().to_owned();
         if status != "validating" && started.is_none() {
             started = Some(begun.elapsed());
-            overtaken = before.saturating_sub(waiting(other).await);
+            let (waiting, done) = tenant(other).await;
+            overtaken = before.saturating_sub(waiting);
+            other_done = done;
         }
         if status == "completed" {
+            let completed = begun.elapsed();
+            let (_, done) = tenant(other).await;
             return Followed {
                 started: started.unwrap_or_default(),
-                completed: begun.elapsed(),
+                completed,
                 overtaken,
+                beside: done - other_done,
             };
         }
         assert!(!is_final(&status), "{batch}");
@@ -149,18 +160,30 @@ async fn b_beside_a_backlog(replicas: usize, backlog: usize) -> (Followed, Follo
 
 /// B's batch takes the first slot that frees after its creation: at most one of A's waiting
 /// batches per other replica starts before it (two replicas may pick at the same moment; the
-/// one that loses the take picks again), whatever A queued.
+/// one that loses the take picks again), whatever A queued. And while it runs beside A's
+/// batches, the requests are shared per tenant: A's three or more batches together answer
+/// about as many lines as B's one (shared per batch, they answered three times as many).
 fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Followed)) {
     eprintln!(
         "{replicas} replica(s), A queued {backlog}: B alone started after {:?}, completed after {:?}; \
-         beside A started after {:?}, completed after {:?}, {} of A's batches started first",
-        idle.started, idle.completed, loaded.started, loaded.completed, loaded.overtaken
+         beside A started after {:?}, completed after {:?}, {} of A's batches started first, \
+         A answered {} lines while B's {LINES} ran",
+        idle.started, idle.completed, loaded.started, loaded.completed, loaded.overtaken, loaded.beside
     );
     assert!(
         loaded.overtaken < replicas,
         "tenant B waited behind tenant A's backlog: {} of A's batches started first",
         loaded.overtaken
     );
+    // One replica: B beside three of A's batches on one endpoint limit. Three replicas: each
+    // has its own limit, and B shares one of them.
+    if replicas == 1 {
+        assert!(
+            loaded.beside <= LINES as u64 * 2,
+            "A answered {} lines while B's {LINES} ran: the requests went per batch, not per tenant",
+            loaded.beside
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

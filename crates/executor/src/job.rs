@@ -42,6 +42,12 @@ pub struct JobSpec {
     /// request of the job holds one while it is sent, so the jobs sharing it have at most its
     /// size in flight together. Async mode ignores it: the dispatcher meters requests there.
     pub request_slots: Option<std::sync::Arc<tokio::sync::Semaphore>>,
+    /// Jobs naming the same share (the service names each job's tenant) have together, per
+    /// model, at most as many requests waiting for or holding the endpoint's limit as one job
+    /// alone has, in sync mode: the limit, served in arrival order, is then shared among shares
+    /// rather than among jobs, and a tenant running three batches does not get three times the
+    /// requests of a tenant running one. `None`: the job is a share of its own.
+    pub share: Option<String>,
 }
 
 impl JobSpec {
@@ -56,6 +62,7 @@ impl JobSpec {
             created_at: None,
             endpoint: None,
             request_slots: None,
+            share: None,
         }
     }
 
@@ -143,6 +150,8 @@ pub struct Job {
     pub(crate) headers: BTreeMap<String, String>,
     /// See [`JobSpec::request_slots`].
     pub(crate) request_slots: Option<std::sync::Arc<tokio::sync::Semaphore>>,
+    /// See [`JobSpec::share`].
+    pub(crate) share: Option<String>,
     pub(crate) resumed: bool,
     pub(crate) started: Instant,
     progress: watch::Sender<JobProgress>,
@@ -267,6 +276,7 @@ impl Job {
             model_of_line,
             headers: spec.headers.clone(),
             request_slots: spec.request_slots.clone(),
+            share: spec.share.clone(),
             resumed,
             started: Instant::now(),
             progress,

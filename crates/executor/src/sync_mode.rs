@@ -1,7 +1,8 @@
 //! Sync dispatch: the processor calls each model's gateway itself, held back by the AIMD
 //! limiter, the adaptive per-endpoint semaphore and the process-wide global semaphore.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 use tracing::Instrument;
 
@@ -14,7 +15,7 @@ use batch_sync_dispatch::{
 use batch_wire::{InputLine, Outcome};
 use futures::future::{self, BoxFuture};
 use futures::stream::{self, StreamExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 use crate::job::{End, Job, JobFailure};
 use crate::stop::Stop;
@@ -28,6 +29,8 @@ const WRITE_BATCH: usize = 256;
 pub(crate) struct SyncMode {
     dispatcher: SyncDispatcher,
     config: Arc<ProcessorConfig>,
+    /// The calls each share (a tenant, [`crate::JobSpec::share`]) may have pending per model.
+    shares: Mutex<HashMap<(String, String), Arc<Semaphore>>>,
 }
 
 impl SyncMode {
@@ -70,7 +73,25 @@ impl SyncMode {
             };
             dispatcher.add_endpoint(model, options)?;
         }
-        Ok(Self { dispatcher, config })
+        Ok(Self {
+            dispatcher,
+            config,
+            shares: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The permits `job`'s share has for `model`'s calls, `width` of them, when it names one.
+    fn share_slots(&self, job: &Job, model: &str, width: usize) -> Option<Arc<Semaphore>> {
+        let share = job.share.as_ref()?;
+        let mut shares = self.shares.lock().expect("shares lock");
+        // Shares no job holds any more are dropped, so the map follows the running jobs.
+        shares.retain(|_, slots| Arc::strong_count(slots) > 1);
+        Some(
+            shares
+                .entry((share.clone(), model.to_owned()))
+                .or_insert_with(|| Arc::new(Semaphore::new(width)))
+                .clone(),
+        )
     }
 
     /// Sends every unresolved line, models side by side; the deadline, a cancel or a pause
@@ -121,6 +142,7 @@ impl SyncMode {
             .max(1);
             let headers = &headers;
             let answers = answers.clone();
+            let share = self.share_slots(job, name, width);
             let calls = stream::iter(records)
                 .chunks(READ_AHEAD)
                 .then(move |chunk| {
@@ -133,9 +155,15 @@ impl SyncMode {
                 })
                 .map(move |read| {
                     let answers = answers.clone();
+                    let share = share.clone();
                     async move {
                         let (record, line) = read?;
                         let index = record.line as u64;
+                        // Never closed: a permit always comes.
+                        let _share = match share {
+                            Some(slots) => slots.acquire_owned().await.ok(),
+                            None => None,
+                        };
                         let outcome = self.call(name, index, &line, slo, headers, job).await;
                         // Closed only when the job stops writing: the answer is not kept.
                         let _ = answers.send((index, outcome)).await;

@@ -126,14 +126,10 @@ fn specs(args: &Args) -> Result<Vec<JobSpec>, String> {
         .iter()
         .zip(dirs)
         .map(|(input, dir)| JobSpec {
-            input: input.clone(),
-            output_dir: dir,
             job_id: args.job_id.clone(),
             completion_window: args.completion_window,
             headers: headers.clone(),
-            created_at: None,
-            endpoint: None,
-            request_slots: None,
+            ..JobSpec::new(input.clone(), dir)
         })
         .collect())
 }

@@ -104,6 +104,8 @@ impl Runner {
             created_at: Some(record.batch.batch.created_at),
             endpoint: record.batch.batch.endpoint.clone(),
             request_slots: self.tenant_slots(&record.tenant),
+            // The replica's requests are shared among tenants, not among batches.
+            share: Some(record.tenant.clone()),
         };
         let cancel = CancellationToken::new();
         if self
