@@ -1,8 +1,10 @@
 //! `processor serve` at its edges: what a client, with a key or without, can send to exhaust it.
-//! Half-sent requests are closed within `serve.header_read_timeout` while a keyed client keeps
-//! being answered and the memory comes back; connections past `serve.max_connections` wait; a
-//! JSON body over `serve.max_json_body_bytes` is a 413 before it is read; long ids, filenames
-//! and form fields are refused. Real redis-server, the `processor` binary, raw TCP from tokio.
+//! Half-sent requests are closed within `serve.first_request_timeout` while a keyed client keeps
+//! being answered, on its open connection or on new ones, and the memory comes back; one address
+//! holds at most `serve.max_connections_per_peer`; at `serve.max_connections` a new connection
+//! closes the oldest unanswered one, and waits only when every open one was answered; a JSON
+//! body over `serve.max_json_body_bytes` is a 413 before it is read; long ids, filenames and
+//! form fields are refused. Real redis-server, the `processor` binary, raw TCP from tokio.
 
 mod support;
 
@@ -22,12 +24,220 @@ fn authority(service: &Service) -> String {
 
 /// Opens a connection and sends half a request line, nothing more.
 async fn half_request(addr: &str) -> TcpStream {
-    let mut stream = TcpStream::connect(addr).await.expect("connecting");
-    stream
-        .write_all(b"GET /v1/batches HTTP/1.1\r\nHo")
+    let stream = TcpStream::connect(addr).await.expect("connecting");
+    send_half(stream).await
+}
+
+/// Like [`half_request`], from the loopback address `from` (a peer of its own).
+async fn half_request_from(from: [u8; 4], addr: &str) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(std::net::SocketAddr::from((from, 0)))
+        .expect("binding a loopback address");
+    let stream = socket
+        .connect(addr.parse().unwrap())
         .await
-        .expect("sending half a request");
+        .expect("connecting");
+    send_half(stream).await
+}
+
+async fn send_half(mut stream: TcpStream) -> TcpStream {
+    // A connection the server closed at once (its address at the cap) may refuse the write.
+    let _ = stream.write_all(b"GET /v1/batches HTTP/1.1\r\nHo").await;
     stream
+}
+
+/// A keyed `GET /v1/batches` on a new connection; its status and how long the answer took.
+async fn fresh_get(addr: &str, key: &str) -> (u16, Duration) {
+    let sent = Instant::now();
+    let mut stream = TcpStream::connect(addr).await.expect("connecting");
+    let head = format!(
+        "GET /v1/batches HTTP/1.1\r\nHost: batch\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.expect("sending");
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer).await;
+    let text = String::from_utf8_lossy(&answer);
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, sent.elapsed())
+}
+
+/// Opens `n` half-sent requests from `from` (in waves of 500: a bigger burst overflows the
+/// kernel's SYN backlog, whatever the server does); each one's wait for its close, from its send.
+async fn open_half_sent(
+    from: [u8; 4],
+    addr: &str,
+    n: usize,
+) -> tokio::task::JoinSet<Option<Duration>> {
+    let mut waits = tokio::task::JoinSet::new();
+    let mut left = n;
+    while left > 0 {
+        let wave = left.min(500);
+        let mut connects = tokio::task::JoinSet::new();
+        for _ in 0..wave {
+            let addr = addr.to_owned();
+            connects.spawn(async move { (half_request_from(from, &addr).await, Instant::now()) });
+        }
+        while let Some(stream) = connects.join_next().await {
+            let (stream, sent) = stream.unwrap();
+            waits.spawn(closed_after(stream, sent, Duration::from_secs(30)));
+        }
+        left -= wave;
+    }
+    waits
+}
+
+/// Keyed requests on new connections every 50 ms for `span`; the slowest, and the peak RSS of
+/// the service meanwhile.
+async fn probe_fresh(service: &Service, addr: &str, span: Duration) -> (Duration, u64) {
+    let mut slowest = Duration::ZERO;
+    let mut peak_kb = 0;
+    let until = Instant::now() + span;
+    while Instant::now() < until {
+        let (status, took) = fresh_get(addr, KEY_A).await;
+        assert_eq!(status, 200, "a keyed request on a new connection");
+        slowest = slowest.max(took);
+        peak_kb = peak_kb.max(status_kb(service.pid(), "VmRSS"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (slowest, peak_kb)
+}
+
+/// Every wait of `waits`, sorted; fails when one stayed open 30 s.
+async fn all_closed(mut waits: tokio::task::JoinSet<Option<Duration>>) -> Vec<Duration> {
+    let mut closed = Vec::new();
+    while let Some(after) = waits.join_next().await {
+        closed.push(
+            after
+                .unwrap()
+                .expect("a half-sent request stayed open 30 s"),
+        );
+    }
+    closed.sort();
+    closed
+}
+
+/// Half-sent requests from one address (not the keyed client's) with every edge setting at its
+/// default: the address holds at most 256 (the rest are closed at once), those are closed
+/// after `first_request_timeout` (3 s), and keyed requests on new connections from another
+/// address are answered promptly throughout, in bounded memory.
+async fn half_sent_from_one_address(n: usize) {
+    let (_env, service, a) = one_tenant("").await;
+    a.get("/v1/batches").await.expect(200);
+    let start_kb = status_kb(service.pid(), "VmRSS");
+    let addr = authority(&service);
+    let waits = open_half_sent([127, 0, 0, 2], &addr, n).await;
+    let (slowest, peak_kb) = probe_fresh(&service, &addr, Duration::from_secs(3)).await;
+    let closed = all_closed(waits).await;
+    let at_once = closed
+        .iter()
+        .filter(|c| **c < Duration::from_secs(1))
+        .count();
+    eprintln!(
+        "{n} half-sent from one address: {at_once} closed within 1 s, the last after {:?}; \
+         slowest keyed request on a new connection {slowest:?}; RSS {} MB, at most {} MB",
+        closed[n - 1],
+        start_kb / 1024,
+        peak_kb / 1024
+    );
+    assert!(at_once >= n - 256, "only {at_once} of {n} closed at once");
+    assert!(
+        closed[n - 1] <= Duration::from_millis(4500),
+        "a half-sent request lived {:?}, with a first-request timeout of 3 s",
+        closed[n - 1]
+    );
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a keyed request took {slowest:?}"
+    );
+    assert!(
+        peak_kb <= start_kb + 100 * 1024,
+        "RSS rose from {start_kb} kB to {peak_kb} kB"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_thousand_half_sent_requests_from_one_address_cost_no_one_else_a_thing() {
+    half_sent_from_one_address(5_000).await;
+}
+
+/// The most connections this test process can open beside the others it needs, up to `want`.
+fn within_file_limit(want: usize) -> usize {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+    let soft = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1024);
+    want.min(soft.saturating_sub(2_000))
+}
+
+/// Without a cap per address, many thousands of half-sent requests from the keyed client's own
+/// address: at the default ceiling (from the open-file limit: 20,000 less 1,024 here, at most
+/// 8,192) and at 1,000, each new connection past it closes the oldest unanswered one instead of
+/// waiting behind it, so the keyed client on new connections is answered promptly, in memory
+/// bounded by the ceiling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_thousand_half_sent_requests_from_the_clients_own_address() {
+    for (ceiling, n) in [
+        ("", within_file_limit(15_000)),
+        ("  max_connections: 1000\n", 5_000),
+    ] {
+        let (_env, service, a) =
+            one_tenant(&format!("  max_connections_per_peer: 0\n{ceiling}")).await;
+        a.get("/v1/batches").await.expect(200);
+        let start_kb = status_kb(service.pid(), "VmRSS");
+        let addr = authority(&service);
+        let waits = open_half_sent([127, 0, 0, 1], &addr, n).await;
+        let (slowest, peak_kb) = probe_fresh(&service, &addr, Duration::from_secs(2)).await;
+        let closed = all_closed(waits).await;
+        eprintln!(
+            "{n} half-sent, {}: the first closed after {:?}, the last after {:?}; slowest keyed \
+             request on a new connection {slowest:?}; RSS {} MB, at most {} MB",
+            if ceiling.is_empty() {
+                "the default ceiling"
+            } else {
+                "ceiling 1000"
+            },
+            closed[0],
+            closed[n - 1],
+            start_kb / 1024,
+            peak_kb / 1024
+        );
+        // Accepting and closing thousands a second beside it, on two cores.
+        assert!(
+            slowest < Duration::from_millis(750),
+            "a keyed request took {slowest:?}"
+        );
+        assert!(
+            closed[n - 1] <= Duration::from_millis(4500),
+            "{:?}",
+            closed[n - 1]
+        );
+        let held = if ceiling.is_empty() {
+            8_192.min(n)
+        } else {
+            1_000
+        };
+        assert!(
+            peak_kb <= start_kb + (held as u64 * 40).max(50 * 1024),
+            "RSS rose from {start_kb} kB to {peak_kb} kB with {held} connections held"
+        );
+        // Those past the ceiling made room for the later ones: closed well before the timeout.
+        let early = closed
+            .iter()
+            .filter(|c| **c < Duration::from_millis(2500))
+            .count();
+        assert!(
+            early >= n - held - 50,
+            "only {early} of {n} closed to make room"
+        );
+    }
 }
 
 /// Waits until the peer closes `stream` (EOF or reset); how long that took from `since`.
@@ -51,7 +261,7 @@ async fn five_thousand_half_sent_requests_are_closed_while_a_keyed_client_is_ser
     let config = async_service(
         &env,
         ONE_TENANT,
-        "  header_read_timeout: 3s\n  max_connections: 8000\n",
+        "  first_request_timeout: 3s\n  max_connections: 8000\n  max_connections_per_peer: 0\n",
         "",
     );
     let service = Service::start(&config);
@@ -141,56 +351,145 @@ async fn five_thousand_half_sent_requests_are_closed_while_a_keyed_client_is_ser
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn connections_past_the_limit_wait_while_open_ones_are_served() {
-    let (_env, service, a) = one_tenant("  header_read_timeout: 3s\n  max_connections: 10\n").await;
-    let addr = authority(&service);
-    // The keyed connection is opened last thing before the slots fill, and kept busy: one idle
-    // for `header_read_timeout` is closed like a half-sent one, and its client would then queue
-    // behind them (it did, on a loaded machine, when this get came seconds earlier).
-    a.get("/v1/batches").await.expect(200);
+/// A keyed `GET /v1/batches` on a new kept-alive connection, answered; the connection.
+async fn answered_connection(addr: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.expect("connecting");
+    let head =
+        format!("GET /v1/batches HTTP/1.1\r\nHost: batch\r\nAuthorization: Bearer {KEY_A}\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 4096];
+    let n = stream.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    stream
+}
 
-    // 9 slots are left: 20 half-sent requests, of which 11 wait to be accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_the_ceiling_new_connections_close_unanswered_ones_and_wait_for_answered_ones() {
+    let (_env, service, _a) = one_tenant(
+        "  header_read_timeout: 3s\n  max_connections: 3\n  max_connections_per_peer: 0\n",
+    )
+    .await;
+    let addr = authority(&service);
+
+    // Three half-sent requests fill the ceiling; a keyed request on a new connection closes the
+    // oldest of them and is answered at once; once it has closed, its slot serves the next.
+    let waits = half_sent_watched(&addr, 3).await;
+    for _ in 0..3 {
+        keyed_at_once(&addr).await;
+    }
+    let closed = all_closed(waits).await;
+    assert!(
+        closed[0] < Duration::from_millis(1500) && closed[1] >= Duration::from_millis(2500),
+        "not the one half-sent request that made room closed early: {closed:?}"
+    );
+
+    // A keyed upload whose body is on its way on the client's first connection is not closed
+    // to make room: the idle half-sent requests beside it are.
+    let (mut upload, rest) = start_upload(&addr, KEY_A).await;
+    let waits = half_sent_watched(&addr, 2).await;
+    keyed_at_once(&addr).await;
+    let closed = all_closed(waits).await;
+    assert!(
+        closed[0] < Duration::from_millis(1500) && closed[1] >= Duration::from_millis(2500),
+        "not one half-sent request closed early, the other on time: {closed:?}"
+    );
+    upload
+        .write_all(&rest)
+        .await
+        .expect("the upload's connection was closed");
+    let answer = read_answer(&mut upload).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "the upload was not answered: {answer}"
+    );
+    drop(upload);
+    // The upload's connection closes after its answer: its slot is free for what follows.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // Three answered kept-alive connections fill it: a new one is not allowed to close them
+    // and waits until `header_read_timeout` ends one of them (3 s after its answer).
+    // One after the other: a connection not yet answered may be closed for the next.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(answered_connection(&addr).await);
+    }
+    let (status, took) = fresh_get(&addr, KEY_A).await;
+    assert_eq!(status, 200);
+    assert!(
+        took >= Duration::from_secs(2),
+        "a connection past the ceiling was served at once ({took:?}) while every open one had been answered"
+    );
+    drop(held);
+}
+
+/// Opens `n` half-sent requests, waits 200 ms, and returns what reports when each closes
+/// (since they were opened).
+async fn half_sent_watched(addr: &str, n: usize) -> tokio::task::JoinSet<Option<Duration>> {
     let opened = Instant::now();
     let mut waits = tokio::task::JoinSet::new();
-    for _ in 0..20 {
-        let stream = half_request(&addr).await;
-        waits.spawn(closed_after(stream, opened, Duration::from_secs(30)));
+    for _ in 0..n {
+        waits.spawn(closed_after(
+            half_request(addr).await,
+            opened,
+            Duration::from_secs(30),
+        ));
     }
-    // The open keyed connection goes on being served while the server takes the first 9:
-    // before any slot frees (checked below).
-    for _ in 0..5 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        a.get("/v1/batches").await.expect(200);
-    }
-    let served_by = opened.elapsed();
-    // A new client waits for a slot, and gets one when the first half-sent requests are closed
-    // (checked below against when they were: on a loaded machine the gets above can outlast
-    // the first timeout, and then a slot is already free).
-    let fresh = service.client(Some(KEY_A));
-    fresh.get("/v1/batches").await.expect(200);
-    let fresh_served = opened.elapsed();
-    let mut closed = Vec::new();
-    while let Some(after) = waits.join_next().await {
-        closed.push(
-            after
-                .unwrap()
-                .expect("a half-sent request stayed open 30 s"),
-        );
-    }
-    closed.sort();
-    // Those accepted first were closed after one timeout, the ones waiting a timeout later.
-    assert!(closed[0] >= Duration::from_millis(2500), "{closed:?}");
-    // The close seen by the half-sent client and the slot it frees are a moment apart.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    waits
+}
+
+/// A keyed `GET` on a new connection, answered 200 within a second.
+async fn keyed_at_once(addr: &str) {
+    let (status, took) = fresh_get(addr, KEY_A).await;
+    assert_eq!(status, 200);
     assert!(
-        fresh_served + Duration::from_millis(100) >= closed[0],
-        "a connection past the limit was served before any slot freed ({fresh_served:?}, {closed:?})"
+        took < Duration::from_secs(1),
+        "a keyed request took {took:?}"
     );
-    assert!(
-        served_by < closed[0],
-        "the open connection was served only after a slot freed ({served_by:?}, {closed:?})"
+}
+
+/// Opens a connection and sends a keyed `POST /v1/files` head and the first half of its body;
+/// returns the connection and the body's other half.
+async fn start_upload(addr: &str, key: &str) -> (TcpStream, Vec<u8>) {
+    let boundary = "edge-boundary";
+    let line = r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[]}}"#;
+    let body = format!(
+        "--{boundary}\r\ncontent-disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
+         --{boundary}\r\ncontent-disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\
+         content-type: application/jsonl\r\n\r\n{line}\n\r\n--{boundary}--\r\n"
+    )
+    .into_bytes();
+    let head = format!(
+        "POST /v1/files HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {key}\r\n\
+         content-type: multipart/form-data; boundary={boundary}\r\nconnection: close\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
     );
-    assert!(closed[19] >= Duration::from_millis(5500), "{closed:?}");
+    let mut stream = TcpStream::connect(addr).await.expect("connecting");
+    let half = body.len() / 2;
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(&body[..half]).await.unwrap();
+    (stream, body[half..].to_vec())
+}
+
+/// Reads one answer's head and as much of its body as comes within 5 s.
+async fn read_answer(stream: &mut TcpStream) -> String {
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 /// Sends a `POST /v1/batches` with a chunked body of `total` bytes, reading the answer while

@@ -557,9 +557,21 @@ pub struct ServeConfig {
     /// (default 60s).
     #[serde(serialize_with = "ser_duration")]
     pub idle_timeout: Duration,
-    /// Connections served at once (default 1024); further ones wait in the listen backlog until
-    /// one closes, while the open ones keep being served.
-    pub max_connections: usize,
+    /// How long a new connection has to send its first request's whole head, its TLS
+    /// handshake included (default 3s); it is closed then. Later heads get
+    /// `header_read_timeout`.
+    #[serde(serialize_with = "ser_duration")]
+    pub first_request_timeout: Duration,
+    /// Connections served at once. Default (`None`): from the open-file limit, which the
+    /// service raises to its hard limit at start: that limit less 1,024 for everything else,
+    /// between 256 and 8,192 (an open connection not yet answered costs about 26 KiB). At the
+    /// ceiling, a new connection closes the oldest one not yet answered anything but a 401;
+    /// with none such, it waits in the listen backlog.
+    pub max_connections: Option<usize>,
+    /// Connections open at once from one peer address; more are closed at once. Default
+    /// (`None`): 256, or none (0) when `tenant_header` says an authenticating proxy is in front
+    /// (then every client comes from the proxy's few addresses).
+    pub max_connections_per_peer: Option<usize>,
     /// The largest JSON request body (default 1 MiB); a larger one is a 413 before it is read.
     pub max_json_body_bytes: u64,
     /// The largest multipart form field other than `file` (default 64 KiB).
@@ -604,6 +616,25 @@ pub struct ServeTls {
 }
 
 impl ServeConfig {
+    /// Connections one peer address may hold open at once (0: no cap): `max_connections_per_peer`
+    /// or its default.
+    pub fn connections_per_peer(&self) -> usize {
+        match (self.max_connections_per_peer, &self.tenant_header) {
+            (Some(cap), _) => cap,
+            (None, Some(_)) => 0,
+            (None, None) => 256,
+        }
+    }
+
+    /// The connection ceiling for a process allowed `open_files` descriptors:
+    /// `max_connections`, or its default.
+    pub fn connection_ceiling(&self, open_files: u64) -> usize {
+        self.max_connections.unwrap_or_else(|| {
+            let spare = open_files.saturating_sub(1024).clamp(256, 8_192);
+            spare as usize
+        })
+    }
+
     /// The defaults, with storage under `work_dir`.
     pub fn defaults(work_dir: &std::path::Path) -> Self {
         Self {
@@ -623,7 +654,9 @@ impl ServeConfig {
             checkpoint_interval: Duration::from_secs(30),
             header_read_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
-            max_connections: 1024,
+            first_request_timeout: Duration::from_secs(3),
+            max_connections: None,
+            max_connections_per_peer: None,
             max_json_body_bytes: 1 << 20,
             max_form_field_bytes: 64 << 10,
             max_filename_bytes: 255,

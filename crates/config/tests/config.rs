@@ -1291,7 +1291,22 @@ fn serve_edge_limits_have_defaults_and_bounds() {
     let c = load_service_file(&file).unwrap();
     assert_eq!(c.serve.header_read_timeout, Duration::from_secs(10));
     assert_eq!(c.serve.idle_timeout, Duration::from_secs(60));
-    assert_eq!(c.serve.max_connections, 1024);
+    assert_eq!(c.serve.max_connections, None);
+    assert_eq!(c.serve.first_request_timeout, Duration::from_secs(3));
+    // The ceiling follows the open-file limit, within bounds; one address holds 256 unless a
+    // proxy is in front (`tenant_header`), when every client comes from its few addresses.
+    assert_eq!(c.serve.connection_ceiling(1_048_576), 8_192);
+    assert_eq!(c.serve.connection_ceiling(5_000), 3_976);
+    assert_eq!(c.serve.connection_ceiling(1_024), 256);
+    assert_eq!(c.serve.connections_per_peer(), 256);
+    let proxied = service_config(dir.path(), "  tenant_header: X-User\n");
+    assert_eq!(
+        load_service_file(&proxied)
+            .unwrap()
+            .serve
+            .connections_per_peer(),
+        0
+    );
     assert_eq!(c.serve.max_json_body_bytes, 1 << 20);
     assert_eq!(c.serve.max_form_field_bytes, 64 << 10);
     assert_eq!(c.serve.max_filename_bytes, 255);
@@ -1299,12 +1314,15 @@ fn serve_edge_limits_have_defaults_and_bounds() {
 
     let file = service_config(
         dir.path(),
-        "  header_read_timeout: 500ms\n  idle_timeout: 2m\n  max_connections: 50\n  max_json_body_bytes: 64KiB\n  max_form_field_bytes: 1KiB\n  max_filename_bytes: 100\n  max_id_bytes: 64\n",
+        "  header_read_timeout: 500ms\n  idle_timeout: 2m\n  max_connections: 50\n  max_json_body_bytes: 64KiB\n  max_form_field_bytes: 1KiB\n  max_filename_bytes: 100\n  max_id_bytes: 64\n  first_request_timeout: 1s\n  max_connections_per_peer: 0\n",
     );
     let c = load_service_file(&file).unwrap();
     assert_eq!(c.serve.header_read_timeout, Duration::from_millis(500));
     assert_eq!(c.serve.idle_timeout, Duration::from_secs(120));
-    assert_eq!(c.serve.max_connections, 50);
+    assert_eq!(c.serve.max_connections, Some(50));
+    assert_eq!(c.serve.connection_ceiling(1_048_576), 50);
+    assert_eq!(c.serve.first_request_timeout, Duration::from_secs(1));
+    assert_eq!(c.serve.connections_per_peer(), 0);
     assert_eq!(c.serve.max_json_body_bytes, 64 << 10);
     assert_eq!(c.serve.max_form_field_bytes, 1 << 10);
     assert_eq!(c.serve.max_filename_bytes, 100);
@@ -1312,7 +1330,7 @@ fn serve_edge_limits_have_defaults_and_bounds() {
 
     let file = service_config(
         dir.path(),
-        "  header_read_timeout: 2h\n  idle_timeout: 0s\n  max_connections: 0\n  max_json_body_bytes: 2GiB\n  max_filename_bytes: 99999999999\n  max_id_bytes: 8\n",
+        "  header_read_timeout: 2h\n  idle_timeout: 0s\n  max_connections: 0\n  max_json_body_bytes: 2GiB\n  max_filename_bytes: 99999999999\n  max_id_bytes: 8\n  first_request_timeout: 0s\n  max_connections_per_peer: -1\n",
     );
     let errors: Vec<String> = match load_service_file(&file) {
         Ok(c) => panic!("accepted: {c:?}"),
@@ -1323,6 +1341,8 @@ fn serve_edge_limits_have_defaults_and_bounds() {
         "serve.header_read_timeout",
         "serve.idle_timeout",
         "serve.max_connections",
+        "serve.first_request_timeout",
+        "serve.max_connections_per_peer",
         "serve.max_json_body_bytes",
         "serve.max_filename_bytes",
         "serve.max_id_bytes",
@@ -1437,6 +1457,30 @@ fn tenant_header_pass_through_headers_and_webhooks_are_read_and_checked() {
         ),
         (
             "  pass_through_headers: [a, A]\n",
+            "serve.pass_through_headers",
+        ),
+        (
+            "  pass_through_headers: [cookie]\n",
+            "serve.pass_through_headers",
+        ),
+        (
+            "  pass_through_headers: [Set-Cookie]\n",
+            "serve.pass_through_headers",
+        ),
+        (
+            "  pass_through_headers: [expect]\n",
+            "serve.pass_through_headers",
+        ),
+        (
+            "  pass_through_headers: [trailer]\n",
+            "serve.pass_through_headers",
+        ),
+        (
+            "  pass_through_headers: [proxy-connection]\n",
+            "serve.pass_through_headers",
+        ),
+        (
+            "  tenant_header: X-User\n  pass_through_headers: [x-user]\n",
             "serve.pass_through_headers",
         ),
         (

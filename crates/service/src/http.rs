@@ -1,15 +1,24 @@
-//! The HTTP/1 server of the API, with limits at its edge: a deadline for a request's headers,
-//! an idle bound on each connection, and a bound on connections served at once.
+//! The HTTP/1 server of the API, with limits at its edge: deadlines for a connection's first
+//! request head and for later ones, an idle bound on each connection, a bound on connections
+//! served at once and on those of one peer address.
 //!
 //! `axum::serve` sets none of these (hyper's header timeout needs a timer it does not give), so
 //! a client sending half a request line held a connection, its buffers and a file descriptor
-//! forever. Here hyper's own `header_read_timeout` closes slow or silent clients, a watchdog
-//! closes connections that move no byte for `idle_timeout`, and a semaphore stops accepting at
-//! `max_connections` (the kernel's backlog holds further ones) while open ones are served.
+//! forever. Here a new connection has `first_request_timeout` to send its first head, hyper's
+//! own `header_read_timeout` bounds later ones, a watchdog closes connections that move no byte
+//! for `idle_timeout`, and a semaphore bounds connections at `max_connections`.
+//!
+//! Idle connections must not cost the others their service: at the ceiling, a new connection
+//! closes the oldest one that has not yet been answered anything but a 401 (half-sent requests,
+//! keyless probes), and only when every open connection has been answered does it wait in the
+//! kernel's backlog; one peer address holds at most `max_connections_per_peer` (more are closed
+//! at once), so one client cannot fill the ceiling alone.
 
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -42,15 +51,159 @@ pub(crate) fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(BACKLOG)
 }
 
+/// The open-file limit of this process, its soft limit first raised to its hard one (the
+/// connection ceiling's default follows it).
+pub(crate) fn open_file_limit() -> u64 {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return 1024;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit.rlim_cur = limit.rlim_max;
+            }
+        }
+    }
+    limit.rlim_cur
+}
+
 /// The limits of [`serve`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct EdgeLimits {
+    /// `serve.first_request_timeout`.
+    pub first_request_timeout: Duration,
     /// `serve.header_read_timeout`.
     pub header_read_timeout: Duration,
     /// `serve.idle_timeout`.
     pub idle_timeout: Duration,
-    /// `serve.max_connections`.
+    /// `serve.max_connections` or its default.
     pub max_connections: usize,
+    /// `serve.max_connections_per_peer` or its default (0: none).
+    pub per_peer: usize,
+}
+
+/// The open connections that may be closed to make room, and the count of each peer's.
+#[derive(Default)]
+struct Edge {
+    /// Connections not yet answered anything but a 401, by opening order, with what closes
+    /// each and whether a request of it is being answered: at the ceiling, the oldest with no
+    /// request in progress is closed for a new one (a request in progress is either
+    /// authenticated, an upload on a client's first connection, or about to be answered 401).
+    unproven: Mutex<BTreeMap<u64, (CancellationToken, Arc<AtomicBool>)>>,
+    next: AtomicU64,
+    peers: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl Edge {
+    /// Counts a connection of `peer`, unless it already holds `cap` (0: no cap).
+    fn enter(self: &Arc<Self>, peer: IpAddr, cap: usize) -> Option<PeerSeat> {
+        let mut peers = self.peers.lock().expect("peers lock");
+        let open = peers.entry(peer).or_default();
+        if cap > 0 && *open >= cap {
+            return None;
+        }
+        *open += 1;
+        Some(PeerSeat {
+            edge: self.clone(),
+            peer,
+        })
+    }
+
+    /// Registers a new connection as closable; its number, what closes it and the flag its
+    /// requests raise while they are answered.
+    fn register(&self) -> (u64, CancellationToken, Arc<AtomicBool>) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let close = CancellationToken::new();
+        let busy = Arc::new(AtomicBool::new(false));
+        self.unproven
+            .lock()
+            .expect("unproven lock")
+            .insert(id, (close.clone(), busy.clone()));
+        (id, close, busy)
+    }
+
+    /// Connection `id` was answered, or ended: it is no longer closed to make room.
+    fn forget(&self, id: u64) {
+        self.unproven.lock().expect("unproven lock").remove(&id);
+    }
+
+    /// Closes the oldest connection not yet answered and with no request in progress; false
+    /// when there is none.
+    fn close_oldest(&self) -> bool {
+        let mut unproven = self.unproven.lock().expect("unproven lock");
+        let oldest = unproven
+            .iter()
+            .find(|(_, (_, busy))| !busy.load(Ordering::Relaxed))
+            .map(|(id, _)| *id);
+        match oldest.and_then(|id| unproven.remove(&id)) {
+            Some((close, _)) => {
+                close.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// One connection of a peer, counted until dropped.
+struct PeerSeat {
+    edge: Arc<Edge>,
+    peer: IpAddr,
+}
+
+impl Drop for PeerSeat {
+    fn drop(&mut self) {
+        let mut peers = self.edge.peers.lock().expect("peers lock");
+        if let Some(open) = peers.get_mut(&self.peer) {
+            *open -= 1;
+            if *open == 0 {
+                peers.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// The API's service on one connection, noting its first request head and its first answer
+/// other than a 401.
+#[derive(Clone)]
+struct Noted {
+    service: TowerToHyperService<axum::Router>,
+    edge: Arc<Edge>,
+    id: u64,
+    headed: Arc<AtomicBool>,
+    busy: Arc<AtomicBool>,
+}
+
+impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Noted {
+    type Response = axum::response::Response;
+    type Error = std::convert::Infallible;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn call(&self, request: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+        self.headed.store(true, Ordering::Relaxed);
+        // HTTP/1 answers one request at a time on a connection, so one flag is enough.
+        self.busy.store(true, Ordering::Relaxed);
+        let answer = self.service.call(request);
+        let (edge, id, busy) = (self.edge.clone(), self.id, self.busy.clone());
+        Box::pin(async move {
+            let response = answer.await?;
+            if response.status() != hyper::StatusCode::UNAUTHORIZED {
+                edge.forget(id);
+            }
+            busy.store(false, Ordering::Relaxed);
+            Ok(response)
+        })
+    }
 }
 
 /// Serves `app` on `listener` until `stop`, then lets requests in progress finish (a few
@@ -63,6 +216,7 @@ pub(crate) async fn serve(
     stop: CancellationToken,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let edge = Arc::new(Edge::default());
     let connections = TaskTracker::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     // The read buffer bounds a request head: at 64 KiB, hyper answers 431 itself; below that,
@@ -78,18 +232,10 @@ pub(crate) async fn serve(
         stop.clone(),
     ));
     loop {
-        // A slot first: at the limit, nothing more is accepted until a connection closes.
-        let slot = tokio::select! {
-            _ = stop.cancelled() => break,
-            slot = slots.clone().acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-        };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = stop.cancelled() => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors, or a connection reset before it was taken: the
                     // listener itself is fine; wait a moment rather than spin.
@@ -99,27 +245,65 @@ pub(crate) async fn serve(
                 }
             },
         };
+        let Some(seat) = edge.enter(peer.ip(), limits.per_peer) else {
+            tracing::debug!(peer = %peer.ip(), "closed: its address holds max_connections_per_peer");
+            continue;
+        };
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                // At the ceiling: the oldest connection not yet answered makes room; with
+                // none, this one waits for a slot and further ones in the backlog.
+                if edge.close_oldest() {
+                    tracing::debug!("closed the oldest unanswered connection: at max_connections");
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    slot = slots.clone().acquire_owned() => match slot {
+                        Ok(slot) => slot,
+                        Err(_) => break,
+                    },
+                }
+            }
+        };
         let _ = stream.set_nodelay(true);
         let http = http.clone();
-        let service = service.clone();
+        let (id, closed, busy) = edge.register();
+        let noted = Noted {
+            service: service.clone(),
+            edge: edge.clone(),
+            id,
+            headed: Arc::new(AtomicBool::new(false)),
+            busy,
+        };
         let stop = stop.clone();
         let tls = tls.clone();
+        let edge = edge.clone();
         connections.spawn(async move {
+            let first_by = Instant::now() + limits.first_request_timeout;
             let idle = limits.idle_timeout;
-            match tls {
-                None => connection(stream, http, service, idle, stop).await,
-                // The handshake gets the time a request head gets.
-                Some(tls) => {
-                    match tokio::time::timeout(limits.header_read_timeout, tls.accept(stream)).await
-                    {
-                        Ok(Ok(stream)) => connection(stream, http, service, idle, stop).await,
-                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
-                        Err(_) => {
-                            tracing::debug!("TLS handshake not done within header_read_timeout")
+            let run = async {
+                match tls {
+                    None => connection(stream, http, noted, first_by, idle, stop).await,
+                    Some(tls) => {
+                        match tokio::time::timeout_at(first_by.into(), tls.accept(stream)).await {
+                            Ok(Ok(stream)) => {
+                                connection(stream, http, noted, first_by, idle, stop).await
+                            }
+                            Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                            Err(_) => tracing::debug!(
+                                "TLS handshake not done within first_request_timeout"
+                            ),
                         }
                     }
                 }
+            };
+            tokio::select! {
+                () = run => {}
+                () = closed.cancelled() => {}
             }
+            edge.forget(id);
+            drop(seat);
             drop(slot);
         });
     }
@@ -166,11 +350,13 @@ fn trim() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn trim() {}
 
-/// Drives one connection until it ends, it stays idle too long, or the server stops.
+/// Drives one connection until it ends, its first request head is not in by `first_by`, it
+/// stays idle too long, or the server stops.
 async fn connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     stream: S,
     http: hyper::server::conn::http1::Builder,
-    service: TowerToHyperService<axum::Router>,
+    service: Noted,
+    first_by: Instant,
     idle_timeout: Duration,
     stop: CancellationToken,
 ) {
@@ -179,9 +365,11 @@ async fn connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         inner: stream,
         activity: activity.clone(),
     });
+    let headed = service.headed.clone();
     let conn = http.serve_connection(io, service);
     tokio::pin!(conn);
     let mut closing = false;
+    let mut first_in = false;
     loop {
         let idle_until = activity.last() + idle_timeout;
         tokio::select! {
@@ -194,6 +382,13 @@ async fn connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             _ = stop.cancelled(), if !closing => {
                 conn.as_mut().graceful_shutdown();
                 closing = true;
+            }
+            _ = tokio::time::sleep_until(first_by.into()), if !first_in => {
+                if !headed.load(Ordering::Relaxed) {
+                    tracing::debug!("closing a connection without a whole request head by first_request_timeout");
+                    return;
+                }
+                first_in = true;
             }
             _ = tokio::time::sleep_until(idle_until.into()) => {
                 if activity.last() + idle_timeout > Instant::now() {

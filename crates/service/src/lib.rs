@@ -263,11 +263,20 @@ impl Service {
         let stop_http = CancellationToken::new();
         let mut tasks = tasks_before;
         {
+            let open_files = http::open_file_limit();
             let limits = http::EdgeLimits {
+                first_request_timeout: serve.first_request_timeout,
                 header_read_timeout: serve.header_read_timeout,
                 idle_timeout: serve.idle_timeout,
-                max_connections: serve.max_connections,
+                max_connections: serve.connection_ceiling(open_files),
+                per_peer: serve.connections_per_peer(),
             };
+            tracing::info!(
+                max_connections = limits.max_connections,
+                max_connections_per_peer = limits.per_peer,
+                open_files,
+                "connection limits"
+            );
             let (app, probe_app) = batch_api::routers(api);
             tasks.push(tokio::spawn(http::serve(
                 listener,

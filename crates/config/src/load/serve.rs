@@ -22,8 +22,10 @@ const SERVE_KEYS: &[&str] = &[
     "checkpoint_interval",
     "s3",
     "header_read_timeout",
+    "first_request_timeout",
     "idle_timeout",
     "max_connections",
+    "max_connections_per_peer",
     "max_json_body_bytes",
     "max_form_field_bytes",
     "max_filename_bytes",
@@ -85,7 +87,7 @@ pub(super) fn serve(
             "set either tenant_header or api_keys_file, not both: they are two ways to name tenants",
         );
     }
-    let pass_through_headers = pass_through_headers(c, &t);
+    let pass_through_headers = pass_through_headers(c, &t, tenant_header.as_deref());
     let webhooks = webhooks(c, &t);
     let storage = match c.text(&t, "storage") {
         None => d.storage,
@@ -122,8 +124,19 @@ pub(super) fn serve(
             d.header_read_timeout,
             HOUR,
         ),
+        first_request_timeout: c.bounded_duration(
+            &t,
+            "first_request_timeout",
+            d.first_request_timeout,
+            HOUR,
+        ),
         idle_timeout: c.bounded_duration(&t, "idle_timeout", d.idle_timeout, HOUR),
-        max_connections: c.bounded_count(&t, "max_connections", d.max_connections, 1, 1 << 20),
+        max_connections: t
+            .get("max_connections")
+            .map(|_| c.bounded_count(&t, "max_connections", 1, 1, 1 << 20)),
+        max_connections_per_peer: t
+            .get("max_connections_per_peer")
+            .map(|_| c.bounded_count(&t, "max_connections_per_peer", 0, 0, 1 << 20)),
         max_json_body_bytes: c.bounded_byte_size(
             &t,
             "max_json_body_bytes",
@@ -279,6 +292,12 @@ const RESERVED_HEADERS: &[&str] = &[
     "upgrade",
     "keep-alive",
     "proxy-authorization",
+    "proxy-authenticate",
+    "proxy-connection",
+    "trailer",
+    "expect",
+    "cookie",
+    "set-cookie",
 ];
 
 /// `serve.tls`: both files or neither.
@@ -375,15 +394,26 @@ fn string_list(c: &mut Collector<'_>, t: &Table<'_>, key: &str) -> Vec<String> {
     out
 }
 
-/// `serve.pass_through_headers`: a list of header names, lower-cased, each once.
-fn pass_through_headers(c: &mut Collector<'_>, t: &Table<'_>) -> Vec<String> {
+/// `serve.pass_through_headers`: a list of header names, lower-cased, each once; none that the
+/// service sets, that a hop uses (hop-by-hop), that carries a client's credentials or cookies,
+/// or the tenant header (which names the tenant to this service, not to the gateway).
+fn pass_through_headers(
+    c: &mut Collector<'_>,
+    t: &Table<'_>,
+    tenant_header: Option<&str>,
+) -> Vec<String> {
     let key = "pass_through_headers";
     let mut names: Vec<String> = Vec::new();
     for name in string_list(c, t, key) {
         match check_header_name(&name) {
             Ok(name) if RESERVED_HEADERS.contains(&name.as_str()) => {
-                let problem =
-                    format!("{name:?} is set by the service and cannot be passed through");
+                let problem = format!(
+                    "{name:?} is a hop-by-hop, credential or service-set header and cannot be passed through"
+                );
+                c.at(t, key, problem);
+            }
+            Ok(name) if Some(name.as_str()) == tenant_header => {
+                let problem = format!("{name:?} is the tenant_header and cannot be passed through");
                 c.at(t, key, problem);
             }
             Ok(name) if names.contains(&name) => {
