@@ -1608,6 +1608,8 @@ async fn pass_through_headers_reach_every_request_of_their_batch_in_sync_mode() 
 /// One webhook delivery a [`Receiver`] got.
 #[derive(Debug, Clone)]
 struct Delivered {
+    /// The request's path and query.
+    target: String,
     headers: hyper::HeaderMap,
     body: String,
     /// The status the receiver answered.
@@ -1653,6 +1655,11 @@ impl Receiver {
                                         200
                                     };
                                 seen.push(Delivered {
+                                    target: parts
+                                        .uri
+                                        .path_and_query()
+                                        .map(|p| p.to_string())
+                                        .unwrap_or_default(),
                                     headers: parts.headers,
                                     body: String::from_utf8_lossy(&body).into_owned(),
                                     status,
@@ -1714,6 +1721,91 @@ fn verify(d: &Delivered, secret: &str) -> bool {
 }
 
 /// The `serve.webhooks` section of the tests: loopback receivers over plain http, fast retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn webhook_endpoints_are_capped_per_tenant_even_when_created_at_once() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let extra = format!("{WEBHOOKS}    max_endpoints_per_tenant: 3\n");
+    let config = async_service(&env, TWO_TENANTS, &extra, "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+    let body = json!({"url": "http://127.0.0.1:9/hook"});
+
+    // Ten creates at once: three are kept, seven refused with a 429 naming the quota.
+    let answers =
+        futures::future::join_all((0..10).map(|_| a.post_json("/v1/webhook_endpoints", &body)))
+            .await;
+    let kept: Vec<String> = answers
+        .iter()
+        .filter(|r| r.status == 200)
+        .map(|r| id_of(&r.json()))
+        .collect();
+    assert_eq!(
+        kept.len(),
+        3,
+        "{:?}",
+        answers.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    for refused in answers.iter().filter(|r| r.status != 200) {
+        let e = refused.expect_error(429);
+        assert_eq!(e["code"], "insufficient_quota", "{e}");
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .contains("max_endpoints_per_tenant"),
+            "{e}"
+        );
+    }
+    let listed = a.list_all("/v1/webhook_endpoints", "", 10).await;
+    assert_eq!(listed.len(), 3, "refused endpoints were listed: {listed:?}");
+
+    // The other tenant's cap is its own; a deleted endpoint makes room.
+    for _ in 0..3 {
+        b.post_json("/v1/webhook_endpoints", &body)
+            .await
+            .expect(200);
+    }
+    b.post_json("/v1/webhook_endpoints", &body)
+        .await
+        .expect_error(429);
+    a.delete(&format!("/v1/webhook_endpoints/{}", kept[0]))
+        .await
+        .expect(200);
+    a.post_json("/v1/webhook_endpoints", &body)
+        .await
+        .expect(200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_webhook_is_sent_to_exactly_the_url_that_was_checked() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(&env, ONE_TENANT, WEBHOOKS, "");
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let receiver = Receiver::start(0).await;
+
+    // A URL the checker accepts but that is no HTTP request target as written (a space, a
+    // non-ASCII letter): stored and sent in the form the checker normalised it to.
+    let raw = format!("{}/a b?x=\u{fc}", receiver.url);
+    let created = a
+        .post_json("/v1/webhook_endpoints", &json!({"url": raw}))
+        .await
+        .expect(200);
+    let sent = format!("{}/a%20b?x=%C3%BC", receiver.url);
+    assert_eq!(created["url"], json!(sent), "{created}");
+    let tested = a
+        .post_json(
+            &format!("/v1/webhook_endpoints/{}/test", id_of(&created)),
+            &json!({}),
+        )
+        .await
+        .expect(200);
+    assert_eq!(tested["success"], json!(true), "{tested}");
+    let seen = receiver.wait_for("the test event", 1).await;
+    assert_eq!(seen[0].target, "/hook/a%20b?x=%C3%BC");
+}
+
 const WEBHOOKS: &str = "  webhooks:\n    allowed_hosts: [127.0.0.1, hooks.example.com]\n    allow_http: true\n    retry_initial_backoff: 200ms\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -64,10 +64,15 @@ fn check_url(api: &Api, url: &str) -> Result<String, ApiError> {
             Some("url"),
         ));
     }
-    api.webhooks
-        .check_url(url)
-        .map(|_| url.to_owned())
-        .map_err(|rule| ApiError::invalid(format!("Refused url: {rule}."), Some("url")))
+    let refused = |rule: &str| ApiError::invalid(format!("Refused url: {rule}."), Some("url"));
+    let checked = api.webhooks.check_url(url).map_err(|rule| refused(&rule))?;
+    // What is stored, and later sent, is the URL as the checker read it: parsed again by
+    // another parser, the raw string could mean another host, or be no request at all.
+    let checked = checked.as_str();
+    if checked.parse::<axum::http::Uri>().is_err() {
+        return Err(refused("it cannot be sent as an HTTP request"));
+    }
+    Ok(checked.to_owned())
 }
 
 fn check_events(events: Vec<String>) -> Result<Vec<String>, ApiError> {
@@ -152,7 +157,16 @@ pub(crate) async fn create(
         tenant: tenant.0.clone(),
         endpoint,
     };
-    api.store.put_webhook(&stored, Some(&secret)).await?;
+    let cap = api.webhooks.max_endpoints_per_tenant;
+    if !api.store.create_webhook(&stored, &secret, cap).await? {
+        return Err(ApiError::new(
+            ErrorCode::InsufficientQuota,
+            format!(
+                "This tenant already has {cap} webhook endpoints, its quota \
+                 (serve.webhooks.max_endpoints_per_tenant); delete one first."
+            ),
+        ));
+    }
     tracing::info!(webhook = %stored.endpoint.id, tenant = %tenant.0, "webhook endpoint created");
     Ok(Json(with_secret(&stored.endpoint, &secret)))
 }

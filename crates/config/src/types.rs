@@ -442,6 +442,10 @@ pub struct WebhooksConfig {
     /// How long after an event its delivery is retried before it is given up (default 25h).
     #[serde(serialize_with = "ser_duration")]
     pub give_up_after: Duration,
+    /// Endpoints one tenant may have at once (default 16, as many as Stripe allows an
+    /// account): each batch end sends one event per endpoint, so it bounds one tenant's share
+    /// of deliveries, of the fan-out and of a listing.
+    pub max_endpoints_per_tenant: u32,
 }
 
 impl WebhooksConfig {
@@ -503,6 +507,7 @@ impl Default for WebhooksConfig {
             timeout: Duration::from_secs(10),
             retry_initial_backoff: Duration::from_secs(5),
             give_up_after: Duration::from_secs(25 * 3600),
+            max_endpoints_per_tenant: 16,
         }
     }
 }

@@ -1431,6 +1431,7 @@ fn tenant_header_pass_through_headers_and_webhooks_are_read_and_checked() {
     let w = &c.serve.webhooks;
     assert!(!w.allow_http);
     assert_eq!(w.give_up_after, std::time::Duration::from_secs(25 * 3600));
+    assert_eq!(w.max_endpoints_per_tenant, 16);
     assert!(w.check_url("https://hooks.example.com/x").is_ok());
     assert!(w.check_url("https://a.corp.example/x").is_ok());
     assert!(w.check_url("https://10.1.2.3/x").is_ok());
@@ -1490,6 +1491,10 @@ fn tenant_header_pass_through_headers_and_webhooks_are_read_and_checked() {
         (
             "  webhooks:\n    give_up_after: 1h\n",
             "serve.webhooks.give_up_after",
+        ),
+        (
+            "  webhooks:\n    max_endpoints_per_tenant: 0\n",
+            "serve.webhooks.max_endpoints_per_tenant",
         ),
     ] {
         write(dir.path(), "keys", "sk-a alice\n");

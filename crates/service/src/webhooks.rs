@@ -46,10 +46,11 @@ impl Sender {
         id: &str,
         body: &str,
     ) -> Result<u16, String> {
-        self.config.check_url(url)?;
+        // Sent to the URL as the checker read it, never re-parsed from the raw string.
+        let checked = self.config.check_url(url)?;
         let timestamp = now_unix().to_string();
         let signature = sign(secret, id, &timestamp, body)?;
-        let request = hyper::Request::post(url)
+        let request = hyper::Request::post(checked.as_str())
             .header("content-type", "application/json")
             .header("user-agent", "batch-processor-webhooks")
             .header("webhook-id", id)

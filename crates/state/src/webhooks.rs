@@ -78,6 +78,8 @@ pub struct Delivery {
 
 static FAN_OUT: LazyLock<Script> =
     LazyLock::new(|| Script::from_lua(include_str!("webhooks/fan_out.lua")));
+static ADD_ENDPOINT: LazyLock<Script> =
+    LazyLock::new(|| Script::from_lua(include_str!("webhooks/add_endpoint.lua")));
 static CLAIM_DELIVERY: LazyLock<Script> =
     LazyLock::new(|| Script::from_lua(include_str!("webhooks/claim_delivery.lua")));
 
@@ -121,6 +123,50 @@ impl Store {
             )
             .await?;
         Ok(())
+    }
+
+    /// Stores a new endpoint with its signing secret and lists it under its tenant, unless the
+    /// tenant already has `cap` endpoints: false then, and nothing is kept. The cap is checked
+    /// and the endpoint listed in one step, so racing creates cannot pass it together.
+    pub async fn create_webhook(
+        &self,
+        webhook: &StoredWebhook,
+        secret: &str,
+        cap: u32,
+    ) -> Result<bool, StoreError> {
+        let id = &webhook.endpoint.id;
+        let json = serde_json::to_string(webhook).expect("a webhook record serializes");
+        // The record first: an endpoint listed is always readable.
+        let _: () = self
+            .client
+            .set(self.key(&["webhook_secret", id]), secret, None, None, false)
+            .await?;
+        let _: () = self
+            .client
+            .set(self.key(&["webhook", id]), json, None, None, false)
+            .await?;
+        let listed: i64 = ADD_ENDPOINT
+            .evalsha_with_reload(
+                &self.client,
+                vec![self.key(&["webhooks", &webhook.tenant])],
+                vec![
+                    cap.to_string(),
+                    webhook.endpoint.created_at.to_string(),
+                    id.clone(),
+                ],
+            )
+            .await?;
+        if listed == 1 {
+            return Ok(true);
+        }
+        let _: () = self
+            .client
+            .del(vec![
+                self.key(&["webhook", id]),
+                self.key(&["webhook_secret", id]),
+            ])
+            .await?;
+        Ok(false)
     }
 
     /// The endpoint `id`.

@@ -45,6 +45,7 @@ const WEBHOOKS_KEYS: &[&str] = &[
     "timeout",
     "retry_initial_backoff",
     "give_up_after",
+    "max_endpoints_per_tenant",
 ];
 const S3_KEYS: &[&str] = &[
     "endpoint",
@@ -350,6 +351,13 @@ fn webhooks(c: &mut Collector<'_>, serve: &Table<'_>) -> WebhooksConfig {
             HOUR,
         ),
         give_up_after,
+        max_endpoints_per_tenant: c.bounded_count(
+            &t,
+            "max_endpoints_per_tenant",
+            d.max_endpoints_per_tenant,
+            1,
+            1000,
+        ),
     }
 }
 
