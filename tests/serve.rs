@@ -1729,7 +1729,7 @@ async fn webhook_endpoints_are_capped_per_tenant_even_when_created_at_once() {
     let service = Service::start(&config);
     let a = service.client(Some(KEY_A));
     let b = service.client(Some(KEY_B));
-    let body = json!({"url": "http://127.0.0.1:9/hook"});
+    let body = json!({"url": "http://127.0.0.1:8080/hook"});
 
     // Ten creates at once: three are kept, seven refused with a 429 naming the quota.
     let answers =
@@ -1778,6 +1778,72 @@ async fn webhook_endpoints_are_capped_per_tenant_even_when_created_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_host_name_is_called_only_at_addresses_the_rules_allow_and_ports_are_listed() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let receiver = Receiver::start(0).await;
+    let port = receiver
+        .url
+        .split(':')
+        .nth(2)
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap();
+    let named = format!("http://localhost:{port}/hook");
+    let try_named = |extra_hosts: &'static str| {
+        let config = async_service(
+            &env,
+            ONE_TENANT,
+            &format!(
+                "  webhooks:\n    allowed_hosts: [localhost{extra_hosts}]\n    \
+                 allowed_ports: [{port}]\n    allow_http: true\n"
+            ),
+            "",
+        );
+        let named = named.clone();
+        async move {
+            let service = Service::start(&config);
+            let a = service.client(Some(KEY_A));
+            // A port not listed is refused when the endpoint is created.
+            let e = a
+                .post_json(
+                    "/v1/webhook_endpoints",
+                    &json!({"url": "http://localhost:6379/hook"}),
+                )
+                .await
+                .expect_error(400);
+            assert!(
+                e["message"].as_str().unwrap().contains("allowed_ports"),
+                "{e}"
+            );
+            // The name is allowed; what it resolves to is judged when connecting.
+            let created = a
+                .post_json("/v1/webhook_endpoints", &json!({"url": named}))
+                .await
+                .expect(200);
+            a.post_json(
+                &format!("/v1/webhook_endpoints/{}/test", id_of(&created)),
+                &json!({}),
+            )
+            .await
+            .expect(200)
+        }
+    };
+
+    // `localhost` resolves to loopback, which no rule opens by address: nothing is sent, as
+    // when a listed name is pointed at an internal address after it was checked.
+    let tested = try_named("").await;
+    assert_eq!(tested["success"], json!(false), "{tested}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(receiver.seen().is_empty(), "a refused address was called");
+
+    // Opened by a CIDR, the same name is called.
+    let tested = try_named(", 127.0.0.0/8").await;
+    assert_eq!(tested["success"], json!(true), "{tested}");
+    assert_eq!(receiver.wait_for("the test event", 1).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_webhook_is_sent_to_exactly_the_url_that_was_checked() {
     let env = Env::start(GatewayConfig::default()).await;
     let config = async_service(&env, ONE_TENANT, WEBHOOKS, "");
@@ -1806,7 +1872,8 @@ async fn a_webhook_is_sent_to_exactly_the_url_that_was_checked() {
     assert_eq!(seen[0].target, "/hook/a%20b?x=%C3%BC");
 }
 
-const WEBHOOKS: &str = "  webhooks:\n    allowed_hosts: [127.0.0.1, hooks.example.com]\n    allow_http: true\n    retry_initial_backoff: 200ms\n";
+/// The receivers listen on loopback ports the system picks: those are allowed.
+const WEBHOOKS: &str = "  webhooks:\n    allowed_hosts: [127.0.0.1, hooks.example.com]\n    allowed_ports: ['1024-65535']\n    allow_http: true\n    retry_initial_backoff: 200ms\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn webhook_endpoints_are_per_tenant_signed_retried_with_one_id_and_allow_listed() {

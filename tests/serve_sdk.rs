@@ -95,7 +95,7 @@ impl Setup {
         let yaml = format!(
             "{yaml}input:\n  max_requests: {MAX_REQUESTS}\nserve:\n  api_keys_file: {}\n  \
              storage: {storage}\n  max_active_jobs: 16\n  reaper_interval: 200ms\n  webhooks:\n    \
-             allowed_hosts: [127.0.0.1]\n    allow_http: true\n    retry_initial_backoff: 200ms\n\
+             allowed_hosts: [127.0.0.1]\n    allowed_ports: ['1024-65535']\n    allow_http: true\n    retry_initial_backoff: 200ms\n\
              {serve_extra}",
             self.keys_file.display()
         );

@@ -433,6 +433,10 @@ pub struct WebhooksConfig {
     pub allowed_hosts: Vec<String>,
     /// Allows `http://` URLs (default false: `https://` only).
     pub allow_http: bool,
+    /// Ports a webhook URL may name, explicitly or by its scheme's default (default 80, 443,
+    /// 8080 and 8443): an allowed host's other services (a database, an admin port) stay out
+    /// of reach.
+    pub allowed_ports: Vec<std::ops::RangeInclusive<u16>>,
     /// How long one delivery may take (default 10s).
     #[serde(serialize_with = "ser_duration")]
     pub timeout: Duration,
@@ -486,7 +490,24 @@ impl WebhooksConfig {
                 parsed.host_str().unwrap_or("")
             ));
         }
+        let port = parsed.port_or_known_default().unwrap_or(0);
+        if !self.allowed_ports.iter().any(|ports| ports.contains(&port)) {
+            return Err(format!(
+                "the url's port {port} is not in serve.webhooks.allowed_ports"
+            ));
+        }
         Ok(parsed)
+    }
+
+    /// Whether a webhook may connect to `ip`, an address its host *name* resolved to: one an
+    /// `allowed_hosts` CIDR or address lists, or else a public one. A name is matched as a
+    /// string when the endpoint is created; what it resolves to can change afterwards (DNS
+    /// rebinding), so the address is checked again at each connection, and a name cannot
+    /// lead inside a network the rules do not open by address.
+    pub fn allows_address(&self, ip: std::net::IpAddr) -> bool {
+        // An IPv4 address mapped into IPv6 is judged as the IPv4 address it is.
+        let ip = ip.to_canonical();
+        self.allows_ip(ip) || is_public(ip)
     }
 
     fn allows_ip(&self, ip: std::net::IpAddr) -> bool {
@@ -499,11 +520,53 @@ impl WebhooksConfig {
     }
 }
 
+/// Whether `ip` is a global unicast address: not loopback, private, shared (CGNAT),
+/// link-local, unique-local, documentation, benchmarking, reserved, multicast or unspecified;
+/// IPv4 addresses inside IPv6 (mapped, NAT64) are judged as IPv4.
+fn is_public(ip: std::net::IpAddr) -> bool {
+    use std::net::IpAddr;
+    match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, c, _] = v4.octets();
+            !(v4.is_unspecified()
+                || v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_documentation()
+                || a == 0
+                || (a == 100 && (64..128).contains(&b))
+                || (a == 192 && b == 0 && c == 0)
+                || (a == 198 && (18..20).contains(&b))
+                || a >= 240)
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_public(IpAddr::V4(v4));
+            }
+            let s = v6.segments();
+            if s[0] == 0x64 && s[1] == 0xff9b && s[2..6] == [0, 0, 0, 0] {
+                let v4 = std::net::Ipv4Addr::from(((s[6] as u32) << 16) | s[7] as u32);
+                return is_public(IpAddr::V4(v4));
+            }
+            !(v6.is_unspecified()
+                || v6.is_loopback()
+                || v6.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] == 0x2001 && s[1] == 0x0db8)
+                || s[0..6] == [0, 0, 0, 0, 0, 0])
+        }
+    }
+}
+
 impl Default for WebhooksConfig {
     fn default() -> Self {
         Self {
             allowed_hosts: Vec::new(),
             allow_http: false,
+            allowed_ports: [80, 443, 8080, 8443].map(|p| p..=p).to_vec(),
             timeout: Duration::from_secs(10),
             retry_initial_backoff: Duration::from_secs(5),
             give_up_after: Duration::from_secs(25 * 3600),

@@ -1441,10 +1441,50 @@ fn tenant_header_pass_through_headers_and_webhooks_are_read_and_checked() {
         ("https://11.0.0.1/x", "allowed_hosts"),
         ("https://hooks.example.com.evil.org/x", "allowed_hosts"),
         ("https://u:p@hooks.example.com/x", "credentials"),
+        ("https://hooks.example.com:6379/x", "allowed_ports"),
+        ("https://10.1.2.3:22/x", "allowed_ports"),
     ] {
         let problem = w.check_url(url).unwrap_err();
         assert!(problem.contains(rule), "{url}: {problem}");
     }
+    // Ports: 443 by default for https, and the listed others.
+    assert!(w.check_url("https://hooks.example.com:8443/x").is_ok());
+    assert!(w.check_url("https://hooks.example.com:443/x").is_ok());
+
+    // The addresses a host name resolves to: public ones, or those a CIDR lists.
+    for (ip, allowed) in [
+        ("93.184.215.14", true),
+        ("2606:2800:21f:cb07:6820:80da:af6b:8b2c", true),
+        ("10.9.8.7", true),
+        ("127.0.0.1", false),
+        ("169.254.169.254", false),
+        ("192.168.1.1", false),
+        ("172.16.0.1", false),
+        ("100.64.0.1", false),
+        ("0.0.0.0", false),
+        ("::1", false),
+        ("::ffff:127.0.0.1", false),
+        ("::ffff:10.1.1.1", true),
+        ("64:ff9b::a9fe:a9fe", false),
+        ("fd00::1", false),
+        ("fe80::1", false),
+    ] {
+        assert_eq!(
+            w.allows_address(ip.parse().unwrap()),
+            allowed,
+            "{ip} should be {}",
+            if allowed { "allowed" } else { "refused" }
+        );
+    }
+
+    let file = service_config(
+        dir.path(),
+        "  webhooks:\n    allowed_hosts: [hooks.example.com]\n    allowed_ports: [443, '9000-9100']\n",
+    );
+    let w = load_service_file(&file).unwrap().serve.webhooks;
+    assert!(w.check_url("https://hooks.example.com:9050/x").is_ok());
+    assert!(w.check_url("https://hooks.example.com/x").is_ok());
+    assert!(w.check_url("https://hooks.example.com:8443/x").is_err());
 
     for (serve, field) in [
         (
@@ -1495,6 +1535,22 @@ fn tenant_header_pass_through_headers_and_webhooks_are_read_and_checked() {
         (
             "  webhooks:\n    max_endpoints_per_tenant: 0\n",
             "serve.webhooks.max_endpoints_per_tenant",
+        ),
+        (
+            "  webhooks:\n    allowed_ports: [0]\n",
+            "serve.webhooks.allowed_ports",
+        ),
+        (
+            "  webhooks:\n    allowed_ports: ['9100-9000']\n",
+            "serve.webhooks.allowed_ports",
+        ),
+        (
+            "  webhooks:\n    allowed_ports: []\n",
+            "serve.webhooks.allowed_ports",
+        ),
+        (
+            "  webhooks:\n    allowed_ports: 443\n",
+            "serve.webhooks.allowed_ports",
         ),
     ] {
         write(dir.path(), "keys", "sk-a alice\n");

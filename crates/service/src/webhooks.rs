@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use base64::Engine;
 use batch_config::WebhooksConfig;
 use batch_state::{now_unix, Delivery, Store, WebhookEndpoint};
-use batch_sync_dispatch::HttpClient;
+use batch_sync_dispatch::CheckedClient;
 use bytes::Bytes;
 use http_body_util::Full;
 use tokio::task::JoinSet;
@@ -26,14 +26,18 @@ const MAX_BACKOFF: Duration = Duration::from_secs(3600);
 
 /// Signs and sends webhook events.
 pub(crate) struct Sender {
-    client: HttpClient,
+    client: CheckedClient,
     config: WebhooksConfig,
 }
 
 impl Sender {
     pub(crate) fn new(config: WebhooksConfig) -> Result<Self, String> {
-        let client = batch_sync_dispatch::build_client(&Default::default())
-            .map_err(|e| format!("webhook client: {e}"))?;
+        // A host name is called only at addresses the rules allow, checked when connecting.
+        let rules = config.clone();
+        let client = batch_sync_dispatch::build_checked_client(&Default::default(), move |ip| {
+            rules.allows_address(ip)
+        })
+        .map_err(|e| format!("webhook client: {e}"))?;
         Ok(Self { client, config })
     }
 

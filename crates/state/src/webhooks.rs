@@ -159,13 +159,7 @@ impl Store {
         if listed == 1 {
             return Ok(true);
         }
-        let _: () = self
-            .client
-            .del(vec![
-                self.key(&["webhook", id]),
-                self.key(&["webhook_secret", id]),
-            ])
-            .await?;
+        self.forget_webhook(id).await?;
         Ok(false)
     }
 
@@ -207,6 +201,11 @@ impl Store {
             .client
             .zrem(self.key(&["webhooks", &webhook.tenant]), id.as_str())
             .await?;
+        self.forget_webhook(id).await
+    }
+
+    /// Deletes endpoint `id`'s record and signing secret.
+    async fn forget_webhook(&self, id: &str) -> Result<(), StoreError> {
         let _: () = self
             .client
             .del(vec![

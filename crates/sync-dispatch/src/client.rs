@@ -1,13 +1,18 @@
 //! The pooled HTTP(S) client: hyper-util's legacy `Client` over rustls (ring provider).
 
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::dns::Name;
+use hyper_util::client::legacy::connect::{Connect, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -24,10 +29,38 @@ pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 /// Idle keep-alive connections are closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
+/// A keep-alive client that connects only to the addresses a host name resolves to that a
+/// rule accepts (see [`CheckedResolver`]).
+pub type CheckedClient = Client<HttpsConnector<HttpConnector<CheckedResolver>>, Full<Bytes>>;
+
 /// A keep-alive http and https client with these TLS settings; it follows no redirect.
 pub fn build(tls: &TlsOptions) -> Result<HttpClient, DispatchError> {
+    over(tls, HttpConnector::new())
+}
+
+/// Like [`build`], connecting to a host name only through the addresses `allow` accepts: a
+/// name whose every address is refused is a connection error naming them. IP literals are not
+/// resolved, so not seen by `allow`.
+pub fn build_checked(
+    tls: &TlsOptions,
+    allow: impl Fn(IpAddr) -> bool + Send + Sync + 'static,
+) -> Result<CheckedClient, DispatchError> {
+    over(
+        tls,
+        HttpConnector::new_with_resolver(CheckedResolver {
+            allow: Arc::new(allow),
+        }),
+    )
+}
+
+fn over<R>(
+    tls: &TlsOptions,
+    mut http: HttpConnector<R>,
+) -> Result<Client<HttpsConnector<HttpConnector<R>>, Full<Bytes>>, DispatchError>
+where
+    HttpsConnector<HttpConnector<R>>: Connect + Clone + Send + Sync + 'static,
+{
     let config = tls_config(tls)?;
-    let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     let https = hyper_rustls::HttpsConnectorBuilder::new()
@@ -38,6 +71,41 @@ pub fn build(tls: &TlsOptions) -> Result<HttpClient, DispatchError> {
     Ok(Client::builder(TokioExecutor::new())
         .pool_idle_timeout(POOL_IDLE_TIMEOUT)
         .build(https))
+}
+
+/// Resolves host names with the system's resolver and keeps the addresses a rule accepts,
+/// at each connection: what a name resolved to when it was checked may not be what it
+/// resolves to when it is called.
+#[derive(Clone)]
+pub struct CheckedResolver {
+    allow: Arc<dyn Fn(IpAddr) -> bool + Send + Sync>,
+}
+
+impl tower::Service<Name> for CheckedResolver {
+    type Response = std::vec::IntoIter<SocketAddr>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        let allow = self.allow.clone();
+        Box::pin(async move {
+            let host = name.as_str();
+            let found: Vec<SocketAddr> = tokio::net::lookup_host((host, 0)).await?.collect();
+            let kept: Vec<SocketAddr> = found.iter().copied().filter(|a| allow(a.ip())).collect();
+            if kept.is_empty() {
+                let refused: Vec<IpAddr> = found.iter().map(SocketAddr::ip).collect();
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("{host} resolves to no address the rules allow ({refused:?})"),
+                ));
+            }
+            Ok(kept.into_iter())
+        })
+    }
 }
 
 fn tls_error(path: Option<&Path>, message: impl std::fmt::Display) -> DispatchError {

@@ -64,7 +64,10 @@ use std::time::SystemTime;
 use bytes::Bytes;
 
 pub use batch_limiter::Algorithm;
-pub use client::{build as build_client, HttpClient};
+pub use client::{
+    build as build_client, build_checked as build_checked_client, CheckedClient, CheckedResolver,
+    HttpClient,
+};
 pub use dispatcher::SyncDispatcher;
 pub use load::LoadOptions;
 pub use options::{EndpointOptions, LimitOptions, TlsOptions};

@@ -42,6 +42,7 @@ const TLS_KEYS: &[&str] = &["cert_file", "key_file"];
 const WEBHOOKS_KEYS: &[&str] = &[
     "allowed_hosts",
     "allow_http",
+    "allowed_ports",
     "timeout",
     "retry_initial_backoff",
     "give_up_after",
@@ -340,9 +341,14 @@ fn webhooks(c: &mut Collector<'_>, serve: &Table<'_>) -> WebhooksConfig {
             "must be at least 24h: a receiver gets a day to come back",
         );
     }
+    let allowed_ports = match t.get("allowed_ports") {
+        None => d.allowed_ports,
+        Some(_) => port_ranges(c, &t, "allowed_ports"),
+    };
     WebhooksConfig {
         allowed_hosts,
         allow_http: c.boolean(&t, "allow_http", d.allow_http),
+        allowed_ports,
         timeout: c.bounded_duration(&t, "timeout", d.timeout, HOUR),
         retry_initial_backoff: c.bounded_duration(
             &t,
@@ -359,6 +365,47 @@ fn webhooks(c: &mut Collector<'_>, serve: &Table<'_>) -> WebhooksConfig {
             1000,
         ),
     }
+}
+
+/// A list of ports and `low-high` ranges (numbers or strings), none empty, each within 1-65535.
+fn port_ranges(
+    c: &mut Collector<'_>,
+    t: &Table<'_>,
+    key: &str,
+) -> Vec<std::ops::RangeInclusive<u16>> {
+    let Some(figment::value::Value::Array(_, items)) = t.get(key) else {
+        c.at(
+            t,
+            key,
+            "expected a list of ports or port ranges (`8000-8999`)",
+        );
+        return Vec::new();
+    };
+    let port = |text: &str| text.trim().parse::<u16>().ok().filter(|p| *p > 0);
+    let mut out = Vec::new();
+    for item in items {
+        let text = match item {
+            figment::value::Value::Num(_, n) => n.to_u128().map(|n| n.to_string()),
+            other => other.as_str().map(str::to_owned),
+        };
+        let text = text.unwrap_or_default();
+        let range = match text.split_once('-') {
+            Some((low, high)) => port(low).zip(port(high)).map(|(l, h)| l..=h),
+            None => port(&text).map(|p| p..=p),
+        };
+        match range {
+            Some(range) if !range.is_empty() => out.push(range),
+            _ => c.at(
+                t,
+                key,
+                format!("{text:?} is not a port (1-65535) or a range of them (`8000-8999`)"),
+            ),
+        }
+    }
+    if out.is_empty() {
+        c.at(t, key, "must allow at least one port");
+    }
+    out
 }
 
 /// An entry of `serve.webhooks.allowed_hosts`: a CIDR, a host name or `*.` and a domain.
