@@ -1777,6 +1777,85 @@ async fn webhook_endpoints_are_capped_per_tenant_even_when_created_at_once() {
         .expect(200);
 }
 
+/// A webhook receiver that takes connections and never answers; how many it holds.
+async fn silent_receiver() -> (
+    String,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    tokio::task::JoinHandle<()>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/silent", listener.local_addr().unwrap());
+    let held = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = held.clone();
+    let task = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            open.push(stream);
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    (url, held, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_tenants_unanswered_webhooks_do_not_hold_up_another_tenants() {
+    let env = Env::start(GatewayConfig::default()).await;
+    let config = async_service(
+        &env,
+        TWO_TENANTS,
+        &format!("{WEBHOOKS}    timeout: 2s\n"),
+        "",
+    );
+    let _sim = env.dispatcher(&["pool-a"], |_| {}).await;
+    let service = Service::start(&config);
+    let a = service.client(Some(KEY_A));
+    let b = service.client(Some(KEY_B));
+    let (silent, held, silent_task) = silent_receiver().await;
+    let steady = Receiver::start(0).await;
+
+    // Tenant A: 16 endpoints that never answer, and 8 batches ending: 128 deliveries, each
+    // attempt holding one of a replica's 16 senders for the 2 s timeout, retried.
+    for i in 0..16 {
+        a.post_json(
+            "/v1/webhook_endpoints",
+            &json!({"url": format!("{silent}/{i}")}),
+        )
+        .await
+        .expect(200);
+    }
+    b.post_json("/v1/webhook_endpoints", &json!({"url": steady.url}))
+        .await
+        .expect(200);
+    let mut ends = Vec::new();
+    for i in 0..8 {
+        ends.push(submit(&a, &format!("a{i}"), 1).await.1);
+    }
+    for id in &ends {
+        assert_eq!(a.wait_final(id, FINISH).await["status"], "completed");
+    }
+    eventually(
+        "A's deliveries fill the senders",
+        Duration::from_secs(10),
+        || held.load(std::sync::atomic::Ordering::SeqCst) >= 16,
+    )
+    .await;
+
+    // Tenant B's batch ends: its one delivery waits for a sender, not for A's backlog.
+    let (_, batch, _) = submit(&b, "b", 1).await;
+    assert_eq!(b.wait_final(&batch, FINISH).await["status"], "completed");
+    let ended = Instant::now();
+    steady.wait_for("B's event", 1).await;
+    let waited = ended.elapsed();
+    println!(
+        "B's webhook came {waited:?} after its batch ended, beside A's 128 unanswered deliveries"
+    );
+    assert!(
+        waited < Duration::from_millis(3500),
+        "B's webhook waited {waited:?} behind A's deliveries (one attempt lasts 2 s)"
+    );
+    silent_task.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_host_name_is_called_only_at_addresses_the_rules_allow_and_ports_are_listed() {
     let env = Env::start(GatewayConfig::default()).await;

@@ -2,10 +2,12 @@
 //!
 //! A batch reaching a final status is pushed on `{prefix}:webhook_ended` by the same script that
 //! saves the status, so no end is lost to a replica dying right after it. Any replica then fans
-//! it out into one delivery per endpoint of the tenant that wants the event (its id
-//! `<batch>:<endpoint>`), each in `{prefix}:webhook_due` (a sorted set by due time in ms). A sender claims a due delivery by
-//! moving its due time past its own attempt (a lease): one sender at a time per delivery, and
-//! another replica's turn when that one dies. The signing secret sits under a key of its own,
+//! it out into one delivery per endpoint of the tenant that wants the event (its record under
+//! `<batch>:<endpoint>`), each in `{prefix}:webhook_due` (a sorted set by due time in ms, its
+//! member `<tenant>/<batch>:<endpoint>`). A sender claims a due delivery by moving its due time
+//! past its own attempt (a lease): one sender at a time per delivery, and another replica's
+//! turn when that one dies. Turns are shared among tenants: of the most overdue deliveries,
+//! the claim takes one of the tenant served longest ago. The signing secret sits under a key of its own,
 //! never in the record that listings read.
 
 use std::sync::LazyLock;
@@ -85,6 +87,14 @@ static CLAIM_DELIVERY: LazyLock<Script> =
 
 /// How many times a fan-out reads a tenant's endpoints again when they keep changing under it.
 const FAN_OUT_TRIES: usize = 8;
+/// How many of the most overdue deliveries a claim weighs to share turns among tenants: a
+/// tenant is only passed over while another has more than this many due before its own.
+const CLAIM_WINDOW: usize = 1024;
+
+/// The key of a queued delivery's record: its member in the due set without the tenant.
+fn record_of(id: &str) -> &str {
+    id.split_once('/').map_or(id, |(_, record)| record)
+}
 
 impl Store {
     /// The list a batch reaching a final status is pushed on.
@@ -256,8 +266,9 @@ impl Store {
         Ok(true)
     }
 
-    /// Claims the most overdue delivery for `lease` (nobody else sends it meanwhile): its id and
-    /// record, `None` when nothing is due. A claimed delivery whose record is gone is dropped.
+    /// Claims a due delivery for `lease` (nobody else sends it meanwhile), of the tenant served
+    /// longest ago among the most overdue: its id and record, `None` when nothing is due. A
+    /// claimed delivery whose record is gone is dropped.
     pub async fn claim_webhook_delivery(
         &self,
         now_ms: u64,
@@ -266,14 +277,18 @@ impl Store {
         let id: Option<String> = CLAIM_DELIVERY
             .evalsha_with_reload(
                 &self.client,
-                vec![self.key(&["webhook_due"])],
-                vec![now_ms.to_string(), (lease.as_millis() as u64).to_string()],
+                vec![self.key(&["webhook_due"]), self.key(&["webhook_served"])],
+                vec![
+                    now_ms.to_string(),
+                    (lease.as_millis() as u64).to_string(),
+                    CLAIM_WINDOW.to_string(),
+                ],
             )
             .await?;
         let Some(id) = id else {
             return Ok(None);
         };
-        let key = self.key(&["webhook_delivery", &id]);
+        let key = self.key(&["webhook_delivery", record_of(&id)]);
         let raw: Option<String> = self.client.get(&key).await?;
         let delivery = raw.map(|raw| parse(&key, &raw)).transpose()?;
         Ok(Some((id, delivery)))
@@ -282,7 +297,10 @@ impl Store {
     /// Ends delivery `id`: delivered, given up or its endpoint gone.
     pub async fn finish_webhook_delivery(&self, id: &str) -> Result<(), StoreError> {
         let _: () = self.client.zrem(self.key(&["webhook_due"]), id).await?;
-        let _: () = self.client.del(self.key(&["webhook_delivery", id])).await?;
+        let _: () = self
+            .client
+            .del(self.key(&["webhook_delivery", record_of(id)]))
+            .await?;
         Ok(())
     }
 
@@ -296,7 +314,13 @@ impl Store {
         let json = serde_json::to_string(delivery).expect("a delivery serializes");
         let _: () = self
             .client
-            .set(self.key(&["webhook_delivery", id]), json, None, None, false)
+            .set(
+                self.key(&["webhook_delivery", record_of(id)]),
+                json,
+                None,
+                None,
+                false,
+            )
             .await?;
         let _: () = self
             .client

@@ -31,7 +31,8 @@ if raw and KEYS[4] then
         local d = cjson.encode({event_id = event, endpoint = ep, type = kind, batch = ARGV[1],
           created_at = math.floor(created), attempt = 0})
         if redis.call('SET', KEYS[4 + 2 * i], d, 'NX') then
-          redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1] .. ':' .. ep)
+          -- The tenant leads the member: the claim shares turns among tenants by it.
+          redis.call('ZADD', KEYS[2], ARGV[2], b['tenant'] .. '/' .. ARGV[1] .. ':' .. ep)
         end
       end
     end
