@@ -110,17 +110,7 @@ impl Store {
         secret: Option<&str>,
     ) -> Result<(), StoreError> {
         let id = &webhook.endpoint.id;
-        let json = serde_json::to_string(webhook).expect("a webhook record serializes");
-        if let Some(secret) = secret {
-            let _: () = self
-                .client
-                .set(self.key(&["webhook_secret", id]), secret, None, None, false)
-                .await?;
-        }
-        let _: () = self
-            .client
-            .set(self.key(&["webhook", id]), json, None, None, false)
-            .await?;
+        self.write_webhook(webhook, secret).await?;
         let _: () = self
             .client
             .zadd(
@@ -135,6 +125,27 @@ impl Store {
         Ok(())
     }
 
+    /// Writes an endpoint's record and, when given, its signing secret (not its listing).
+    async fn write_webhook(
+        &self,
+        webhook: &StoredWebhook,
+        secret: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let id = &webhook.endpoint.id;
+        let json = serde_json::to_string(webhook).expect("a webhook record serializes");
+        if let Some(secret) = secret {
+            let _: () = self
+                .client
+                .set(self.key(&["webhook_secret", id]), secret, None, None, false)
+                .await?;
+        }
+        let _: () = self
+            .client
+            .set(self.key(&["webhook", id]), json, None, None, false)
+            .await?;
+        Ok(())
+    }
+
     /// Stores a new endpoint with its signing secret and lists it under its tenant, unless the
     /// tenant already has `cap` endpoints: false then, and nothing is kept. The cap is checked
     /// and the endpoint listed in one step, so racing creates cannot pass it together.
@@ -145,16 +156,8 @@ impl Store {
         cap: u32,
     ) -> Result<bool, StoreError> {
         let id = &webhook.endpoint.id;
-        let json = serde_json::to_string(webhook).expect("a webhook record serializes");
         // The record first: an endpoint listed is always readable.
-        let _: () = self
-            .client
-            .set(self.key(&["webhook_secret", id]), secret, None, None, false)
-            .await?;
-        let _: () = self
-            .client
-            .set(self.key(&["webhook", id]), json, None, None, false)
-            .await?;
+        self.write_webhook(webhook, Some(secret)).await?;
         let listed: i64 = ADD_ENDPOINT
             .evalsha_with_reload(
                 &self.client,
