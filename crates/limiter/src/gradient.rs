@@ -443,23 +443,27 @@ impl GradientLimiter {
 
     /// A 429/5xx met by a request sent at `epoch` with `sent_with` requests out, which saw
     /// at most `met` out until its answer (requests sent after it may have reached the
-    /// gateway first). The first of an episode cuts below `met`; each later refusal of the
-    /// episode just cut for lowers the limit below its own `sent_with`, without a new
-    /// episode: an overshoot's refusals answer in any order (together, each still counting
-    /// the others), and the first one sent says best where the gateway ends.
+    /// gateway first). The first of an episode cuts below the larger of the two; each later
+    /// refusal of the episode just cut for lowers the limit below its own `met`, without a
+    /// new episode: an overshoot's refusals come back one after another, each counting those
+    /// of the burst still out and the admitted ones, so the last says best where the gateway
+    /// ends. Not below its `sent_with`: a burst sent at once over new connections reaches the
+    /// gateway in any order (one sent with 8 out came after 16 others were admitted).
     pub fn on_refusal(&mut self, sent_with: usize, met: usize, epoch: u64) -> Option<Change> {
-        if epoch.saturating_add(1) == self.epoch && sent_with < self.refused_at {
-            self.refused_at = sent_with.max(1);
-            let to = self
-                .limit
-                .min(sent_with.saturating_sub(1))
-                .max(self.config.min);
+        if epoch.saturating_add(1) == self.epoch {
+            let met = if met == 0 { sent_with } else { met };
+            if met >= self.refused_at {
+                return None;
+            }
+            self.refused_at = met.max(1);
+            let to = self.limit.min(met.saturating_sub(1)).max(self.config.min);
             return self.set(to);
         }
+        let met = met.max(sent_with);
         if epoch != self.epoch {
             return None;
         }
-        let in_flight = met.max(sent_with);
+        let in_flight = met;
         self.epoch += 1;
         self.slow_start = false;
         self.slow_start_cap = None;
@@ -981,9 +985,9 @@ mod tests {
     }
 
     #[test]
-    fn an_overshoot_is_cut_to_the_least_concurrency_its_burst_was_sent_with() {
+    fn an_overshoot_is_cut_to_what_its_burst_left_the_gateway_holding() {
         // Slow start doubled to 40 past a gateway of 16: 24 of the burst are refused, and
-        // their answers come in any order, each having met about 40 in flight.
+        // their answers come back one after another, each counting those still out.
         let mut l = limiter(1, 64);
         l.set(40);
         let sent = l.epoch();
@@ -991,11 +995,19 @@ mod tests {
             l.on_refusal(39, 40, sent),
             Some(Change::Decreased { from: 40, to: 39 })
         );
+        // Sent in any order: a refusal sent with 8 out came after 16 were admitted. Each
+        // counts what is still out when it comes; the limit follows, and not below 16.
+        let sent_with = (17..39).chain([8]);
+        for (met, sent_with) in (17..40).rev().zip(sent_with) {
+            l.on_refusal(sent_with, met, sent);
+            assert!(l.limit() >= 16, "{}", l.limit());
+        }
+        assert_eq!(l.limit(), 16, "40 out, 24 refused");
         assert_eq!(
-            l.on_refusal(17, 40, sent),
-            Some(Change::Decreased { from: 39, to: 16 })
+            l.on_refusal(30, 30, sent),
+            None,
+            "past the burst's refusals"
         );
-        assert_eq!(l.on_refusal(30, 40, sent), None);
         assert_eq!(l.limit(), 16);
         assert_eq!(l.epoch(), sent + 1, "one episode");
         // At a hard limit, a probe's refusals come one after another, each sent with the

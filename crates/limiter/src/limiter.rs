@@ -22,8 +22,9 @@ pub struct Sample {
     pub overloaded: bool,
     /// Requests of this endpoint in flight when this one was sent, itself included.
     pub in_flight: usize,
-    /// For an overload, the most requests in flight from its send to its answer (requests sent
-    /// after it may have reached the gateway first); 0 when not known, as `in_flight` then.
+    /// For an overload, the requests in flight when its answer came, itself included
+    /// (requests sent after it may have reached the gateway first, and the ones it was
+    /// refused beside leave one at a time); 0 when not known, as `in_flight` then.
     pub in_flight_at_answer: usize,
     /// The limiter's [`Limiter::epoch`] when the request was sent.
     pub epoch: u64,

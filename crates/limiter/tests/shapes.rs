@@ -261,7 +261,7 @@ fn run(algorithm: Algorithm, shape: Shape, n: usize, seed: u64) -> Outcome {
                     latency: std::time::Duration::from_secs_f64((now - sent) / 1000.0),
                     overloaded: refused,
                     in_flight,
-                    in_flight_at_answer: in_flight.max(holders + 1),
+                    in_flight_at_answer: holders + 1,
                     epoch,
                     tokens: (!refused).then_some(tokens),
                 };

@@ -112,6 +112,16 @@ impl<'a> AttemptGuard<'a> {
         let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
         (Self(counter), n)
     }
+
+    /// Leaves and returns the attempts that were in flight, this one included, in one atomic
+    /// step: answers that come together (a burst's refusals) count each other once, in some
+    /// order, not each all the others.
+    fn leave(self) -> usize {
+        let n = self.0.fetch_sub(1, Ordering::SeqCst);
+        // Its count is taken off above, not again on drop.
+        std::mem::forget(self);
+        n
+    }
 }
 
 impl Drop for AttemptGuard<'_> {

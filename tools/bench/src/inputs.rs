@@ -84,6 +84,35 @@ pub fn write_input(path: &Path, n: usize, size: usize) -> Result<u64, BenchError
     Ok(bytes)
 }
 
+/// Writes `n` chat requests whose sizes vary as prompts do: lognormal, of median `median`
+/// bytes and sigma `sigma` of the natural log (seeded, so every run reads the same file), at
+/// most 32 times the median. Returns the file's size.
+pub fn write_mixed_input(
+    path: &Path,
+    n: usize,
+    median: usize,
+    sigma: f64,
+) -> Result<u64, BenchError> {
+    use rand::{Rng, SeedableRng};
+    let io = |e| BenchError::io(path, e);
+    let file = std::fs::File::create(path).map_err(io)?;
+    let mut w = BufWriter::new(file);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+    let mut bytes = 0u64;
+    for i in 0..n {
+        // One standard normal (Box-Muller) per line.
+        let (u1, u2): (f64, f64) = (rng.random(), rng.random());
+        let z = (-2.0 * (1.0 - u1).ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let size = (median as f64 * (sigma * z).exp()).min(32.0 * median as f64);
+        let line = request_line(i, size as usize);
+        bytes += line.len() as u64 + 1;
+        w.write_all(line.as_bytes()).map_err(io)?;
+        w.write_all(b"\n").map_err(io)?;
+    }
+    w.flush().map_err(io)?;
+    Ok(bytes)
+}
+
 /// The system prompt of each line of a prefix-cache input: `n` lines share `prompts` prompts,
 /// each prompt on `n / prompts` lines (±1), shuffled through the file by a fixed seed.
 pub fn shuffled_prompts(n: usize, prompts: usize) -> Vec<usize> {

@@ -13,7 +13,7 @@ use clap::Parser;
 /// Starts its own redis-server on a free loopback port (needs redis-server and
 /// redis-benchmark installed), runs every scenario several times and writes benchmarks.md,
 /// rates.svg, rss.svg and the limit plots (aimd-limit.svg, aimd-limit-lengths.svg,
-/// aimd-limit-tail.svg, aimd-limit-changing.svg, aimd-limit-model-server.svg, and for the gateways of 16 whose latency the usage does not show aimd-limit-unseen-lognormal.svg, aimd-limit-unseen-two-kinds.svg, aimd-limit-unseen-tail.svg, aimd-limit-503.svg) into --out. Enqueue and drain run a second time on a Redis Cluster
+/// aimd-limit-tail.svg, aimd-limit-changing.svg, aimd-limit-model-server.svg, and for the gateways of 16 whose latency the usage does not show aimd-limit-unseen-lognormal.svg, aimd-limit-unseen-two-kinds.svg, aimd-limit-unseen-tail.svg, aimd-limit-503.svg, and for prompts of mixed lengths, a fast and a slow pod, and a drifting C aimd-limit-prompts.svg, aimd-limit-pods.svg, aimd-limit-drifting.svg) into --out. Enqueue and drain run a second time on a Redis Cluster
 /// of 3 primaries (needs redis-cli too), their rows labelled "(cluster, 3 primaries)" beside the
 /// single-server ones. The serve group starts `processor serve` (from --processor) against the
 /// same Redis and the dispatcher simulator; the replicas group starts 1 and 3 of them on one

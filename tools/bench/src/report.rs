@@ -268,7 +268,7 @@ pub struct Report {
 }
 
 /// The limit plots, by gateway behaviour: what each shows and its file.
-pub const AIMD_PLOTS: [(&str, &str); 9] = [
+pub const AIMD_PLOTS: [(&str, &str); 12] = [
     ("(a) Against a hard limit, fixed latency", "aimd-limit.svg"),
     (
         "(b) Against a hard limit, answers of lognormal length",
@@ -299,6 +299,18 @@ pub const AIMD_PLOTS: [(&str, &str); 9] = [
         "aimd-limit-unseen-tail.svg",
     ),
     ("(i) 16 at once, 503 when full", "aimd-limit-503.svg"),
+    (
+        "(j) 16 at once, prompts of mixed lengths (20 ms + 0.25 ms per prompt word)",
+        "aimd-limit-prompts.svg",
+    ),
+    (
+        "(k) 16 at once, a fast and a slow pod behind one URL (50 ms, 150 ms)",
+        "aimd-limit-pods.svg",
+    ),
+    (
+        "(l) 50 ms, C drifting slowly 16 → 8 → 16",
+        "aimd-limit-drifting.svg",
+    ),
 ];
 
 const HEADER: [&str; 8] = [

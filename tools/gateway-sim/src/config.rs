@@ -22,6 +22,11 @@ pub struct GatewayConfig {
     /// Extra latency per output token (the answer's `completion_tokens`).
     #[serde(with = "crate::duration_serde")]
     pub latency_per_token: Duration,
+    /// Prompt processing per prompt token (the request's words, as `usage.prompt_tokens`
+    /// reports them), on top of `latency_fixed`: long prompts take longer, and the answer says
+    /// why. Not in model-server or vLLM mode.
+    #[serde(with = "crate::duration_serde")]
+    pub latency_per_prompt_token: Duration,
     /// Answer lengths drawn per request from a lognormal of this median (tokens), independent
     /// of `max_tokens` as real answers stop early; reported in `usage.completion_tokens`.
     /// Without it an answer has `max_tokens` (or `max_completion_tokens`, or
@@ -66,6 +71,11 @@ pub struct GatewayConfig {
     /// cache hits, the pod it lands on): a factor drawn per request on its unloaded latency,
     /// the reported token counts unchanged. Not in model-server mode.
     pub unseen: Unseen,
+    /// Pods behind one URL, as a gateway routing across pods of different speeds: one factor
+    /// on the unloaded latency per pod; a request goes to the pod with the fewest in flight
+    /// (the first among equals). `capacity` stays the whole gateway's (each pod's share when
+    /// they fill evenly). Empty: one pod. Not in model-server or vLLM mode.
+    pub pod_factors: Vec<f64>,
     /// The status of the answer past the capacity: 429 (with `Retry-After`), or 503 as some
     /// gateways say they are full.
     pub full_status: u16,
@@ -172,6 +182,7 @@ impl Default for GatewayConfig {
         Self {
             latency_fixed: Duration::ZERO,
             latency_per_token: Duration::ZERO,
+            latency_per_prompt_token: Duration::ZERO,
             length_median: None,
             length_sigma: 0.8,
             tail_share: 0.0,
@@ -186,6 +197,7 @@ impl Default for GatewayConfig {
             prefix_cache_size: 0,
             prefix_miss_latency: Duration::ZERO,
             unseen: Unseen::None,
+            pod_factors: Vec::new(),
             full_status: 429,
             max_num_seqs: None,
             max_waiting: None,
@@ -239,6 +251,22 @@ impl GatewayConfig {
             }
         }
         self.unseen.validate()?;
+        if let Some(f) = self
+            .pod_factors
+            .iter()
+            .find(|f| !(**f > 0.0 && f.is_finite()))
+        {
+            return Err(SimError::Config(format!(
+                "pod_factors must all be above 0, got {f}"
+            )));
+        }
+        let plain_only = !self.pod_factors.is_empty() || !self.latency_per_prompt_token.is_zero();
+        if plain_only && (self.batching || self.max_num_seqs.is_some()) {
+            return Err(SimError::Config(
+                "pod_factors and latency_per_prompt_token do not go with batching or max_num_seqs"
+                    .into(),
+            ));
+        }
         self.validate_vllm_mode()?;
         if !matches!(self.full_status, 429 | 503) {
             return Err(SimError::Config(format!(

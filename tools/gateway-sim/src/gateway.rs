@@ -251,6 +251,8 @@ struct GatewayState {
     token_micros: AtomicU64,
     /// vLLM mode's running requests and waiting queue.
     engine: Arc<Engine>,
+    /// Requests in flight on each of `pod_factors`' pods.
+    pods: Mutex<Vec<usize>>,
 }
 
 /// Locks a mutex, shrugging off poisoning: the data are counters, still meaningful.
@@ -282,6 +284,7 @@ impl GatewayState {
             completion_tokens: AtomicU64::new(0),
             token_micros: AtomicU64::new(0),
             engine: Arc::default(),
+            pods: Mutex::new(Vec::new()),
         };
         // Validated by the caller.
         let _ = state.set_config(config);
@@ -348,6 +351,26 @@ impl GatewayState {
             self.prefix_misses.fetch_add(1, Ordering::SeqCst);
         }
         !hit
+    }
+
+    /// The pod of `config.pod_factors` with the fewest in flight, taken until the returned
+    /// guard drops; `None` with one pod.
+    fn route(self: &Arc<Self>, config: &GatewayConfig) -> Option<OnPod> {
+        if config.pod_factors.is_empty() {
+            return None;
+        }
+        let mut pods = lock(&self.pods);
+        // A new config may name more pods; their counts start at 0.
+        if pods.len() < config.pod_factors.len() {
+            pods.resize(config.pod_factors.len(), 0);
+        }
+        let index = (0..config.pod_factors.len()).min_by_key(|&i| pods[i])?;
+        pods[index] += 1;
+        Some(OnPod {
+            state: self.clone(),
+            index,
+            factor: config.pod_factors[index],
+        })
     }
 
     /// Takes an in-flight slot unless `limit` is reached; returns it with the in-flight count
@@ -507,6 +530,22 @@ struct InFlight(Arc<GatewayState>);
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A request on one of the pods behind the URL; leaves it when dropped.
+struct OnPod {
+    state: Arc<GatewayState>,
+    index: usize,
+    /// The pod's latency factor.
+    factor: f64,
+}
+
+impl Drop for OnPod {
+    fn drop(&mut self) {
+        if let Some(n) = lock(&self.state.pods).get_mut(self.index) {
+            *n = n.saturating_sub(1);
+        }
     }
 }
 

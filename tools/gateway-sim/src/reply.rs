@@ -48,6 +48,16 @@ pub fn requested_tokens(body: &Map<String, Value>) -> Option<u64> {
         .find_map(|k| body.get(*k).and_then(Value::as_u64))
 }
 
+/// The request's prompt tokens as its answer's `usage.prompt_tokens` reports them.
+pub fn prompt_tokens(endpoint: Endpoint, body: &Map<String, Value>) -> u64 {
+    let field = match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+        Endpoint::Embeddings => "input",
+    };
+    body.get(field).map(count_words).unwrap_or(0)
+}
+
 /// The reply body for a well-formed request.
 pub fn success(
     endpoint: Endpoint,
@@ -59,7 +69,7 @@ pub fn success(
     let content = format!("digest:{digest}");
     let reply = match endpoint {
         Endpoint::Chat => {
-            let prompt = body.get("messages").map(count_words).unwrap_or(0);
+            let prompt = prompt_tokens(endpoint, body);
             json!({
                 "id": format!("chatcmpl-{digest}"),
                 "object": "chat.completion",
@@ -75,7 +85,7 @@ pub fn success(
             })
         }
         Endpoint::Completions => {
-            let prompt = body.get("prompt").map(count_words).unwrap_or(0);
+            let prompt = prompt_tokens(endpoint, body);
             json!({
                 "id": format!("cmpl-{digest}"),
                 "object": "text_completion",
@@ -95,7 +105,7 @@ pub fn success(
                 Some(Value::Array(items)) if items.iter().all(|i| !i.is_number()) => items.len(),
                 _ => 1,
             };
-            let prompt = body.get("input").map(count_words).unwrap_or(0);
+            let prompt = prompt_tokens(endpoint, body);
             let data: Vec<Value> = (0..inputs)
                 .map(|index| {
                     json!({"object": "embedding", "index": index, "embedding": vector(digest, index)})

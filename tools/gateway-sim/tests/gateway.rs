@@ -227,6 +227,79 @@ async fn an_unseen_cost_varies_the_latency_but_not_the_usage() {
     assert!(bad.validate().is_err());
 }
 
+/// Prompt processing that the usage shows: a prompt of 40 words takes 40 × 1 ms more than an
+/// empty one, and its answer reports the 40 prompt tokens.
+#[tokio::test]
+async fn a_long_prompt_takes_longer_and_says_so() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(5),
+        latency_per_prompt_token: Duration::from_millis(1),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", gw.base_url());
+    let words = vec!["word"; 40].join(" ");
+    let long = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": words}]});
+    let short = r#"{"model":"m","messages":[]}"#;
+    let started = Instant::now();
+    let (status, _, body) = post(&url, &long.to_string(), &[]).await.unwrap();
+    let long_took = started.elapsed();
+    assert_eq!(status, 200);
+    let reply: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(reply["usage"]["prompt_tokens"], 40);
+    let started = Instant::now();
+    let (status, _, _) = post(&url, short, &[]).await.unwrap();
+    let short_took = started.elapsed();
+    assert_eq!(status, 200);
+    assert!(long_took >= Duration::from_millis(45), "{long_took:?}");
+    assert!(short_took < Duration::from_millis(40), "{short_took:?}");
+    let unloaded = gw.stats().mean_unloaded_latency().unwrap();
+    assert_eq!(unloaded, Duration::from_micros(25_000));
+    let vllm = GatewayConfig {
+        latency_per_prompt_token: Duration::from_millis(1),
+        max_num_seqs: Some(4),
+        ..GatewayConfig::default()
+    };
+    assert!(vllm.validate().is_err());
+}
+
+/// A fast and a slow pod behind one URL: alone a request lands on the fast one; with one in
+/// flight there, the next goes to the slow one, whose answer takes its factor longer.
+#[tokio::test]
+async fn pods_behind_one_url_fill_the_least_busy_first() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(100),
+        pod_factors: vec![1.0, 3.0],
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", gw.base_url());
+    let body = r#"{"model":"m","messages":[]}"#;
+    let started = Instant::now();
+    post(&url, body, &[]).await.unwrap();
+    let alone = started.elapsed();
+    assert!(alone < Duration::from_millis(250), "{alone:?}");
+    let timed = || async {
+        let started = Instant::now();
+        post(&url, body, &[]).await.unwrap();
+        started.elapsed()
+    };
+    let (first, second) = tokio::join!(timed(), async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        timed().await
+    });
+    assert!(first < Duration::from_millis(250), "{first:?}");
+    assert!(second >= Duration::from_millis(290), "{second:?}");
+    // Both answered: the pods are free again, and the next lands on the fast one.
+    let again = timed().await;
+    assert!(again < Duration::from_millis(250), "{again:?}");
+    let bad = GatewayConfig {
+        pod_factors: vec![1.0, 0.0],
+        ..GatewayConfig::default()
+    };
+    assert!(bad.validate().is_err());
+}
+
 /// A gateway that says 503 when it is full, as some do, instead of 429.
 #[tokio::test]
 async fn a_full_gateway_may_say_503() {

@@ -66,11 +66,10 @@ impl Endpoint {
             let answer = self.attempt(prepared, &request.body, slo_left).await;
             // Requests sent after this one may have reached the gateway before it: the count
             // when the answer came is the better measure of what a refusal met.
-            let in_flight_at_answer = self.attempts.load(Ordering::SeqCst);
-            drop(attempt_guard);
+            let in_flight_at_answer = attempt_guard.leave();
             if self.per_attempt {
                 if let Ok(answer) = &answer {
-                    let seen = (in_flight, in_flight.max(in_flight_at_answer));
+                    let seen = (in_flight, in_flight_at_answer);
                     let tokens = completion_tokens(&answer.body);
                     self.observe(answer.status, sent.elapsed(), tokens, seen, epoch);
                 }
@@ -251,13 +250,17 @@ impl Endpoint {
             }
         };
         sample.overloaded = overloaded;
+        let (sent_with, at_answer) = (sample.in_flight, sample.in_flight_at_answer);
         let change = controller.on_result(sample);
         if let Some(change) = change {
             if let Change::Increased { .. } = change {
                 metrics::counter!(names::AIMD_INCREASES_TOTAL, "endpoint" => self.name.clone())
                     .increment(1);
             }
-            tracing::debug!(endpoint = %self.name, ?change, "AIMD limit moved");
+            tracing::debug!(
+                endpoint = %self.name, ?change, overloaded, sent_with, at_answer,
+                "AIMD limit moved"
+            );
             if !self.load_fresh.load(Ordering::SeqCst) {
                 self.semaphore.set_limit(change.new_limit());
             }

@@ -10,7 +10,7 @@ use dispatcher_sim::{GatewayConfig, GatewayStats, Unseen};
 use tokio_util::sync::CancellationToken;
 
 use super::{expect_completed, lines, ready, simulator, spec, Ctx};
-use crate::inputs::{write_input, MODEL};
+use crate::inputs::{write_input, write_mixed_input, MODEL};
 use crate::lab::{load, Lab};
 use crate::report::{AimdSample, AimdTrace, Kind, Report, Row, Target, Unit};
 use crate::stats::Summary;
@@ -40,6 +40,15 @@ const LENGTHS_LATENCY: Duration = Duration::from_micros(65_100);
 /// each answer this long before its own factor, every answer reporting the same usage.
 const SMALL_CAPACITY: usize = 16;
 const SMALL_LATENCY: Duration = Duration::from_millis(50);
+/// (j): prompt processing per prompt word, on `MIXED_FIXED`, the prompts' sizes lognormal.
+const MIXED_FIXED: Duration = Duration::from_millis(20);
+const PROMPT_WORD: Duration = Duration::from_micros(250);
+const MIXED_MEDIAN_BYTES: usize = 1024;
+const MIXED_SIGMA: f64 = 0.8;
+/// (k): the slow pod's latency over the fast one's.
+const SLOW_POD: f64 = 3.0;
+/// (l): the least C of the drift.
+const DRIFT_LOW: usize = 8;
 /// Their runs last this many times as long as the others': a noisy latency takes more
 /// answers to measure.
 const SMALL_RUN_FACTOR: f64 = 4.0;
@@ -72,10 +81,18 @@ enum Behaviour {
     UnseenTail,
     /// (i) 16 at once, fixed 50 ms, 503 (not 429) when full.
     Full503,
+    /// (j) 16 at once, 20 ms + 0.25 ms per prompt word, prompts of lognormal sizes: the
+    /// answers' `prompt_tokens` say why, `completion_tokens` is the same for all.
+    MixedPrompts,
+    /// (k) 16 at once, behind one URL a fast pod (50 ms) and a slow one (150 ms), the least busy
+    /// one taking each request.
+    FastSlowPods,
+    /// (l) 16 at once, fixed 50 ms, C drifting slowly down to 8 and back (a cosine over the run).
+    Drifting,
 }
 
 impl Behaviour {
-    const ALL: [Behaviour; 9] = [
+    const ALL: [Behaviour; 12] = [
         Behaviour::Hard,
         Behaviour::Lengths,
         Behaviour::Tail,
@@ -85,6 +102,9 @@ impl Behaviour {
         Behaviour::UnseenTwoKinds,
         Behaviour::UnseenTail,
         Behaviour::Full503,
+        Behaviour::MixedPrompts,
+        Behaviour::FastSlowPods,
+        Behaviour::Drifting,
     ];
 
     /// The gateway's usual capacity C.
@@ -104,6 +124,9 @@ impl Behaviour {
                 | Behaviour::UnseenTwoKinds
                 | Behaviour::UnseenTail
                 | Behaviour::Full503
+                | Behaviour::MixedPrompts
+                | Behaviour::FastSlowPods
+                | Behaviour::Drifting
         )
     }
 
@@ -127,6 +150,9 @@ impl Behaviour {
             Behaviour::UnseenTwoKinds => "(g) 16 at once, 20 or 400 ms, the same usage",
             Behaviour::UnseenTail => "(h) 16 at once, 50 ms, 10 % 10× longer, the same usage",
             Behaviour::Full503 => "(i) 16 at once, fixed 50 ms, 503 when full",
+            Behaviour::MixedPrompts => "(j) 16 at once, prompts of mixed lengths",
+            Behaviour::FastSlowPods => "(k) 16 at once, a fast and a slow pod behind one URL",
+            Behaviour::Drifting => "(l) 50 ms, C drifting 16 → 8 → 16",
         }
     }
 
@@ -141,6 +167,9 @@ impl Behaviour {
             Behaviour::UnseenTwoKinds => "aimd-limit-unseen-two-kinds.svg",
             Behaviour::UnseenTail => "aimd-limit-unseen-tail.svg",
             Behaviour::Full503 => "aimd-limit-503.svg",
+            Behaviour::MixedPrompts => "aimd-limit-prompts.svg",
+            Behaviour::FastSlowPods => "aimd-limit-pods.svg",
+            Behaviour::Drifting => "aimd-limit-drifting.svg",
         }
     }
 
@@ -152,7 +181,11 @@ impl Behaviour {
             Behaviour::UnseenLognormal => SMALL_LATENCY.mul_f64((0.8f64 * 0.8 / 2.0).exp()),
             Behaviour::UnseenTwoKinds => Duration::from_millis(210),
             Behaviour::UnseenTail => SMALL_LATENCY.mul_f64(1.9),
-            Behaviour::Full503 => SMALL_LATENCY,
+            Behaviour::Full503 | Behaviour::Drifting => SMALL_LATENCY,
+            // 20 ms + 0.25 ms × about 190 words, the prompts' mean (a median of 140 × e^(σ²/2)).
+            Behaviour::MixedPrompts => Duration::from_micros(67_500),
+            // Half on each pod when they fill evenly.
+            Behaviour::FastSlowPods => SMALL_LATENCY.mul_f64((1.0 + SLOW_POD) / 2.0),
             _ => LENGTHS_LATENCY,
         }
     }
@@ -220,6 +253,16 @@ impl Behaviour {
                         },
                         ..small_hard
                     },
+                    Behaviour::MixedPrompts => GatewayConfig {
+                        latency_fixed: MIXED_FIXED,
+                        latency_per_prompt_token: PROMPT_WORD,
+                        ..small_hard
+                    },
+                    Behaviour::FastSlowPods => GatewayConfig {
+                        pod_factors: vec![1.0, SLOW_POD],
+                        ..small_hard
+                    },
+                    Behaviour::Drifting => small_hard,
                     _ => GatewayConfig {
                         full_status: 503,
                         ..small_hard
@@ -308,22 +351,38 @@ fn phases(n: usize, latency: Duration) -> (f64, f64) {
 
 /// The capacity of `behaviour` at `t` seconds.
 fn capacity_at(behaviour: Behaviour, n: usize, t: f64) -> usize {
-    let (low, high) = phases(n, behaviour.unloaded());
-    if behaviour == Behaviour::Changing && t >= low && t < high {
-        LOW_CAPACITY
-    } else {
-        behaviour.capacity()
+    match behaviour {
+        Behaviour::Changing => {
+            let (low, high) = phases(n, behaviour.unloaded());
+            if t >= low && t < high {
+                LOW_CAPACITY
+            } else {
+                CAPACITY
+            }
+        }
+        Behaviour::Drifting => {
+            // One period over the time the job takes at the drift's mean C.
+            let (high, low) = (SMALL_CAPACITY as f64, DRIFT_LOW as f64);
+            let period = n as f64 / ((high + low) / 2.0 / behaviour.unloaded().as_secs_f64());
+            let middle = (high + low) / 2.0;
+            let c = middle + (high - middle) * (std::f64::consts::TAU * t / period).cos();
+            c.round() as usize
+        }
+        _ => behaviour.capacity(),
     }
 }
 
-/// C averaged over `[0, elapsed]`.
+/// C averaged over `[0, elapsed]` (in steps of a millisecond).
 fn time_weighted_capacity(behaviour: Behaviour, n: usize, elapsed: f64) -> f64 {
-    if behaviour != Behaviour::Changing || elapsed <= 0.0 {
+    if !matches!(behaviour, Behaviour::Changing | Behaviour::Drifting) || elapsed <= 0.0 {
         return behaviour.capacity() as f64;
     }
-    let (low, high) = phases(n, behaviour.unloaded());
-    let low_time = (elapsed.min(high) - low).max(0.0);
-    (LOW_CAPACITY as f64 * low_time + CAPACITY as f64 * (elapsed - low_time)) / elapsed
+    let steps = (elapsed * 1000.0).ceil().max(1.0) as usize;
+    let dt = elapsed / steps as f64;
+    let sum: f64 = (0..steps)
+        .map(|i| capacity_at(behaviour, n, (i as f64 + 0.5) * dt) as f64)
+        .sum();
+    sum / steps as f64
 }
 
 pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
@@ -359,8 +418,15 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
     );
     for behaviour in Behaviour::ALL {
         let lines_here = behaviour.lines(n);
-        let input = lab.path(&format!("aimd-{lines_here}.jsonl"));
-        write_input(&input, lines_here, 1024)?;
+        let input = if behaviour == Behaviour::MixedPrompts {
+            let input = lab.path(&format!("aimd-mixed-{lines_here}.jsonl"));
+            write_mixed_input(&input, lines_here, MIXED_MEDIAN_BYTES, MIXED_SIGMA)?;
+            input
+        } else {
+            let input = lab.path(&format!("aimd-{lines_here}.jsonl"));
+            write_input(&input, lines_here, 1024)?;
+            input
+        };
         for candidate in CANDIDATES {
             if !behaviour.runs(candidate) {
                 continue;
@@ -398,6 +464,12 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
     report.note(AIMD, format!(
         "Four more gateways admit {SMALL_CAPACITY} at once (429 above, `Retry-After: 0`) and vary each request's latency for a reason its `usage` does not show (every answer reports the same `completion_tokens`, as with prompts of different lengths, prefix-cache misses or pods of different speeds): **(f)** {} ms × a lognormal factor of sigma 0.8; **(g)** two kinds of request, 20 ms and 400 ms, half each; **(h)** {} ms, 10 % of the requests 10 × longer; **(i)** a fixed {} ms, and 503 instead of 429 when full. Their runs last {SMALL_RUN_FACTOR:.0} times as long as the others' (a noisy latency takes more answers to measure), and they compare the default `work` with the reference `aimd`.",
         SMALL_LATENCY.as_millis(), SMALL_LATENCY.as_millis(), SMALL_LATENCY.as_millis()
+    ));
+    report.note(AIMD, format!(
+        "Three more, of 16 at once too, vary latency in the ways a pool does: **(j)** prompts of mixed lengths, {} ms + {} µs per prompt word, the lines' sizes lognormal (median {MIXED_MEDIAN_BYTES} bytes, sigma {MIXED_SIGMA}): each answer's `usage.prompt_tokens` says why, its `completion_tokens` is the same for all; **(k)** a fast pod ({} ms) and a slow one ({} ms) behind one URL, each request on the least busy; **(l)** {} ms, C drifting slowly from {SMALL_CAPACITY} down to {DRIFT_LOW} and back, a cosine over the time the job takes at C = {}.",
+        MIXED_FIXED.as_millis(), PROMPT_WORD.as_micros(), SMALL_LATENCY.as_millis(),
+        SMALL_LATENCY.mul_f64(SLOW_POD).as_millis(), SMALL_LATENCY.as_millis(),
+        (SMALL_CAPACITY + DRIFT_LOW) / 2
     ));
     report.note(AIMD, format!(
         "Each throughput is the job's lines answered per second until {:.0} % of them were (the last answers of a job drain at a falling concurrency whatever the limiter, for as long as its longest answer takes: with (c)'s tail, seconds). The limit it is compared with is C / the mean latency the gateway itself served in that run (time-weighted C for (d)), of the run with the median throughput; for (e), C / the mean unloaded latency of its answers: the throughput at the knee. (e) also reports the gateway's mean time per output token over its unloaded value ({} ms), target ≤ 1.25.",
@@ -478,6 +550,9 @@ fn record(
         Behaviour::Changing => {
             format!("time-weighted C / mean latency, C = {CAPACITY} → {LOW_CAPACITY} → {CAPACITY}")
         }
+        Behaviour::Drifting => format!(
+            "time-weighted C / mean latency, C = {SMALL_CAPACITY} → {DRIFT_LOW} → {SMALL_CAPACITY}"
+        ),
         Behaviour::ModelServer => format!("knee: C / mean unloaded latency, C = {CAPACITY}"),
         _ => format!("C / mean latency, C = {c}"),
     };
@@ -614,10 +689,23 @@ mod tests {
         assert_eq!(time_weighted_capacity(b, n, low), 64.0);
         let at = high + 1.0;
         let expected = (64.0 * (at - (high - low)) + 16.0 * (high - low)) / at;
-        assert!((time_weighted_capacity(b, n, at) - expected).abs() < 1e-9);
+        // Summed in steps of a millisecond: the switches fall within one.
+        assert!((time_weighted_capacity(b, n, at) - expected).abs() < 0.05);
         assert_eq!(capacity_at(b, n, (low + high) / 2.0), LOW_CAPACITY);
         assert_eq!(capacity_at(b, n, high), CAPACITY);
         assert_eq!(capacity_at(Behaviour::ModelServer, n, low), CAPACITY);
+    }
+
+    #[test]
+    fn the_drift_goes_to_8_and_back_over_the_run() {
+        let b = Behaviour::Drifting;
+        let n = 2_400; // 10 s at C = 12 of 50 ms
+        assert_eq!(capacity_at(b, n, 0.0), 16);
+        assert_eq!(capacity_at(b, n, 5.0), 8);
+        assert_eq!(capacity_at(b, n, 2.5), 12);
+        assert_eq!(capacity_at(b, n, 10.0), 16);
+        // A cosine's mean over its period is its middle.
+        assert!((time_weighted_capacity(b, n, 10.0) - 12.0).abs() < 0.05);
     }
 
     #[test]

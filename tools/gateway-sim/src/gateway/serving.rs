@@ -204,9 +204,17 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
         fixed = fixed.saturating_add(config.prefix_miss_latency);
     }
     let mut per_token = config.latency(tokens).saturating_sub(config.latency_fixed);
+    // Prompt processing, which the answer's usage.prompt_tokens shows.
+    let prompt = u32::try_from(reply::prompt_tokens(endpoint, request)).unwrap_or(u32::MAX);
+    fixed = fixed.saturating_add(config.latency_per_prompt_token.saturating_mul(prompt));
+    // The pod it lands on (held until the answer), when several serve the URL.
+    let pod = state.route(config);
+    let mut factor = pod.as_ref().map_or(1.0, |p| p.factor);
     if !config.batching && config.unseen != crate::Unseen::None {
         // The request's own cost, which its usage does not show.
-        let factor = config.unseen.factor(&mut *lock(&state.rng));
+        factor *= config.unseen.factor(&mut *lock(&state.rng));
+    }
+    if factor != 1.0 {
         fixed = fixed.mul_f64(factor);
         per_token = per_token.mul_f64(factor);
     }
