@@ -331,7 +331,7 @@ pub(crate) async fn output(
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Response, ApiError> {
-    lines_so_far(&api, &tenant, &id, batch_sink::OUTPUT_FILE).await
+    lines_so_far(&api, &tenant, &id, batch_wire::OUTPUT_FILE).await
 }
 
 pub(crate) async fn errors(
@@ -339,7 +339,7 @@ pub(crate) async fn errors(
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Response, ApiError> {
-    lines_so_far(&api, &tenant, &id, batch_sink::ERROR_FILE).await
+    lines_so_far(&api, &tenant, &id, batch_wire::ERROR_FILE).await
 }
 
 /// The complete lines of a batch's output or error file: from storage once it ended, from the
@@ -354,7 +354,7 @@ async fn lines_so_far(
     let batch = owned_batch(api, tenant, id).await?;
     let jsonl = [(header::CONTENT_TYPE, "application/jsonl")];
     if batch.batch.status().is_terminal() {
-        let file_id = if file == batch_sink::OUTPUT_FILE {
+        let file_id = if file == batch_wire::OUTPUT_FILE {
             &batch.batch.batch.output_file_id
         } else {
             &batch.batch.batch.error_file_id

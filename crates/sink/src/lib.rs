@@ -45,12 +45,9 @@ use serde::Deserialize;
 pub use done::DoneSet;
 pub use render::{render, render_into, LineKind, Rendered};
 
-/// The output file's name in a job directory.
-pub const OUTPUT_FILE: &str = "output.jsonl";
-/// The error file's name in a job directory.
-pub const ERROR_FILE: &str = "error.jsonl";
-/// The Batch object's file name in a job directory.
-pub const BATCH_FILE: &str = "batch.json";
+// The names of a job directory's files, defined with the file formats in batch-wire so that
+// readers of the files need not depend on the sink.
+pub use batch_wire::{BATCH_FILE, ERROR_FILE, OUTPUT_FILE};
 
 /// Why the sink could not do its job.
 #[derive(Debug, thiserror::Error)]

@@ -27,6 +27,13 @@ pub fn deadline(created_at: i64, window: std::time::Duration) -> Option<i64> {
     created_at.checked_add(secs)
 }
 
+/// The output file's name in a job directory: one line per request the gateway answered.
+pub const OUTPUT_FILE: &str = "output.jsonl";
+/// The error file's name in a job directory: one line per request without an answer.
+pub const ERROR_FILE: &str = "error.jsonl";
+/// The Batch object's file name in a job directory.
+pub const BATCH_FILE: &str = "batch.json";
+
 /// The endpoints a batch input line may target.
 pub const ALLOWED_URLS: [&str; 5] = [
     "/v1/chat/completions",

@@ -38,7 +38,7 @@ pub use batch_json as json;
 pub use batch::{
     deadline, error_codes, Batch, BatchError, BatchErrors, BatchStatus, CachedTokens, ErrorBody,
     InputLine, OutputLine, ReasoningTokens, RequestCounts, ResponseBody, Usage, ALLOWED_URLS,
-    MAX_COMPLETION_WINDOW,
+    BATCH_FILE, ERROR_FILE, MAX_COMPLETION_WINDOW, OUTPUT_FILE,
 };
 pub use envelope::{Envelope, Internal, RequestKind, RequestMessage};
 pub use id::{
