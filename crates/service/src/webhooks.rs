@@ -10,8 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use batch_config::WebhooksConfig;
+use batch_http_client::CheckedClient;
 use batch_state::{now_unix, Delivery, Store, WebhookEndpoint};
-use batch_sync_dispatch::CheckedClient;
 use bytes::Bytes;
 use http_body_util::Full;
 use tokio::task::JoinSet;
@@ -34,7 +34,7 @@ impl Sender {
     pub(crate) fn new(config: WebhooksConfig) -> Result<Self, String> {
         // A host name is called only at addresses the rules allow, checked when connecting.
         let rules = config.clone();
-        let client = batch_sync_dispatch::build_checked_client(&Default::default(), move |ip| {
+        let client = batch_http_client::build_checked(&Default::default(), move |ip| {
             rules.allows_address(ip)
         })
         .map_err(|e| format!("webhook client: {e}"))?;

@@ -1,41 +1,21 @@
-//! The pooled HTTP(S) client: hyper-util's legacy `Client` over rustls (ring provider).
+//! The pooled HTTP(S) client, built by [`batch_http_client`]; its TLS errors are
+//! [`DispatchError::Tls`].
 
-use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Duration;
+use std::net::IpAddr;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::dns::Name;
-use hyper_util::client::legacy::connect::{Connect, HttpConnector};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+pub use batch_http_client::{CheckedClient, CheckedResolver, HttpClient};
 
 use crate::{DispatchError, TlsOptions};
 
-/// Keep-alive client shared by every endpoint with the same TLS settings.
-pub type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
-
-/// Idle keep-alive connections are closed after this long.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
-
-/// A keep-alive client that connects only to the addresses a host name resolves to that a
-/// rule accepts (see [`CheckedResolver`]).
-pub type CheckedClient = Client<HttpsConnector<HttpConnector<CheckedResolver>>, Full<Bytes>>;
+impl From<batch_http_client::TlsError> for DispatchError {
+    fn from(e: batch_http_client::TlsError) -> Self {
+        DispatchError::Tls(e.0)
+    }
+}
 
 /// A keep-alive http and https client with these TLS settings; it follows no redirect.
 pub fn build(tls: &TlsOptions) -> Result<HttpClient, DispatchError> {
-    over(tls, HttpConnector::new())
+    Ok(batch_http_client::build(tls)?)
 }
 
 /// Like [`build`], connecting to a host name only through the addresses `allow` accepts: a
@@ -45,177 +25,5 @@ pub fn build_checked(
     tls: &TlsOptions,
     allow: impl Fn(IpAddr) -> bool + Send + Sync + 'static,
 ) -> Result<CheckedClient, DispatchError> {
-    over(
-        tls,
-        HttpConnector::new_with_resolver(CheckedResolver {
-            allow: Arc::new(allow),
-        }),
-    )
-}
-
-fn over<R>(
-    tls: &TlsOptions,
-    mut http: HttpConnector<R>,
-) -> Result<Client<HttpsConnector<HttpConnector<R>>, Full<Bytes>>, DispatchError>
-where
-    HttpsConnector<HttpConnector<R>>: Connect + Clone + Send + Sync + 'static,
-{
-    let config = tls_config(tls)?;
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(config)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .build(https))
-}
-
-/// Resolves host names with the system's resolver and keeps the addresses a rule accepts,
-/// at each connection: what a name resolved to when it was checked may not be what it
-/// resolves to when it is called.
-#[derive(Clone)]
-pub struct CheckedResolver {
-    allow: Arc<dyn Fn(IpAddr) -> bool + Send + Sync>,
-}
-
-impl tower::Service<Name> for CheckedResolver {
-    type Response = std::vec::IntoIter<SocketAddr>;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, name: Name) -> Self::Future {
-        let allow = self.allow.clone();
-        Box::pin(async move {
-            let host = name.as_str();
-            let found: Vec<SocketAddr> = tokio::net::lookup_host((host, 0)).await?.collect();
-            let kept: Vec<SocketAddr> = found.iter().copied().filter(|a| allow(a.ip())).collect();
-            if kept.is_empty() {
-                let refused: Vec<IpAddr> = found.iter().map(SocketAddr::ip).collect();
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::PermissionDenied,
-                    format!("{host} resolves to no address the rules allow ({refused:?})"),
-                ));
-            }
-            Ok(kept.into_iter())
-        })
-    }
-}
-
-fn tls_error(path: Option<&Path>, message: impl std::fmt::Display) -> DispatchError {
-    DispatchError::Tls(match path {
-        Some(path) => format!("{}: {message}", path.display()),
-        None => message.to_string(),
-    })
-}
-
-fn tls_config(tls: &TlsOptions) -> Result<ClientConfig, DispatchError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| tls_error(None, e))?;
-    let builder = if tls.insecure_skip_verify {
-        builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AcceptAnyServerCert(provider)))
-    } else {
-        builder.with_root_certificates(roots(tls.ca_cert_file.as_deref())?)
-    };
-    match (&tls.client_cert_file, &tls.client_key_file) {
-        (Some(cert_file), Some(key_file)) => {
-            let chain = read_certs(cert_file)?;
-            let key = PrivateKeyDer::from_pem_file(key_file)
-                .map_err(|e| tls_error(Some(key_file), format!("no usable private key: {e}")))?;
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(|e| tls_error(Some(cert_file), e))
-        }
-        (None, None) => Ok(builder.with_no_client_auth()),
-        _ => Err(tls_error(
-            None,
-            "client_cert_file and client_key_file go together",
-        )),
-    }
-}
-
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, DispatchError> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| tls_error(Some(path), e))?;
-    if certs.is_empty() {
-        return Err(tls_error(Some(path), "no certificate in the file"));
-    }
-    Ok(certs)
-}
-
-/// The system's roots plus the configured CA file.
-fn roots(ca_cert_file: Option<&Path>) -> Result<RootCertStore, DispatchError> {
-    let mut roots = RootCertStore::empty();
-    // A container may have no system store at all; the CA file is then the only root.
-    let native = rustls_native_certs::load_native_certs();
-    roots.add_parsable_certificates(native.certs);
-    if let Some(path) = ca_cert_file {
-        for cert in read_certs(path)? {
-            roots
-                .add(cert)
-                .map_err(|e| tls_error(Some(path), format!("unusable CA certificate: {e}")))?;
-        }
-    }
-    Ok(roots)
-}
-
-/// `insecure_skip_verify`: trusts any certificate, but still checks the handshake signatures
-/// so the session keys belong to whoever presented it.
-#[derive(Debug)]
-struct AcceptAnyServerCert(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for AcceptAnyServerCert {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
+    Ok(batch_http_client::build_checked(tls, allow)?)
 }

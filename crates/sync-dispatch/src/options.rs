@@ -1,25 +1,15 @@
 //! What the caller configures: one endpoint's HTTP behaviour, and the process-wide limits.
 
 use std::fmt;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use batch_limiter::Algorithm;
 
 use crate::{DispatchError, LoadOptions};
 
-/// TLS settings of an endpoint. Endpoints with equal settings share one connection pool.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
-pub struct TlsOptions {
-    /// PEM file of extra trusted CA certificates (added to the system roots).
-    pub ca_cert_file: Option<PathBuf>,
-    /// PEM file of the client certificate chain, for mutual TLS; needs `client_key_file`.
-    pub client_cert_file: Option<PathBuf>,
-    /// PEM file of the client private key; needs `client_cert_file`.
-    pub client_key_file: Option<PathBuf>,
-    /// Accept any server certificate. For tests and labs only.
-    pub insecure_skip_verify: bool,
-}
+// TLS settings of an endpoint, those of its client: endpoints with equal settings share one
+// connection pool.
+pub use batch_http_client::TlsOptions;
 
 /// How to talk to one inference gateway.
 #[derive(Clone)]
