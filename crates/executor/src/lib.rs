@@ -103,6 +103,10 @@ pub enum ExecError {
     /// The configuration cannot be used.
     #[error("config: {0}")]
     Config(String),
+    /// A task running blocking work (preparing a job, file work) panicked: a bug, not the input
+    /// or the configuration. Says what the task was doing and the panic.
+    #[error("a task panicked: {0}")]
+    Panicked(String),
     /// The output directory holds another job.
     #[error("{dir} holds job {found}, not {wanted}; use another output directory")]
     OtherJob {
@@ -284,7 +288,7 @@ impl Executor {
         let (spec, work_dir) = (spec.clone(), self.config.work_dir.clone());
         let prepared = tokio::task::spawn_blocking(move || Job::prepare(&spec, &work_dir, limits))
             .await
-            .map_err(|e| ExecError::Config(format!("preparing the job panicked: {e}")))??;
+            .map_err(|e| ExecError::Panicked(format!("preparing the job: {e}")))??;
         if let Prepared::Ready(job) = &prepared {
             self.dispatch.register(job);
         }
@@ -541,7 +545,7 @@ where
 {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| ExecError::Config(format!("file work panicked: {e}")))?
+        .map_err(|e| ExecError::Panicked(format!("file work: {e}")))?
 }
 
 async fn set_status(job: &Arc<Job>, status: BatchStatus) -> Result<Batch, ExecError> {
