@@ -134,34 +134,10 @@ fn is_own_given_up(key: &str, value: &str, holder: &Holder) -> bool {
         && live().get(key).map(String::as_str) != Some(value)
 }
 
-// KEYS[1] = lease; ARGV[1] = me, ARGV[2] = ttl ms, ARGV[3] = a holder known dead ('' if none).
-// Returns {1, me} when taken (or renewed), {0, holder} when another holds it.
-const ACQUIRE_LUA: &str = r#"
-local v = redis.call('GET', KEYS[1])
-if (not v) or v == ARGV[1] or (ARGV[3] ~= '' and v == ARGV[3]) then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2]))
-  return {1, ARGV[1]}
-end
-return {0, v}
-"#;
-
-// KEYS[1] = lease; ARGV[1] = me, ARGV[2] = ttl ms. 1 when renewed, 0 when another holds it,
-// -1 when the key is gone.
-const RENEW_LUA: &str = r#"
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
-  return 1
-end
-if not v then return -1 end
-return 0
-"#;
-
-// KEYS[1] = lease; ARGV[1] = me. Deletes the lease only if it is ours.
-const RELEASE_LUA: &str = r#"
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"#;
+// The lease's scripts; each file's header says what it does, its KEYS and ARGV.
+const ACQUIRE_LUA: &str = include_str!("lease/acquire.lua");
+const RENEW_LUA: &str = include_str!("lease/renew.lua");
+const RELEASE_LUA: &str = include_str!("lease/release.lua");
 
 /// What [`Lease::try_acquire`] found.
 pub enum Acquired {

@@ -10,71 +10,11 @@ use fred::types::scripts::Script;
 
 use crate::Holder;
 
-// Moves the whole result list into flight when nothing is in flight; O(1).
-// KEYS: list, inflight, lease. ARGV: the lease holder.
-// Returns -1 when the lease is not ours, else how many results are in flight now. Resent after
-// a dropped connection it changes nothing: the results are in flight already.
-const TAKE_LUA: &str = r#"
-if redis.call('GET', KEYS[3]) ~= ARGV[1] then return -1 end
-local n = redis.call('LLEN', KEYS[2])
-if n > 0 then return n end
-n = redis.call('LLEN', KEYS[1])
-if n > 0 then redis.call('RENAME', KEYS[1], KEYS[2]) end
-return n
-"#;
-
-// Acknowledges the n rightmost (oldest) in-flight results once they are written, parking those
-// of jobs that run elsewhere.
-// KEYS: inflight, lease, acked, jobs, then one parked list per job to park for.
-// ARGV: holder, nonce, n, oldest, newest, now (Unix s), then triples (list-order position among
-//       the n, index into KEYS of the parked list, job id), oldest first.
-// Returns {1, parked} when applied (or when this very nonce was applied already: {1, -1}),
-// {-1} when the lease is not ours, {-2} when the entries are not the ones written.
-const ACK_LUA: &str = r#"
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {-1} end
-if redis.call('GET', KEYS[3]) == ARGV[2] then return {1, -1} end
-local n = tonumber(ARGV[3])
-if redis.call('LLEN', KEYS[1]) < n
-  or redis.call('LINDEX', KEYS[1], -1) ~= ARGV[4]
-  or redis.call('LINDEX', KEYS[1], -n) ~= ARGV[5] then
-  return {-2}
-end
-local now = tonumber(ARGV[6])
-local parked = 0
-for i = 7, #ARGV, 3 do
-  local deadline = tonumber(redis.call('HGET', KEYS[4], ARGV[i + 2]) or '0')
-  if deadline > now then
-    local key = KEYS[tonumber(ARGV[i + 1])]
-    redis.call('LPUSH', key, redis.call('LINDEX', KEYS[1], -n + tonumber(ARGV[i])))
-    redis.call('EXPIREAT', key, deadline + 86400)
-    parked = parked + 1
-  end
-end
-redis.call('LTRIM', KEYS[1], 0, -n - 1)
-redis.call('SET', KEYS[3], ARGV[2], 'EX', 3600)
-return {1, parked}
-"#;
-
-// Hands results on to the list their requests named, and tells that list's reader where they
-// came from.
-// KEYS: list, its handed-from key. ARGV: the list they arrived on, then the results, oldest first.
-// Returns the list's length.
-const HAND_ON_LUA: &str = r#"
-redis.call('SET', KEYS[2], ARGV[1], 'EX', 86400)
-return redis.call('LPUSH', KEYS[1], unpack(ARGV, 2))
-"#;
-
-// The ids of the results at positions ARGV[2]..ARGV[3] of a list that start with ARGV[1]; a
-// range at a time, so a long list never holds Redis up for long.
-// KEYS: the list. Returns the matching ids.
-const IDS_LUA: &str = r#"
-local out = {}
-for _, item in ipairs(redis.call('LRANGE', KEYS[1], ARGV[2], ARGV[3])) do
-  local id = string.match(item, '"id"%s*:%s*"([^"]*)"')
-  if id and string.sub(id, 1, #ARGV[1]) == ARGV[1] then out[#out + 1] = id end
-end
-return out
-"#;
+// Each file's header says what the script does, its KEYS and ARGV.
+const TAKE_LUA: &str = include_str!("scripts/take.lua");
+const ACK_LUA: &str = include_str!("scripts/ack.lua");
+const HAND_ON_LUA: &str = include_str!("scripts/hand_on.lua");
+const IDS_LUA: &str = include_str!("scripts/ids.lua");
 
 /// What an acknowledgement did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

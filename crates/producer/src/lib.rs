@@ -121,15 +121,8 @@ pub struct RemoveReport {
     pub marked: u64,
 }
 
-// ZREMs each member of KEYS[1] given in ARGV; returns the 1-based positions of those that were
-// not there. Cancel markers are set outside the script: they are keys of other hash slots.
-const REMOVE_LUA: &str = r#"
-local missing = {}
-for i = 1, #ARGV do
-  if redis.call('ZREM', KEYS[1], ARGV[i]) == 0 then missing[#missing + 1] = i end
-end
-return missing
-"#;
+// Takes members out of a request sorted set; the file's header says its KEYS and ARGV.
+const REMOVE_LUA: &str = include_str!("remove.lua");
 
 /// Writes and removes members of the dispatcher's request sorted sets.
 ///
