@@ -32,12 +32,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batch_api::{Api, ApiError, Hooks, Keys, LineStream};
-use batch_config::ProcessorConfig;
+use batch_config::{ProcessorConfig, ServeConfig};
 use batch_executor::Executor;
 use batch_state::Store;
 use batch_storage::Storage;
 use futures::future::BoxFuture;
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
 use recover::StateGuard;
@@ -120,75 +122,91 @@ fn s3_options(s3: &batch_config::S3Config) -> batch_storage::S3Options {
     }
 }
 
-impl Service {
-    /// Connects to Redis and storage, binds the listen address, resumes this replica's jobs and
-    /// starts serving.
-    pub async fn start(
-        config: ProcessorConfig,
-        options: ServiceOptions,
-    ) -> Result<Self, ServiceError> {
-        let serve = config.serve.clone();
-        let listen = options.listen.unwrap_or(serve.listen);
-        let probes_addr = config.observability.addr;
-        if let Some(header) = &serve.tenant_header {
-            tracing::warn!(%listen, header, "serve.tenant_header is set: the service trusts the {header} header to name the caller; it must only be reachable through the authenticating proxy that sets it");
-        } else if serve.api_keys.is_empty() {
-            if !listen.ip().is_loopback() {
-                return Err(ServiceError::Config(format!(
-                    "serve.api_keys_file is not set: without API keys the service only listens on a loopback address, not {listen}"
-                )));
-            }
-            tracing::warn!(%listen, "serve.api_keys_file is not set: every request is tenant `default`, with no key");
+/// Step of the start: refuses keyless access off loopback, and warns of how callers are named.
+fn check_access(serve: &ServeConfig, listen: SocketAddr) -> Result<(), ServiceError> {
+    if let Some(header) = &serve.tenant_header {
+        tracing::warn!(%listen, header, "serve.tenant_header is set: the service trusts the {header} header to name the caller; it must only be reachable through the authenticating proxy that sets it");
+    } else if serve.api_keys.is_empty() {
+        if !listen.ip().is_loopback() {
+            return Err(ServiceError::Config(format!(
+                "serve.api_keys_file is not set: without API keys the service only listens on a loopback address, not {listen}"
+            )));
         }
-        let Some(redis_url) = config.redis_url.clone() else {
-            return Err(ServiceError::Config(
-                "the service needs Redis: set redis_url_file (and load the config with load_service)".into(),
-            ));
-        };
-        // A missing bucket or unreachable store stops the start, naming both.
-        let storage = Storage::open(&serve.storage, &s3_options(&serve.s3)).await?;
-        let connect = batch_redis::ConnectOptions {
-            tls: config.redis_tls_options(),
-            command_timeout: Duration::from_secs(10),
-            ..Default::default()
-        };
-        let client = batch_redis::connect(redis_url.expose(), &connect).await?;
-        // Every record change also goes to storage, from which a Redis that lost it is rebuilt.
-        let store = Store::new(client.clone(), &serve.state_prefix).with_mirror(storage.clone());
-        let metrics = match options.metrics {
-            Some(m) => Some(m),
-            None => batch_observability::install_recorder()
-                .map_err(|e| tracing::warn!(error = %e, "no /metrics: {e}"))
-                .ok(),
-        };
-        batch_redis::check_durability(&client, config.redis_allow_eviction).await?;
-        let work_dir: PathBuf = config.work_dir.clone();
-        let executor = Arc::new(Executor::new(config).await?);
-        let replica = options
-            .replica_id
-            .unwrap_or_else(|| serve.replica_id.clone());
-        let state = Arc::new(StateGuard::new(store.clone(), storage.clone(), &replica));
-        let stop_reaper = CancellationToken::new();
-        // Before any job is taken: an empty Redis over a storage holding batches is rebuilt.
-        let rebuilt = state.ensure(options.rebuild_state, &stop_reaper).await?;
-        let runner = Runner::new(
-            state.clone(),
-            store.clone(),
-            storage.clone(),
-            executor.clone(),
-            RunnerConfig {
-                replica: replica.clone(),
-                work_dir,
-                max_active_jobs: serve.max_active_jobs,
-                lease_ttl: serve.lease_ttl,
-                checkpoint_interval: serve.checkpoint_interval,
-                tenant_share: batch_state::SlotShare {
-                    cap: serve.tenant_max_running_batches,
-                    weights: serve.tenant_weights.clone(),
-                },
-                tenant_requests: serve.tenant_max_requests_in_flight,
-            },
-        );
+        tracing::warn!(%listen, "serve.api_keys_file is not set: every request is tenant `default`, with no key");
+    }
+    Ok(())
+}
+
+/// What [`open_backends`] opened.
+struct Backends {
+    storage: Storage,
+    store: Store,
+    metrics: Option<batch_observability::MetricsHandle>,
+}
+
+/// Step of the start: opens storage and Redis, installs the metrics recorder (unless given one)
+/// and checks that Redis keeps the service's keys.
+async fn open_backends(
+    config: &ProcessorConfig,
+    metrics: Option<batch_observability::MetricsHandle>,
+) -> Result<Backends, ServiceError> {
+    let serve = &config.serve;
+    let Some(redis_url) = config.redis_url.clone() else {
+        return Err(ServiceError::Config(
+            "the service needs Redis: set redis_url_file (and load the config with load_service)"
+                .into(),
+        ));
+    };
+    // A missing bucket or unreachable store stops the start, naming both.
+    let storage = Storage::open(&serve.storage, &s3_options(&serve.s3)).await?;
+    let connect = batch_redis::ConnectOptions {
+        tls: config.redis_tls_options(),
+        command_timeout: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let client = batch_redis::connect(redis_url.expose(), &connect).await?;
+    // Every record change also goes to storage, from which a Redis that lost it is rebuilt.
+    let store = Store::new(client.clone(), &serve.state_prefix).with_mirror(storage.clone());
+    let metrics = match metrics {
+        Some(m) => Some(m),
+        None => batch_observability::install_recorder()
+            .map_err(|e| tracing::warn!(error = %e, "no /metrics: {e}"))
+            .ok(),
+    };
+    batch_redis::check_durability(&client, config.redis_allow_eviction).await?;
+    Ok(Backends {
+        storage,
+        store,
+        metrics,
+    })
+}
+
+/// Step of the start: the job runner's settings from `serve`.
+fn runner_config(serve: &ServeConfig, replica: String, work_dir: PathBuf) -> RunnerConfig {
+    RunnerConfig {
+        replica,
+        work_dir,
+        max_active_jobs: serve.max_active_jobs,
+        lease_ttl: serve.lease_ttl,
+        checkpoint_interval: serve.checkpoint_interval,
+        tenant_share: batch_state::SlotShare {
+            cap: serve.tenant_max_running_batches,
+            weights: serve.tenant_weights.clone(),
+        },
+        tenant_requests: serve.tenant_max_requests_in_flight,
+    }
+}
+
+/// The API's listener and, with `observability.addr`, the probes' one, each with its address.
+struct Listeners {
+    api: TcpListener,
+    addr: SocketAddr,
+    probes: Option<(TcpListener, SocketAddr)>,
+}
+
+impl Listeners {
+    /// Step of the start: binds the API's address, then `observability.addr` if set.
+    fn bind(listen: SocketAddr, probes_addr: Option<SocketAddr>) -> Result<Self, ServiceError> {
         let listener = http::bind(listen).map_err(|error| ServiceError::Listen {
             addr: listen,
             error,
@@ -212,109 +230,205 @@ impl Service {
             }
             None => None,
         };
-        let probes_addr = probes.as_ref().map(|(_, a)| *a);
-        // `serve.tls`: a bad certificate or key stops the start, naming the file.
-        let mut tasks_before = Vec::new();
-        let tls = match &serve.tls {
-            Some(files) => {
-                let certificates = tls::Certificates::load(files).map_err(ServiceError::Config)?;
-                let acceptor = certificates.acceptor().map_err(ServiceError::Config)?;
-                tasks_before.push(tokio::spawn(certificates.watch(stop_reaper.clone())));
-                Some(acceptor)
-            }
-            None => None,
-        };
+        Ok(Self {
+            api: listener,
+            addr,
+            probes,
+        })
+    }
+
+    /// The bound address of the probes' listener, if any.
+    fn probes_addr(&self) -> Option<SocketAddr> {
+        self.probes.as_ref().map(|(_, a)| *a)
+    }
+}
+
+/// Step of the start: loads `serve.tls` and starts watching its files (pushed onto `tasks`).
+fn tls_acceptor(
+    serve: &ServeConfig,
+    stop_reaper: &CancellationToken,
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> Result<Option<TlsAcceptor>, ServiceError> {
+    // `serve.tls`: a bad certificate or key stops the start, naming the file.
+    Ok(match &serve.tls {
+        Some(files) => {
+            let certificates = tls::Certificates::load(files).map_err(ServiceError::Config)?;
+            let acceptor = certificates.acceptor().map_err(ServiceError::Config)?;
+            tasks.push(tokio::spawn(certificates.watch(stop_reaper.clone())));
+            Some(acceptor)
+        }
+        None => None,
+    })
+}
+
+/// Step of the start: the HTTP API over the store, storage and hooks, with `serve`'s limits.
+fn build_api(
+    serve: &ServeConfig,
+    store: &Store,
+    storage: &Storage,
+    executor: &Executor,
+    hooks: Arc<ServiceHooks>,
+) -> Result<Api, ServiceError> {
+    Ok(Api {
+        store: store.clone(),
+        storage: storage.clone(),
+        keys: match &serve.tenant_header {
+            Some(header) => Keys::from_header(header).ok_or_else(|| {
+                ServiceError::Config(format!(
+                    "serve.tenant_header {header:?} is not a header name"
+                ))
+            })?,
+            None => Keys::new(&serve.api_keys),
+        },
+        limits: executor.config().input.clone(),
+        edge: batch_api::EdgeLimits {
+            max_json_body_bytes: serve.max_json_body_bytes,
+            max_form_field_bytes: serve.max_form_field_bytes,
+            max_filename_bytes: serve.max_filename_bytes,
+            max_id_bytes: serve.max_id_bytes,
+        },
+        quotas: batch_api::Quotas {
+            max_unfinished_batches: serve.tenant_max_batches,
+            max_stored_bytes: serve.tenant_max_stored_bytes,
+            max_files: serve.tenant_max_files,
+        },
+        pass_through_headers: Arc::from(serve.pass_through_headers.clone()),
+        webhooks: serve.webhooks.clone(),
+        hooks,
+    })
+}
+
+/// Step of the start: serves the API (and the probes, on their own listener) until `stop_http`.
+fn serve_http(
+    listeners: Listeners,
+    api: Api,
+    tls: Option<TlsAcceptor>,
+    serve: &ServeConfig,
+    stop_http: &CancellationToken,
+) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    let open_files = http::open_file_limit();
+    let limits = http::EdgeLimits {
+        first_request_timeout: serve.first_request_timeout,
+        header_read_timeout: serve.header_read_timeout,
+        idle_timeout: serve.idle_timeout,
+        max_connections: serve.connection_ceiling(open_files),
+        per_peer: serve.connections_per_peer(),
+    };
+    tracing::info!(
+        max_connections = limits.max_connections,
+        max_connections_per_peer = limits.per_peer,
+        open_files,
+        "connection limits"
+    );
+    let (app, probe_app) = batch_api::routers(api);
+    tasks.push(tokio::spawn(http::serve(
+        listeners.api,
+        app,
+        limits,
+        tls,
+        stop_http.clone(),
+    )));
+    if let Some((listener, bound)) = listeners.probes {
+        tracing::info!(addr = %bound, "serving /health, /ready and /metrics on observability.addr");
+        // Plain HTTP: kubelet probes and scrapes inside the cluster.
+        tasks.push(tokio::spawn(http::serve(
+            listener,
+            probe_app,
+            limits,
+            None,
+            stop_http.clone(),
+        )));
+    }
+    tasks
+}
+
+/// Step of the start: spawns the job runner, the webhook sender, the state watch and the reaper.
+fn spawn_workers(
+    runner: &Arc<Runner>,
+    state: Arc<StateGuard>,
+    store: Store,
+    storage: Storage,
+    webhook_sender: Arc<webhooks::Sender>,
+    reaper_interval: Duration,
+    stop_reaper: &CancellationToken,
+) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    tasks.push(tokio::spawn(runner.clone().run()));
+    tasks.push(tokio::spawn(webhooks::run(
+        store.clone(),
+        webhook_sender,
+        stop_reaper.clone(),
+    )));
+    {
+        let (runner, stop) = (runner.clone(), stop_reaper.clone());
+        tasks.push(tokio::spawn(async move {
+            state.watch(stop, || runner.wake.notify_waiters()).await
+        }));
+    }
+    tasks.push(tokio::spawn(reaper::run(
+        store,
+        storage,
+        reaper_interval,
+        stop_reaper.clone(),
+    )));
+    tasks
+}
+
+impl Service {
+    /// Connects to Redis and storage, binds the listen address, resumes this replica's jobs and
+    /// starts serving.
+    pub async fn start(
+        config: ProcessorConfig,
+        options: ServiceOptions,
+    ) -> Result<Self, ServiceError> {
+        let serve = config.serve.clone();
+        let listen = options.listen.unwrap_or(serve.listen);
+        let probes_addr = config.observability.addr;
+        check_access(&serve, listen)?;
+        let backends = open_backends(&config, options.metrics).await?;
+        let (storage, store) = (backends.storage, backends.store);
+        let work_dir: PathBuf = config.work_dir.clone();
+        let executor = Arc::new(Executor::new(config).await?);
+        let replica = options
+            .replica_id
+            .unwrap_or_else(|| serve.replica_id.clone());
+        let state = Arc::new(StateGuard::new(store.clone(), storage.clone(), &replica));
+        let stop_reaper = CancellationToken::new();
+        // Before any job is taken: an empty Redis over a storage holding batches is rebuilt.
+        let rebuilt = state.ensure(options.rebuild_state, &stop_reaper).await?;
+        let runner = Runner::new(
+            state.clone(),
+            store.clone(),
+            storage.clone(),
+            executor.clone(),
+            runner_config(&serve, replica.clone(), work_dir),
+        );
+        let listeners = Listeners::bind(listen, probes_addr)?;
+        let (addr, probes_addr) = (listeners.addr, listeners.probes_addr());
+        let mut tasks = Vec::new();
+        let tls = tls_acceptor(&serve, &stop_reaper, &mut tasks)?;
         let webhook_sender =
             Arc::new(webhooks::Sender::new(serve.webhooks.clone()).map_err(ServiceError::Config)?);
         let hooks = Arc::new(ServiceHooks {
             runner: runner.clone(),
             store: store.clone(),
-            metrics,
+            metrics: backends.metrics,
             webhooks: webhook_sender.clone(),
             state: state.clone(),
         });
-        let api = Api {
-            store: store.clone(),
-            storage: storage.clone(),
-            keys: match &serve.tenant_header {
-                Some(header) => Keys::from_header(header).ok_or_else(|| {
-                    ServiceError::Config(format!(
-                        "serve.tenant_header {header:?} is not a header name"
-                    ))
-                })?,
-                None => Keys::new(&serve.api_keys),
-            },
-            limits: executor.config().input.clone(),
-            edge: batch_api::EdgeLimits {
-                max_json_body_bytes: serve.max_json_body_bytes,
-                max_form_field_bytes: serve.max_form_field_bytes,
-                max_filename_bytes: serve.max_filename_bytes,
-                max_id_bytes: serve.max_id_bytes,
-            },
-            quotas: batch_api::Quotas {
-                max_unfinished_batches: serve.tenant_max_batches,
-                max_stored_bytes: serve.tenant_max_stored_bytes,
-                max_files: serve.tenant_max_files,
-            },
-            pass_through_headers: Arc::from(serve.pass_through_headers.clone()),
-            webhooks: serve.webhooks.clone(),
-            hooks,
-        };
+        let api = build_api(&serve, &store, &storage, &executor, hooks)?;
         let stop_http = CancellationToken::new();
-        let mut tasks = tasks_before;
-        {
-            let open_files = http::open_file_limit();
-            let limits = http::EdgeLimits {
-                first_request_timeout: serve.first_request_timeout,
-                header_read_timeout: serve.header_read_timeout,
-                idle_timeout: serve.idle_timeout,
-                max_connections: serve.connection_ceiling(open_files),
-                per_peer: serve.connections_per_peer(),
-            };
-            tracing::info!(
-                max_connections = limits.max_connections,
-                max_connections_per_peer = limits.per_peer,
-                open_files,
-                "connection limits"
-            );
-            let (app, probe_app) = batch_api::routers(api);
-            tasks.push(tokio::spawn(http::serve(
-                listener,
-                app,
-                limits,
-                tls,
-                stop_http.clone(),
-            )));
-            if let Some((listener, bound)) = probes {
-                tracing::info!(addr = %bound, "serving /health, /ready and /metrics on observability.addr");
-                // Plain HTTP: kubelet probes and scrapes inside the cluster.
-                tasks.push(tokio::spawn(http::serve(
-                    listener,
-                    probe_app,
-                    limits,
-                    None,
-                    stop_http.clone(),
-                )));
-            }
-        }
-        tasks.push(tokio::spawn(runner.clone().run()));
-        tasks.push(tokio::spawn(webhooks::run(
-            store.clone(),
-            webhook_sender,
-            stop_reaper.clone(),
-        )));
-        {
-            let (runner, stop) = (runner.clone(), stop_reaper.clone());
-            tasks.push(tokio::spawn(async move {
-                state.watch(stop, || runner.wake.notify_waiters()).await
-            }));
-        }
-        tasks.push(tokio::spawn(reaper::run(
+        tasks.extend(serve_http(listeners, api, tls, &serve, &stop_http));
+        tasks.extend(spawn_workers(
+            &runner,
+            state,
             store,
             storage,
+            webhook_sender,
             serve.reaper_interval,
-            stop_reaper.clone(),
-        )));
+            &stop_reaper,
+        ));
         tracing::info!(%addr, replica, max_active_jobs = serve.max_active_jobs, "service started");
         Ok(Self {
             addr,
