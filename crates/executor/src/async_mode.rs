@@ -73,6 +73,24 @@ fn stopped_or(e: ExecError, stop: &Stop) -> Result<End, ExecError> {
     }
 }
 
+/// Step of the dispatch: what stops the job's setup: its halt, or for a job resumed past its
+/// deadline a timer of its own.
+fn setup_stop(job: &Job, stop: &Stop) -> CancellationToken {
+    // A job resumed past its deadline still takes in what arrived while no process ran it
+    // (for a while), before its open lines are closed.
+    if job.resumed && matches!(stop.end(), Some(End::Expired)) {
+        let token = CancellationToken::new();
+        let timer = token.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            timer.cancel();
+        });
+        token
+    } else {
+        stop.halt.clone()
+    }
+}
+
 /// The requests of `records` (with their plan positions) of one model's queue; their lines
 /// are read from the input as the producer takes them.
 fn requests(
@@ -212,19 +230,7 @@ impl AsyncMode {
     }
 
     async fn dispatch(&self, job: &Arc<Job>, stop: &Stop) -> Result<End, ExecError> {
-        // A job resumed past its deadline still takes in what arrived while no process ran it
-        // (for a while), before its open lines are closed.
-        let setup = if job.resumed && matches!(stop.end(), Some(End::Expired)) {
-            let token = CancellationToken::new();
-            let timer = token.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(30)).await;
-                timer.cancel();
-            });
-            token
-        } else {
-            stop.halt.clone()
-        };
+        let setup = setup_stop(job, stop);
         let queues = match self.queues(job, &setup).await {
             Ok(q) => q,
             Err(e) if setup.is_cancelled() => {
@@ -241,51 +247,18 @@ impl AsyncMode {
         if let Err(e) = self.register_job(job, &lists, &setup).await {
             return stopped_or(e, stop);
         }
-        for (list, pool) in &lists {
-            let own = self.readers.is_own(list).await;
-            if !own {
-                // Another process's list (the job started there): read it once it is free,
-                // and meanwhile what its reader parks for this job.
-                self.readers
-                    .start_consumer(pool, list, None, &setup)
-                    .await?;
-            }
-            // Always, even on this process's own list: while its lease had lapsed (a cut from
-            // Redis longer than the lease), another process may have read the list and parked
-            // this job's results, which only this reader takes in.
-            self.readers.start_parked(list, job);
-        }
-        if job.resumed {
-            // Results that arrived while no process ran the job are written first, so what is
-            // put back below is only what has no result.
-            // Not under the consumers' lock: a list whose reader is another live process is
-            // not drained here for the whole wait, and other jobs start their consumers meanwhile.
-            let stats = self.readers.stats_of(lists.keys()).await;
-            let wait =
-                self.config.async_dispatch.result_poll_timeout + self.readers.lease_ttl() * 2;
-            for stats in stats {
-                tokio::select! {
-                    _ = setup.cancelled() => return Ok(stop.end().unwrap_or(End::Paused)),
-                    _ = tokio::time::timeout(wait, stats.drained()) => {}
-                }
-            }
+        self.start_readers(job, &lists, &setup).await?;
+        // Results that arrived while no process ran the job are written first, so what is
+        // put back below is only what has no result.
+        if job.resumed && !self.take_in_arrived(&lists, &setup).await {
+            return Ok(stop.end().unwrap_or(End::Paused));
         }
         if stop.halt.is_cancelled() {
             return Ok(stop.end().unwrap_or(End::Paused));
         }
-        let enqueued = if job.resumed && job.was_enqueued() {
-            // Nothing is put back at once: a line in no key may still be in the dispatcher's
-            // hands (a v0.9 dispatcher keeps what it is sending in no key, and a line it took
-            // from the queue just before the resume is as new as any). The lost-request check
-            // below puts back what stays missing once no answer can still come for it.
-            Ok(0)
-        } else if job.resumed {
-            self.put_back_missing(job, &queues, &producer, None, &stop.halt)
-                .await
-                .map(|(n, _)| n)
-        } else {
-            self.enqueue_all(job, &queues, &producer).await
-        };
+        let enqueued = self
+            .enqueue_unanswered(job, &queues, &producer, &stop.halt)
+            .await;
         if enqueued.is_ok() && !stop.halt.is_cancelled() {
             let j = job.clone();
             blocking(move || j.mark_enqueued()).await?;
@@ -295,6 +268,87 @@ impl AsyncMode {
             Err(e) => return stopped_or(e, stop),
         };
         tracing::info!(job = %job.id, enqueued, "requests enqueued");
+        self.watch_until_end(job, &queues, &lists, &producer, stop)
+            .await
+    }
+
+    /// Step of the dispatch: starts the readers the job's results come through, on each of
+    /// its lists (list → pool).
+    async fn start_readers(
+        &self,
+        job: &Arc<Job>,
+        lists: &BTreeMap<String, String>,
+        setup: &CancellationToken,
+    ) -> Result<(), ExecError> {
+        for (list, pool) in lists {
+            let own = self.readers.is_own(list).await;
+            if !own {
+                // Another process's list (the job started there): read it once it is free,
+                // and meanwhile what its reader parks for this job.
+                self.readers.start_consumer(pool, list, None, setup).await?;
+            }
+            // Always, even on this process's own list: while its lease had lapsed (a cut from
+            // Redis longer than the lease), another process may have read the list and parked
+            // this job's results, which only this reader takes in.
+            self.readers.start_parked(list, job);
+        }
+        Ok(())
+    }
+
+    /// Step of the dispatch of a resumed job: waits, a bounded while for each list, until its
+    /// reader took in what arrived while no process ran the job; false if `setup` stopped.
+    async fn take_in_arrived(
+        &self,
+        lists: &BTreeMap<String, String>,
+        setup: &CancellationToken,
+    ) -> bool {
+        // Not under the consumers' lock: a list whose reader is another live process is
+        // not drained here for the whole wait, and other jobs start their consumers meanwhile.
+        let stats = self.readers.stats_of(lists.keys()).await;
+        let wait = self.config.async_dispatch.result_poll_timeout + self.readers.lease_ttl() * 2;
+        for stats in stats {
+            tokio::select! {
+                _ = setup.cancelled() => return false,
+                _ = tokio::time::timeout(wait, stats.drained()) => {}
+            }
+        }
+        true
+    }
+
+    /// Step of the dispatch: enqueues the job's requests, or for a resumed job puts back those
+    /// with no result; returns how many were enqueued.
+    async fn enqueue_unanswered(
+        &self,
+        job: &Arc<Job>,
+        queues: &[ModelQueue],
+        producer: &Producer,
+        halt: &CancellationToken,
+    ) -> Result<u64, ExecError> {
+        if job.resumed && job.was_enqueued() {
+            // Nothing is put back at once: a line in no key may still be in the dispatcher's
+            // hands (a v0.9 dispatcher keeps what it is sending in no key, and a line it took
+            // from the queue just before the resume is as new as any). The lost-request check
+            // below puts back what stays missing once no answer can still come for it.
+            Ok(0)
+        } else if job.resumed {
+            self.put_back_missing(job, queues, producer, None, halt)
+                .await
+                .map(|(n, _)| n)
+        } else {
+            self.enqueue_all(job, queues, producer).await
+        }
+    }
+
+    /// Step of the dispatch: watches the enqueued job until it ends, renewing its
+    /// registrations, following results handed on and putting back requests lost downstream.
+    async fn watch_until_end(
+        &self,
+        job: &Arc<Job>,
+        queues: &[ModelQueue],
+        lists: &BTreeMap<String, String>,
+        producer: &Producer,
+        stop: &Stop,
+    ) -> Result<End, ExecError> {
         let lost_after = self.config.async_dispatch.lost_request_timeout;
         let check_every =
             (lost_after / 4).clamp(Duration::from_millis(200), Duration::from_secs(30));
@@ -310,7 +364,7 @@ impl AsyncMode {
                 end = wait_for_end(&mut progress, stop) => end,
                 _ = checks.tick() => None,
                 _ = follow.tick() => {
-                    self.readers.follow_handed_on(&lists, &stop.halt).await;
+                    self.readers.follow_handed_on(lists, &stop.halt).await;
                     continue;
                 }
             };
@@ -319,11 +373,8 @@ impl AsyncMode {
             }
             // Redis may have lost the registrations (restarted empty, flushed): write them
             // again, so that another reader of the list keeps the job's results.
-            match tokio::time::timeout(
-                REREGISTER_WITHIN,
-                self.register_job(job, &lists, &stop.halt),
-            )
-            .await
+            match tokio::time::timeout(REREGISTER_WITHIN, self.register_job(job, lists, &stop.halt))
+                .await
             {
                 Ok(Err(e)) if !e.is_stopped() && !e.is_transient() => return Err(e),
                 _ => {}
@@ -332,26 +383,53 @@ impl AsyncMode {
                 suspects = None;
                 continue;
             }
-            // Nothing for a long time: put back what is neither answered nor anywhere in the
-            // dispatcher's hands (a dispatcher that crashed, or dropped it, or a Redis that
-            // lost it).
-            let known = suspects.take().unwrap_or_default();
-            let confirm = Some((known, lost_after / 2));
-            match self
-                .put_back_missing(job, &queues, &producer, confirm, &stop.halt)
+            let confirm_after = lost_after / 2;
+            if let Err(e) = self
+                .put_back_lost(
+                    job,
+                    queues,
+                    producer,
+                    &mut suspects,
+                    confirm_after,
+                    &stop.halt,
+                )
                 .await
             {
-                Ok((0, left)) => {
-                    tracing::debug!(job = %job.id, suspects = left.len(), "nothing put back");
-                    suspects = Some(left);
-                }
-                Ok((n, left)) => {
-                    tracing::warn!(job = %job.id, requeued = n, "requests lost downstream were enqueued again");
-                    suspects = Some(left);
-                }
-                Err(e) => return stopped_or(e, stop),
+                return stopped_or(e, stop);
             }
         }
+    }
+
+    /// Step of the dispatch's watch: puts back what is confirmed lost among the last check's
+    /// `suspects`, which become those still unconfirmed.
+    async fn put_back_lost(
+        &self,
+        job: &Arc<Job>,
+        queues: &[ModelQueue],
+        producer: &Producer,
+        suspects: &mut Option<Suspects>,
+        confirm_after: Duration,
+        halt: &CancellationToken,
+    ) -> Result<(), ExecError> {
+        // Nothing for a long time: put back what is neither answered nor anywhere in the
+        // dispatcher's hands (a dispatcher that crashed, or dropped it, or a Redis that
+        // lost it).
+        let known = suspects.take().unwrap_or_default();
+        let confirm = Some((known, confirm_after));
+        match self
+            .put_back_missing(job, queues, producer, confirm, halt)
+            .await?
+        {
+            (0, left) => {
+                tracing::debug!(job = %job.id, suspects = left.len(), "nothing put back");
+                *suspects = Some(left);
+            }
+            (n, left) => {
+                tracing::warn!(job = %job.id, requeued = n, "requests lost downstream were enqueued again");
+                *suspects = Some(left);
+            }
+        }
+        Ok(())
     }
 
     /// Registers the job with each list its requests name (list → pool): its results are
