@@ -1,13 +1,13 @@
 //! A job's lifecycle: from its record and input to the executor, then to its end (finished,
 //! failed before it started, or paused by a shutdown or a lost lease).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use batch_executor::{JobSpec, Prepared};
 use batch_observability::TRACEPARENT;
-use batch_sink::JobSink;
+use batch_sink::{JobSink, Totals};
 use batch_state::{layout, Change, JobLease, StoredBatch};
 use batch_storage::StorageError;
 use batch_wire::Batch;
@@ -76,66 +76,13 @@ impl Runner {
             path: dir.to_owned(),
             error,
         })?;
-        let input = dir.join("input.jsonl");
-        if !input.exists() {
-            let key = layout::upload(&record.batch.batch.input_file_id);
-            match self.storage.download(&key, &input).await {
-                Ok(_) => {}
-                Err(StorageError::NotFound(_)) => {
-                    let message = format!(
-                        "The input file {} was deleted before the batch started.",
-                        record.batch.batch.input_file_id
-                    );
-                    return self
-                        .fail_unstarted(&mut record, lease, "invalid_file", &message)
-                        .await;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let spec = JobSpec {
-            input: input.clone(),
-            output_dir: dir.join("out"),
-            job_id: Some(id.to_owned()),
-            completion_window: Duration::from_secs(record.window_secs),
-            // The pass-through headers of its create request, and this run's trace context,
-            // on every request of the batch.
-            headers: request_headers(&record),
-            created_at: Some(record.batch.batch.created_at),
-            endpoint: record.batch.batch.endpoint.clone(),
-            request_slots: self.tenant_slots(&record.tenant),
-            // The replica's requests are shared among tenants, not among batches.
-            share: Some(record.tenant.clone()),
+        let Some(input) = self.fetch_input(&mut record, lease, &dir).await? else {
+            return Ok(());
         };
-        let cancel = CancellationToken::new();
-        if self
-            .retry("reading a cancel", || self.store.cancel_requested(id))
-            .await?
-        {
-            cancel.cancel();
-        }
-        let prepared = match self
-            .executor
-            .prepare(&spec)
-            .instrument(tracing::info_span!("validate"))
-            .await
-        {
-            Ok(p) => p,
-            // An earlier run of the job here (fenced when Redis lost the state) still winds
-            // down: not a failure of the batch; it is taken again once that run let go.
-            Err(batch_executor::ExecError::Locked { .. }) => {
-                tracing::info!(job = %id, "an earlier run of the job here still winds down; taking it again later");
-                self.forget_active(lease);
-                return self
-                    .retry("letting go of a lease", || self.store.release_lease(lease))
-                    .await;
-            }
-            Err(e) => {
-                let message = format!("The batch could not be started: {e}");
-                return self
-                    .fail_unstarted(&mut record, lease, "batch_failed", &message)
-                    .await;
-            }
+        let spec = self.job_spec(&record, id, input, &dir);
+        let cancel = self.cancel_token(id).await?;
+        let Some(prepared) = self.prepare_job(&spec, &mut record, lease).await? else {
+            return Ok(());
         };
         let (batch, totals) = match prepared {
             // Ended before (finishing it was cut short): the sink counts its files again.
@@ -145,43 +92,12 @@ impl Runner {
                 (*batch, totals)
             }
             Prepared::Ready(job) => {
-                self.prepared(lease, &job);
-                let mut models = job.models();
-                if let (Some(model), None) = (models.next(), models.next()) {
-                    record.batch.model = Some(model.to_owned());
-                }
-                let done = CancellationToken::new();
-                let watcher = tokio::spawn(
-                    self.clone()
-                        .watch(
-                            job.clone(),
-                            record.clone(),
-                            lease.clone(),
-                            cancel.clone(),
-                            fenced.clone(),
-                            done.clone(),
-                        )
-                        .in_current_span(),
-                );
-                let result = self
-                    .executor
-                    .execute_until(job.clone(), cancel.clone(), fenced.clone())
-                    .instrument(tracing::info_span!("dispatch"))
-                    .await;
-                // Its last save must land before the final one.
-                done.cancel();
-                let _ = watcher.await;
-                match result {
-                    Ok(batch) if !batch.status.is_terminal() => {
-                        return self.paused(&job, &mut record, &batch, lease).await;
-                    }
-                    Ok(batch) => (batch, job.totals()),
-                    Err(e) => {
-                        let message = format!("The batch failed: {e}");
-                        return self
-                            .fail_unstarted(&mut record, lease, "batch_failed", &message)
-                            .await;
-                    }
+                match self
+                    .execute(job, &mut record, lease, &cancel, fenced)
+                    .await?
+                {
+                    Some(ended) => ended,
+                    None => return Ok(()),
                 }
             }
         };
@@ -200,6 +116,149 @@ impl Runner {
         ))
         .await?;
         self.end(lease, &dir).await
+    }
+
+    /// Step of a run: the job's input in its directory, downloaded unless already there;
+    /// `None` when the input file is gone and the batch was failed for it.
+    async fn fetch_input(
+        &self,
+        record: &mut StoredBatch,
+        lease: &JobLease,
+        dir: &Path,
+    ) -> Result<Option<PathBuf>, RunError> {
+        let input = dir.join("input.jsonl");
+        if !input.exists() {
+            let key = layout::upload(&record.batch.batch.input_file_id);
+            match self.storage.download(&key, &input).await {
+                Ok(_) => {}
+                Err(StorageError::NotFound(_)) => {
+                    let message = format!(
+                        "The input file {} was deleted before the batch started.",
+                        record.batch.batch.input_file_id
+                    );
+                    self.fail_unstarted(record, lease, "invalid_file", &message)
+                        .await?;
+                    return Ok(None);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(Some(input))
+    }
+
+    /// Step of a run: what the executor is given to run the batch.
+    fn job_spec(&self, record: &StoredBatch, id: &str, input: PathBuf, dir: &Path) -> JobSpec {
+        JobSpec {
+            input,
+            output_dir: dir.join("out"),
+            job_id: Some(id.to_owned()),
+            completion_window: Duration::from_secs(record.window_secs),
+            // The pass-through headers of its create request, and this run's trace context,
+            // on every request of the batch.
+            headers: request_headers(record),
+            created_at: Some(record.batch.batch.created_at),
+            endpoint: record.batch.batch.endpoint.clone(),
+            request_slots: self.tenant_slots(&record.tenant),
+            // The replica's requests are shared among tenants, not among batches.
+            share: Some(record.tenant.clone()),
+        }
+    }
+
+    /// Step of a run: the job's cancel token, already cancelled when a cancel was requested.
+    async fn cancel_token(&self, id: &str) -> Result<CancellationToken, RunError> {
+        let cancel = CancellationToken::new();
+        if self
+            .retry("reading a cancel", || self.store.cancel_requested(id))
+            .await?
+        {
+            cancel.cancel();
+        }
+        Ok(cancel)
+    }
+
+    /// Step of a run: the executor validates the input and sets up the job's files; `None`
+    /// when the job was let go to be taken again later, or failed.
+    async fn prepare_job(
+        &self,
+        spec: &JobSpec,
+        record: &mut StoredBatch,
+        lease: &JobLease,
+    ) -> Result<Option<Prepared>, RunError> {
+        let id = lease.job.as_str();
+        match self
+            .executor
+            .prepare(spec)
+            .instrument(tracing::info_span!("validate"))
+            .await
+        {
+            Ok(p) => Ok(Some(p)),
+            // An earlier run of the job here (fenced when Redis lost the state) still winds
+            // down: not a failure of the batch; it is taken again once that run let go.
+            Err(batch_executor::ExecError::Locked { .. }) => {
+                tracing::info!(job = %id, "an earlier run of the job here still winds down; taking it again later");
+                self.forget_active(lease);
+                self.retry("letting go of a lease", || self.store.release_lease(lease))
+                    .await?;
+                Ok(None)
+            }
+            Err(e) => {
+                let message = format!("The batch could not be started: {e}");
+                self.fail_unstarted(record, lease, "batch_failed", &message)
+                    .await?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Step of a run: executes a ready job, watched, until it stops; its end and totals, or
+    /// `None` when it paused or failed.
+    async fn execute(
+        self: &Arc<Self>,
+        job: Arc<batch_executor::Job>,
+        record: &mut StoredBatch,
+        lease: &JobLease,
+        cancel: &CancellationToken,
+        fenced: &CancellationToken,
+    ) -> Result<Option<(Batch, Totals)>, RunError> {
+        self.prepared(lease, &job);
+        let mut models = job.models();
+        if let (Some(model), None) = (models.next(), models.next()) {
+            record.batch.model = Some(model.to_owned());
+        }
+        let done = CancellationToken::new();
+        let watcher = tokio::spawn(
+            self.clone()
+                .watch(
+                    job.clone(),
+                    record.clone(),
+                    lease.clone(),
+                    cancel.clone(),
+                    fenced.clone(),
+                    done.clone(),
+                )
+                .in_current_span(),
+        );
+        let result = self
+            .executor
+            .execute_until(job.clone(), cancel.clone(), fenced.clone())
+            .instrument(tracing::info_span!("dispatch"))
+            .await;
+        // Its last save must land before the final one.
+        done.cancel();
+        let _ = watcher.await;
+        match result {
+            Ok(batch) if !batch.status.is_terminal() => {
+                self.paused(&job, record, &batch, lease).await?;
+                Ok(None)
+            }
+            Ok(batch) => Ok(Some((batch, job.totals()))),
+            Err(e) => {
+                let message = format!("The batch failed: {e}");
+                self.fail_unstarted(record, lease, "batch_failed", &message)
+                    .await?;
+                Ok(None)
+            }
+        }
     }
 
     /// A job stopped before its end: by a shutdown (its state goes to storage and its lease is
