@@ -26,7 +26,29 @@ pub(crate) async fn upload(
     Form(mut form): Form,
 ) -> Result<Json<FileObject>, ApiError> {
     // The quotas first: a tenant at one is refused before a byte of the file is read.
-    let (used_bytes, used_files) = api.store.usage(&tenant.0).await?;
+    let room = room_left(&api, &tenant.0).await?;
+    let id = new_id("file-");
+    let key = batch_state::layout::upload(&id);
+    let read = read_form(&api, &mut form, &key, room).await;
+    let stored = match read.and_then(|fields| stored_file(&tenant.0, &id, fields)) {
+        Ok(stored) => stored,
+        Err(e) => {
+            remove_refused(&api, &key).await;
+            return Err(e);
+        }
+    };
+    if let Err(e) = record_file(&api, &stored).await {
+        remove_refused(&api, &key).await;
+        return Err(e);
+    }
+    tracing::info!(file = %stored.file.id, tenant = %stored.tenant, bytes = stored.file.bytes, "file uploaded");
+    Ok(Json(stored.file))
+}
+
+/// Step of an upload: the room left in the tenant's quota of stored bytes, refused when the
+/// tenant is at one of its quotas.
+async fn room_left(api: &Api, tenant: &str) -> Result<u64, ApiError> {
+    let (used_bytes, used_files) = api.store.usage(tenant).await?;
     let quotas = api.quotas;
     if used_files >= quotas.max_files {
         return Err(files_quota(quotas.max_files));
@@ -34,116 +56,126 @@ pub(crate) async fn upload(
     if used_bytes >= quotas.max_stored_bytes {
         return Err(bytes_quota(quotas.max_stored_bytes));
     }
-    let room = quotas.max_stored_bytes - used_bytes;
-    let id = new_id("file-");
-    let key = batch_state::layout::upload(&id);
-    let mut purpose: Option<String> = None;
-    let mut anchor: Option<String> = None;
-    let mut seconds: Option<String> = None;
-    let mut uploaded: Option<(String, u64)> = None;
+    Ok(quotas.max_stored_bytes - used_bytes)
+}
+
+/// The fields of an upload's form, as read (the file as its name and size once stored).
+#[derive(Default)]
+struct UploadForm {
+    purpose: Option<String>,
+    anchor: Option<String>,
+    seconds: Option<String>,
+    uploaded: Option<(String, u64)>,
+}
+
+/// Step of an upload: reads the form's fields, streaming the file to storage at `key`.
+async fn read_form(
+    api: &Api,
+    form: &mut Multipart,
+    key: &str,
+    room: u64,
+) -> Result<UploadForm, ApiError> {
+    let mut fields = UploadForm::default();
     let max_field = api.edge.max_form_field_bytes;
-    let result = async {
-        while let Some(field) = form.next_field().await.map_err(bad_form)? {
-            let name = field.name().unwrap_or("").to_owned();
-            match name.as_str() {
-                "file" => {
-                    if uploaded.is_some() {
-                        return Err(ApiError::invalid("Only one file per upload.", Some("file")));
-                    }
-                    let filename = field.file_name().unwrap_or("upload.jsonl").to_owned();
-                    let max_name = api.edge.max_filename_bytes;
-                    if filename.len() > max_name {
-                        return Err(ApiError::invalid(
-                            format!("The file's name is longer than this service's limit of {max_name} bytes."),
-                            Some("file"),
-                        ));
-                    }
-                    let bytes = match store_file(&api, &key, field, room).await {
-                        Ok(bytes) => bytes,
-                        Err(e) => {
-                            if matches!(
-                                e.code.status(),
-                                axum::http::StatusCode::PAYLOAD_TOO_LARGE
-                                    | axum::http::StatusCode::TOO_MANY_REQUESTS
-                            ) {
-                                drain(&mut form).await;
-                            }
-                            return Err(e);
+    while let Some(field) = form.next_field().await.map_err(bad_form)? {
+        let name = field.name().unwrap_or("").to_owned();
+        match name.as_str() {
+            "file" => {
+                if fields.uploaded.is_some() {
+                    return Err(ApiError::invalid("Only one file per upload.", Some("file")));
+                }
+                let filename = field.file_name().unwrap_or("upload.jsonl").to_owned();
+                let max_name = api.edge.max_filename_bytes;
+                if filename.len() > max_name {
+                    return Err(ApiError::invalid(
+                        format!("The file's name is longer than this service's limit of {max_name} bytes."),
+                        Some("file"),
+                    ));
+                }
+                let bytes = match store_file(api, key, field, room).await {
+                    Ok(bytes) => bytes,
+                    Err(e) => {
+                        if matches!(
+                            e.code.status(),
+                            axum::http::StatusCode::PAYLOAD_TOO_LARGE
+                                | axum::http::StatusCode::TOO_MANY_REQUESTS
+                        ) {
+                            drain(form).await;
                         }
-                    };
-                    uploaded = Some((filename, bytes));
-                }
-                "purpose" => purpose = Some(small_text(field, max_field).await?),
-                "expires_after[anchor]" => anchor = Some(small_text(field, max_field).await?),
-                "expires_after[seconds]" => seconds = Some(small_text(field, max_field).await?),
-                _ => {
-                    // Unknown fields are read and ignored, as OpenAI does.
-                    small_text(field, max_field).await?;
-                }
+                        return Err(e);
+                    }
+                };
+                fields.uploaded = Some((filename, bytes));
+            }
+            "purpose" => fields.purpose = Some(small_text(field, max_field).await?),
+            "expires_after[anchor]" => fields.anchor = Some(small_text(field, max_field).await?),
+            "expires_after[seconds]" => fields.seconds = Some(small_text(field, max_field).await?),
+            _ => {
+                // Unknown fields are read and ignored, as OpenAI does.
+                small_text(field, max_field).await?;
             }
         }
-        let Some((filename, bytes)) = uploaded.take() else {
-            return Err(ApiError::invalid(
-                "Missing the file: send it as the multipart field 'file'.",
-                Some("file"),
-            ));
-        };
-        let purpose = purpose.take().ok_or_else(|| {
-            ApiError::invalid("Missing the required parameter 'purpose'.", Some("purpose"))
-        })?;
-        if purpose != "batch" {
-            return Err(ApiError::invalid(
-                format!("Invalid purpose {purpose:?}: this service accepts 'batch' files."),
-                Some("purpose"),
-            ));
-        }
-        let created_at = now_unix();
-        let expires_at = created_at + expiry(anchor.as_deref(), seconds.as_deref())?;
-        Ok(StoredFile {
-            tenant: tenant.0.clone(),
-            file: FileObject {
-                id: id.clone(),
-                object: "file".into(),
-                bytes,
-                created_at,
-                filename,
-                purpose,
-                expires_at: Some(expires_at),
-                status: "processed".into(),
-                status_details: None,
-            },
-            key: None,
-        })
     }
-    .await;
-    let stored = match result {
-        Ok(stored) => stored,
-        Err(e) => {
-            if let Err(cleanup) = api.storage.delete(&key).await {
-                tracing::warn!(key, error = %cleanup, "could not remove a refused upload");
-            }
-            return Err(e);
-        }
+    Ok(fields)
+}
+
+/// Step of an upload: the file's record, once the form read has a file and valid fields.
+fn stored_file(tenant: &str, id: &str, fields: UploadForm) -> Result<StoredFile, ApiError> {
+    let Some((filename, bytes)) = fields.uploaded else {
+        return Err(ApiError::invalid(
+            "Missing the file: send it as the multipart field 'file'.",
+            Some("file"),
+        ));
     };
+    let purpose = fields.purpose.ok_or_else(|| {
+        ApiError::invalid("Missing the required parameter 'purpose'.", Some("purpose"))
+    })?;
+    if purpose != "batch" {
+        return Err(ApiError::invalid(
+            format!("Invalid purpose {purpose:?}: this service accepts 'batch' files."),
+            Some("purpose"),
+        ));
+    }
+    let created_at = now_unix();
+    let expires_at = created_at + expiry(fields.anchor.as_deref(), fields.seconds.as_deref())?;
+    Ok(StoredFile {
+        tenant: tenant.to_owned(),
+        file: FileObject {
+            id: id.to_owned(),
+            object: "file".into(),
+            bytes,
+            created_at,
+            filename,
+            purpose,
+            expires_at: Some(expires_at),
+            status: "processed".into(),
+            status_details: None,
+        },
+        key: None,
+    })
+}
+
+/// Step of an upload: records the file, unless that takes the tenant over a quota.
+async fn record_file(api: &Api, stored: &StoredFile) -> Result<(), ApiError> {
+    let quotas = api.quotas;
     let quota = batch_state::FileQuota {
         max_bytes: quotas.max_stored_bytes,
         max_files: quotas.max_files,
     };
     // Checked again as it is counted: another upload of the tenant may have ended meanwhile.
-    let refused = match api.store.put_file_within(&stored, &quota).await {
-        Ok(Ok(())) => None,
-        Ok(Err(QuotaExceeded::Files)) => Some(files_quota(quotas.max_files)),
-        Ok(Err(_)) => Some(bytes_quota(quotas.max_stored_bytes)),
-        Err(e) => Some(e.into()),
-    };
-    if let Some(e) = refused {
-        if let Err(cleanup) = api.storage.delete(&key).await {
-            tracing::warn!(key, error = %cleanup, "could not remove a refused upload");
-        }
-        return Err(e);
+    match api.store.put_file_within(stored, &quota).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(QuotaExceeded::Files)) => Err(files_quota(quotas.max_files)),
+        Ok(Err(_)) => Err(bytes_quota(quotas.max_stored_bytes)),
+        Err(e) => Err(e.into()),
     }
-    tracing::info!(file = %stored.file.id, tenant = %stored.tenant, bytes = stored.file.bytes, "file uploaded");
-    Ok(Json(stored.file))
+}
+
+/// Step of a refused upload: removes what of its file reached storage.
+async fn remove_refused(api: &Api, key: &str) {
+    if let Err(cleanup) = api.storage.delete(key).await {
+        tracing::warn!(key, error = %cleanup, "could not remove a refused upload");
+    }
 }
 
 fn files_quota(max: u64) -> ApiError {
