@@ -76,6 +76,28 @@ pub(crate) async fn create(
     body: Result<Json<CreateBody>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<BatchObject>, ApiError> {
     let Json(body) = body.map_err(json_rejection)?;
+    let params = check_params(body)?;
+    check_input(&api, &tenant, &params.input_file_id).await?;
+    let window_text = params.window_text.clone();
+    let stored = new_batch(&api, &tenant.0, params, &request_headers)?;
+    queue_batch(&api, &stored).await?;
+    api.hooks.wake();
+    tracing::info!(batch = %stored.batch.batch.id, tenant = %tenant.0, window = %window_text, "batch created");
+    Ok(Json(stored.batch))
+}
+
+/// A create request's parameters, checked.
+struct CreateParams {
+    input_file_id: String,
+    endpoint: String,
+    window_text: String,
+    window: Duration,
+    metadata: BTreeMap<String, String>,
+    output_expires_after: Option<u64>,
+}
+
+/// Step of a create: checks the body's parameters, in their order.
+fn check_params(body: CreateBody) -> Result<CreateParams, ApiError> {
     let input_file_id = match body.input_file_id {
         None => {
             return Err(ApiError::invalid(
@@ -114,28 +136,41 @@ pub(crate) async fn create(
     })?;
     let window = parse_window(&window_text)?;
     let metadata = metadata(body.metadata)?;
-    let output_expires_after = match body.output_expires_after {
-        None => None,
-        Some(e) => {
-            if e.anchor.as_deref().is_some_and(|a| a != "created_at") {
-                return Err(ApiError::invalid(
-                    "output_expires_after.anchor must be 'created_at'.",
-                    Some("output_expires_after.anchor"),
-                ));
-            }
-            match e.seconds {
-                Some(s) if (1..=30 * 24 * 3600).contains(&s) => Some(s as u64),
-                _ => {
-                    return Err(ApiError::invalid(
-                        "output_expires_after.seconds must be from 1 to 2592000.",
-                        Some("output_expires_after.seconds"),
-                    ))
-                }
-            }
-        }
+    let output_expires_after = output_expiry(body.output_expires_after)?;
+    Ok(CreateParams {
+        input_file_id,
+        endpoint,
+        window_text,
+        window,
+        metadata,
+        output_expires_after,
+    })
+}
+
+/// Step of a create: `output_expires_after` as seconds, if given.
+fn output_expiry(given: Option<ExpiresAfter>) -> Result<Option<u64>, ApiError> {
+    let Some(e) = given else {
+        return Ok(None);
     };
+    if e.anchor.as_deref().is_some_and(|a| a != "created_at") {
+        return Err(ApiError::invalid(
+            "output_expires_after.anchor must be 'created_at'.",
+            Some("output_expires_after.anchor"),
+        ));
+    }
+    match e.seconds {
+        Some(s) if (1..=30 * 24 * 3600).contains(&s) => Ok(Some(s as u64)),
+        _ => Err(ApiError::invalid(
+            "output_expires_after.seconds must be from 1 to 2592000.",
+            Some("output_expires_after.seconds"),
+        )),
+    }
+}
+
+/// Step of a create: checks that the input file is the tenant's and a `batch` file.
+async fn check_input(api: &Api, tenant: &Tenant, input_file_id: &str) -> Result<(), ApiError> {
     // The file is named in the body, not the URL: a bad one is a bad request (400), not 404.
-    let input = owned_file(&api, &tenant, &input_file_id)
+    let input = owned_file(api, tenant, input_file_id)
         .await
         .map_err(|e| match e.code {
             ErrorCode::NotFound => ApiError::invalid(
@@ -153,23 +188,33 @@ pub(crate) async fn create(
             Some("input_file_id"),
         ));
     }
+    Ok(())
+}
+
+/// Step of a create: the new batch's record, with the headers its requests carry.
+fn new_batch(
+    api: &Api,
+    tenant: &str,
+    params: CreateParams,
+    request_headers: &axum::http::HeaderMap,
+) -> Result<StoredBatch, ApiError> {
     let id = new_id("batch_");
     let created_at = now_unix();
-    let window_secs = window.as_secs().max(1);
+    let window_secs = params.window.as_secs().max(1);
     // parse_window bounds the window, so this is only a second guard.
-    let expires_at =
-        batch_wire::deadline(created_at, window).ok_or_else(|| window_error(&window_text))?;
+    let expires_at = batch_wire::deadline(created_at, params.window)
+        .ok_or_else(|| window_error(&params.window_text))?;
     let mut batch = Batch::new(
-        id.clone(),
-        input_file_id,
-        window_text.trim(),
+        id,
+        params.input_file_id,
+        params.window_text.trim(),
         created_at,
         expires_at,
     );
-    batch.endpoint = Some(endpoint);
-    batch.metadata = metadata;
+    batch.endpoint = Some(params.endpoint);
+    batch.metadata = params.metadata;
     let mut stored = StoredBatch {
-        tenant: tenant.0.clone(),
+        tenant: tenant.to_owned(),
         batch: BatchObject {
             batch,
             model: None,
@@ -177,8 +222,8 @@ pub(crate) async fn create(
             x_request_counts: FineCounts::default(),
         },
         window_secs,
-        output_expires_after,
-        headers: pass_through(&api, &request_headers)?,
+        output_expires_after: params.output_expires_after,
+        headers: pass_through(api, request_headers)?,
     };
     // The batch's trace is this request's: each run of it, on any replica, is a child of it.
     if let Some(parent) = batch_observability::traceparent(&tracing::Span::current()) {
@@ -186,16 +231,19 @@ pub(crate) async fn create(
             .headers
             .insert(batch_observability::TRACEPARENT.to_owned(), parent);
     }
+    Ok(stored)
+}
+
+/// Step of a create: records the batch in the queue, unless the tenant is at its quota.
+async fn queue_batch(api: &Api, stored: &StoredBatch) -> Result<(), ApiError> {
     let max = api.quotas.max_unfinished_batches;
-    if api.store.create_batch_within(&stored, max).await?.is_err() {
+    if api.store.create_batch_within(stored, max).await?.is_err() {
         return Err(ApiError::new(
             ErrorCode::InsufficientQuota,
             format!("This tenant already has {max} batches queued or running, its quota (serve.tenant_max_batches); wait for some to end or cancel some."),
         ));
     }
-    api.hooks.wake();
-    tracing::info!(batch = %id, tenant = %tenant.0, window = %window_text, "batch created");
-    Ok(Json(stored.batch))
+    Ok(())
 }
 
 /// A body that is not the JSON expected: 413 when it is over `serve.max_json_body_bytes`.
