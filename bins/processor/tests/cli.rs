@@ -155,9 +155,39 @@ fn queues_prints_each_pools_queue_names() {
         "\"gate_type\": \"prometheus-budget\"",
         "--transport-config-file",
         "\"retry_queue_name\": \"retry-sortedset\"",
+        // The gate sized from the config's max_num_seqs 16 and headroom 0.25, two pools.
+        "\"max_concurrency\": \"16\"",
+        "\"baseline\": \"0.25\"",
+        "the gate closes once 12 requests run on a pod",
+        "--concurrency 24",
+        "--prometheus-cache-ttl 1s",
+        "inference_pool_ready_pods{name=\"P\"}",
     ] {
         assert!(stdout.contains(expected), "{expected:?} not in:\n{stdout}");
     }
+    assert!(!stderr.contains("warning"), "{stderr}");
+}
+
+/// A gate that can never close (it closes at 30 running on servers that run 16) is warned of,
+/// naming the settings; without `max_num_seqs` the unsized gate is warned of too.
+#[test]
+fn queues_warn_of_a_gate_that_never_closes() {
+    let file = examples().join("async.yaml");
+    let (code, _, stderr) = run(
+        processor(&["queues", "--json", "--config", path_arg(&file)])
+            .env(
+                "PROCESSOR_ASYNC_DISPATCH__DISPATCHER__MAX_CONCURRENCY",
+                "40",
+            )
+            .env("PROCESSOR_ASYNC_DISPATCH__DISPATCHER__BASELINE", "0.25"),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains("warning: the gate can never close")
+            && stderr.contains("max_num_seqs = 16"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("inference_pool_ready_pods"), "{stderr}");
 }
 
 #[test]
@@ -204,8 +234,9 @@ fn queues_transport_config_is_the_v0_10_object_without_the_redis_url() {
         json["result_queue_name"],
         "llm-d-async:results:pool-a:$batch"
     );
-    assert_eq!(json["poll_interval_ms"], 1000);
-    assert_eq!(json["batch_size"], 10);
+    // The pacing of the config's `async_dispatch.dispatcher`: one pod of 16 slots.
+    assert_eq!(json["poll_interval_ms"], 200);
+    assert_eq!(json["batch_size"], 16);
     assert_eq!(json["enable_tracing"], false);
     let queues = json["queues"].as_array().unwrap();
     assert_eq!(queues.len(), 2);
@@ -225,7 +256,7 @@ fn queues_transport_config_is_the_v0_10_object_without_the_redis_url() {
         .apply(&mut sim);
     assert_eq!(sim.queues.len(), 2);
     assert_eq!(sim.queues[0].queue_name, "llm-d-async:requests:pool-a");
-    assert_eq!(sim.batch_size, 10);
+    assert_eq!(sim.batch_size, 16);
     assert_eq!(sim.redis_url, "redis://127.0.0.1:1", "the flag's URL stays");
 
     // Both forms at once make no sense.

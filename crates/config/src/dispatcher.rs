@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use batch_keys::{NameError, QueueNames};
 use serde::Serialize;
 
-use crate::types::ProcessorConfig;
+use crate::types::{DispatcherSettings, ProcessorConfig};
 
 /// `igw_base_url` of a pool none of whose models has a `url`: the operator must fill it in.
 pub const PLACEHOLDER_GATEWAY_URL: &str = "http://CHANGE-ME";
@@ -13,8 +13,30 @@ pub const PLACEHOLDER_GATEWAY_URL: &str = "http://CHANGE-ME";
 /// The request path the dispatcher appends to `igw_base_url` (our batches are chat completions).
 pub const DISPATCHER_REQUEST_PATH: &str = "/v1/chat/completions";
 
-/// The gate our queue entries use, with the dispatcher's own defaults as parameters.
+/// The gate our queue entries use unless `async_dispatch.dispatcher.gate_type` names another.
 pub const DISPATCHER_GATE_TYPE: &str = "prometheus-budget";
+
+/// The gate types the real dispatcher knows; any other name it opens fully.
+pub const DISPATCHER_GATE_TYPES: [&str; 11] = [
+    "constant",
+    "redis",
+    "redis-quota",
+    "prometheus-budget",
+    "prometheus-saturation",
+    "prometheus-query",
+    "endpoint-scrape",
+    "local-max-concurrency",
+    "composite",
+    "wait-on-refuse",
+    "tier-priority-admission",
+];
+
+/// The dispatcher's own `max_concurrency` of a `prometheus-budget` gate, used when neither it
+/// nor `max_num_seqs` is configured.
+pub const DISPATCHER_MAX_CONCURRENCY: usize = 100;
+
+/// The dispatcher's own worker count (`--concurrency`).
+pub const DISPATCHER_CONCURRENCY: usize = 64;
 
 /// The v0.10 dispatcher's retry sorted set (its default, shared by every queue).
 pub const DISPATCHER_RETRY_QUEUE: &str = "retry-sortedset";
@@ -24,6 +46,148 @@ pub const DISPATCHER_POLL_INTERVAL_MS: u64 = 1000;
 
 /// The v0.10 dispatcher's default messages per poll.
 pub const DISPATCHER_BATCH_SIZE: u64 = 10;
+
+/// The dispatcher settings with every default filled in ([`DispatcherSettings::sizing`]), and
+/// what is wrong with them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GateSizing {
+    /// Every queue's gate.
+    pub gate_type: String,
+    /// The gate's `max_concurrency` per pod.
+    pub max_concurrency: usize,
+    /// The gate's `baseline`.
+    pub baseline: f64,
+    /// The dispatcher's poll interval, milliseconds.
+    pub poll_interval_ms: u64,
+    /// Messages taken per poll at a full budget.
+    pub batch_size: u64,
+    /// The dispatcher's `--concurrency`.
+    pub concurrency: usize,
+    /// The dispatcher's `--prometheus-cache-ttl`, as a flag value (`1s`, `500ms`).
+    pub prometheus_cache_ttl: String,
+    /// Why this sizing may not protect online traffic (or may not work at all), one sentence
+    /// each, naming the settings to change.
+    pub warnings: Vec<String>,
+}
+
+impl GateSizing {
+    /// Whether the gate reads Prometheus (the dispatcher then needs `--prometheus-url`).
+    pub fn reads_prometheus(&self) -> bool {
+        self.gate_type.starts_with("prometheus")
+    }
+
+    /// The gate's parameters for `pool` with `pods` ready pods, all strings as the dispatcher
+    /// takes them.
+    fn params(&self, pool: &str, pods: usize) -> BTreeMap<String, String> {
+        let mut params = BTreeMap::new();
+        if self.gate_type == "local-max-concurrency" {
+            let limit = per_pod_cap(self.max_concurrency, self.baseline) * pods;
+            params.insert("limit".to_owned(), limit.to_string());
+            return params;
+        }
+        params.insert("pool".to_owned(), pool.to_owned());
+        params.insert(
+            "max_concurrency".to_owned(),
+            self.max_concurrency.to_string(),
+        );
+        params.insert("baseline".to_owned(), format!("{}", self.baseline));
+        params
+    }
+}
+
+/// Requests a pod may run before a gate of `max_concurrency` and `baseline` closes, at least 1.
+fn per_pod_cap(max_concurrency: usize, baseline: f64) -> usize {
+    ((max_concurrency as f64 * (1.0 - baseline)).floor() as usize).max(1)
+}
+
+impl DispatcherSettings {
+    /// These settings with every default derived, for `pools` pools of [`Self::pods`] pods.
+    ///
+    /// - `max_concurrency`: `max_num_seqs`, else the dispatcher's 100;
+    /// - `baseline`: `headroom`, so the gate closes once `(1 − headroom)` of a pod's slots run;
+    /// - `batch_size`: `pods × max_concurrency` when sized, so a full budget fills the pool's
+    ///   share in one poll; else the dispatcher's 10;
+    /// - `concurrency`: the pools' `pods × max_concurrency × (1 − baseline)`, summed, when sized:
+    ///   the batch then cannot take more than its share even while the gate acts on an old
+    ///   reading; else the dispatcher's 64.
+    pub fn sizing(&self, pools: usize) -> GateSizing {
+        let sized = self.max_concurrency.or(self.max_num_seqs);
+        let max_concurrency = sized.unwrap_or(DISPATCHER_MAX_CONCURRENCY);
+        let baseline = self.baseline.unwrap_or(self.headroom);
+        let batch_size = self.batch_size.map_or_else(
+            || sized.map_or(DISPATCHER_BATCH_SIZE, |m| (m * self.pods) as u64),
+            |b| b as u64,
+        );
+        // A pod never runs more than max_num_seqs, whatever max_concurrency says.
+        let runnable = match (sized, self.max_num_seqs) {
+            (Some(m), Some(seqs)) => Some(m.min(seqs)),
+            (m, _) => m,
+        };
+        let concurrency = self.concurrency.unwrap_or_else(|| match runnable {
+            Some(m) => per_pod_cap(m, baseline) * self.pods * pools.max(1),
+            None => DISPATCHER_CONCURRENCY,
+        });
+        let mut sizing = GateSizing {
+            gate_type: self.gate_type.clone(),
+            max_concurrency,
+            baseline,
+            poll_interval_ms: self.poll_interval.as_millis().max(1) as u64,
+            batch_size,
+            concurrency,
+            prometheus_cache_ttl: humantime::format_duration(self.prometheus_cache_ttl)
+                .to_string()
+                .replace(' ', ""),
+            warnings: Vec::new(),
+        };
+        sizing.warnings = self.warnings(&sizing);
+        sizing
+    }
+
+    fn warnings(&self, s: &GateSizing) -> Vec<String> {
+        let mut out = Vec::new();
+        let closes_at = max_concurrency_closes_at(s.max_concurrency, s.baseline);
+        if !DISPATCHER_GATE_TYPES.contains(&s.gate_type.as_str()) {
+            out.push(format!(
+                "gate_type {:?} is not a gate the dispatcher knows ({}): it would open the gate fully",
+                s.gate_type,
+                DISPATCHER_GATE_TYPES.join(", ")
+            ));
+        } else if !matches!(
+            s.gate_type.as_str(),
+            "prometheus-budget" | "local-max-concurrency"
+        ) {
+            out.push(format!(
+                "gate_type {}: its gate_params are printed as for prometheus-budget (pool, max_concurrency, baseline); write the ones it takes by hand",
+                s.gate_type
+            ));
+        }
+        if s.gate_type == "prometheus-budget" {
+            match self.max_num_seqs {
+                None => out.push(format!(
+                    "async_dispatch.dispatcher.max_num_seqs is not set: the prometheus-budget gate counts requests running, which never exceed the model servers' --max-num-seqs, and with max_concurrency {} it closes only once {closes_at:.0} run on a pod; set max_num_seqs to the servers' value",
+                    s.max_concurrency
+                )),
+                Some(seqs) if closes_at >= seqs as f64 => out.push(format!(
+                    "the gate can never close: it closes once max_concurrency × (1 − baseline) = {closes_at:.1} requests run on a pod, but a pod runs at most max_num_seqs = {seqs}; lower max_concurrency or raise baseline"
+                )),
+                Some(_) => {}
+            }
+        }
+        if s.reads_prometheus() && self.prometheus_cache_ttl > std::time::Duration::from_secs(5) {
+            out.push(format!(
+                "prometheus_cache_ttl {}: the gate acts on load readings this old, long after the online traffic they show has changed",
+                s.prometheus_cache_ttl
+            ));
+        }
+        out
+    }
+}
+
+/// The number of running requests per pod at which a `prometheus-budget` gate's budget
+/// `1 − running / max_concurrency − baseline` reaches 0.
+fn max_concurrency_closes_at(max_concurrency: usize, baseline: f64) -> f64 {
+    max_concurrency as f64 * (1.0 - baseline)
+}
 
 /// The v0.10 dispatcher's `--transport-config-file` object for this processor's pools.
 ///
@@ -88,7 +252,7 @@ pub struct PoolQueues {
 }
 
 /// Everything needed to configure the dispatcher from this processor's config.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DispatcherQueues {
     /// Every pool, sorted by name.
     pub pools: Vec<PoolQueues>,
@@ -97,6 +261,8 @@ pub struct DispatcherQueues {
     /// The `--redis.ss.result-queue-name` value: the first pool's result list. Only the
     /// dispatcher's fallback for envelopes that name no result list; ours always name one.
     pub result_queue_name: Option<String>,
+    /// The gate and pacing every queue entry and command line carries.
+    pub sizing: GateSizing,
 }
 
 impl DispatcherQueues {
@@ -114,6 +280,36 @@ impl DispatcherQueues {
             .any(|q| q.gate_type.starts_with("prometheus"))
     }
 
+    /// What the Prometheus behind `--prometheus-url` must hold for the gates to read the pools'
+    /// load, as comment lines (empty when no gate reads Prometheus).
+    pub fn prometheus_requirements(&self) -> Vec<String> {
+        if !self.needs_prometheus() {
+            return Vec::new();
+        }
+        let mut lines = vec![
+            "# PROMETHEUS_URL: the Prometheus the gates query. Without the series below the gate's budget is".to_owned(),
+            "# its fallback, 0: nothing is sent. For each pool P it must hold:".to_owned(),
+            "#   vllm:num_requests_running{inference_pool=\"P\"}, from every model server of P (label the".to_owned(),
+            "#     scraped series, e.g. a relabel rule from the pod's pool label);".to_owned(),
+            "#   inference_pool_ready_pods{name=\"P\"}: the endpoint picker's metric; without one, a recording rule:".to_owned(),
+            "#     - record: inference_pool_ready_pods".to_owned(),
+            "#       expr: label_replace(count by (inference_pool) (up{inference_pool!=\"\"} == 1), \"name\", \"$1\", \"inference_pool\", \"(.*)\")".to_owned(),
+            format!(
+                "#   scraped at least every {} (the gate's cache): an older reading opens the gate on load that has passed.",
+                self.sizing.prometheus_cache_ttl
+            ),
+        ];
+        lines.push(format!(
+            "# Pools: {}.",
+            self.pools
+                .iter()
+                .map(|p| p.pool.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        lines
+    }
+
     /// The command that starts a v0.9 dispatcher (`--redis.ss.*` flags, which later releases
     /// still take) with the queues file at `queues_file`: every flag the printed configuration
     /// needs. Secrets stay in the environment: `$REDIS_URL`, and `$PROMETHEUS_URL` when a gate
@@ -129,7 +325,11 @@ impl DispatcherQueues {
                 shell_word(list)
             ));
         }
-        self.push_prometheus(&mut line);
+        line.push_str(&format!(
+            " --redis.ss.poll-interval-ms {} --redis.ss.batch-size {}",
+            self.sizing.poll_interval_ms, self.sizing.batch_size
+        ));
+        self.push_pacing(&mut line);
         line
     }
 
@@ -140,13 +340,18 @@ impl DispatcherQueues {
             "llm-d-async --transport redis-sortedset --transport-config-file {}",
             shell_word(transport_file)
         );
-        self.push_prometheus(&mut line);
+        self.push_pacing(&mut line);
         line
     }
 
-    fn push_prometheus(&self, line: &mut String) {
+    /// The flags both versions take: the workers, and the Prometheus the gates read.
+    fn push_pacing(&self, line: &mut String) {
+        line.push_str(&format!(" --concurrency {}", self.sizing.concurrency));
         if self.needs_prometheus() {
-            line.push_str(" --prometheus-url \"$PROMETHEUS_URL\"");
+            line.push_str(&format!(
+                " --prometheus-url \"$PROMETHEUS_URL\" --prometheus-cache-ttl {}",
+                self.sizing.prometheus_cache_ttl
+            ));
         }
     }
 
@@ -155,8 +360,8 @@ impl DispatcherQueues {
         DispatcherTransportConfig {
             retry_queue_name: DISPATCHER_RETRY_QUEUE.to_owned(),
             result_queue_name: self.result_queue_name.clone(),
-            poll_interval_ms: DISPATCHER_POLL_INTERVAL_MS,
-            batch_size: DISPATCHER_BATCH_SIZE,
+            poll_interval_ms: self.sizing.poll_interval_ms,
+            batch_size: self.sizing.batch_size,
             enable_tracing: false,
             queues: self.queues_config.clone(),
         }
@@ -197,6 +402,8 @@ impl ProcessorConfig {
     /// else [`PLACEHOLDER_GATEWAY_URL`].
     pub fn dispatcher_queues(&self) -> Result<DispatcherQueues, NameError> {
         let names = self.try_queue_names()?;
+        let settings = &self.async_dispatch.dispatcher;
+        let sizing = settings.sizing(self.pools().len());
         let mut pools = Vec::new();
         let mut queues_config = Vec::new();
         for (pool, models) in self.pools() {
@@ -206,17 +413,12 @@ impl ProcessorConfig {
                 .find_map(|model| self.model_gateways.get(model)?.url.as_deref())
                 .map_or(PLACEHOLDER_GATEWAY_URL, |url| url.trim_end_matches('/'))
                 .to_owned();
-            let gate_params = BTreeMap::from([
-                ("pool".to_owned(), pool.clone()),
-                ("max_concurrency".to_owned(), "100".to_owned()),
-                ("baseline".to_owned(), "0.05".to_owned()),
-            ]);
             queues_config.push(DispatcherQueueEntry {
                 queue_name: request_queue_name.clone(),
                 igw_base_url,
                 request_path_url: DISPATCHER_REQUEST_PATH.to_owned(),
-                gate_type: DISPATCHER_GATE_TYPE.to_owned(),
-                gate_params,
+                gate_type: sizing.gate_type.clone(),
+                gate_params: sizing.params(&pool, settings.pods),
             });
             pools.push(PoolQueues {
                 result_queue_name: names.result_queue_name(&pool)?,
@@ -230,6 +432,7 @@ impl ProcessorConfig {
             pools,
             queues_config,
             result_queue_name,
+            sizing,
         })
     }
 }

@@ -56,17 +56,18 @@ mod types;
 mod values;
 
 pub use dispatcher::{
-    DispatcherQueueEntry, DispatcherQueues, DispatcherTransportConfig, PoolQueues,
-    DISPATCHER_BATCH_SIZE, DISPATCHER_GATE_TYPE, DISPATCHER_POLL_INTERVAL_MS,
-    DISPATCHER_REQUEST_PATH, DISPATCHER_RETRY_QUEUE, PLACEHOLDER_GATEWAY_URL,
+    DispatcherQueueEntry, DispatcherQueues, DispatcherTransportConfig, GateSizing, PoolQueues,
+    DISPATCHER_BATCH_SIZE, DISPATCHER_CONCURRENCY, DISPATCHER_GATE_TYPE, DISPATCHER_GATE_TYPES,
+    DISPATCHER_MAX_CONCURRENCY, DISPATCHER_POLL_INTERVAL_MS, DISPATCHER_REQUEST_PATH,
+    DISPATCHER_RETRY_QUEUE, PLACEHOLDER_GATEWAY_URL,
 };
 pub use error::{ConfigError, ConfigErrors};
 pub use load::{check_tenant, ENV_NESTING, ENV_PREFIX};
 pub use types::{
-    AimdConfig, ApiKey, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, InputLimits,
-    LimiterAlgorithm, LoadConfig, ModelGatewayConfig, ObservabilityConfig, ProcessorConfig,
-    RedisTlsConfig, S3Config, Secret, ServeConfig, ServeTls, TlsConfig, WebhooksConfig,
-    DEFAULT_REDIS_URL_FILE, REDACTED,
+    AimdConfig, ApiKey, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, DispatcherSettings,
+    InputLimits, LimiterAlgorithm, LoadConfig, ModelGatewayConfig, ObservabilityConfig,
+    ProcessorConfig, RedisTlsConfig, S3Config, Secret, ServeConfig, ServeTls, TlsConfig,
+    WebhooksConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 

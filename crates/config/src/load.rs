@@ -47,6 +47,19 @@ const ASYNC_KEYS: &[&str] = &[
     "enqueue_chunk",
     "result_batch",
     "result_linger",
+    "dispatcher",
+];
+const DISPATCHER_KEYS: &[&str] = &[
+    "gate_type",
+    "max_num_seqs",
+    "pods",
+    "headroom",
+    "max_concurrency",
+    "baseline",
+    "poll_interval",
+    "batch_size",
+    "concurrency",
+    "prometheus_cache_ttl",
 ];
 const MODEL_KEYS: &[&str] = &[
     "url",
@@ -299,6 +312,52 @@ fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfi
         enqueue_chunk: c.count(&t, "enqueue_chunk", d.enqueue_chunk, 1),
         result_batch: c.count(&t, "result_batch", d.result_batch, 1),
         result_linger: c.duration(&t, "result_linger", d.result_linger),
+        dispatcher: dispatcher_settings(c, &t),
+    }
+}
+
+/// `async_dispatch.dispatcher`: what `processor queues` prints for the real dispatcher.
+fn dispatcher_settings(c: &mut Collector<'_>, parent: &Table<'_>) -> DispatcherSettings {
+    let t = c.table(parent, "dispatcher", DISPATCHER_KEYS);
+    let d = DispatcherSettings::default();
+    let optional_count = |c: &mut Collector<'_>, key: &str| {
+        t.get(key)
+            .map(|_| c.bounded_count(&t, key, 1usize, 1, 1_000_000))
+    };
+    let max_num_seqs = optional_count(c, "max_num_seqs");
+    let max_concurrency = optional_count(c, "max_concurrency");
+    let batch_size = optional_count(c, "batch_size");
+    let concurrency = optional_count(c, "concurrency");
+    let headroom = c.float(&t, "headroom", d.headroom);
+    if !(0.0..1.0).contains(&headroom) {
+        c.at(&t, "headroom", format!("must be in [0, 1), got {headroom}"));
+    }
+    let baseline = t
+        .get("baseline")
+        .map(|_| c.float(&t, "baseline", d.headroom));
+    if let Some(b) = baseline.filter(|b| !(0.0..1.0).contains(b)) {
+        c.at(
+            &t,
+            "baseline",
+            format!("must be in [0, 1) (at 1 the gate never opens), got {b}"),
+        );
+    }
+    DispatcherSettings {
+        gate_type: c.text(&t, "gate_type").unwrap_or(d.gate_type),
+        max_num_seqs,
+        pods: c.bounded_count(&t, "pods", d.pods, 1, 100_000),
+        headroom,
+        max_concurrency,
+        baseline,
+        poll_interval: c.bounded_duration(
+            &t,
+            "poll_interval",
+            d.poll_interval,
+            std::time::Duration::from_secs(60),
+        ),
+        batch_size,
+        concurrency,
+        prometheus_cache_ttl: c.duration(&t, "prometheus_cache_ttl", d.prometheus_cache_ttl),
     }
 }
 

@@ -141,6 +141,62 @@ pub struct AsyncDispatchConfig {
     /// gather before the next (default 10ms; 0 reads each result at once).
     #[serde(serialize_with = "ser_duration")]
     pub result_linger: Duration,
+    /// What `processor queues` prints for the real dispatcher (`async_dispatch.dispatcher`).
+    pub dispatcher: DispatcherSettings,
+}
+
+/// The real dispatcher's gate and pacing, as `processor queues` prints them
+/// (`async_dispatch.dispatcher`). The processor itself never reads them: the dispatcher meters
+/// requests into the pool, and these say how.
+///
+/// The unset ones are derived from the pool (`max_num_seqs`, `pods`, `headroom`): see
+/// [`crate::GateSizing`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DispatcherSettings {
+    /// The gate of every queue (default `prometheus-budget`).
+    pub gate_type: String,
+    /// The model servers' `--max-num-seqs`: the most requests a pod runs at once. The
+    /// `prometheus-budget` gate counts requests running, which never exceed it, so a
+    /// `max_concurrency` above it can never close the gate.
+    pub max_num_seqs: Option<usize>,
+    /// Ready pods in each pool (default 1), to size the dispatcher's workers and batch size.
+    pub pods: usize,
+    /// Share of each pod's slots the batch leaves to online traffic (default 0.25, in [0, 1)).
+    pub headroom: f64,
+    /// The gate's `max_concurrency` per pod (default `max_num_seqs`, else the dispatcher's 100).
+    pub max_concurrency: Option<usize>,
+    /// The gate's `baseline` (default `headroom`): the budget kept back, so the gate closes
+    /// once `max_concurrency × (1 − baseline)` requests run per pod.
+    pub baseline: Option<f64>,
+    /// How often the dispatcher polls each queue (default 200ms; the dispatcher's own is 1s).
+    #[serde(serialize_with = "ser_duration")]
+    pub poll_interval: Duration,
+    /// Messages taken per poll at a full budget (default `pods × max_concurrency`, else 10).
+    pub batch_size: Option<usize>,
+    /// The dispatcher's workers, `--concurrency`: the most batch requests in flight at once
+    /// (default: each pool's `pods × max_num_seqs × (1 − headroom)`, summed; else 64).
+    pub concurrency: Option<usize>,
+    /// The dispatcher's `--prometheus-cache-ttl` (default 1s; the dispatcher's own is 5s): how
+    /// old a load reading the gate may act on.
+    #[serde(serialize_with = "ser_duration")]
+    pub prometheus_cache_ttl: Duration,
+}
+
+impl Default for DispatcherSettings {
+    fn default() -> Self {
+        Self {
+            gate_type: crate::DISPATCHER_GATE_TYPE.to_owned(),
+            max_num_seqs: None,
+            pods: 1,
+            headroom: 0.25,
+            max_concurrency: None,
+            baseline: None,
+            poll_interval: Duration::from_millis(200),
+            batch_size: None,
+            concurrency: None,
+            prometheus_cache_ttl: Duration::from_secs(1),
+        }
+    }
 }
 
 impl Default for AsyncDispatchConfig {
@@ -155,6 +211,7 @@ impl Default for AsyncDispatchConfig {
             enqueue_chunk: 1000,
             result_batch: 1000,
             result_linger: Duration::from_millis(10),
+            dispatcher: DispatcherSettings::default(),
         }
     }
 }

@@ -812,15 +812,15 @@ model_gateways:
     let expected = serde_json::json!([
         {"queue_name": "llm-d-async:requests:pool-a", "igw_base_url": "http://127.0.0.1:8001",
          "request_path_url": "/v1/chat/completions", "gate_type": "prometheus-budget",
-         "gate_params": {"pool": "pool-a", "max_concurrency": "100", "baseline": "0.05"}},
+         "gate_params": {"pool": "pool-a", "max_concurrency": "100", "baseline": "0.25"}},
         {"queue_name": "llm-d-async:requests:pool-b", "igw_base_url": "http://CHANGE-ME",
          "request_path_url": "/v1/chat/completions", "gate_type": "prometheus-budget",
-         "gate_params": {"pool": "pool-b", "max_concurrency": "100", "baseline": "0.05"}}
+         "gate_params": {"pool": "pool-b", "max_concurrency": "100", "baseline": "0.25"}}
     ]);
     assert_eq!(json, expected);
 
-    // v0.10: the same entries inside the transport object, with the dispatcher's defaults and
-    // no Redis URL (it may hold a password).
+    // v0.10: the same entries inside the transport object, with our pacing (the dispatcher's
+    // batch size while the pool is not sized) and no Redis URL (it may hold a password).
     let transport: serde_json::Value =
         serde_json::from_str(&q.transport_config().to_json()).unwrap();
     assert_eq!(
@@ -828,11 +828,110 @@ model_gateways:
         serde_json::json!({
             "retry_queue_name": "retry-sortedset",
             "result_queue_name": "llm-d-async:results:pool-a:$batch",
-            "poll_interval_ms": 1000, "batch_size": 10, "enable_tracing": false,
+            "poll_interval_ms": 200, "batch_size": 10, "enable_tracing": false,
             "queues": expected,
         })
     );
     assert!(!q.transport_config().to_json().contains("7000"));
+    // Unsized, the gate closes only at 75 running per pod: said, naming the setting.
+    assert_eq!(q.sizing.concurrency, 64);
+    assert!(
+        q.sizing.warnings.iter().any(|w| w.contains("max_num_seqs")),
+        "{:?}",
+        q.sizing.warnings
+    );
+}
+
+/// `async_dispatch.dispatcher`: the gate and pacing sized from the pool (`max_num_seqs`, `pods`,
+/// `headroom`), each explicit setting winning over what would be derived.
+#[test]
+fn the_dispatchers_gate_is_sized_from_the_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "redis-url", "redis://127.0.0.1:6379");
+    let load = |dispatcher: &str| {
+        let file = write(
+            dir.path(),
+            "processor.yaml",
+            &format!(
+                "dispatch_mode: async\nredis_url_file: redis-url\nmodel_gateways:\n  a: {{inference_pool_name: pool-a}}\n  b: {{inference_pool_name: pool-b}}\nasync_dispatch:\n  dispatcher:\n{dispatcher}"
+            ),
+        );
+        load_file(&file)
+    };
+    let q = load("    max_num_seqs: 16\n    pods: 2\n")
+        .unwrap()
+        .dispatcher_queues()
+        .unwrap();
+    let s = &q.sizing;
+    assert_eq!((s.max_concurrency, s.baseline), (16, 0.25));
+    // A full budget fills the pool's 2 × 16 slots in one poll; the workers stop at 12 per pod.
+    assert_eq!((s.batch_size, s.concurrency), (32, 2 * 2 * 12));
+    assert_eq!(
+        (s.poll_interval_ms, s.prometheus_cache_ttl.as_str()),
+        (200, "1s")
+    );
+    assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    let params = &q.queues_config[1].gate_params;
+    assert_eq!(params["pool"], "pool-b");
+    assert_eq!(params["max_concurrency"], "16");
+    assert_eq!(params["baseline"], "0.25");
+    let v09 = q.command_v0_9("queues.json");
+    for flag in [
+        "--redis.ss.poll-interval-ms 200",
+        "--redis.ss.batch-size 32",
+        "--concurrency 48",
+        "--prometheus-cache-ttl 1s",
+    ] {
+        assert!(v09.contains(flag), "{flag} missing from {v09}");
+    }
+    assert!(q.command_v0_10("t.json").contains("--concurrency 48"));
+    let needs = q.prometheus_requirements().join("\n");
+    assert!(needs.contains("inference_pool_ready_pods"), "{needs}");
+    assert!(needs.contains("vllm:num_requests_running"), "{needs}");
+
+    // Explicit settings win; a gate that cannot close (running never passes 16) is said.
+    let q = load(
+        "    max_num_seqs: 16\n    max_concurrency: 40\n    baseline: 0.1\n    batch_size: 5\n    concurrency: 7\n    poll_interval: 50ms\n    prometheus_cache_ttl: 500ms\n",
+    )
+    .unwrap()
+    .dispatcher_queues()
+    .unwrap();
+    let s = &q.sizing;
+    assert_eq!(
+        (s.max_concurrency, s.baseline, s.batch_size, s.concurrency),
+        (40, 0.1, 5, 7)
+    );
+    assert_eq!(
+        (s.poll_interval_ms, s.prometheus_cache_ttl.as_str()),
+        (50, "500ms")
+    );
+    assert!(
+        s.warnings.iter().any(|w| w.contains("can never close")),
+        "{:?}",
+        s.warnings
+    );
+
+    // A local-max-concurrency gate gets its limit from the same sizing: 12 per pod.
+    let q = load("    gate_type: local-max-concurrency\n    max_num_seqs: 16\n")
+        .unwrap()
+        .dispatcher_queues()
+        .unwrap();
+    assert_eq!(
+        q.queues_config[0].gate_params,
+        [("limit".to_owned(), "12".to_owned())].into()
+    );
+    assert!(!q.needs_prometheus());
+
+    // Bad values are named with their field.
+    let err = load("    headroom: 1.5\n    pods: 0\n    baseline: 1\n    gate: x\n")
+        .unwrap_err()
+        .to_string();
+    for field in ["headroom", "pods", "baseline", "gate"] {
+        assert!(
+            err.contains(&format!("async_dispatch.dispatcher.{field}")),
+            "{field}: {err}"
+        );
+    }
 }
 
 #[test]

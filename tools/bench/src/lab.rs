@@ -209,9 +209,20 @@ impl Lab {
         consumer_id: &str,
         extra: &str,
     ) -> Result<PathBuf, BenchError> {
+        self.async_config_with(name, consumer_id, "", extra)
+    }
+
+    /// As [`Lab::async_config`], with `async_extra` more lines of `async_dispatch` (indented by 2).
+    pub fn async_config_with(
+        &self,
+        name: &str,
+        consumer_id: &str,
+        async_extra: &str,
+        extra: &str,
+    ) -> Result<PathBuf, BenchError> {
         let yaml = format!(
             "dispatch_mode: async\nredis_url_file: {}\nwork_dir: {}\n\
-             async_dispatch:\n  result_poll_timeout: 100ms\n  consumer_id: {consumer_id}\n\
+             async_dispatch:\n  result_poll_timeout: 100ms\n  consumer_id: {consumer_id}\n{async_extra}\
              model_gateways:\n  {MODEL}:\n    inference_pool_name: {POOL}\n\
              input:\n  max_requests: 10000000\n{extra}",
             self.redis_url_file.display(),

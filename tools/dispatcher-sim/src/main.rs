@@ -194,6 +194,9 @@ struct DispatcherArgs {
     /// HTTP workers.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
+    /// How long a `prometheus-budget` gate reuses a load reading (0s: never).
+    #[arg(long = "prometheus-cache-ttl", value_parser = duration, default_value = "5s")]
+    prometheus_cache_ttl: Duration,
     /// Timeout of one HTTP request to the gateway.
     #[arg(long = "request-timeout", value_parser = duration, default_value = "5m")]
     request_timeout: Duration,
@@ -390,6 +393,7 @@ async fn run_dispatcher(args: DispatcherArgs) -> anyhow::Result<()> {
     config.poll_interval = Duration::from_millis(args.poll_interval_ms);
     config.batch_size = args.batch_size;
     config.concurrency = args.concurrency;
+    config.prometheus_cache_ttl = args.prometheus_cache_ttl;
     config.request_timeout = args.request_timeout;
     config.metrics_listen = Some(args.metrics_listen);
     config.version = args.dispatcher_version;

@@ -817,6 +817,7 @@ async fn the_prometheus_budget_gate_follows_the_embedded_gateways_load() {
     };
     let mut config = fast(&redis.url(), vec![e]);
     config.batch_size = 4;
+    config.prometheus_cache_ttl = Duration::ZERO;
     let d = Dispatcher::start(config, Some(&gw)).await.unwrap();
     results(&client, RESULTS, 8, WAIT).await;
     let s = gw.stats();
@@ -830,6 +831,84 @@ async fn the_prometheus_budget_gate_follows_the_embedded_gateways_load() {
         s.max_in_flight_seen
     );
     d.shutdown().await;
+}
+
+/// The most requests at the gateway at once when 12 go through a `prometheus-budget` gate of
+/// `max_concurrency` (baseline 0) that reuses its load reading for `cache_ttl`, in front of
+/// `gateway` (400 ms answers).
+async fn gated_peak(server: GatewayConfig, max_concurrency: &str, cache_ttl: Duration) -> usize {
+    let redis = RedisServer::start();
+    let client = common::redis_client(&redis.url()).await;
+    let gw = gateway(server).await;
+    for i in 0..12 {
+        let id = format!("p{i}");
+        enqueue(
+            &client,
+            QUEUE,
+            &id,
+            now() + 600,
+            &chat(&id),
+            &internal_to(RESULTS),
+        )
+        .await;
+    }
+    let e = QueueEntry {
+        gate_type: Some("prometheus-budget".into()),
+        gate_params: [("max_concurrency", max_concurrency), ("baseline", "0")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+        ..QueueEntry::new(QUEUE)
+    };
+    let mut config = fast(&redis.url(), vec![e]);
+    config.batch_size = 4;
+    config.prometheus_cache_ttl = cache_ttl;
+    let d = Dispatcher::start(config, Some(&gw)).await.unwrap();
+    results(&client, RESULTS, 12, WAIT).await;
+    let s = gw.stats();
+    assert_eq!(s.responses(200), 12);
+    d.shutdown().await;
+    s.max_in_flight_seen
+}
+
+/// The real gate reads `vllm:num_requests_running`, which a model server caps at its
+/// `max_num_seqs`: the requests waiting in the server's queue are not counted, so a gate sized
+/// above `max_num_seqs` never closes and the whole batch lands in the server's queue. Sized to
+/// it, the gate holds the batch at the server's slots.
+#[tokio::test]
+async fn the_prometheus_budget_gate_counts_running_requests_not_waiting_ones() {
+    let vllm = || GatewayConfig {
+        latency_fixed: Duration::from_millis(400),
+        max_num_seqs: Some(4),
+        ..GatewayConfig::default()
+    };
+    let above = gated_peak(vllm(), "8", Duration::ZERO).await;
+    assert!(
+        above >= 10,
+        "running never reaches 8 with 4 slots, so the gate stays open: saw only {above} at once"
+    );
+    let sized = gated_peak(vllm(), "4", Duration::ZERO).await;
+    assert!(
+        sized <= 5,
+        "budget 0 at 4 running: saw {sized} at once (one may overshoot)"
+    );
+}
+
+/// The real gate reuses a reading for `--prometheus-cache-ttl`: while it does, every poll
+/// releases on the load it saw first, so a gate that would hold 4 lets a burst through.
+#[tokio::test]
+async fn a_cached_load_reading_lets_a_burst_past_the_gate() {
+    let slow = || GatewayConfig {
+        latency_fixed: Duration::from_millis(400),
+        ..GatewayConfig::default()
+    };
+    let stale = gated_peak(slow(), "4", Duration::from_secs(3)).await;
+    assert!(
+        stale >= 8,
+        "a reading of 0 reused for 3 s opens the gate at every poll: saw only {stale} at once"
+    );
+    let fresh = gated_peak(slow(), "4", Duration::ZERO).await;
+    assert!(fresh <= 5, "read at every poll: saw {fresh} at once");
 }
 
 /// Startup errors: a gate the real one would refuse (here `local-max-concurrency` without its

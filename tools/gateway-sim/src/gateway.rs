@@ -139,6 +139,16 @@ impl GatewayLoad {
     pub fn in_flight(&self) -> usize {
         self.0.in_flight.load(Ordering::SeqCst)
     }
+
+    /// Requests running now: in vLLM mode those in the model's batch (at most `max_num_seqs`,
+    /// the waiting ones left out, as `vllm:num_requests_running` counts them); otherwise every
+    /// request in flight.
+    pub fn running(&self) -> usize {
+        match self.0.active().config.max_num_seqs {
+            Some(_) => self.0.engine.counts().0,
+            None => self.in_flight(),
+        }
+    }
 }
 
 /// The gateway's counters.

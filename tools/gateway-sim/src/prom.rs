@@ -52,6 +52,24 @@ pub fn read_sample(page: &str, name: &str) -> Option<f64> {
     })
 }
 
+/// The sum of every sample of metric `name`, whatever its labels (`None` when it has none): a
+/// pool's total as a PromQL `sum(name)` gives it.
+pub fn sum_samples(page: &str, name: &str) -> Option<f64> {
+    let mut total = None;
+    for line in page.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let metric = series.split('{').next().unwrap_or(series);
+        if metric == name {
+            if let Ok(v) = value.trim().parse::<f64>() {
+                total = Some(total.unwrap_or(0.0) + v);
+            }
+        }
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,6 +84,8 @@ mod tests {
         let text = p.finish();
         assert!(text.contains("a_total{s=\"x\\\"y\"} 3\n"), "{text}");
         assert_eq!(read_sample(&text, "b"), Some(2.5));
+        assert_eq!(sum_samples(&text, "a_total"), Some(3.0));
+        assert_eq!(sum_samples(&text, "c"), None);
         assert_eq!(read_sample(&text, "a_total"), None);
     }
 }

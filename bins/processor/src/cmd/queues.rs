@@ -54,8 +54,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
         return Ok(ExitCode::from(EXIT_INVALID));
     }
+    for warning in &queues.sizing.warnings {
+        eprintln!("processor: warning: {warning}");
+    }
     let text = if args.json {
         eprintln!("# start it with: {}", queues.command_v0_9("queues.json"));
+        queues
+            .prometheus_requirements()
+            .iter()
+            .for_each(|line| eprintln!("{line}"));
         format!("{}\n", queues.queues_config_json())
     } else if args.transport_config {
         eprintln!(
@@ -69,6 +76,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             "# start it with: {}",
             queues.command_v0_10("transport.json")
         );
+        queues
+            .prometheus_requirements()
+            .iter()
+            .for_each(|line| eprintln!("{line}"));
         format!("{}\n", queues.transport_config().to_json())
     } else {
         human(&queues)
@@ -87,6 +98,7 @@ fn human(queues: &DispatcherQueues) -> String {
         let _ = writeln!(out, "  result queue:  {}", pool.result_queue_name);
         out.push('\n');
     }
+    out.push_str(&sizing(queues));
     out.push_str(
         "# dispatcher --redis.ss.queues-config-file (write it with `processor queues --json`):\n",
     );
@@ -112,17 +124,54 @@ fn human(queues: &DispatcherQueues) -> String {
     out
 }
 
+/// The gate and pacing the entries and commands carry, how each was chosen, and the warnings.
+fn sizing(queues: &DispatcherQueues) -> String {
+    let s = &queues.sizing;
+    let mut out = String::from("# gate and pacing (async_dispatch.dispatcher in the config):\n");
+    let _ = writeln!(out, "#   gate_type:            {}", s.gate_type);
+    let _ = writeln!(
+        out,
+        "#   max_concurrency:      {} per pod, baseline {}: the gate closes once {:.0} requests run on a pod",
+        s.max_concurrency,
+        s.baseline,
+        s.max_concurrency as f64 * (1.0 - s.baseline)
+    );
+    let _ = writeln!(
+        out,
+        "#   poll interval:        {} ms, batch size {}: a poll takes batch size × budget requests,\n\
+         #                         budget = 1 − running / (pods × max_concurrency) − baseline",
+        s.poll_interval_ms, s.batch_size
+    );
+    let _ = writeln!(
+        out,
+        "#   workers:              {} (--concurrency): the most batch requests in flight at once",
+        s.concurrency
+    );
+    if s.reads_prometheus() {
+        let _ = writeln!(
+            out,
+            "#   load readings:        at most {} old (--prometheus-cache-ttl)",
+            s.prometheus_cache_ttl
+        );
+    }
+    for warning in &s.warnings {
+        let _ = writeln!(out, "# WARNING: {warning}");
+    }
+    out.push('\n');
+    out
+}
+
 /// The dispatcher's command lines, with what each variable must hold.
 fn commands(queues: &DispatcherQueues) -> String {
     let mut out = String::from(
         "\n# Start the dispatcher with every flag it needs (REDIS_URL holds the Redis URL):\n",
     );
+    for line in queues.prometheus_requirements() {
+        out.push_str(&line);
+        out.push('\n');
+    }
     if queues.needs_prometheus() {
-        out.push_str(
-            "# PROMETHEUS_URL: the Prometheus the prometheus-budget gates query, which must scrape the\n\
-             # pools' model servers with an `inference_pool` label (the gate's `pool`); without\n\
-             # --prometheus-url the dispatcher refuses to start.\n",
-        );
+        out.push_str("# Without --prometheus-url the dispatcher refuses to start.\n");
     }
     out.push_str("# v0.9, with the file `processor queues --json` writes:\n");
     out.push_str(&queues.command_v0_9("queues.json"));

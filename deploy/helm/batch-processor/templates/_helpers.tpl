@@ -53,6 +53,19 @@ values. Fails on a key the chart owns, and on a config the service would refuse 
 {{- if hasKey $config $key -}}{{- fail (printf "config.%s is set by the chart: use the chart's values (redis, workDir, models)" $key) -}}{{- end -}}
 {{- end -}}
 {{- $_ := set $config "model_gateways" (include "bp.modelGateways" . | fromJson) -}}
+{{- if eq $v.config.dispatch_mode "async" -}}
+{{- $ad := deepCopy (default dict (get $config "async_dispatch")) -}}
+{{- if hasKey $ad "dispatcher" -}}{{- fail "config.async_dispatch.dispatcher is set by the chart: use the chart's values (dispatcher.*)" -}}{{- end -}}
+{{- $d := $v.dispatcher -}}
+{{- $gate := dict "gate_type" $d.gateType "pods" (int (default 1 $d.pods)) "headroom" $d.headroom "poll_interval" (printf "%vms" $d.pollIntervalMs) -}}
+{{- if gt (int (default 0 $d.maxNumSeqs)) 0 -}}{{- $_ := set $gate "max_num_seqs" (int $d.maxNumSeqs) -}}{{- end -}}
+{{- if gt (int (default 0 $d.batchSize)) 0 -}}{{- $_ := set $gate "batch_size" (int $d.batchSize) -}}{{- end -}}
+{{- range $key := list "max_concurrency" "baseline" -}}
+{{- if hasKey (default dict $d.gateParams) $key -}}{{- $_ := set $gate $key (get $d.gateParams $key) -}}{{- end -}}
+{{- end -}}
+{{- $_ := set $ad "dispatcher" $gate -}}
+{{- $_ := set $config "async_dispatch" $ad -}}
+{{- end -}}
 {{- range $key := list "listen" "api_keys_file" "tenant_header" "storage" "s3" -}}
 {{- if hasKey $serve $key -}}{{- fail (printf "config.serve.%s is set by the chart: use the chart's values (service, auth, storage)" $key) -}}{{- end -}}
 {{- end -}}
@@ -133,6 +146,29 @@ sorted by name (both sides must name the same queues: <queue_prefix>:requests:<p
 {{- toJson $pools -}}
 {{- end -}}
 
+{{/*
+The gate and pacing of the dispatcher's queues, derived from dispatcher.* as `processor queues`
+derives them from async_dispatch.dispatcher (DispatcherSettings::sizing): max_concurrency =
+maxNumSeqs (else 100), baseline = headroom, batch_size = pods × max_concurrency when sized (else 10),
+a local-max-concurrency limit = pods × max(1, floor(max_concurrency × (1 − baseline))).
+*/}}
+{{- define "bp.gateSizing" -}}
+{{- $d := .Values.dispatcher -}}
+{{- $p := default dict $d.gateParams -}}
+{{- $seqs := int (default 0 $d.maxNumSeqs) -}}
+{{- $sized := or (gt $seqs 0) (hasKey $p "max_concurrency") -}}
+{{- $m := int (default 100 (ternary $seqs 0 (gt $seqs 0))) -}}
+{{- if hasKey $p "max_concurrency" -}}{{- $m = int $p.max_concurrency -}}{{- end -}}
+{{- $b := float64 $d.headroom -}}
+{{- if hasKey $p "baseline" -}}{{- $b = float64 $p.baseline -}}{{- end -}}
+{{- $pods := int (default 1 $d.pods) -}}
+{{- $batch := int (default 0 $d.batchSize) -}}
+{{- if eq $batch 0 -}}{{- $batch = ternary (mul $pods $m) 10 $sized -}}{{- end -}}
+{{- $cap := int (floor (mulf $m (subf 1 $b))) -}}
+{{- if lt $cap 1 -}}{{- $cap = 1 -}}{{- end -}}
+{{- dict "max_concurrency" $m "baseline" $b "batch_size" $batch "limit" (mul $pods $cap) "sized" $sized | toJson -}}
+{{- end -}}
+
 {{/* The dispatcher's queue entries, one per pool, sorted by pool. */}}
 {{- define "bp.dispatcherQueues" -}}
 {{- $ad := default dict .Values.config.async_dispatch -}}
@@ -146,7 +182,11 @@ sorted by name (both sides must name the same queues: <queue_prefix>:requests:<p
 {{- $gw := get $gateways $model -}}
 {{- if and (not $url) $gw.url -}}{{- $url = trimSuffix "/" $gw.url -}}{{- end -}}
 {{- end -}}
-{{- $params := merge (dict "pool" $pool) (deepCopy $.Values.dispatcher.gateParams) -}}
+{{- $sizing := include "bp.gateSizing" $ | fromJson -}}
+{{- $params := dict "pool" $pool "max_concurrency" (toString $sizing.max_concurrency) "baseline" (toString $sizing.baseline) -}}
+{{- if eq $.Values.dispatcher.gateType "local-max-concurrency" -}}
+{{- $params = dict "limit" (toString $sizing.limit) -}}
+{{- end -}}
 {{- $entries = append $entries (dict "queue_name" (printf "%s:requests:%s" $prefix $pool) "igw_base_url" (default "http://CHANGE-ME" $url) "request_path_url" $.Values.dispatcher.requestPath "gate_type" $.Values.dispatcher.gateType "gate_params" $params) -}}
 {{- end -}}
 {{- toJson $entries -}}

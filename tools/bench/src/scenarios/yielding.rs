@@ -1,14 +1,17 @@
 //! A batch beside online traffic on one model server that schedules as vLLM does (the gateway
 //! simulator's vLLM mode): what the online requests' latency becomes while the batch runs, and
 //! how much of the capacity the online traffic leaves the batch gets, for sync mode without
-//! `load`, with it at several headrooms, and with a server that schedules by priority.
+//! `load`, with it at several headrooms, with a server that schedules by priority, and for async
+//! mode through the dispatcher simulator configured as `processor queues` prints it.
+//! `BENCH_YIELD_ONLY=TEXT` runs only the cases whose label contains TEXT (online alone is always
+//! measured).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use batch_executor::Executor;
 use bytes::Bytes;
-use dispatcher_sim::{GatewayConfig, GatewayHandle};
+use dispatcher_sim::{Dispatcher, DispatcherConfig, GatewayConfig, GatewayHandle, TransportConfig};
 use rand::{Rng, SeedableRng};
 use tokio_util::sync::CancellationToken;
 
@@ -66,6 +69,11 @@ impl Shape {
 /// A processor configuration beside the online traffic.
 #[derive(Debug, Clone, Copy)]
 struct Case {
+    /// Async mode: the dispatcher (simulator) runs with what `processor queues` prints for
+    /// `async_dispatch.dispatcher` with `max_num_seqs` the server's and `headroom` this one.
+    dispatcher_headroom: Option<f64>,
+    /// Async mode: `prometheus_cache_ttl` in milliseconds, when not the printed default.
+    dispatcher_cache_ms: Option<u64>,
     /// `load.headroom`, or no `load` section.
     headroom: Option<f64>,
     /// The server schedules by priority and the batch sends [`BATCH_PRIORITY`].
@@ -81,6 +89,14 @@ impl Case {
         let interval = self
             .interval_ms
             .map_or(String::new(), |ms| format!(", every {ms} ms"));
+        if let Some(h) = self.dispatcher_headroom {
+            return match self.dispatcher_cache_ms {
+                None => format!("async, the printed dispatcher config (headroom {h})"),
+                Some(ms) => {
+                    format!("async, printed config (headroom {h}), load read every {ms} ms")
+                }
+            };
+        }
         match (self.headroom, self.priority) {
             (None, _) => "sync, no load (work limiter)".to_owned(),
             (Some(h), false) => format!("sync, load (headroom {h}{interval})"),
@@ -93,15 +109,26 @@ impl Case {
     /// `load` with `headroom`, read every `interval_ms` (the default when `None`).
     const fn load(headroom: f64, interval_ms: Option<u64>) -> Self {
         Case {
+            dispatcher_headroom: None,
+            dispatcher_cache_ms: None,
             headroom: Some(headroom),
             priority: false,
             targeted: false,
             interval_ms,
         }
     }
+
+    /// Async mode, the dispatcher configured as printed with `headroom`.
+    const fn dispatcher(headroom: f64) -> Self {
+        Case {
+            dispatcher_headroom: Some(headroom),
+            headroom: None,
+            ..Case::load(0.0, None)
+        }
+    }
 }
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 10] = [
     Case {
         headroom: None,
         ..Case::load(0.0, None)
@@ -116,6 +143,17 @@ const CASES: [Case; 6] = [
     Case {
         priority: true,
         ..Case::load(0.15, None)
+    },
+    Case {
+        targeted: true,
+        ..Case::dispatcher(0.25)
+    },
+    Case::dispatcher(0.4),
+    Case::dispatcher(0.1),
+    // A gate that reads the pods at every poll (the poll interval, 200 ms, is then its age).
+    Case {
+        dispatcher_cache_ms: Some(0),
+        ..Case::dispatcher(0.25)
     },
 ];
 
@@ -156,7 +194,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         Duration::from_secs(20)
     };
     let (shapes, cases): (Vec<Shape>, Vec<Case>) = if s.quick {
-        (vec![Shape::Steady(0.5)], CASES[..2].to_vec())
+        (vec![Shape::Steady(0.5)], vec![CASES[0], CASES[1], CASES[6]])
     } else {
         (
             vec![
@@ -167,6 +205,13 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
             ],
             CASES.to_vec(),
         )
+    };
+    let cases: Vec<Case> = match std::env::var("BENCH_YIELD_ONLY") {
+        Ok(text) => cases
+            .into_iter()
+            .filter(|c| c.label().contains(text.as_str()))
+            .collect(),
+        Err(_) => cases,
     };
     let body = online_body();
     let capacity = measure_capacity(span, &body).await?;
@@ -361,6 +406,9 @@ async fn beside(
     span: Duration,
     body: &Bytes,
 ) -> Result<(Online, f64), BenchError> {
+    if let Some(headroom) = case.dispatcher_headroom {
+        return beside_dispatcher(lab, input, case, headroom, shape, capacity, span, body).await;
+    }
     let gateway = simulator::gateway(server(case.priority)).await?;
     let load_section = match case.headroom {
         None => String::new(),
@@ -380,7 +428,71 @@ async fn beside(
         }
     };
     let config = lab.sync_config("yield.yaml", &gateway.base_url(), &load_section, "")?;
-    let executor = Arc::new(Executor::new(load(&config)?).await?);
+    let executor = Executor::new(load(&config)?).await?;
+    let measured = run_beside(lab, executor, input, &gateway, shape, capacity, span, body).await;
+    gateway.shutdown().await;
+    measured
+}
+
+/// Async mode: the dispatcher simulator in front of the server, configured with exactly what
+/// `processor queues` prints for a pool of one server of [`SEQS`] slots and `headroom` (its
+/// gate reads the server's `vllm:num_requests_running` through its cache, as the real one reads
+/// it through Prometheus), and the executor enqueueing the whole job at once.
+#[allow(clippy::too_many_arguments)]
+async fn beside_dispatcher(
+    lab: &Lab,
+    input: &std::path::Path,
+    case: Case,
+    headroom: f64,
+    shape: Shape,
+    capacity: f64,
+    span: Duration,
+    body: &Bytes,
+) -> Result<(Online, f64), BenchError> {
+    lab.flush_redis().await?;
+    let gateway = simulator::gateway(server(false)).await?;
+    let path = lab.async_config_with(
+        "yield-async.yaml",
+        "yield",
+        &format!("  dispatcher:\n    max_num_seqs: {SEQS}\n    headroom: {headroom}\n"),
+        "",
+    )?;
+    let config = load(&path)?;
+    let queues = config.dispatcher_queues()?;
+    let mut dispatcher = DispatcherConfig::new(lab.redis_url(), vec![]);
+    TransportConfig::parse(&queues.transport_config().to_json())?.apply(&mut dispatcher);
+    for queue in &mut dispatcher.queues {
+        queue.igw_base_url = Some(gateway.base_url());
+    }
+    dispatcher.concurrency = queues.sizing.concurrency;
+    dispatcher.prometheus_cache_ttl = match case.dispatcher_cache_ms {
+        Some(ms) => Duration::from_millis(ms),
+        None => batch_config::parse_duration(&queues.sizing.prometheus_cache_ttl)
+            .map_err(BenchError::Check)?,
+    };
+    let dispatcher = Dispatcher::start(dispatcher, None).await?;
+    let executor = Executor::new(config).await?;
+    let measured = run_beside(lab, executor, input, &gateway, shape, capacity, span, body).await;
+    dispatcher.shutdown().await;
+    gateway.shutdown().await;
+    lab.flush_redis().await?;
+    measured
+}
+
+/// Runs the job of `input` with `executor` for 3 s, then online traffic of `shape` beside it;
+/// the online figures and the batch's answers per second over the online phase.
+#[allow(clippy::too_many_arguments)]
+async fn run_beside(
+    lab: &Lab,
+    executor: Executor,
+    input: &std::path::Path,
+    gateway: &GatewayHandle,
+    shape: Shape,
+    capacity: f64,
+    span: Duration,
+    body: &Bytes,
+) -> Result<(Online, f64), BenchError> {
+    let executor = Arc::new(executor);
     let out = lab.fresh_dir("yield-out")?;
     let job = ready(&executor, &spec(input, &out, None)).await?;
     let progress = job.progress();
@@ -392,7 +504,7 @@ async fn beside(
     tokio::time::sleep(Duration::from_secs(3)).await;
     let before = resolved(&progress.borrow());
     let started = Instant::now();
-    let online = online(&gateway, shape, capacity, span, body).await;
+    let online = online(gateway, shape, capacity, span, body).await;
     let batch_rate =
         (resolved(&progress.borrow()) - before) as f64 / started.elapsed().as_secs_f64();
     stop.cancel();
@@ -400,6 +512,5 @@ async fn beside(
     if let Ok(executor) = Arc::try_unwrap(executor) {
         executor.shutdown().await;
     }
-    gateway.shutdown().await;
     Ok((online?, batch_rate))
 }

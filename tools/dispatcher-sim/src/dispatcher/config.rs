@@ -236,6 +236,9 @@ pub struct DispatcherConfig {
     pub batch_size: usize,
     /// `--concurrency`: HTTP workers (default 64).
     pub concurrency: usize,
+    /// `--prometheus-cache-ttl`: how long a `prometheus-budget` gate reuses a load reading
+    /// (default 5 s, as the real one; zero reads it at every poll and message).
+    pub prometheus_cache_ttl: Duration,
     /// `--request-timeout` (default 5 min).
     pub request_timeout: Duration,
     /// Serve the dispatcher's `/metrics` here when set.
@@ -263,6 +266,7 @@ impl DispatcherConfig {
             poll_interval: Duration::from_secs(1),
             batch_size: 10,
             concurrency: 64,
+            prometheus_cache_ttl: super::gate::DEFAULT_CACHE_TTL,
             request_timeout: Duration::from_secs(300),
             metrics_listen: None,
             shutdown_grace: Duration::from_secs(10),

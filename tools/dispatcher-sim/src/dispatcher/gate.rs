@@ -86,46 +86,53 @@ pub enum Gate {
     },
 }
 
-/// Where a `prometheus-budget` gate reads the load.
-pub enum LoadSource {
-    /// The embedded gateway, in process.
-    Embedded(GatewayLoad),
-    /// `gateway_in_flight_requests` of a simulator gateway's `/metrics` page, cached briefly
-    /// because the gate is also asked before every send.
-    Scrape {
-        /// The page.
-        uri: Uri,
-        /// The last reading and when it was taken.
-        last: Mutex<Option<(Instant, Option<f64>)>>,
-    },
+/// Where a `prometheus-budget` gate reads the load, and how long a reading is reused.
+///
+/// The real gate sums `vllm:num_requests_running` of the pool through Prometheus, and reuses a
+/// reading for `--prometheus-cache-ttl` (5 s unless set): it sees requests *running* (never more
+/// than a pod's `max_num_seqs`, never the waiting queue) and sees them late. Both are kept here,
+/// so the bursts and the late closing show as they do on the real stack.
+pub struct LoadSource {
+    reader: LoadReader,
+    ttl: Duration,
+    last: Mutex<Option<(Instant, Option<f64>)>>,
 }
 
-/// How long a scraped reading is reused.
-const SCRAPE_TTL: Duration = Duration::from_millis(50);
+/// Where a reading comes from.
+pub enum LoadReader {
+    /// The embedded gateway, in process: its running requests ([`GatewayLoad::running`]).
+    Embedded(GatewayLoad),
+    /// A metrics page: the sum of its `vllm:num_requests_running` samples when it has them
+    /// (a vLLM-mode simulator or a model server), else a simulator gateway's
+    /// `gateway_in_flight_requests`.
+    Scrape(Uri),
+}
+
+/// The real dispatcher's `--prometheus-cache-ttl` default.
+pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(5);
 
 impl LoadSource {
-    fn scrape(uri: Uri) -> Self {
-        LoadSource::Scrape {
-            uri,
+    fn new(reader: LoadReader) -> Self {
+        LoadSource {
+            reader,
+            ttl: DEFAULT_CACHE_TTL,
             last: Mutex::new(None),
         }
     }
 
     async fn in_flight(&self, http: &crate::http::Client) -> Option<f64> {
-        match self {
-            LoadSource::Embedded(g) => Some(g.in_flight() as f64),
-            LoadSource::Scrape { uri, last } => {
-                let cached = *last.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some((at, value)) = cached {
-                    if at.elapsed() < SCRAPE_TTL {
-                        return value;
-                    }
-                }
-                let value = scrape_in_flight(http, uri).await;
-                *last.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), value));
-                value
+        let cached = *self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, value)) = cached {
+            if at.elapsed() < self.ttl {
+                return value;
             }
         }
+        let value = match &self.reader {
+            LoadReader::Embedded(g) => Some(g.running() as f64),
+            LoadReader::Scrape(uri) => scrape_running(http, uri).await,
+        };
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), value));
+        value
     }
 }
 
@@ -196,20 +203,21 @@ impl Gate {
                 })
             }
             "prometheus-budget" => {
-                let load = match (params.get("metrics_url"), embedded) {
-                    (Some(url), _) => LoadSource::scrape(url.parse().map_err(|e| {
+                let reader = match (params.get("metrics_url"), embedded) {
+                    (Some(url), _) => LoadReader::Scrape(url.parse().map_err(|e| {
                         SimError::Config(format!(
                             "queue {queue}: gate_params.metrics_url {url:?} is not a URL: {e}"
                         ))
                     })?),
-                    (None, Some(gw)) => LoadSource::Embedded(gw.load()),
+                    (None, Some(gw)) => LoadReader::Embedded(gw.load()),
                     (None, None) => {
                         let url = format!("{base_url}/metrics");
-                        LoadSource::scrape(url.parse().map_err(|e| {
+                        LoadReader::Scrape(url.parse().map_err(|e| {
                             SimError::Config(format!("queue {queue}: {url:?} is not a URL: {e}"))
                         })?)
                     }
                 };
+                let load = LoadSource::new(reader);
                 let max_concurrency = param_f64(queue, params, "max_concurrency", 100.0)?;
                 if max_concurrency <= 0.0 {
                     return Err(SimError::Config(format!(
@@ -294,7 +302,18 @@ impl Gate {
     }
 }
 
-async fn scrape_in_flight(http: &crate::http::Client, uri: &Uri) -> Option<f64> {
+impl Gate {
+    /// This gate with its load readings reused for `ttl` (the dispatcher's
+    /// `--prometheus-cache-ttl`; zero reads the load at every poll and message).
+    pub fn with_cache_ttl(mut self, ttl: Duration) -> Self {
+        if let Gate::PrometheusBudget { load, .. } = &mut self {
+            load.ttl = ttl;
+        }
+        self
+    }
+}
+
+async fn scrape_running(http: &crate::http::Client, uri: &Uri) -> Option<f64> {
     let fetch = async {
         let req = hyper::Request::get(uri.clone())
             .body(http_body_util::Full::new(bytes::Bytes::new()))
@@ -304,10 +323,9 @@ async fn scrape_in_flight(http: &crate::http::Client, uri: &Uri) -> Option<f64> 
             return None;
         }
         let body = resp.into_body().collect().await.ok()?.to_bytes();
-        crate::prom::read_sample(
-            &String::from_utf8_lossy(&body),
-            "gateway_in_flight_requests",
-        )
+        let page = String::from_utf8_lossy(&body);
+        crate::prom::sum_samples(&page, "vllm:num_requests_running")
+            .or_else(|| crate::prom::read_sample(&page, "gateway_in_flight_requests"))
     };
     let value = tokio::time::timeout(Duration::from_secs(2), fetch)
         .await
@@ -413,8 +431,8 @@ mod tests {
     fn prometheus_budget_reads_the_queues_gateway_unless_told_otherwise() {
         let gate = Gate::from_entry(&entry("prometheus-budget", &[]), None, BASE).unwrap();
         assert!(
-            matches!(gate, Gate::PrometheusBudget { load: LoadSource::Scrape { ref uri, .. }, .. }
-            if uri == "http://127.0.0.1:1/metrics")
+            matches!(gate, Gate::PrometheusBudget { load: LoadSource { reader: LoadReader::Scrape(ref uri), ttl, .. }, .. }
+            if uri == "http://127.0.0.1:1/metrics" && ttl == DEFAULT_CACHE_TTL)
         );
         let gate = Gate::from_entry(
             &entry(
@@ -429,7 +447,7 @@ mod tests {
         )
         .unwrap();
         assert!(
-            matches!(gate, Gate::PrometheusBudget { load: LoadSource::Scrape { ref uri, .. }, max_concurrency, baseline, fallback }
+            matches!(gate, Gate::PrometheusBudget { load: LoadSource { reader: LoadReader::Scrape(ref uri), .. }, max_concurrency, baseline, fallback }
             if uri == "http://127.0.0.1:2/m" && max_concurrency == 8.0 && baseline == 0.05 && fallback == 0.0)
         );
         let err = Gate::from_entry(

@@ -155,6 +155,7 @@ impl Queue {
     fn resolve(
         entry: &super::QueueEntry,
         embedded: Option<&GatewayHandle>,
+        cache_ttl: Duration,
     ) -> Result<Self, SimError> {
         let name = entry.queue_name.trim().to_owned();
         let (base, served_by) = match (non_empty(&entry.igw_base_url), embedded) {
@@ -177,7 +178,7 @@ impl Queue {
         url.parse::<Uri>().map_err(|e| {
             SimError::Config(format!("queue {name}: {url:?} is not a valid URL: {e}"))
         })?;
-        let gate = Gate::from_entry(entry, served_by, &base)?;
+        let gate = Gate::from_entry(entry, served_by, &base)?.with_cache_ttl(cache_ttl);
         Ok(Queue {
             id: non_empty(&entry.id).unwrap_or(&name).to_owned(),
             base_url: base,
@@ -223,7 +224,7 @@ impl Shared {
         let queues = config
             .queues
             .iter()
-            .map(|e| Queue::resolve(e, embedded).map(Arc::new))
+            .map(|e| Queue::resolve(e, embedded, config.prometheus_cache_ttl).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()?;
         let redis = redis_client(&config.redis_url, config.redis_tls.as_ref())?;
         // Connects in the background; commands wait for the connection (up to their timeout).
