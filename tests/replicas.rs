@@ -25,8 +25,10 @@ use support::serve::*;
 use support::*;
 use tokio_util::sync::CancellationToken;
 
-/// The service's Redis key prefix (the default `state_prefix`, in braces: one hash slot).
-const PREFIX: &str = "{batch-processor}";
+/// The service's Redis keys under the default `serve.state_prefix`.
+fn keys() -> batch_state::StateKeys {
+    batch_state::StateKeys::new("batch-processor")
+}
 /// Every replica's `serve.lease_ttl`.
 const LEASE_TTL: Duration = Duration::from_secs(3);
 /// How long a whole set of batches may take to finish: 12 × 5,000 lines took 270-310 s on a
@@ -195,9 +197,7 @@ impl Cluster {
 
     /// Which replica each running job was given to (`{prefix}:running`).
     fn running(&self) -> BTreeMap<String, String> {
-        let flat = self
-            .redis()
-            .command_list(&["HGETALL", &format!("{PREFIX}:running")]);
+        let flat = self.redis().command_list(&["HGETALL", &keys().running()]);
         flat.chunks(2)
             .map(|kv| (kv[0].clone(), kv[1].clone()))
             .collect()
@@ -205,9 +205,7 @@ impl Cluster {
 
     /// Job `id`'s lease value `replica#epoch`, if held.
     fn lease(&self, id: &str) -> Option<String> {
-        let v = self
-            .redis()
-            .command(&["GET", &format!("{PREFIX}:lease:{id}")]);
+        let v = self.redis().command(&["GET", &keys().lease(id)]);
         (v != "(nil)").then_some(v)
     }
 
@@ -347,13 +345,13 @@ impl Monitor {
                     }
                     turn += 1;
                     let Some(batch) = batch else { continue };
-                    let key = format!("{PREFIX}:checkpoint:{id}");
+                    let key = keys().checkpoint(id);
                     let checkpoint = batch_testkit::command_on(redis_port, &["GET", &key]);
                     let checkpoint_epoch = serde_json::from_str::<Value>(&checkpoint[0])
                         .ok()
                         .and_then(|c| c["epoch"].as_u64())
                         .unwrap_or(0);
-                    let key = format!("{PREFIX}:lease:{id}");
+                    let key = keys().lease(id);
                     let lease = batch_testkit::command_on(redis_port, &["GET", &key]);
                     let holder = lease[0].replace("(nil)", "");
                     let counts = &batch["request_counts"];
@@ -539,12 +537,8 @@ async fn a_replica_killed_with_its_disk_loses_no_job_and_no_line() {
         "checkpoints of the victim's jobs",
         Duration::from_secs(30),
         || {
-            lost.iter().all(|id| {
-                cluster
-                    .redis()
-                    .command(&["EXISTS", &format!("{PREFIX}:checkpoint:{id}")])
-                    == ":1"
-            })
+            lost.iter()
+                .all(|id| cluster.redis().command(&["EXISTS", &keys().checkpoint(id)]) == ":1")
         },
     )
     .await;
@@ -765,7 +759,7 @@ async fn a_frozen_replica_is_fenced_and_writes_nothing_more() {
     for (id, epoch) in lost.iter().zip(&epochs) {
         let now: u64 = cluster
             .redis()
-            .command(&["GET", &format!("{PREFIX}:epoch:{id}")])
+            .command(&["GET", &keys().epoch(id)])
             .parse()
             .expect("an epoch");
         assert!(
@@ -961,7 +955,7 @@ async fn batches_survive_a_redis_that_forgets(s3: bool, loss: Loss) {
         batches.push(Submitted { id, lines, via: 0 });
         inputs.push((file, text));
     }
-    let checkpoints = format!("{PREFIX}:checkpoint:*");
+    let checkpoints = keys().checkpoint("*");
     eventually(
         "four batches running, one checkpointed",
         Duration::from_secs(60),
@@ -1142,9 +1136,7 @@ async fn a_freed_slot_takes_over_a_dead_replicas_job_before_a_queued_one() {
         batches.push((id_of(&api.create_batch_ok(&file).await), lines));
     }
     let running = || -> BTreeMap<String, String> {
-        let flat = env
-            .redis
-            .command_list(&["HGETALL", "{batch-processor}:running"]);
+        let flat = env.redis.command_list(&["HGETALL", &keys().running()]);
         flat.chunks(2)
             .map(|kv| (kv[0].clone(), kv[1].clone()))
             .collect()
@@ -1170,7 +1162,7 @@ async fn a_freed_slot_takes_over_a_dead_replicas_job_before_a_queued_one() {
     // slow the machine (the dispatcher sends the older job's lines first, so any opening before
     // could finish replica 2's job).
     one.kill9();
-    let lease = format!("{{batch-processor}}:lease:{dead}");
+    let lease = keys().lease(&dead);
     while env.redis.command(&["EXISTS", &lease]) != ":0" {
         assert!(
             Instant::now() < deadline,
@@ -1289,8 +1281,8 @@ async fn a_replica_frozen_past_its_lease_with_nobody_to_take_over_goes_on() {
         assert!(Instant::now() < deadline, "fewer than 10 lines done");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let epoch_key = format!("{{batch-processor}}:epoch:{id}");
-    let lease_key = format!("{{batch-processor}}:lease:{id}");
+    let epoch_key = keys().epoch(&id);
+    let lease_key = keys().lease(&id);
     assert_eq!(env.redis.command(&["GET", &epoch_key]), "1");
     // Frozen for twice the 2 s lease.
     assert_eq!(unsafe { libc::kill(one.pid(), libc::SIGSTOP) }, 0);

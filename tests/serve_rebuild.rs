@@ -16,8 +16,10 @@ use support::serve::*;
 use support::*;
 
 const KEY: &str = "sk-rebuild-0001";
-/// The key prefix of the service's state (the config's default).
-const PREFIX: &str = "{batch-processor}";
+/// The service's Redis keys under the default `serve.state_prefix`.
+fn keys() -> batch_state::StateKeys {
+    batch_state::StateKeys::new("batch-processor")
+}
 
 /// Polls `check` every 100 ms until it holds, or panics after `limit` naming `what`.
 async fn eventually(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> bool) {
@@ -53,16 +55,13 @@ async fn ready_fails_while_the_lost_state_waits_for_its_rebuild_and_answers_afte
     assert_eq!(probe.get("/ready").await.status, 200);
 
     // Another replica holds the rebuild lock; the state's marker goes (as after a FLUSHALL).
-    let lock = format!("{PREFIX}:rebuild_lock");
+    let lock = keys().rebuild_lock();
     assert_eq!(
         env.redis
             .command(&["SET", &lock, "another-replica", "PX", "60000"]),
         "+OK"
     );
-    assert_eq!(
-        env.redis.command(&["DEL", &format!("{PREFIX}:state")]),
-        ":1"
-    );
+    assert_eq!(env.redis.command(&["DEL", &keys().state()]), ":1");
     eventually(
         "/ready fails once the loss is noticed",
         Duration::from_secs(10),
@@ -151,10 +150,7 @@ async fn rebuild_state_puts_back_a_lost_record_and_reports_what_it_found() {
 
     // One batch's record goes; the marker stays, so a plain start sees no loss.
     let id = lost["id"].as_str().unwrap();
-    assert_eq!(
-        env.redis.command(&["DEL", &format!("{PREFIX}:batch:{id}")]),
-        ":1"
-    );
+    assert_eq!(env.redis.command(&["DEL", &keys().batch(id)]), ":1");
     let plain = Service::start(&config);
     assert_eq!(
         plain

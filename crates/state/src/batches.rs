@@ -32,14 +32,14 @@ impl Store {
     ) -> Result<Result<(), QuotaExceeded>, StoreError> {
         let b = &batch.batch.batch;
         let keys = vec![
-            self.key(&["batch", &b.id]),
-            self.key(&["batches", &batch.tenant]),
-            self.key(&["queue"]),
-            self.key(&["status_counts"]),
-            self.key(&["active"]),
-            self.key(&["tenant_of"]),
-            self.key(&["tqueue", &batch.tenant]),
-            self.key(&["tenants_queued"]),
+            self.keys.batch(&b.id),
+            self.keys.batches(&batch.tenant),
+            self.keys.queue(),
+            self.keys.status_counts(),
+            self.keys.active(),
+            self.keys.tenant_of(),
+            self.keys.tenant_queue(&batch.tenant),
+            self.keys.tenants_queued(),
         ];
         let json = serde_json::to_string(batch).expect("a batch record serializes");
         let args = vec![
@@ -66,7 +66,7 @@ impl Store {
     /// How many batches `tenant` has queued or running.
     pub async fn unfinished(&self, tenant: &str) -> Result<u64, StoreError> {
         let n: Option<u64> =
-            HashesInterface::hget(&self.client, self.key(&["active"]), tenant).await?;
+            HashesInterface::hget(&self.client, self.keys.active(), tenant).await?;
         Ok(n.unwrap_or(0))
     }
 
@@ -81,12 +81,12 @@ impl Store {
     ) -> Result<i64, StoreError> {
         let b = &batch.batch.batch;
         let keys = vec![
-            self.key(&["batch", &b.id]),
-            self.key(&["status_counts"]),
-            self.key(&["lease", &b.id]),
-            self.key(&["active"]),
-            self.key(&["tenant_of"]),
-            self.webhook_ended_key(),
+            self.keys.batch(&b.id),
+            self.keys.status_counts(),
+            self.keys.lease(&b.id),
+            self.keys.active(),
+            self.keys.tenant_of(),
+            self.keys.webhook_ended(),
         ];
         let json = serde_json::to_string(batch).expect("a batch record serializes");
         let expected = lease.map(JobLease::value).unwrap_or_default();
@@ -113,7 +113,7 @@ impl Store {
         &self,
         id: &str,
     ) -> Result<Option<(String, StoredBatch)>, StoreError> {
-        let key = self.key(&["batch", id]);
+        let key = self.keys.batch(id);
         let json: Option<String> = self.client.get(&key).await?;
         json.map(|j| parse(&key, &j).map(|b| (j, b))).transpose()
     }
@@ -123,7 +123,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<String> = ids.iter().map(|id| self.key(&["batch", id])).collect();
+        let keys: Vec<String> = ids.iter().map(|id| self.keys.batch(id)).collect();
         let values: Vec<Option<String>> = self.client.mget(keys.clone()).await?;
         keys.iter()
             .zip(values)
@@ -138,7 +138,7 @@ impl Store {
         after: Option<&Cursor>,
         limit: usize,
     ) -> Result<Page<StoredBatch>, StoreError> {
-        let index = self.key(&["batches", tenant]);
+        let index = self.keys.batches(tenant);
         let ids = self.range(&index, after, limit, Order::Desc).await?;
         let (ids, has_more) = split_more(ids, limit);
         let data = self.batches(&ids).await?.into_iter().flatten().collect();
@@ -147,7 +147,7 @@ impl Store {
 
     /// Whether a cancel of batch `id` was asked for.
     pub async fn cancel_requested(&self, id: &str) -> Result<bool, StoreError> {
-        let n: i64 = self.client.exists(self.key(&["cancel", id])).await?;
+        let n: i64 = self.client.exists(self.keys.cancel(id)).await?;
         Ok(n == 1)
     }
 }

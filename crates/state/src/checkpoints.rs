@@ -15,8 +15,8 @@ impl Store {
     /// Records job `lease.job`'s latest checkpoint (opaque JSON) while the lease holds.
     pub async fn save_checkpoint(&self, lease: &JobLease, json: &str) -> Result<bool, StoreError> {
         let keys = vec![
-            self.key(&["checkpoint", &lease.job]),
-            self.key(&["lease", &lease.job]),
+            self.keys.checkpoint(&lease.job),
+            self.keys.lease(&lease.job),
         ];
         let n: i64 = SAVE_CHECKPOINT
             .evalsha_with_reload(&self.client, keys, vec![json.to_owned(), lease.value()])
@@ -29,13 +29,13 @@ impl Store {
 
     /// Job `id`'s latest checkpoint.
     pub async fn checkpoint(&self, id: &str) -> Result<Option<String>, StoreError> {
-        let json: Option<String> = self.client.get(self.key(&["checkpoint", id])).await?;
+        let json: Option<String> = self.client.get(self.keys.checkpoint(id)).await?;
         Ok(json)
     }
 
     /// Forgets job `id`'s checkpoint (it ended).
     pub async fn forget_checkpoint(&self, id: &str) -> Result<(), StoreError> {
-        let _: i64 = self.client.del(self.key(&["checkpoint", id])).await?;
+        let _: i64 = self.client.del(self.keys.checkpoint(id)).await?;
         self.forget_checkpoint_copy(id).await?;
         Ok(())
     }

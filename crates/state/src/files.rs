@@ -71,24 +71,18 @@ impl Store {
 
     /// The bytes and files `tenant` has stored.
     pub async fn usage(&self, tenant: &str) -> Result<(u64, u64), StoreError> {
-        let bytes: Option<u64> = fred::interfaces::HashesInterface::hget(
-            &self.client,
-            self.key(&["usage_bytes"]),
-            tenant,
-        )
-        .await?;
-        let files: Option<u64> = fred::interfaces::HashesInterface::hget(
-            &self.client,
-            self.key(&["usage_files"]),
-            tenant,
-        )
-        .await?;
+        let bytes: Option<u64> =
+            fred::interfaces::HashesInterface::hget(&self.client, self.keys.usage_bytes(), tenant)
+                .await?;
+        let files: Option<u64> =
+            fred::interfaces::HashesInterface::hget(&self.client, self.keys.usage_files(), tenant)
+                .await?;
         Ok((bytes.unwrap_or(0), files.unwrap_or(0)))
     }
 
     /// The file `id`, whoever owns it.
     pub async fn file(&self, id: &str) -> Result<Option<StoredFile>, StoreError> {
-        let key = self.key(&["file", id]);
+        let key = self.keys.file(id);
         let json: Option<String> = self.client.get(&key).await?;
         json.map(|j| parse(&key, &j)).transpose()
     }
@@ -114,12 +108,12 @@ impl Store {
         order: Order,
     ) -> Result<Page<StoredFile>, StoreError> {
         let index = match purpose {
-            Some(p) => self.key(&["files", tenant, p]),
-            None => self.key(&["files", tenant]),
+            Some(p) => self.keys.files_of_purpose(tenant, p),
+            None => self.keys.files(tenant),
         };
         let ids = self.range(&index, after, limit, order).await?;
         let (ids, has_more) = split_more(ids, limit);
-        let keys: Vec<String> = ids.iter().map(|id| self.key(&["file", id])).collect();
+        let keys: Vec<String> = ids.iter().map(|id| self.keys.file(id)).collect();
         let data = self.get_all(&keys).await?;
         Ok(Page { data, has_more })
     }
@@ -128,7 +122,7 @@ impl Store {
     pub async fn expired_files(&self, now: i64, limit: usize) -> Result<Vec<String>, StoreError> {
         let cmd = CustomCommand::new_static("ZRANGE", ClusterHash::FirstKey, false);
         let args = vec![
-            Value::from(self.key(&["expiry"])),
+            Value::from(self.keys.expiry()),
             Value::from("-inf"),
             Value::from(now),
             Value::from("BYSCORE"),
@@ -145,10 +139,7 @@ impl Store {
         let cmd = CustomCommand::new_static("ZREM", ClusterHash::FirstKey, false);
         let _: i64 = self
             .client
-            .custom(
-                cmd,
-                vec![Value::from(self.key(&["expiry"])), Value::from(id)],
-            )
+            .custom(cmd, vec![Value::from(self.keys.expiry()), Value::from(id)])
             .await?;
         Ok(())
     }
@@ -157,12 +148,12 @@ impl Store {
     /// listings, expiry and usage counts.
     fn file_keys(&self, file: &StoredFile) -> Vec<String> {
         vec![
-            self.key(&["file", &file.file.id]),
-            self.key(&["files", &file.tenant]),
-            self.key(&["files", &file.tenant, &file.file.purpose]),
-            self.key(&["expiry"]),
-            self.key(&["usage_bytes"]),
-            self.key(&["usage_files"]),
+            self.keys.file(&file.file.id),
+            self.keys.files(&file.tenant),
+            self.keys.files_of_purpose(&file.tenant, &file.file.purpose),
+            self.keys.expiry(),
+            self.keys.usage_bytes(),
+            self.keys.usage_files(),
         ]
     }
 }

@@ -55,9 +55,9 @@ impl Store {
         ttl: Duration,
     ) -> Result<Option<JobLease>, StoreError> {
         let keys = vec![
-            self.key(&["running"]),
-            self.key(&["lease", id]),
-            self.key(&["epoch", id]),
+            self.keys.running(),
+            self.keys.lease(id),
+            self.keys.epoch(id),
         ];
         let args = vec![id.to_owned(), replica.to_owned(), millis(ttl)];
         let epoch: Option<u64> = ADOPT.evalsha_with_reload(&self.client, keys, args).await?;
@@ -74,11 +74,11 @@ impl Store {
         if leases.is_empty() {
             return Ok(Renewal::default());
         }
-        let mut keys = vec![self.key(&["running"])];
+        let mut keys = vec![self.keys.running()];
         let mut args = vec![millis(ttl)];
         for lease in leases {
-            keys.push(self.key(&["lease", &lease.job]));
-            keys.push(self.key(&["epoch", &lease.job]));
+            keys.push(self.keys.lease(&lease.job));
+            keys.push(self.keys.epoch(&lease.job));
             args.push(lease.job.clone());
             args.push(lease.value());
         }
@@ -104,7 +104,7 @@ impl Store {
 
     /// Lets go of a lease (a shutdown: another replica may take the job at once).
     pub async fn release_lease(&self, lease: &JobLease) -> Result<(), StoreError> {
-        let keys = vec![self.key(&["lease", &lease.job])];
+        let keys = vec![self.keys.lease(&lease.job)];
         let _: i64 = RELEASE
             .evalsha_with_reload(&self.client, keys, vec![lease.value(), lease.job.clone()])
             .await?;
@@ -114,7 +114,7 @@ impl Store {
     /// Marks a job that ended as nobody's: its lease and running entry go. False when the lease
     /// was lost meanwhile (the new holder finishes it).
     pub async fn release(&self, lease: &JobLease) -> Result<bool, StoreError> {
-        let keys = vec![self.key(&["lease", &lease.job]), self.key(&["running"])];
+        let keys = vec![self.keys.lease(&lease.job), self.keys.running()];
         let n: i64 = RELEASE
             .evalsha_with_reload(&self.client, keys, vec![lease.value(), lease.job.clone()])
             .await?;
@@ -123,14 +123,14 @@ impl Store {
 
     /// Forgets a running entry whatever its lease (its batch has no record).
     pub async fn forget_running(&self, id: &str) -> Result<(), StoreError> {
-        let _: i64 = HashesInterface::hdel(&self.client, self.key(&["running"]), id).await?;
+        let _: i64 = HashesInterface::hdel(&self.client, self.keys.running(), id).await?;
         Ok(())
     }
 
     /// Every running job and the replica it was given to.
     pub async fn running(&self) -> Result<BTreeMap<String, String>, StoreError> {
         let all: BTreeMap<String, String> =
-            HashesInterface::hgetall(&self.client, self.key(&["running"])).await?;
+            HashesInterface::hgetall(&self.client, self.keys.running()).await?;
         Ok(all)
     }
 
@@ -139,7 +139,7 @@ impl Store {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<String> = ids.iter().map(|id| self.key(&["lease", id])).collect();
+        let keys: Vec<String> = ids.iter().map(|id| self.keys.lease(id)).collect();
         let values: Vec<Option<String>> = self.client.mget(keys).await?;
         Ok(ids
             .iter()

@@ -3,9 +3,10 @@
 //! lease, checkpoints, cancel requests, webhook endpoints and their deliveries, and the copy in
 //! storage Redis is rebuilt from.
 //!
-//! Every key is `{<prefix>}:…`: one hash slot, and every script is given each key it touches in
-//! `KEYS`, so the scripts that move a job between the queue and the running set are atomic on
-//! Redis Cluster too, and the dispatcher's keys are never touched. Ids sort by creation time
+//! Every key is `{<prefix>}:…`, each named once in [`StateKeys`]: one hash slot, and every
+//! script is given each key it touches in `KEYS`, so the scripts that move a job between the
+//! queue and the running set are atomic on Redis Cluster too, and the dispatcher's keys are never
+//! touched. Ids sort by creation time
 //! (`file-`/`batch_` + 12 hex digits of milliseconds + 12 random), so a listing is a
 //! lexicographic range and its cursor is the last id of a page.
 //!
@@ -28,6 +29,7 @@
 mod batches;
 mod checkpoints;
 mod files;
+mod keys;
 pub mod layout;
 mod leases;
 mod queue;
@@ -48,6 +50,7 @@ use serde::de::DeserializeOwned;
 
 pub use batch_wire::{CachedTokens, ReasoningTokens, Usage};
 pub use files::FileQuota;
+pub use keys::StateKeys;
 pub use layout::STATE_PREFIX;
 pub use leases::{JobLease, Renewal};
 pub use queue::SlotShare;
@@ -154,7 +157,7 @@ pub enum QuotaExceeded {
 #[derive(Clone)]
 pub struct Store {
     client: Client,
-    prefix: String,
+    keys: StateKeys,
     /// Where every record change is also written (the system of record Redis is rebuilt from).
     mirror: Option<batch_storage::Storage>,
     /// The status and lease epoch of each unfinished batch's latest storage copy.
@@ -166,7 +169,7 @@ impl Store {
     pub fn new(client: Client, prefix: &str) -> Self {
         Self {
             client,
-            prefix: format!("{{{prefix}}}"),
+            keys: StateKeys::new(prefix),
             mirror: None,
             mirrored: Default::default(),
         }
@@ -184,13 +187,9 @@ impl Store {
         &self.client
     }
 
-    fn key(&self, parts: &[&str]) -> String {
-        let mut key = self.prefix.clone();
-        for part in parts {
-            key.push(':');
-            key.push_str(part);
-        }
-        key
+    /// The names of its keys in Redis.
+    pub fn keys(&self) -> &StateKeys {
+        &self.keys
     }
 
     /// Whether the client holds a connection to Redis now. False from the moment a connection
@@ -209,7 +208,7 @@ impl Store {
     /// Batches by status, over every tenant.
     pub async fn status_counts(&self) -> Result<BTreeMap<String, i64>, StoreError> {
         let counts: BTreeMap<String, i64> =
-            fred::interfaces::HashesInterface::hgetall(&self.client, self.key(&["status_counts"]))
+            fred::interfaces::HashesInterface::hgetall(&self.client, self.keys.status_counts())
                 .await?;
         Ok(counts)
     }

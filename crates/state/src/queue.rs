@@ -52,7 +52,8 @@ impl Store {
         ttl: Duration,
         share: &SlotShare,
     ) -> Result<Option<JobLease>, StoreError> {
-        self.claim("queue", replica, ttl, Some(share)).await
+        self.claim(self.keys.queue(), replica, ttl, Some(share))
+            .await
     }
 
     /// Takes a job whose cancel was asked while it waited in the queue.
@@ -61,29 +62,30 @@ impl Store {
         replica: &str,
         ttl: Duration,
     ) -> Result<Option<JobLease>, StoreError> {
-        self.claim("cancelq", replica, ttl, None).await
+        self.claim(self.keys.cancel_queue(), replica, ttl, None)
+            .await
     }
 
     async fn claim(
         &self,
-        queue: &str,
+        queue: String,
         replica: &str,
         ttl: Duration,
         share: Option<&SlotShare>,
     ) -> Result<Option<JobLease>, StoreError> {
         for _ in 0..CLAIM_TRIES {
-            let Some((id, tenant)) = self.pick(queue, share).await? else {
+            let Some((id, tenant)) = self.pick(&queue, share).await? else {
                 return Ok(None);
             };
             let mut keys = vec![
-                self.key(&[queue]),
-                self.key(&["running"]),
-                self.key(&["tenants_queued"]),
-                self.key(&["epoch", &id]),
-                self.key(&["lease", &id]),
+                queue.clone(),
+                self.keys.running(),
+                self.keys.tenants_queued(),
+                self.keys.epoch(&id),
+                self.keys.lease(&id),
             ];
             if !tenant.is_empty() {
-                keys.push(self.key(&["tqueue", &tenant]));
+                keys.push(self.keys.tenant_queue(&tenant));
             }
             let args = vec![id.clone(), replica.to_owned(), millis(ttl), tenant];
             let epoch: Option<u64> = TAKE.evalsha_with_reload(&self.client, keys, args).await?;
@@ -106,15 +108,11 @@ impl Store {
         share: Option<&SlotShare>,
     ) -> Result<Option<(String, String)>, StoreError> {
         let tenants: Vec<String> = match share {
-            Some(_) => self.client.smembers(self.key(&["tenants_queued"])).await?,
+            Some(_) => self.client.smembers(self.keys.tenants_queued()).await?,
             None => Vec::new(),
         };
-        let mut keys = vec![
-            self.key(&[queue]),
-            self.key(&["running"]),
-            self.key(&["tenant_of"]),
-        ];
-        keys.extend(tenants.iter().map(|t| self.key(&["tqueue", t])));
+        let mut keys = vec![queue.to_owned(), self.keys.running(), self.keys.tenant_of()];
+        keys.extend(tenants.iter().map(|t| self.keys.tenant_queue(t)));
         let mut args = vec![
             share.map_or(0, |s| s.cap).to_string(),
             if share.is_some() { "1" } else { "0" }.to_owned(),
@@ -133,7 +131,7 @@ impl Store {
 
     /// How many jobs are queued (not yet claimed).
     pub async fn queued(&self) -> Result<u64, StoreError> {
-        let n: u64 = self.client.zcard(self.key(&["queue"])).await?;
+        let n: u64 = self.client.zcard(self.keys.queue()).await?;
         Ok(n)
     }
 }

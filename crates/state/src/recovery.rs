@@ -157,14 +157,10 @@ impl Store {
         Ok(())
     }
 
-    fn marker_key(&self) -> String {
-        self.key(&["state"])
-    }
-
     /// The generation of the state Redis holds: `None` when the marker is gone, and with it
     /// (flushed, evicted, restarted empty) everything the service wrote before.
     pub async fn state_generation(&self) -> Result<Option<String>, StoreError> {
-        let g: Option<String> = self.client.get(self.marker_key()).await?;
+        let g: Option<String> = self.client.get(self.keys.state()).await?;
         Ok(g)
     }
 
@@ -173,7 +169,7 @@ impl Store {
         let generation = new_id("gen_");
         let _: Value = self
             .client
-            .set(self.marker_key(), generation.as_str(), None, None, false)
+            .set(self.keys.state(), generation.as_str(), None, None, false)
             .await?;
         Ok(generation)
     }
@@ -184,7 +180,7 @@ impl Store {
         let got: Option<String> = self
             .client
             .set(
-                self.key(&["rebuild_lock"]),
+                self.keys.rebuild_lock(),
                 holder,
                 Some(Expiration::PX(ttl.as_millis().max(1) as i64)),
                 Some(SetOptions::NX),
@@ -199,7 +195,7 @@ impl Store {
         let _: i64 = UNLOCK
             .evalsha_with_reload(
                 &self.client,
-                vec![self.key(&["rebuild_lock"])],
+                vec![self.keys.rebuild_lock()],
                 vec![holder.to_owned()],
             )
             .await?;
@@ -294,19 +290,19 @@ impl Store {
             (false, true, _) => "resume",
         };
         let keys = vec![
-            self.key(&["batch", id]),
-            self.key(&["batches", &record.tenant]),
-            self.key(&["status_counts"]),
-            self.key(&["active"]),
-            self.key(&["tenant_of"]),
-            self.key(&["queue"]),
-            self.key(&["tqueue", &record.tenant]),
-            self.key(&["tenants_queued"]),
-            self.key(&["running"]),
-            self.key(&["epoch", id]),
-            self.key(&["cancel", id]),
-            self.key(&["cancelq"]),
-            self.key(&["checkpoint", id]),
+            self.keys.batch(id),
+            self.keys.batches(&record.tenant),
+            self.keys.status_counts(),
+            self.keys.active(),
+            self.keys.tenant_of(),
+            self.keys.queue(),
+            self.keys.tenant_queue(&record.tenant),
+            self.keys.tenants_queued(),
+            self.keys.running(),
+            self.keys.epoch(id),
+            self.keys.cancel(id),
+            self.keys.cancel_queue(),
+            self.keys.checkpoint(id),
         ];
         let args = vec![
             id.to_owned(),

@@ -218,7 +218,7 @@ impl Store {
     pub async fn request_cancel(&self, id: &str) -> Result<CancelRequest, StoreError> {
         // A batch's tenant never changes: read first, its queue's key goes in KEYS.
         let tenant: Option<String> =
-            HashesInterface::hget(&self.client, self.key(&["tenant_of"]), id).await?;
+            HashesInterface::hget(&self.client, self.keys.tenant_of(), id).await?;
         loop {
             let Some((old, mut record)) = self.batch_json(id).await? else {
                 return Ok(CancelRequest::Already);
@@ -228,16 +228,16 @@ impl Store {
             record.apply(Change::Cancelling { at });
             let new = serde_json::to_string(&record).expect("a batch record serializes");
             let mut keys = vec![
-                self.key(&["cancel", id]),
-                self.key(&["queue"]),
-                self.key(&["cancelq"]),
-                self.key(&["tenant_of"]),
-                self.key(&["tenants_queued"]),
-                self.key(&["batch", id]),
-                self.key(&["status_counts"]),
-                self.key(&["epoch", id]),
+                self.keys.cancel(id),
+                self.keys.queue(),
+                self.keys.cancel_queue(),
+                self.keys.tenant_of(),
+                self.keys.tenants_queued(),
+                self.keys.batch(id),
+                self.keys.status_counts(),
+                self.keys.epoch(id),
             ];
-            keys.extend(tenant.as_ref().map(|t| self.key(&["tqueue", t])));
+            keys.extend(tenant.as_ref().map(|t| self.keys.tenant_queue(t)));
             let args = vec![
                 id.to_owned(),
                 at.to_string(),

@@ -91,17 +91,7 @@ const FAN_OUT_TRIES: usize = 8;
 /// tenant is only passed over while another has more than this many due before its own.
 const CLAIM_WINDOW: usize = 1024;
 
-/// The key of a queued delivery's record: its member in the due set without the tenant.
-fn record_of(id: &str) -> &str {
-    id.split_once('/').map_or(id, |(_, record)| record)
-}
-
 impl Store {
-    /// The list a batch reaching a final status is pushed on.
-    pub(crate) fn webhook_ended_key(&self) -> String {
-        self.key(&["webhook_ended"])
-    }
-
     /// Stores an endpoint and lists it under its tenant; `secret`, when given, replaces its
     /// signing secret.
     pub async fn put_webhook(
@@ -114,7 +104,7 @@ impl Store {
         let _: () = self
             .client
             .zadd(
-                self.key(&["webhooks", &webhook.tenant]),
+                self.keys.webhooks(&webhook.tenant),
                 None,
                 None,
                 false,
@@ -136,12 +126,12 @@ impl Store {
         if let Some(secret) = secret {
             let _: () = self
                 .client
-                .set(self.key(&["webhook_secret", id]), secret, None, None, false)
+                .set(self.keys.webhook_secret(id), secret, None, None, false)
                 .await?;
         }
         let _: () = self
             .client
-            .set(self.key(&["webhook", id]), json, None, None, false)
+            .set(self.keys.webhook(id), json, None, None, false)
             .await?;
         Ok(())
     }
@@ -161,7 +151,7 @@ impl Store {
         let listed: i64 = ADD_ENDPOINT
             .evalsha_with_reload(
                 &self.client,
-                vec![self.key(&["webhooks", &webhook.tenant])],
+                vec![self.keys.webhooks(&webhook.tenant)],
                 vec![
                     cap.to_string(),
                     webhook.endpoint.created_at.to_string(),
@@ -178,31 +168,23 @@ impl Store {
 
     /// The endpoint `id`.
     pub async fn webhook(&self, id: &str) -> Result<Option<StoredWebhook>, StoreError> {
-        let key = self.key(&["webhook", id]);
+        let key = self.keys.webhook(id);
         let raw: Option<String> = self.client.get(&key).await?;
         raw.map(|r| parse(&key, &r)).transpose()
     }
 
     /// The signing secret of endpoint `id`.
     pub async fn webhook_secret(&self, id: &str) -> Result<Option<String>, StoreError> {
-        Ok(self.client.get(self.key(&["webhook_secret", id])).await?)
+        Ok(self.client.get(self.keys.webhook_secret(id)).await?)
     }
 
     /// Every endpoint of `tenant`, oldest first.
     pub async fn list_webhooks(&self, tenant: &str) -> Result<Vec<StoredWebhook>, StoreError> {
         let ids: Vec<String> = self
             .client
-            .zrange(
-                self.key(&["webhooks", tenant]),
-                0,
-                -1,
-                None,
-                false,
-                None,
-                false,
-            )
+            .zrange(self.keys.webhooks(tenant), 0, -1, None, false, None, false)
             .await?;
-        let keys: Vec<String> = ids.iter().map(|id| self.key(&["webhook", id])).collect();
+        let keys: Vec<String> = ids.iter().map(|id| self.keys.webhook(id)).collect();
         self.get_all(&keys).await
     }
 
@@ -212,7 +194,7 @@ impl Store {
         let id = &webhook.endpoint.id;
         let _: () = self
             .client
-            .zrem(self.key(&["webhooks", &webhook.tenant]), id.as_str())
+            .zrem(self.keys.webhooks(&webhook.tenant), id.as_str())
             .await?;
         self.forget_webhook(id).await
     }
@@ -221,41 +203,38 @@ impl Store {
     async fn forget_webhook(&self, id: &str) -> Result<(), StoreError> {
         let _: () = self
             .client
-            .del(vec![
-                self.key(&["webhook", id]),
-                self.key(&["webhook_secret", id]),
-            ])
+            .del(vec![self.keys.webhook(id), self.keys.webhook_secret(id)])
             .await?;
         Ok(())
     }
 
     /// Turns one ended batch into its deliveries; false when none waited.
     pub async fn fan_out_webhook_events(&self, now_ms: u64) -> Result<bool, StoreError> {
-        let ended = self.webhook_ended_key();
+        let ended = self.keys.webhook_ended();
         for _ in 0..FAN_OUT_TRIES {
             let Some(id): Option<String> = self.client.lindex(&ended, 0).await? else {
                 return Ok(false);
             };
             // The script is given every key it touches: the tenant's endpoints are read first,
             // and it refuses (-1) when they changed since.
-            let record = self.key(&["batch", &id]);
+            let record = self.keys.batch(&id);
             let raw: Option<String> = self.client.get(&record).await?;
             let tenant = match raw {
                 Some(raw) => Some(parse::<StoredBatch>(&record, &raw)?.tenant),
                 None => None,
             };
-            let mut keys = vec![ended.clone(), self.key(&["webhook_due"]), record];
+            let mut keys = vec![ended.clone(), self.keys.webhook_due(), record];
             let mut args = vec![id.clone(), now_ms.to_string()];
             if let Some(tenant) = tenant {
-                let index = self.key(&["webhooks", &tenant]);
+                let index = self.keys.webhooks(&tenant);
                 let endpoints: Vec<String> = self
                     .client
                     .zrange(&index, 0, -1, None, false, None, false)
                     .await?;
                 keys.push(index);
                 for ep in endpoints {
-                    keys.push(self.key(&["webhook", &ep]));
-                    keys.push(self.key(&["webhook_delivery", &format!("{id}:{ep}")]));
+                    keys.push(self.keys.webhook(&ep));
+                    keys.push(self.keys.webhook_delivery(&format!("{id}:{ep}")));
                     args.push(ep);
                 }
             }
@@ -280,7 +259,7 @@ impl Store {
         let id: Option<String> = CLAIM_DELIVERY
             .evalsha_with_reload(
                 &self.client,
-                vec![self.key(&["webhook_due"]), self.key(&["webhook_served"])],
+                vec![self.keys.webhook_due(), self.keys.webhook_served()],
                 vec![
                     now_ms.to_string(),
                     (lease.as_millis() as u64).to_string(),
@@ -291,7 +270,7 @@ impl Store {
         let Some(id) = id else {
             return Ok(None);
         };
-        let key = self.key(&["webhook_delivery", record_of(&id)]);
+        let key = self.keys.webhook_delivery(&id);
         let raw: Option<String> = self.client.get(&key).await?;
         let delivery = raw.map(|raw| parse(&key, &raw)).transpose()?;
         Ok(Some((id, delivery)))
@@ -299,11 +278,8 @@ impl Store {
 
     /// Ends delivery `id`: delivered, given up or its endpoint gone.
     pub async fn finish_webhook_delivery(&self, id: &str) -> Result<(), StoreError> {
-        let _: () = self.client.zrem(self.key(&["webhook_due"]), id).await?;
-        let _: () = self
-            .client
-            .del(self.key(&["webhook_delivery", record_of(id)]))
-            .await?;
+        let _: () = self.client.zrem(self.keys.webhook_due(), id).await?;
+        let _: () = self.client.del(self.keys.webhook_delivery(id)).await?;
         Ok(())
     }
 
@@ -317,18 +293,12 @@ impl Store {
         let json = serde_json::to_string(delivery).expect("a delivery serializes");
         let _: () = self
             .client
-            .set(
-                self.key(&["webhook_delivery", record_of(id)]),
-                json,
-                None,
-                None,
-                false,
-            )
+            .set(self.keys.webhook_delivery(id), json, None, None, false)
             .await?;
         let _: () = self
             .client
             .zadd(
-                self.key(&["webhook_due"]),
+                self.keys.webhook_due(),
                 None,
                 None,
                 false,

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
+use batch_state::StateKeys;
 use fred::interfaces::{HashesInterface, KeysInterface};
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +29,11 @@ use takeover::takeover;
 const REPLICAS: &str = "Replicas";
 /// `serve.state_prefix`; the service's keys are `{bench-replicas}:…`.
 const STATE_PREFIX: &str = "bench-replicas";
+
+/// The service's Redis keys under [`STATE_PREFIX`].
+fn state_keys() -> StateKeys {
+    StateKeys::new(STATE_PREFIX)
+}
 /// The gateway's latency, for every request.
 const LATENCY: Duration = Duration::from_millis(50);
 /// `serve.max_active_jobs` of every replica in the throughput runs.
@@ -246,6 +252,8 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         );
     }
 
+    let running_key = state_keys().running();
+    let lease_key = state_keys().lease("<batch>");
     let spread = |mode: Mode| {
         measured
             .iter()
@@ -266,7 +274,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         s.processor.display(), LATENCY.as_millis()
     ));
     report.note(REPLICAS, format!(
-        "Throughput: one input file of {} lines of {} B uploaded once; {batches} batches naming it created through the replicas in turn ({SUBMITTERS} POST /v1/batches in flight), timed from the first POST until GET /v1/batches (polled every {} ms) shows the last completed, each with every line a success. Every replica has `serve.max_active_jobs` {MAX_ACTIVE_JOBS}, default leases (30 s). Async: the dispatcher has {DISPATCHER_CONCURRENCY} HTTP workers (a job's lines are all in flight at once; {DISPATCHER_CONCURRENCY} × 1 / {} ms = {} req/s is far above what the machine can run). Sync: each replica sends straight to the gateway with `concurrency.global` = `per_endpoint` = {SYNC_LIMIT} and no limiter, so one replica can do at most {SYNC_LIMIT} / {} ms = {} req/s and three {} req/s. The ratio is per run (1 replica then 3, alternating). Jobs per replica (leases seen in `{{{STATE_PREFIX}}}:running` every 100 ms), 3-replica runs: async {}; sync {}. CPU: user + system time of the replica processes (/proc/<pid>/stat), of the bench process (simulator, gateway and HTTP client) and of redis-server (INFO cpu) over the run, divided by the run's time and the cores.",
+        "Throughput: one input file of {} lines of {} B uploaded once; {batches} batches naming it created through the replicas in turn ({SUBMITTERS} POST /v1/batches in flight), timed from the first POST until GET /v1/batches (polled every {} ms) shows the last completed, each with every line a success. Every replica has `serve.max_active_jobs` {MAX_ACTIVE_JOBS}, default leases (30 s). Async: the dispatcher has {DISPATCHER_CONCURRENCY} HTTP workers (a job's lines are all in flight at once; {DISPATCHER_CONCURRENCY} × 1 / {} ms = {} req/s is far above what the machine can run). Sync: each replica sends straight to the gateway with `concurrency.global` = `per_endpoint` = {SYNC_LIMIT} and no limiter, so one replica can do at most {SYNC_LIMIT} / {} ms = {} req/s and three {} req/s. The ratio is per run (1 replica then 3, alternating). Jobs per replica (leases seen in `{running_key}` every 100 ms), 3-replica runs: async {}; sync {}. CPU: user + system time of the replica processes (/proc/<pid>/stat), of the bench process (simulator, gateway and HTTP client) and of redis-server (INFO cpu) over the run, divided by the run's time and the cores.",
         super::lines(lines), s.request_bytes, POLL.as_millis(), LATENCY.as_millis(),
         crate::report::thousands(DISPATCHER_CONCURRENCY as f64 / LATENCY.as_secs_f64()),
         LATENCY.as_millis(), crate::report::thousands(SYNC_LIMIT as f64 / LATENCY.as_secs_f64()),
@@ -278,7 +286,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         .flat_map(|(_, runs)| runs.iter().map(|t| t.one_deadline))
         .collect();
     report.note(REPLICAS, format!(
-        "Takeover: 3 replicas (async, `max_active_jobs` {TAKEOVER_MAX_ACTIVE_JOBS}, `checkpoint_interval` {} s, `lost_request_timeout` {} s), {TAKEOVER_BATCHES} batches of {} lines created through them in turn within one second ({} of {} runs had one deadline, so the dispatcher, with {TAKEOVER_CONCURRENCY} HTTP workers, interleaves their lines and every job progresses at once). Once every batch runs under a lease and each job of the replica holding the most has a checkpoint and a tenth of its lines done, that replica gets SIGKILL; then every {} ms the bench reads each of its jobs' lease `{{{STATE_PREFIX}}}:lease:<batch>` from Redis and its `request_counts.completed` from GET /v1/batches/{{id}} on another replica. Held: the first read naming another replica. Growing: the first read, once held, whose count is above the read before it (the adopter writes its counts every 500 ms; the dead replica cannot write any more). Every batch must then complete with every line a success. Median and min–max over every job of the killed replica in every run ({} runs with lease_ttl {} s{}).",
+        "Takeover: 3 replicas (async, `max_active_jobs` {TAKEOVER_MAX_ACTIVE_JOBS}, `checkpoint_interval` {} s, `lost_request_timeout` {} s), {TAKEOVER_BATCHES} batches of {} lines created through them in turn within one second ({} of {} runs had one deadline, so the dispatcher, with {TAKEOVER_CONCURRENCY} HTTP workers, interleaves their lines and every job progresses at once). Once every batch runs under a lease and each job of the replica holding the most has a checkpoint and a tenth of its lines done, that replica gets SIGKILL; then every {} ms the bench reads each of its jobs' lease `{lease_key}` from Redis and its `request_counts.completed` from GET /v1/batches/{{id}} on another replica. Held: the first read naming another replica. Growing: the first read, once held, whose count is above the read before it (the adopter writes its counts every 500 ms; the dead replica cannot write any more). Every batch must then complete with every line a success. Median and min–max over every job of the killed replica in every run ({} runs with lease_ttl {} s{}).",
         CHECKPOINT_INTERVAL.as_secs(), LOST_REQUEST_TIMEOUT.as_secs(), super::lines(s.takeover_lines),
         deadlines.iter().filter(|d| **d).count(), deadlines.len(),
         TAKEOVER_POLL.as_millis(), s.long_runs, SHORT_LEASE.as_secs(),
@@ -396,7 +404,7 @@ async fn sample_holders(
     client: fred::clients::Client,
     stop: CancellationToken,
 ) -> Result<HashMap<String, BTreeSet<String>>, BenchError> {
-    let key = format!("{{{STATE_PREFIX}}}:running");
+    let key = state_keys().running();
     let mut seen: HashMap<String, BTreeSet<String>> = HashMap::new();
     loop {
         let running: HashMap<String, String> = client.hgetall(key.as_str()).await?;
@@ -412,10 +420,7 @@ async fn sample_holders(
 
 /// Job `id`'s lease value `replica#epoch`, if held.
 async fn lease(lab: &Lab, id: &str) -> Result<Option<String>, BenchError> {
-    Ok(lab
-        .client()
-        .get(format!("{{{STATE_PREFIX}}}:lease:{id}"))
-        .await?)
+    Ok(lab.client().get(state_keys().lease(id)).await?)
 }
 
 fn holder(lease: &str) -> &str {

@@ -92,7 +92,7 @@ pub(super) async fn takeover(
     let waiting = Instant::now();
     'ready: loop {
         for id in &lost {
-            let key = format!("{{{STATE_PREFIX}}}:checkpoint:{id}");
+            let key = state_keys().checkpoint(id);
             let exists: u64 = lab.client().exists(key).await?;
             let (done, _) = completed(survivor, id).await?;
             // A job that ran ahead of the others (an earlier deadline) may end first: it has
