@@ -9,8 +9,8 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use batch_state::{new_id, now_unix, BatchObject, Cursor, FineCounts, StoredBatch};
-use batch_wire::{Batch, BatchStatus, ALLOWED_URLS};
+use batch_state::{new_id, now_unix, BatchObject, Cursor, StoredBatch};
+use batch_wire::{BatchStatus, ALLOWED_URLS};
 use futures::TryStreamExt;
 use serde::Deserialize;
 
@@ -82,8 +82,8 @@ pub(crate) async fn create(
     let stored = new_batch(&api, &tenant.0, params, &request_headers)?;
     queue_batch(&api, &stored).await?;
     api.hooks.wake();
-    tracing::info!(batch = %stored.batch.batch.id, tenant = %tenant.0, window = %window_text, "batch created");
-    Ok(Json(stored.batch))
+    tracing::info!(batch = %stored.id, tenant = %tenant.0, window = %window_text, "batch created");
+    Ok(Json(stored.view()))
 }
 
 /// A create request's parameters, checked.
@@ -204,27 +204,19 @@ fn new_batch(
     // parse_window bounds the window, so this is only a second guard.
     let expires_at = batch_wire::deadline(created_at, params.window)
         .ok_or_else(|| window_error(&params.window_text))?;
-    let mut batch = Batch::new(
-        id,
-        params.input_file_id,
+    let mut stored = StoredBatch::new(
+        &id,
+        tenant,
+        &params.input_file_id,
         params.window_text.trim(),
+        window_secs,
         created_at,
         expires_at,
     );
-    batch.endpoint = Some(params.endpoint);
-    batch.metadata = params.metadata;
-    let mut stored = StoredBatch {
-        tenant: tenant.to_owned(),
-        batch: BatchObject {
-            batch,
-            model: None,
-            usage: None,
-            x_request_counts: FineCounts::default(),
-        },
-        window_secs,
-        output_expires_after: params.output_expires_after,
-        headers: pass_through(api, request_headers)?,
-    };
+    stored.endpoint = Some(params.endpoint);
+    stored.metadata = params.metadata;
+    stored.output_expires_after = params.output_expires_after;
+    stored.headers = pass_through(api, request_headers)?;
     // The batch's trace is this request's: each run of it, on any replica, is a child of it.
     if let Some(parent) = batch_observability::traceparent(&tracing::Span::current()) {
         stored
@@ -324,7 +316,7 @@ pub(crate) async fn retrieve(
     tenant: Tenant,
     Id(id): Id,
 ) -> Result<Json<BatchObject>, ApiError> {
-    Ok(Json(owned_batch(&api, &tenant, &id).await?.batch))
+    Ok(Json(owned_batch(&api, &tenant, &id).await?.view()))
 }
 
 #[derive(Debug, Deserialize)]
@@ -347,7 +339,7 @@ pub(crate) async fn list(
             limit,
         )
         .await?;
-    let batches: Vec<BatchObject> = page.data.into_iter().map(|b| b.batch).collect();
+    let batches: Vec<BatchObject> = page.data.iter().map(StoredBatch::view).collect();
     let ids = batches.iter().map(|b| b.batch.id.clone()).collect();
     Ok(Json(list_body(batches, ids, page.has_more)))
 }
@@ -358,8 +350,8 @@ pub(crate) async fn cancel(
     Id(id): Id,
 ) -> Result<Json<BatchObject>, ApiError> {
     let batch = owned_batch(&api, &tenant, &id).await?;
-    match batch.batch.status() {
-        BatchStatus::Cancelled | BatchStatus::Cancelling => return Ok(Json(batch.batch)),
+    match batch.status {
+        BatchStatus::Cancelled | BatchStatus::Cancelling => return Ok(Json(batch.view())),
         s if s.is_terminal() => {
             return Err(ApiError::invalid(
                 format!("Cannot cancel batch {id}: its status is {}.", s.as_str()),
@@ -371,7 +363,7 @@ pub(crate) async fn cancel(
     api.store.request_cancel(&id).await?;
     api.hooks.wake();
     tracing::info!(batch = %id, tenant = %tenant.0, "cancel requested");
-    Ok(Json(owned_batch(&api, &tenant, &id).await?.batch))
+    Ok(Json(owned_batch(&api, &tenant, &id).await?.view()))
 }
 
 pub(crate) async fn output(
@@ -401,11 +393,11 @@ async fn lines_so_far(
 ) -> Result<Response, ApiError> {
     let batch = owned_batch(api, tenant, id).await?;
     let jsonl = [(header::CONTENT_TYPE, "application/jsonl")];
-    if batch.batch.status().is_terminal() {
+    if batch.status.is_terminal() {
         let file_id = if file == batch_wire::OUTPUT_FILE {
-            &batch.batch.batch.output_file_id
+            &batch.output_file_id
         } else {
-            &batch.batch.batch.error_file_id
+            &batch.error_file_id
         };
         let Some(file_id) = file_id else {
             return Ok((jsonl, Body::empty()).into_response());

@@ -29,7 +29,7 @@ pub(crate) async fn finish(
     dir: &Path,
 ) -> Result<(), RunError> {
     let out = dir.join("out");
-    let id = record.batch.batch.id.clone();
+    let id = record.id.clone();
     // Also proves the lease still holds before anything is uploaded.
     let results = totals.output_lines + totals.error_lines > 0;
     fence
@@ -86,7 +86,7 @@ pub(crate) async fn finish(
     };
     // Its storage copy (`layout::batch_copy`) is written by the save itself.
     fence.advance(record, ended).await?;
-    tracing::info!(job = %id, status = record.batch.status().as_str(), "batch finished");
+    tracing::info!(job = %id, status = record.status.as_str(), "batch finished");
     Ok(())
 }
 

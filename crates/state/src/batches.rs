@@ -7,7 +7,8 @@ use fred::interfaces::{HashesInterface, KeysInterface};
 use fred::types::scripts::Script;
 
 use crate::{
-    parse, split_more, Cursor, JobLease, Order, Page, QuotaExceeded, Store, StoreError, StoredBatch,
+    parse_batch, split_more, Cursor, JobLease, Order, Page, QuotaExceeded, Store, StoreError,
+    StoredBatch,
 };
 
 static CREATE_BATCH: LazyLock<Script> =
@@ -30,7 +31,7 @@ impl Store {
         batch: &StoredBatch,
         max_unfinished: u64,
     ) -> Result<Result<(), QuotaExceeded>, StoreError> {
-        let b = &batch.batch.batch;
+        let b = batch;
         let keys = vec![
             self.keys.batch(&b.id),
             self.keys.batches(&batch.tenant),
@@ -79,7 +80,7 @@ impl Store {
         batch: &StoredBatch,
         lease: Option<&JobLease>,
     ) -> Result<i64, StoreError> {
-        let b = &batch.batch.batch;
+        let b = batch;
         let keys = vec![
             self.keys.batch(&b.id),
             self.keys.status_counts(),
@@ -115,7 +116,8 @@ impl Store {
     ) -> Result<Option<(String, StoredBatch)>, StoreError> {
         let key = self.keys.batch(id);
         let json: Option<String> = self.client.get(&key).await?;
-        json.map(|j| parse(&key, &j).map(|b| (j, b))).transpose()
+        json.map(|j| parse_batch(&key, &j).map(|b| (j, b)))
+            .transpose()
     }
 
     /// The batches `ids` (`None` for those that do not exist), as stored.
@@ -127,7 +129,7 @@ impl Store {
         let values: Vec<Option<String>> = self.client.mget(keys.clone()).await?;
         keys.iter()
             .zip(values)
-            .map(|(key, json)| json.map(|j| parse(key, &j)).transpose())
+            .map(|(key, json)| json.map(|j| parse_batch(key, &j)).transpose())
             .collect()
     }
 

@@ -21,7 +21,7 @@
 //! let store = batch_state::Store::new(client, "batch-processor");
 //! let page = store.list_batches("tenant-a", None, 20).await?;
 //! for batch in page.data {
-//!     println!("{} {}", batch.batch.batch.id, batch.batch.status().as_str());
+//!     println!("{} {}", batch.id, batch.status.as_str());
 //! }
 //! # Ok(()) }
 //! ```
@@ -55,7 +55,8 @@ pub use layout::STATE_PREFIX;
 pub use leases::{JobLease, Renewal};
 pub use queue::SlotShare;
 pub use records::{
-    BatchObject, FileObject, FineCounts, Page, StoredBatch, StoredFile, FINE_COUNTS_KEY,
+    BatchObject, Counts, FileObject, FineCounts, Page, StatusTimes, StoredBatch, StoredFile,
+    FINE_COUNTS_KEY,
 };
 pub use recovery::RebuildReport;
 pub use status::{Advance, CancelRequest, Change};
@@ -280,10 +281,19 @@ fn split_more(mut ids: Vec<String>, limit: usize) -> (Vec<String>, bool) {
 }
 
 fn parse<T: DeserializeOwned>(key: &str, json: &str) -> Result<T, StoreError> {
-    serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+    serde_json::from_str(json).map_err(|e| corrupt(key, e))
+}
+
+/// A batch record, in either shape it was stored in (see [`StoredBatch::from_json`]).
+fn parse_batch(key: &str, json: &str) -> Result<StoredBatch, StoreError> {
+    StoredBatch::from_json(json).map_err(|e| corrupt(key, e))
+}
+
+fn corrupt(key: &str, e: serde_json::Error) -> StoreError {
+    StoreError::Corrupt {
         key: key.to_owned(),
         problem: e.to_string(),
-    })
+    }
 }
 
 #[cfg(test)]

@@ -34,7 +34,14 @@ static UNLOCK: LazyLock<Script> =
 struct BatchCopy {
     /// The lease epoch of the write that made it (0: unfenced).
     epoch: u64,
+    /// The record, in either shape it was stored in (see [`StoredBatch::from_json`]).
+    #[serde(deserialize_with = "any_shape")]
     record: StoredBatch,
+}
+
+fn any_shape<'de, D: serde::Deserializer<'de>>(d: D) -> Result<StoredBatch, D::Error> {
+    let raw = Box::<serde_json::value::RawValue>::deserialize(d)?;
+    StoredBatch::from_json(raw.get()).map_err(serde::de::Error::custom)
 }
 
 /// What [`Store::rebuild`] found in storage and put back.
@@ -71,7 +78,7 @@ async fn put_batch_copy(m: &Storage, record: &StoredBatch, epoch: u64) -> Result
         epoch,
         record: record.clone(),
     };
-    let key = layout::batch_copy(&record.batch.batch.id);
+    let key = layout::batch_copy(&record.id);
     m.put_bytes(&key, json(&copy)).await?;
     Ok(())
 }
@@ -104,8 +111,8 @@ impl Store {
         let Some(m) = &self.mirror else {
             return Ok(());
         };
-        let id = &batch.batch.batch.id;
-        let status = batch.batch.status();
+        let id = &batch.id;
+        let status = batch.status;
         let epoch = lease.map_or(0, |l| l.epoch);
         {
             // Progress saves (every half second) change only counts, which a resume takes from
@@ -118,7 +125,7 @@ impl Store {
             }
         }
         put_batch_copy(m, batch, epoch).await?;
-        if batch.batch.status().is_terminal() {
+        if batch.status.is_terminal() {
             // An ended batch's cancel request means nothing any more.
             m.delete(&layout::cancel_copy(id)).await?;
         }
@@ -254,7 +261,7 @@ impl Store {
         report: &mut RebuildReport,
     ) -> Result<(), StoreError> {
         let record = &copy.record;
-        let b = &record.batch.batch;
+        let b = record;
         if b.id != id {
             report.unreadable += 1;
             return Ok(());
@@ -281,7 +288,7 @@ impl Store {
         // with its checkpoint.
         let started = copy.epoch > 0
             || checkpoint_epoch > 0
-            || b.in_progress_at.is_some()
+            || b.times.in_progress.is_some()
             || !matches!(status, BatchStatus::Validating | BatchStatus::Cancelling);
         let mode = match (terminal, started, cancel.is_some()) {
             (true, _, _) => "done",

@@ -8,7 +8,7 @@
 
 use std::sync::LazyLock;
 
-use batch_wire::{Batch, BatchError, BatchErrors, BatchStatus, RequestCounts};
+use batch_wire::{Batch, BatchError, BatchStatus, RequestCounts};
 use fred::interfaces::HashesInterface;
 use fred::types::scripts::Script;
 
@@ -80,25 +80,24 @@ impl StoredBatch {
     /// Applies `change` to the record.
     pub fn apply(&mut self, change: Change<'_>) {
         let now = now_unix();
-        let cancelling = self.batch.status() == BatchStatus::Cancelling;
-        let b = &mut self.batch.batch;
+        let cancelling = self.status == BatchStatus::Cancelling;
         match change {
             Change::Running { status, counts } => {
-                b.request_counts = counts;
-                if !status.is_terminal() && !cancelling && b.status != status {
-                    b.set_status(status, now);
+                self.counts = counts.into();
+                if !status.is_terminal() && !cancelling && self.status != status {
+                    self.set_status(status, now);
                 }
             }
             Change::Stopped(batch) => {
                 self.copy_of(batch);
                 if cancelling && !batch.status.is_terminal() {
-                    self.batch.batch.status = BatchStatus::Cancelling;
+                    self.status = BatchStatus::Cancelling;
                 }
             }
             Change::Finalizing { batch, results } => {
-                b.request_counts = batch.request_counts;
+                self.counts = batch.request_counts.into();
                 if batch.status == BatchStatus::Completed && results && !cancelling {
-                    b.set_status(BatchStatus::Finalizing, now);
+                    self.set_status(BatchStatus::Finalizing, now);
                 }
             }
             Change::Ended {
@@ -110,12 +109,11 @@ impl StoredBatch {
                 expired,
             } => {
                 self.copy_of(batch);
-                let b = &mut self.batch.batch;
-                b.output_file_id = output_file_id.map(str::to_owned);
-                b.error_file_id = error_file_id.map(str::to_owned);
-                let counts = b.request_counts;
-                self.batch.usage = Some(usage);
-                self.batch.x_request_counts = FineCounts {
+                self.output_file_id = output_file_id.map(str::to_owned);
+                self.error_file_id = error_file_id.map(str::to_owned);
+                let counts = self.counts;
+                self.usage = Some(usage);
+                self.fine_counts = FineCounts {
                     processing: 0,
                     succeeded: counts.completed,
                     errored: counts.failed.saturating_sub(cancelled + expired),
@@ -125,17 +123,17 @@ impl StoredBatch {
                 return;
             }
             Change::Failed { code, message } => {
-                b.errors = Some(BatchErrors::new(vec![BatchError {
+                self.errors = Some(vec![BatchError {
                     code: code.to_owned(),
                     message: message.to_owned(),
                     param: None,
                     line: None,
-                }]));
-                b.set_status(BatchStatus::Failed, now);
+                }]);
+                self.set_status(BatchStatus::Failed, now);
             }
             Change::Cancelling { at } => {
-                if !b.status.is_terminal() {
-                    b.set_status(BatchStatus::Cancelling, at);
+                if !self.status.is_terminal() {
+                    self.set_status(BatchStatus::Cancelling, at);
                 }
             }
         }
@@ -145,26 +143,26 @@ impl StoredBatch {
     /// Copies what the executor knows of the job (which keeps the service's own fields: the
     /// input file id, window, metadata).
     fn copy_of(&mut self, batch: &Batch) {
-        let b = &mut self.batch.batch;
-        b.status = batch.status;
-        b.errors = batch.errors.clone();
-        b.request_counts = batch.request_counts;
-        if b.endpoint.is_none() {
-            b.endpoint = batch.endpoint.clone();
+        self.status = batch.status;
+        self.errors = batch.errors.as_ref().map(|e| e.data.clone());
+        self.counts = batch.request_counts.into();
+        if self.endpoint.is_none() {
+            self.endpoint = batch.endpoint.clone();
         }
-        b.in_progress_at = b.in_progress_at.or(batch.in_progress_at);
-        b.finalizing_at = b.finalizing_at.or(batch.finalizing_at);
-        b.completed_at = batch.completed_at;
-        b.failed_at = batch.failed_at;
-        b.expired_at = batch.expired_at;
-        b.cancelling_at = b.cancelling_at.or(batch.cancelling_at);
-        b.cancelled_at = batch.cancelled_at;
+        let t = &mut self.times;
+        t.in_progress = t.in_progress.or(batch.in_progress_at);
+        t.finalizing = t.finalizing.or(batch.finalizing_at);
+        t.completed = batch.completed_at;
+        t.failed = batch.failed_at;
+        t.expired = batch.expired_at;
+        t.cancelling = t.cancelling.or(batch.cancelling_at);
+        t.cancelled = batch.cancelled_at;
     }
 
-    /// Fine counts derived from `request_counts` while the batch runs.
+    /// Fine counts derived from the request counts while the batch runs.
     fn running_counts(&mut self) {
-        let c = self.batch.batch.request_counts;
-        self.batch.x_request_counts = FineCounts {
+        let c = self.counts;
+        self.fine_counts = FineCounts {
             processing: c.total.saturating_sub(c.completed + c.failed),
             succeeded: c.completed,
             errored: c.failed,
@@ -201,10 +199,9 @@ impl Store {
                 0 => return Ok(Advance::Fenced),
                 // A cancel request came first: it stays.
                 _ => {
-                    let id = &record.batch.batch.id;
-                    let stored = self.batch(id).await?;
+                    let stored = self.batch(&record.id).await?;
                     let at = stored
-                        .and_then(|s| s.batch.batch.cancelling_at)
+                        .and_then(|s| s.times.cancelling)
                         .unwrap_or_else(now_unix);
                     record.apply(Change::Cancelling { at });
                 }
@@ -223,7 +220,7 @@ impl Store {
             let Some((old, mut record)) = self.batch_json(id).await? else {
                 return Ok(CancelRequest::Already);
             };
-            let was = record.batch.status();
+            let was = record.status;
             let at = now_unix();
             record.apply(Change::Cancelling { at });
             let new = serde_json::to_string(&record).expect("a batch record serializes");
@@ -244,7 +241,7 @@ impl Store {
                 old,
                 new,
                 was.as_str().to_owned(),
-                record.batch.status().as_str().to_owned(),
+                record.status.as_str().to_owned(),
             ];
             let (n, epoch): (i64, u64) =
                 CANCEL.evalsha_with_reload(&self.client, keys, args).await?;

@@ -1,6 +1,7 @@
 use super::*;
 use batch_testkit::RedisServer;
 use batch_wire::Batch;
+use serde_json::json;
 
 async fn store(redis: &RedisServer) -> Store {
     let client = batch_redis::connect(&redis.url(), &Default::default())
@@ -28,18 +29,7 @@ fn file(tenant: &str, id: &str, purpose: &str, expires_at: Option<i64>) -> Store
 }
 
 fn batch(tenant: &str, id: &str, deadline: i64) -> StoredBatch {
-    StoredBatch {
-        tenant: tenant.into(),
-        batch: BatchObject {
-            batch: Batch::new(id, "file-x", "24h", 1, deadline),
-            model: None,
-            usage: None,
-            x_request_counts: FineCounts::default(),
-        },
-        window_secs: 86_400,
-        output_expires_after: None,
-        headers: Default::default(),
-    }
+    StoredBatch::new(id, tenant, "file-x", "24h", 86_400, 1, deadline)
 }
 
 #[tokio::test]
@@ -208,7 +198,7 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     assert!(s.cancel_requested("batch_soon").await.unwrap());
     assert!(!s.cancel_requested("batch_mid").await.unwrap());
     let shown = s.batch("batch_late").await.unwrap().unwrap();
-    assert_eq!(shown.batch.status(), BatchStatus::Cancelling);
+    assert_eq!(shown.status, BatchStatus::Cancelling);
 
     assert_eq!(
         job_of(s.claim_cancelled("r1", TTL).await.unwrap()).as_deref(),
@@ -237,16 +227,20 @@ async fn jobs_are_claimed_by_deadline_and_cancels_jump_the_queue() {
     assert!(!s.running().await.unwrap().contains_key("batch_soon"));
 }
 
+/// Creates tenant `a`'s batch `id` (alone in the queue) and claims it for `r1`.
+async fn created_and_claimed(s: &Store, id: &str) -> JobLease {
+    s.create_batch(&batch("a", id, 100)).await.unwrap();
+    s.claim_queued("r1", TTL, &SlotShare::default())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_cancel_request_moves_the_record_and_a_racing_save_keeps_it() {
     let redis = RedisServer::start();
     let s = store(&redis).await;
-    s.create_batch(&batch("a", "batch_1", 100)).await.unwrap();
-    let lease = s
-        .claim_queued("r1", TTL, &SlotShare::default())
-        .await
-        .unwrap()
-        .unwrap();
+    let lease = created_and_claimed(&s, "batch_1").await;
     // The runner's copy of the record, read before the cancel.
     let mut runner = s.batch("batch_1").await.unwrap().unwrap();
     let running = Change::Running {
@@ -266,24 +260,21 @@ async fn a_cancel_request_moves_the_record_and_a_racing_save_keeps_it() {
         CancelRequest::WasRunning
     );
     let stored = s.batch("batch_1").await.unwrap().unwrap();
-    assert_eq!(stored.batch.status(), BatchStatus::Cancelling);
+    assert_eq!(stored.status, BatchStatus::Cancelling);
     let counts = s.status_counts().await.unwrap();
     assert_eq!(counts.get("cancelling"), Some(&1));
     assert_eq!(counts.get("in_progress"), Some(&0));
     // The runner's next progress save, from its stale copy, does not move it back.
-    assert_eq!(runner.batch.status(), BatchStatus::InProgress);
+    assert_eq!(runner.status, BatchStatus::InProgress);
     assert_eq!(
         s.advance(&mut runner, running, Some(&lease)).await.unwrap(),
         Advance::Saved
     );
-    assert_eq!(runner.batch.status(), BatchStatus::Cancelling);
+    assert_eq!(runner.status, BatchStatus::Cancelling);
     let stored = s.batch("batch_1").await.unwrap().unwrap();
-    assert_eq!(stored.batch.status(), BatchStatus::Cancelling);
-    assert_eq!(stored.batch.batch.request_counts.completed, 1);
-    assert_eq!(
-        stored.batch.batch.cancelling_at,
-        runner.batch.batch.cancelling_at
-    );
+    assert_eq!(stored.status, BatchStatus::Cancelling);
+    assert_eq!(stored.counts.completed, 1);
+    assert_eq!(stored.times.cancelling, runner.times.cancelling);
 }
 
 #[tokio::test]
@@ -388,7 +379,7 @@ async fn saving_moves_status_counts_and_lists_newest_first() {
             .unwrap();
     }
     let mut b = s.batch("batch_2").await.unwrap().unwrap();
-    b.batch.batch.set_status(BatchStatus::InProgress, 5);
+    b.set_status(BatchStatus::InProgress, 5);
     s.save_batch(&b, None).await.unwrap();
     s.save_batch(&b, None).await.unwrap();
     let counts = s.status_counts().await.unwrap();
@@ -396,11 +387,7 @@ async fn saving_moves_status_counts_and_lists_newest_first() {
     assert_eq!(counts.get("in_progress"), Some(&1));
 
     let page = s.list_batches("a", None, 2).await.unwrap();
-    let ids: Vec<_> = page
-        .data
-        .iter()
-        .map(|b| b.batch.batch.id.as_str())
-        .collect();
+    let ids: Vec<_> = page.data.iter().map(|b| b.id.as_str()).collect();
     assert_eq!(ids, ["batch_4", "batch_3"]);
     assert!(page.has_more);
     let page = s
@@ -414,11 +401,7 @@ async fn saving_moves_status_counts_and_lists_newest_first() {
         .list_batches("a", Some(&Cursor::Offset(3)), 2)
         .await
         .unwrap();
-    let ids: Vec<_> = page
-        .data
-        .iter()
-        .map(|b| b.batch.batch.id.as_str())
-        .collect();
+    let ids: Vec<_> = page.data.iter().map(|b| b.id.as_str()).collect();
     assert_eq!((ids, page.has_more), (vec!["batch_1", "batch_0"], false));
     assert!(matches!(
         s.list_batches("b", Some(&Cursor::Id("batch_1".into())), 2)
@@ -546,7 +529,7 @@ async fn unfinished_batches_and_stored_files_are_counted_against_quotas() {
     let other = batch("b", "batch_b", 100);
     assert_eq!(s.create_batch_within(&other, 2).await.unwrap(), Ok(()));
     let mut ended = s.batch("batch_0").await.unwrap().unwrap();
-    ended.batch.batch.status = BatchStatus::Completed;
+    ended.status = BatchStatus::Completed;
     assert_eq!(s.save_batch(&ended, None).await.unwrap(), 1);
     assert_eq!(s.save_batch(&ended, None).await.unwrap(), 1);
     assert_eq!(s.unfinished("a").await.unwrap(), 1);
@@ -595,11 +578,11 @@ async fn view(s: &Store) -> Vec<String> {
                 "{tenant} batches after {after:?}: {:?} more {}",
                 page.data
                     .iter()
-                    .map(|b| (&b.batch.batch.id, b.batch.status().as_str()))
+                    .map(|b| (&b.id, b.status.as_str()))
                     .collect::<Vec<_>>(),
                 page.has_more
             ));
-            after = page.data.last().map(|b| b.batch.batch.id.clone());
+            after = page.data.last().map(|b| b.id.clone());
             if !page.has_more {
                 break;
             }
@@ -677,12 +660,12 @@ async fn a_flushed_redis_is_rebuilt_from_the_storage_copy() {
         .unwrap()
         .unwrap();
     let mut done = batch("a", "batch_1", 101);
-    done.batch.batch.set_status(BatchStatus::Completed, 5);
+    done.set_status(BatchStatus::Completed, 5);
     assert_eq!(s.save_batch(&done, Some(&l2)).await.unwrap(), 1);
     s.release(&l2).await.unwrap();
     // batch_0 runs (l1): in progress, checkpointed at its epoch.
     let mut running = batch("a", "batch_0", 100);
-    running.batch.batch.set_status(BatchStatus::InProgress, 3);
+    running.set_status(BatchStatus::InProgress, 3);
     assert_eq!(s.save_batch(&running, Some(&l1)).await.unwrap(), 1);
     let checkpoint = format!(r#"{{"epoch":{},"at":3}}"#, l1.epoch);
     assert!(s.save_checkpoint(&l1, &checkpoint).await.unwrap());
@@ -754,4 +737,202 @@ async fn a_flushed_redis_is_rebuilt_from_the_storage_copy() {
     // Again: every record is there already.
     let again = s.rebuild(&storage).await.unwrap();
     assert_eq!((again.batches, again.files, again.present), (0, 0, 9));
+}
+
+/// Batch `id`'s record as the version before the flat record stored it: the API's Batch object
+/// under `batch`, the service's fields beside it.
+fn earlier_record(id: &str, status: &str) -> serde_json::Value {
+    json!({
+        "tenant": "a",
+        "batch": {
+            "id": id,
+            "object": "batch",
+            "endpoint": "/v1/chat/completions",
+            "errors": null,
+            "input_file_id": "file-x",
+            "completion_window": "24h",
+            "status": status,
+            "output_file_id": null,
+            "error_file_id": null,
+            "created_at": 1,
+            "in_progress_at": 2,
+            "expires_at": 100,
+            "finalizing_at": null,
+            "completed_at": null,
+            "failed_at": null,
+            "expired_at": null,
+            "cancelling_at": null,
+            "cancelled_at": null,
+            "request_counts": {"total": 4, "completed": 1, "failed": 0},
+            "metadata": {"k": "v"},
+            "model": "m",
+            "usage": null,
+            "x_request_counts": {
+                "processing": 3, "succeeded": 1, "errored": 0, "cancelled": 0, "expired": 0
+            }
+        },
+        "window_secs": 86_400,
+        "output_expires_after": 3600,
+        "headers": {"x-team": "blue"}
+    })
+}
+
+/// What [`earlier_record`] reads as.
+fn earlier_read(id: &str) -> StoredBatch {
+    let mut b = StoredBatch::new(id, "a", "file-x", "24h", 86_400, 1, 100);
+    b.status = BatchStatus::InProgress;
+    b.endpoint = Some("/v1/chat/completions".into());
+    b.output_expires_after = Some(3600);
+    b.metadata.insert("k".into(), "v".into());
+    b.headers.insert("x-team".into(), "blue".into());
+    b.model = Some("m".into());
+    b.times.in_progress = Some(2);
+    b.counts = Counts {
+        total: 4,
+        completed: 1,
+        failed: 0,
+    };
+    b.fine_counts = FineCounts {
+        processing: 3,
+        succeeded: 1,
+        ..FineCounts::default()
+    };
+    b
+}
+
+#[test]
+fn the_api_view_of_a_record_is_the_batch_object_stored_before() {
+    let old = earlier_record("batch_1", "in_progress");
+    let read = StoredBatch::from_json(&old.to_string()).unwrap();
+    assert_eq!(read, earlier_read("batch_1"));
+    assert_eq!(serde_json::to_value(read.view()).unwrap(), old["batch"]);
+    // Written again flat, with the status at the top (where the scripts read it).
+    let flat = serde_json::to_value(&read).unwrap();
+    assert_eq!(flat["status"], "in_progress");
+    assert_eq!(flat["input_file_id"], "file-x");
+    assert!(flat.get("batch").is_none(), "{flat}");
+    assert_eq!(StoredBatch::from_json(&flat.to_string()).unwrap(), read);
+    // Neither shape: the flat shape's complaint.
+    let bad = StoredBatch::from_json(r#"{"tenant": "a"}"#).unwrap_err();
+    assert!(bad.to_string().contains("missing field `id`"), "{bad}");
+}
+
+#[tokio::test]
+async fn a_record_stored_in_the_earlier_shape_is_read_saved_and_fanned_out() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    let keys = s.keys().clone();
+    let lease = created_and_claimed(&s, "batch_1").await;
+    let mut running = s.batch("batch_1").await.unwrap().unwrap();
+    running.apply(Change::Running {
+        status: BatchStatus::InProgress,
+        counts: Default::default(),
+    });
+    assert_eq!(s.save_batch(&running, Some(&lease)).await.unwrap(), 1);
+    // The previous version wrote the record (and a webhook endpoint wants its end).
+    let old = earlier_record("batch_1", "in_progress").to_string();
+    assert_eq!(redis.command(&["SET", &keys.batch("batch_1"), &old]), "+OK");
+    let endpoint = StoredWebhook {
+        tenant: "a".into(),
+        endpoint: WebhookEndpoint {
+            id: "we_1".into(),
+            object: "webhook_endpoint".into(),
+            created_at: 1,
+            updated_at: None,
+            name: None,
+            url: "https://example.invalid/hook".into(),
+            event_types: vec!["batch.completed".into()],
+            status: "enabled".into(),
+            signing_secret_hint: "wh…1".into(),
+        },
+    };
+    assert!(s.create_webhook(&endpoint, "whsec_1", 10).await.unwrap());
+
+    let mut record = s.batch("batch_1").await.unwrap().unwrap();
+    assert_eq!(record, earlier_read("batch_1"));
+    let page = s.list_batches("a", None, 10).await.unwrap();
+    assert_eq!(page.data, [record.clone()]);
+    // Its end is saved over it: the script read the status where the old record had it.
+    let mut done = Batch::new("batch_1", "file-x", "24h", 1, 100);
+    done.set_status(BatchStatus::Completed, 7);
+    done.request_counts = batch_wire::RequestCounts {
+        total: 4,
+        completed: 4,
+        failed: 0,
+    };
+    let ended = Change::Ended {
+        batch: &done,
+        output_file_id: Some("file-out"),
+        error_file_id: None,
+        usage: Usage::default(),
+        cancelled: 0,
+        expired: 0,
+    };
+    assert_eq!(
+        s.advance(&mut record, ended, Some(&lease)).await.unwrap(),
+        Advance::Saved
+    );
+    let counts = s.status_counts().await.unwrap();
+    assert_eq!(
+        (counts.get("in_progress"), counts.get("completed")),
+        (Some(&0), Some(&1))
+    );
+    assert_eq!(s.unfinished("a").await.unwrap(), 0);
+    let stored = redis.command(&["GET", &keys.batch("batch_1")]);
+    let stored: serde_json::Value = serde_json::from_str(&stored).unwrap();
+    assert_eq!(stored["status"], "completed", "{stored}");
+
+    // A record of the earlier shape that ended is fanned out to its tenant's endpoints.
+    let old = earlier_record("batch_2", "completed").to_string();
+    assert_eq!(redis.command(&["SET", &keys.batch("batch_2"), &old]), "+OK");
+    assert_eq!(
+        redis.command(&["DEL", &keys.webhook_ended()]),
+        ":1",
+        "batch_1's end was queued for the webhooks"
+    );
+    assert_eq!(
+        redis.command(&["RPUSH", &keys.webhook_ended(), "batch_2"]),
+        ":1"
+    );
+    assert!(s.fan_out_webhook_events(1_000).await.unwrap());
+    let (id, delivery) = s.claim_webhook_delivery(2_000, TTL).await.unwrap().unwrap();
+    assert_eq!(id, "a/batch_2:we_1");
+    let delivery = delivery.unwrap();
+    assert_eq!(
+        (delivery.kind.as_str(), delivery.batch.as_str()),
+        ("batch.completed", "batch_2")
+    );
+}
+
+#[tokio::test]
+async fn a_storage_copy_in_the_earlier_shape_is_rebuilt() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    let dir = tempfile::tempdir().unwrap();
+    let storage =
+        batch_storage::Storage::from_url(&format!("file://{}", dir.path().display())).unwrap();
+    let copy = json!({"epoch": 2, "record": earlier_record("batch_1", "in_progress")});
+    storage
+        .put_bytes(
+            &layout::batch_copy("batch_1"),
+            bytes::Bytes::from(copy.to_string()),
+        )
+        .await
+        .unwrap();
+    let report = s.rebuild(&storage).await.unwrap();
+    assert_eq!(
+        (report.batches, report.resumed, report.unreadable),
+        (1, 1, 0)
+    );
+    assert_eq!(
+        s.batch("batch_1").await.unwrap(),
+        Some(earlier_read("batch_1"))
+    );
+    assert_eq!(
+        s.running().await.unwrap().keys().collect::<Vec<_>>(),
+        ["batch_1"]
+    );
+    // Adopted above the epoch that wrote the copy.
+    let adopted = s.adopt("batch_1", "r1", TTL).await.unwrap().unwrap();
+    assert!(adopted.epoch > 2, "{adopted:?}");
 }

@@ -17,7 +17,7 @@ use fred::interfaces::{KeysInterface, ListInterface, SortedSetsInterface};
 use fred::types::scripts::Script;
 use serde::{Deserialize, Serialize};
 
-use crate::{parse, Store, StoreError, StoredBatch};
+use crate::{parse, parse_batch, Store, StoreError};
 
 /// The batch events a webhook endpoint may subscribe to.
 pub const BATCH_EVENTS: &[&str] = &[
@@ -220,7 +220,7 @@ impl Store {
             let record = self.keys.batch(&id);
             let raw: Option<String> = self.client.get(&record).await?;
             let tenant = match raw {
-                Some(raw) => Some(parse::<StoredBatch>(&record, &raw)?.tenant),
+                Some(raw) => Some(parse_batch(&record, &raw)?.tenant),
                 None => None,
             };
             let mut keys = vec![ended.clone(), self.keys.webhook_due(), record];

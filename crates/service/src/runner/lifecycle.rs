@@ -36,7 +36,7 @@ impl Runner {
                 .await;
         };
         let dir = self.job_dir(id);
-        if record.batch.status().is_terminal() {
+        if record.status.is_terminal() {
             return self.end(lease, &dir).await;
         }
         // This run of the batch is a span of the batch's trace (that of its create request),
@@ -128,13 +128,13 @@ impl Runner {
     ) -> Result<Option<PathBuf>, RunError> {
         let input = dir.join("input.jsonl");
         if !input.exists() {
-            let key = layout::upload(&record.batch.batch.input_file_id);
+            let key = layout::upload(&record.input_file_id);
             match self.storage.download(&key, &input).await {
                 Ok(_) => {}
                 Err(StorageError::NotFound(_)) => {
                     let message = format!(
                         "The input file {} was deleted before the batch started.",
-                        record.batch.batch.input_file_id
+                        record.input_file_id
                     );
                     self.fail_unstarted(record, lease, "invalid_file", &message)
                         .await?;
@@ -156,8 +156,8 @@ impl Runner {
             // The pass-through headers of its create request, and this run's trace context,
             // on every request of the batch.
             headers: request_headers(record),
-            created_at: Some(record.batch.batch.created_at),
-            endpoint: record.batch.batch.endpoint.clone(),
+            created_at: Some(record.created_at),
+            endpoint: record.endpoint.clone(),
             request_slots: self.tenant_slots(&record.tenant),
             // The replica's requests are shared among tenants, not among batches.
             share: Some(record.tenant.clone()),
@@ -223,7 +223,7 @@ impl Runner {
         self.prepared(lease, &job);
         let mut models = job.models();
         if let (Some(model), None) = (models.next(), models.next()) {
-            record.batch.model = Some(model.to_owned());
+            record.model = Some(model.to_owned());
         }
         let done = CancellationToken::new();
         let watcher = tokio::spawn(
@@ -319,7 +319,7 @@ impl Runner {
         code: &str,
         message: &str,
     ) -> Result<(), RunError> {
-        tracing::warn!(job = %record.batch.batch.id, message, "batch failed");
+        tracing::warn!(job = %record.id, message, "batch failed");
         self.fencing(lease)
             .advance(record, Change::Failed { code, message })
             .await?;

@@ -12,7 +12,13 @@ if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then return 0 end
 local s = ARGV[2]
 local final = s == 'completed' or s == 'failed' or s == 'expired' or s == 'cancelled'
 local old = redis.call('GET', KEYS[1])
-local was = old and cjson.decode(old)['batch']['status']
+-- The status is at the top of the record; a record stored before it was flat has it under
+-- `batch`.
+local was = nil
+if old then
+  local r = cjson.decode(old)
+  was = r['status'] or r['batch']['status']
+end
 if was == 'cancelling' and s ~= 'cancelling' and not final then return 2 end
 redis.call('SET', KEYS[1], ARGV[1])
 if old then

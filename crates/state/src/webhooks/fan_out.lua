@@ -16,7 +16,8 @@ if raw and KEYS[4] then
     if ep ~= ARGV[i + 2] then return -1 end
   end
   local b = cjson.decode(raw)
-  local kind = 'batch.' .. b['batch']['status']
+  -- A record stored before it was flat has its status under `batch`.
+  local kind = 'batch.' .. (b['status'] or b['batch']['status'])
   local created = tonumber(ARGV[2]) / 1000
   local event = 'evt_' .. string.sub(redis.sha1hex(ARGV[1] .. '/' .. kind), 1, 32)
   for i, ep in ipairs(endpoints) do
