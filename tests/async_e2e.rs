@@ -6,7 +6,7 @@ mod support;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use batch_executor::Executor;
+use batch_executor::{AsyncMode, Executor};
 use batch_wire::{parse_request_id, BatchStatus, Envelope};
 use dispatcher_sim::{FailureKind, FailureRule, GatewayConfig};
 use support::*;
@@ -41,7 +41,7 @@ async fn a_thousand_lines_over_two_pools_complete_and_answer_their_own_lines() {
         env.redis.command(&["ZCARD", "llm-d-async:requests:pool-b"]),
         ":0"
     );
-    let by_pool = executor.consumer_stats().await;
+    let by_pool = executor.mode::<AsyncMode>().unwrap().consumer_stats().await;
     assert_eq!(by_pool["pool-a"].written_total(), 500);
     assert_eq!(by_pool["pool-b"].written_total(), 500);
     // The gateway saw our headers, forwarded by the dispatcher.
@@ -109,7 +109,7 @@ async fn duplicated_results_never_double_a_line() {
     assert_eq!(batch.status, BatchStatus::Completed);
     Results::read(&env.path("out")).assert_each_once(&lines);
     // The doubles did arrive, and were recognised as such (some may come after the job ended).
-    let stats = &executor.consumer_stats().await["pool-a"];
+    let stats = &executor.mode::<AsyncMode>().unwrap().consumer_stats().await["pool-a"];
     assert!(sim.stats().duplicated > 150, "{:?}", sim.stats());
     assert!(stats.duplicates_total() + stats.unknown_job_total() > 0);
     Results::read(&env.path("out")).assert_answers_match(&lines);
@@ -227,7 +227,7 @@ async fn garbage_and_unknown_results_do_not_stop_the_job() {
     let batch = batch.unwrap();
     assert_eq!(batch.status, BatchStatus::Completed);
     Results::read(&env.path("out")).assert_each_once(&lines);
-    let stats = &executor.consumer_stats().await["pool-a"];
+    let stats = &executor.mode::<AsyncMode>().unwrap().consumer_stats().await["pool-a"];
     assert!(
         stats.malformed_total() >= 3,
         "malformed {}",

@@ -7,7 +7,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use batch_executor::Executor;
+use batch_executor::{AsyncMode, Executor};
 use batch_wire::{error_codes, parse_request_id, BatchStatus, Envelope};
 use dispatcher_sim::{DispatcherVersion, GatewayConfig};
 use support::*;
@@ -58,7 +58,7 @@ async fn completes(version: DispatcherVersion) {
     assert_eq!(batch.request_counts.completed, 400);
     let results = Results::read(&env.path("out"));
     results.assert_answered(&lines);
-    let stats = &executor.consumer_stats().await["pool-a"];
+    let stats = &executor.mode::<AsyncMode>().unwrap().consumer_stats().await["pool-a"];
     assert_eq!(stats.written_total(), 400);
     // v0.10 sends each line's own token back: none is refused.
     assert_eq!(stats.mismatched_total(), 0);
@@ -88,7 +88,10 @@ async fn expires_at_its_own_deadline(version: DispatcherVersion) {
     assert_eq!(results.error_codes().get("batch_expired"), Some(&50));
     assert_eq!(zcard(&env, QUEUE), 0, "pending requests withdrawn");
     assert_eq!(sim.stats().taken, 0);
-    assert_eq!(executor.consumer_stats().await["pool-a"].written_total(), 0);
+    assert_eq!(
+        executor.mode::<AsyncMode>().unwrap().consumer_stats().await["pool-a"].written_total(),
+        0
+    );
     executor.shutdown().await;
     sim.shutdown().await;
 }
@@ -151,7 +154,7 @@ async fn a_dispatcher_past_the_deadline(version: DispatcherVersion) {
             "{line}"
         );
     }
-    let stats = &executor.consumer_stats().await["pool-a"];
+    let stats = &executor.mode::<AsyncMode>().unwrap().consumer_stats().await["pool-a"];
     if v0_10 {
         assert_eq!(sim.stats().results_for("DEADLINE_EXCEEDED"), 50);
         assert_eq!(stats.written_total(), 50, "every line closed by its result");
@@ -351,7 +354,8 @@ async fn results_are_checked_against_their_lines_token() {
         push(
             serde_json::json!({"id": id, "status_code": 200, "payload": "{\"id\":\"chatcmpl-v09\"}"}),
         );
-        let consumer = executor.consumer_stats().await["pool-a"].clone();
+        let consumer =
+            executor.mode::<AsyncMode>().unwrap().consumer_stats().await["pool-a"].clone();
         eventually("the pushed results read", Duration::from_secs(30), || {
             consumer.mismatched_total() == 5 && consumer.written_total() == 3
         })

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use batch_executor::Executor;
+use batch_executor::{Executor, SyncMode};
 use batch_wire::{parse_request_id, BatchStatus};
 use dispatcher_sim::{FailureKind, FailureRule, Gateway, GatewayConfig};
 use support::*;
@@ -30,7 +30,7 @@ async fn sampling_limits<T>(
     let done = AtomicBool::new(false);
     let sampler = async {
         while !done.load(Ordering::SeqCst) {
-            if let Some(limit) = executor.endpoint_limit(model) {
+            if let Some(limit) = executor.mode::<SyncMode>().unwrap().endpoint_limit(model) {
                 samples.lock().unwrap().push(limit);
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -88,7 +88,10 @@ async fn run_limiter(gateway: GatewayConfig, lines: usize, algorithm: Option<&st
     );
     let config = env.sync_config(&["llama-3"], FAST_RETRIES, &concurrency);
     let executor = Executor::new(load(&config)).await.unwrap();
-    let start_limit = executor.endpoint_limit("llama-3");
+    let start_limit = executor
+        .mode::<SyncMode>()
+        .unwrap()
+        .endpoint_limit("llama-3");
     let started = Instant::now();
     let samples = run_to_completion(&env, &executor, &input).await;
     LimiterRun {
@@ -246,7 +249,14 @@ async fn overload_that_clears_ends_with_every_line_completed() {
     assert_eq!(batch.request_counts.completed, 300);
     Results::read(&env.path("out")).assert_each_once(&lines);
     // Answers that needed a 429 retry cut the limit (once per overload episode).
-    assert!(executor.endpoint_cuts("llama-3").unwrap() >= 1);
+    assert!(
+        executor
+            .mode::<SyncMode>()
+            .unwrap()
+            .endpoint_cuts("llama-3")
+            .unwrap()
+            >= 1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -342,11 +352,21 @@ async fn only_the_failing_endpoints_limit_drops() {
         .unwrap();
     assert_eq!(batch.request_counts.completed, 100);
     assert_eq!(
-        executor.endpoint_limit("failing"),
+        executor
+            .mode::<SyncMode>()
+            .unwrap()
+            .endpoint_limit("failing"),
         Some(5),
         "dropped to aimd.min"
     );
-    assert_eq!(executor.endpoint_limit("healthy"), Some(10), "untouched");
+    assert_eq!(
+        executor
+            .mode::<SyncMode>()
+            .unwrap()
+            .endpoint_limit("healthy"),
+        Some(10),
+        "untouched"
+    );
     healthy.shutdown().await;
 }
 

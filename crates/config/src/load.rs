@@ -282,8 +282,10 @@ fn dispatch_mode(c: &mut Collector<'_>, root: &Table<'_>) -> DispatchMode {
     match c.string(root, "dispatch_mode").as_deref() {
         None | Some("sync") => DispatchMode::Sync,
         Some("async") => DispatchMode::Async,
+        Some("dry_run") => DispatchMode::DryRun,
         Some(other) => {
-            let problem = format!("unknown dispatch mode {other:?} (expected sync or async)");
+            let problem =
+                format!("unknown dispatch mode {other:?} (expected sync, async or dry_run)");
             c.at(root, "dispatch_mode", problem);
             DispatchMode::Sync
         }

@@ -17,21 +17,25 @@ pub const REDACTED: &str = "[redacted]";
 
 /// How requests reach the inference gateway.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum DispatchMode {
     /// Direct HTTP to the gateway, with AIMD and semaphores (the default).
     #[default]
     Sync,
     /// Through the llm-d-async dispatcher's Redis request queue and result list.
     Async,
+    /// No gateway: every request is answered locally with a fixed body naming its `custom_id`
+    /// and model, to try a batch's files and the processor's plumbing without inference.
+    DryRun,
 }
 
 impl DispatchMode {
-    /// The config spelling: `sync` or `async`.
+    /// The config spelling: `sync`, `async` or `dry_run`.
     pub fn as_str(self) -> &'static str {
         match self {
             DispatchMode::Sync => "sync",
             DispatchMode::Async => "async",
+            DispatchMode::DryRun => "dry_run",
         }
     }
 }
@@ -87,7 +91,7 @@ fn ser_duration<S: Serializer>(value: &Duration, serializer: S) -> Result<S::Ok,
 /// The whole processor configuration, as resolved by [`ProcessorConfig::load`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProcessorConfig {
-    /// `sync` (default) or `async`.
+    /// `sync` (default), `async` or `dry_run`.
     pub dispatch_mode: DispatchMode,
     /// Settings of the async mode (queues, polling); ignored in sync mode.
     pub async_dispatch: AsyncDispatchConfig,

@@ -427,8 +427,22 @@ fn unknown_dispatch_mode() {
     );
     assert_one_error(
         &errors_of(&file),
-        "dispatch_mode: unknown dispatch mode \"fast\" (expected sync or async)",
+        "dispatch_mode: unknown dispatch mode \"fast\" (expected sync, async or dry_run)",
     );
+}
+
+#[test]
+fn dry_run_needs_neither_a_url_nor_a_pool_nor_redis() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "processor.yaml",
+        "dispatch_mode: dry_run\nmodel_gateways:\n  m: {}\n",
+    );
+    let c = load_file(&file).unwrap();
+    assert_eq!(c.dispatch_mode, DispatchMode::DryRun);
+    assert_eq!(c.dispatch_mode.to_string(), "dry_run");
+    assert_eq!(c.redis_url, None);
 }
 
 #[test]

@@ -27,10 +27,8 @@ use fred::clients::Client;
 use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
-use crate::job::{End, Job};
 use crate::metrics as m;
-use crate::stop::Stop;
-use crate::{blocking, wait_for_end, Dispatch, ExecError};
+use crate::{blocking, wait_for_end, Dispatch, End, ExecError, Job, Stop};
 use lost::Suspects;
 use readers::Readers;
 
@@ -44,11 +42,119 @@ const FOLLOW_EVERY: Duration = Duration::from_millis(500);
 /// not hold up the job's loop.
 const REREGISTER_WITHIN: Duration = Duration::from_secs(1);
 
-pub(crate) struct AsyncMode {
+/// Why the async mode could not start or go on: Redis, its queues or its result lists.
+#[derive(Debug, thiserror::Error)]
+pub enum AsyncError {
+    /// Redis could not be reached.
+    #[error(transparent)]
+    Connect(#[from] batch_redis::ConnectError),
+    /// Enqueueing or removing requests failed.
+    #[error(transparent)]
+    Producer(#[from] batch_producer::ProducerError),
+    /// Redis may evict the processor's keys, and the config does not accept it.
+    #[error(transparent)]
+    UnsafeRedis(#[from] batch_redis::EvictionRefused),
+    /// Taking a result list, or registering a job with one, failed.
+    #[error(transparent)]
+    Lists(#[from] batch_consumer::ListError),
+    /// Async mode without a Redis URL.
+    #[error("async mode needs the Redis URL (redis_url_file)")]
+    NoRedisUrl,
+    /// The config's queue prefix or consumer id makes no valid key name.
+    #[error("config: {0}")]
+    QueueNames(#[from] batch_keys::NameError),
+}
+
+impl AsyncError {
+    /// The job's stop fired while Redis was out: nothing failed.
+    pub fn is_stopped(&self) -> bool {
+        match self {
+            Self::Producer(e) => matches!(e, batch_producer::ProducerError::Stopped),
+            Self::Lists(e) => e.is_stopped(),
+            _ => false,
+        }
+    }
+
+    /// Whether waiting could cure it, by the type of its cause: a Redis outage, or a result
+    /// list another process still reads.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Producer(e) => e.is_transient(),
+            Self::Lists(e) => e.is_transient(),
+            Self::Connect(batch_redis::ConnectError::Unreachable { .. }) => true,
+            _ => false,
+        }
+    }
+}
+
+/// The causes of an [`AsyncError`] become an [`ExecError::Async`] where `?` meets them in the
+/// mode's steps, which also do file work of the job (an [`ExecError`] of its own).
+macro_rules! async_causes {
+    ($($cause:ty),*) => {$(
+        impl From<$cause> for ExecError {
+            fn from(e: $cause) -> Self {
+                ExecError::Async(e.into())
+            }
+        }
+    )*};
+}
+
+async_causes!(
+    batch_redis::ConnectError,
+    batch_producer::ProducerError,
+    batch_redis::EvictionRefused,
+    batch_consumer::ListError,
+    batch_keys::NameError
+);
+
+impl From<batch_producer::StreamError<ExecError>> for ExecError {
+    fn from(e: batch_producer::StreamError<ExecError>) -> Self {
+        match e {
+            batch_producer::StreamError::Source(e) => e,
+            batch_producer::StreamError::Producer(e) => e.into(),
+        }
+    }
+}
+
+/// The async mode: requests go through the llm-d-async dispatcher's Redis queues, results come
+/// back through this process's readers of result lists, shared by every job of the executor.
+pub struct AsyncMode {
     config: Arc<ProcessorConfig>,
     client: Client,
     producer: Producer,
     readers: Readers,
+}
+
+/// What the async mode keeps of a job across runs, in its `job-state.json`
+/// ([`Job::mode_state`]).
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+struct Recorded {
+    /// The result list named by the job's requests, by pool.
+    result_lists: BTreeMap<String, String>,
+    /// Every request of the job reached the request queues once: a line missing at a resume
+    /// is then in the dispatcher's hands or lost, not one never sent.
+    enqueued: bool,
+}
+
+impl Recorded {
+    /// The result list recorded for `pool`, or records `list` as it.
+    fn result_list(job: &Job, pool: &str, list: &str) -> Result<String, ExecError> {
+        let recorded = job.update_mode_state(|r: &mut Recorded| {
+            if r.result_lists.contains_key(pool) {
+                return false;
+            }
+            r.result_lists.insert(pool.to_owned(), list.to_owned());
+            true
+        })?;
+        Ok(recorded.result_lists[pool].clone())
+    }
+
+    /// Records that every request reached the request queues once.
+    fn mark_enqueued(job: &Job) -> Result<(), ExecError> {
+        job.update_mode_state(|r: &mut Recorded| !std::mem::replace(&mut r.enqueued, true))?;
+        Ok(())
+    }
 }
 
 /// One model's share of a job, as the queues see it.
@@ -61,7 +167,7 @@ struct ModelQueue {
 }
 
 fn name_error(e: batch_keys::NameError) -> ExecError {
-    ExecError::Config(e.to_string())
+    e.into()
 }
 
 /// How a job stopped by `stop` ends, when `e` is only the stop showing through.
@@ -87,7 +193,7 @@ fn setup_stop(job: &Job, stop: &Stop) -> CancellationToken {
         });
         token
     } else {
-        stop.halt.clone()
+        stop.halt().clone()
     }
 }
 
@@ -109,7 +215,10 @@ fn requests(
 }
 
 impl AsyncMode {
-    pub(crate) async fn new(
+    /// The mode for `config`: connects to Redis (`connect`'s `tls`, when `None`, comes from the
+    /// config's `redis_tls`), checks it keeps the processor's keys, and with an explicit
+    /// `consumer_id` takes each pool's result list.
+    pub async fn new(
         config: Arc<ProcessorConfig>,
         mut connect: batch_redis::ConnectOptions,
     ) -> Result<Self, ExecError> {
@@ -120,12 +229,10 @@ impl AsyncMode {
         let redis_url = config
             .redis_url
             .as_ref()
-            .ok_or(ExecError::NoRedisUrl)?
+            .ok_or(AsyncError::NoRedisUrl)?
             .expose()
             .to_owned();
-        let names = config
-            .try_queue_names()
-            .map_err(|e| ExecError::Config(e.to_string()))?;
+        let names = config.try_queue_names()?;
         let client = batch_redis::connect(&redis_url, &connect).await?;
         // Waiting until a deadline is for the start only: the consumers' later connections
         // retry in loops of their own that watch the stop signals.
@@ -172,6 +279,11 @@ impl AsyncMode {
         Ok(mode)
     }
 
+    /// The counters of this process's own result list of each pool, by pool.
+    pub async fn consumer_stats(&self) -> BTreeMap<String, Arc<batch_consumer::ConsumerStats>> {
+        self.readers.own_stats().await
+    }
+
     fn pool_of(&self, model: &str) -> Option<&str> {
         self.config
             .model_gateways
@@ -200,7 +312,7 @@ impl AsyncMode {
             let own = self.readers.own_list(pool, stop, true).await?;
             let recorded = {
                 let (j, pool, own) = (job.clone(), pool.to_owned(), own.clone());
-                blocking(move || j.result_list(&pool, &own)).await?
+                blocking(move || Recorded::result_list(&j, &pool, &own)).await?
             };
             let mut headers = job.headers.clone();
             if let Some(objective) = &self.config.model_gateways[&model.model].inference_objective {
@@ -243,7 +355,7 @@ impl AsyncMode {
             .iter()
             .map(|q| (q.messages.result_queue.clone(), q.pool.clone()))
             .collect();
-        let producer = self.producer.with_stop(stop.halt.clone());
+        let producer = self.producer.with_stop(stop.halt().clone());
         if let Err(e) = self.register_job(job, &lists, &setup).await {
             return stopped_or(e, stop);
         }
@@ -253,15 +365,15 @@ impl AsyncMode {
         if job.resumed && !self.take_in_arrived(&lists, &setup).await {
             return Ok(stop.end().unwrap_or(End::Paused));
         }
-        if stop.halt.is_cancelled() {
+        if stop.halt().is_cancelled() {
             return Ok(stop.end().unwrap_or(End::Paused));
         }
         let enqueued = self
-            .enqueue_unanswered(job, &queues, &producer, &stop.halt)
+            .enqueue_unanswered(job, &queues, &producer, stop.halt())
             .await;
-        if enqueued.is_ok() && !stop.halt.is_cancelled() {
+        if enqueued.is_ok() && !stop.halt().is_cancelled() {
             let j = job.clone();
-            blocking(move || j.mark_enqueued()).await?;
+            blocking(move || Recorded::mark_enqueued(&j)).await?;
         }
         let enqueued = match enqueued {
             Ok(n) => n,
@@ -324,7 +436,7 @@ impl AsyncMode {
         producer: &Producer,
         halt: &CancellationToken,
     ) -> Result<u64, ExecError> {
-        if job.resumed && job.was_enqueued() {
+        if job.resumed && job.mode_state::<Recorded>()?.enqueued {
             // Nothing is put back at once: a line in no key may still be in the dispatcher's
             // hands (a v0.9 dispatcher keeps what it is sending in no key, and a line it took
             // from the queue just before the resume is as new as any). The lost-request check
@@ -364,7 +476,7 @@ impl AsyncMode {
                 end = wait_for_end(&mut progress, stop) => end,
                 _ = checks.tick() => None,
                 _ = follow.tick() => {
-                    self.readers.follow_handed_on(lists, &stop.halt).await;
+                    self.readers.follow_handed_on(lists, stop.halt()).await;
                     continue;
                 }
             };
@@ -373,8 +485,11 @@ impl AsyncMode {
             }
             // Redis may have lost the registrations (restarted empty, flushed): write them
             // again, so that another reader of the list keeps the job's results.
-            match tokio::time::timeout(REREGISTER_WITHIN, self.register_job(job, lists, &stop.halt))
-                .await
+            match tokio::time::timeout(
+                REREGISTER_WITHIN,
+                self.register_job(job, lists, stop.halt()),
+            )
+            .await
             {
                 Ok(Err(e)) if !e.is_stopped() && !e.is_transient() => return Err(e),
                 _ => {}
@@ -391,7 +506,7 @@ impl AsyncMode {
                     producer,
                     &mut suspects,
                     confirm_after,
-                    &stop.halt,
+                    stop.halt(),
                 )
                 .await
             {
@@ -510,14 +625,13 @@ impl AsyncMode {
 
     /// Forgets the job in its lists' registries: later results of it are dropped.
     async fn close_job(&self, job: &Job) {
-        let lists: Vec<(String, String)> = job
-            .manifest
-            .lock()
-            .expect("manifest lock")
-            .result_lists
-            .iter()
-            .map(|(pool, list)| (pool.clone(), list.clone()))
-            .collect();
+        let lists = match job.mode_state::<Recorded>() {
+            Ok(recorded) => recorded.result_lists,
+            Err(e) => {
+                tracing::debug!(job = %job.id, error = %e, "no result lists to unregister the job from");
+                BTreeMap::new()
+            }
+        };
         for (pool, list) in lists {
             let Ok(routes) = self.readers.routes(&pool) else {
                 continue;
@@ -535,6 +649,11 @@ impl AsyncMode {
 }
 
 impl Dispatch for AsyncMode {
+    fn check_input(&self, limits: &mut batch_plan::Limits) {
+        // The dispatcher re-encodes each request: what it would change is refused up front.
+        limits.dispatcher = true;
+    }
+
     fn register(&self, job: &Arc<Job>) {
         self.readers.registry().insert(job.clone());
     }
@@ -573,11 +692,5 @@ impl Dispatch for AsyncMode {
 
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.readers.shutdown())
-    }
-
-    fn consumer_stats(
-        &self,
-    ) -> BoxFuture<'_, BTreeMap<String, Arc<batch_consumer::ConsumerStats>>> {
-        Box::pin(self.readers.own_stats())
     }
 }

@@ -1,7 +1,6 @@
 //! A job directory's own bookkeeping: the lock that makes one process its only writer, and the
 //! manifest that ties the directory to one input file and to the result lists its requests name.
 
-use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
 use std::os::fd::AsRawFd;
@@ -69,13 +68,10 @@ pub(crate) struct Manifest {
     pub job_id: String,
     /// The input file as first planned.
     pub input: InputRecord,
-    /// The result list named by the job's requests, by pool (async mode).
-    #[serde(default)]
-    pub result_lists: BTreeMap<String, String>,
-    /// Every request of the job reached the request queues once (async mode): a line missing
-    /// at a resume is then in the dispatcher's hands or lost, not one never sent.
-    #[serde(default)]
-    pub enqueued: bool,
+    /// The dispatch mode's own record of the job (see [`crate::Job::mode_state`]), its fields
+    /// beside the manifest's own.
+    #[serde(flatten)]
+    pub mode: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Where the input was and what it held.

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use batch_plan::{InputFile, Plan, PlanError, Record};
 use batch_sink::{JobSink, Written};
 use batch_wire::{Batch, BatchErrors, BatchStatus, Outcome, RequestCounts};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::dir::{DirLock, InputRecord, Manifest};
@@ -115,20 +117,24 @@ fn new_job_id() -> String {
     format!("batch_{:032x}", rand::random::<u128>())
 }
 
-/// How a job's dispatch ended.
+/// How a job's dispatch ended: what a mode's [`crate::Dispatch::run`] returns.
 #[derive(Debug)]
-pub(crate) enum End {
+pub enum End {
+    /// Every line has a result.
     Completed,
+    /// The deadline passed first: open lines get `batch_expired`.
     Expired,
+    /// The job was cancelled: open lines get `batch_cancelled`.
     Cancelled,
     /// Stopped to be resumed later (SIGTERM): nothing withdrawn, nothing closed.
     Paused,
+    /// The mode could not go on: the job fails and open lines get `batch_failed`.
     Failed(JobFailure),
 }
 
 /// Why a job's dispatch failed; its text is what the job's error lines and log say.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum JobFailure {
+pub enum JobFailure {
     /// Dispatching returned an error (its `source()` chain kept).
     #[error(transparent)]
     Exec(#[from] ExecError),
@@ -311,8 +317,7 @@ impl Job {
                 let m = Manifest {
                     job_id: job_id.to_owned(),
                     input: record,
-                    result_lists: BTreeMap::new(),
-                    enqueued: false,
+                    mode: serde_json::Map::new(),
                 };
                 m.write(&spec.output_dir)?;
                 Ok(m)
@@ -320,27 +325,54 @@ impl Job {
         }
     }
 
-    /// The result list recorded for `pool`, or records `list` as it.
-    pub(crate) fn result_list(&self, pool: &str, list: &str) -> Result<String, ExecError> {
-        let mut manifest = self.manifest.lock().expect("manifest lock");
-        if let Some(recorded) = manifest.result_lists.get(pool) {
-            return Ok(recorded.clone());
-        }
-        manifest
-            .result_lists
-            .insert(pool.to_owned(), list.to_owned());
-        manifest.write(&self.dir)?;
-        Ok(list.to_owned())
+    /// The dispatch mode's own record of the job, kept in `job-state.json` across runs;
+    /// `T::default()` when there is none. Its fields sit beside the manifest's own (`job_id`,
+    /// `input`), which a mode's names must not take.
+    pub fn mode_state<T: DeserializeOwned + Default>(&self) -> Result<T, ExecError> {
+        let manifest = self.manifest.lock().expect("manifest lock");
+        self.decode_mode_state(&manifest)
     }
 
-    /// Records that every request reached the request queues once.
-    pub(crate) fn mark_enqueued(&self) -> Result<(), ExecError> {
+    /// Changes the mode's record (see [`Job::mode_state`]) with `change`, which says whether it
+    /// changed anything; a change is in `job-state.json` (written atomically) when this
+    /// returns. Returns the record as it is then. Blocking file work.
+    pub fn update_mode_state<T: Serialize + DeserializeOwned + Default>(
+        &self,
+        change: impl FnOnce(&mut T) -> bool,
+    ) -> Result<T, ExecError> {
         let mut manifest = self.manifest.lock().expect("manifest lock");
-        if !manifest.enqueued {
-            manifest.enqueued = true;
-            manifest.write(&self.dir)?;
+        let mut state: T = self.decode_mode_state(&manifest)?;
+        if change(&mut state) {
+            let fields = match serde_json::to_value(&state) {
+                Ok(serde_json::Value::Object(fields)) => fields,
+                Ok(_) => return Err(self.bad_mode_state("a mode's record is not a JSON object")),
+                Err(e) => return Err(self.bad_mode_state(e)),
+            };
+            let mut changed = manifest.clone();
+            changed.mode.extend(fields);
+            changed.write(&self.dir)?;
+            *manifest = changed;
         }
-        Ok(())
+        Ok(state)
+    }
+
+    fn decode_mode_state<T: DeserializeOwned + Default>(
+        &self,
+        manifest: &Manifest,
+    ) -> Result<T, ExecError> {
+        if manifest.mode.is_empty() {
+            return Ok(T::default());
+        }
+        serde_json::from_value(serde_json::Value::Object(manifest.mode.clone()))
+            .map_err(|e| self.bad_mode_state(e))
+    }
+
+    fn bad_mode_state(&self, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> ExecError {
+        let path = self.dir.join(crate::MANIFEST_FILE);
+        ExecError::io(
+            &path,
+            std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+        )
     }
 
     /// Holds back (or lets through again) the results that come for this job: while held,
@@ -356,11 +388,6 @@ impl Job {
     /// Whether [`Job::hold_results`] holds its results back.
     pub(crate) fn results_held(&self) -> bool {
         self.results_held.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// Whether every request reached the request queues once, in this run or an earlier one.
-    pub(crate) fn was_enqueued(&self) -> bool {
-        self.manifest.lock().expect("manifest lock").enqueued
     }
 
     /// The job id.
@@ -383,18 +410,28 @@ impl Job {
         self.batch.lock().expect("batch lock").status
     }
 
+    /// The job's plan: its models, and the records of each model's lines.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Headers the caller added to every request of the job ([`JobSpec::headers`]).
+    pub fn headers(&self) -> &BTreeMap<String, String> {
+        &self.headers
+    }
+
     /// The SLO deadline, Unix seconds.
-    pub(crate) fn expires_at(&self) -> i64 {
+    pub fn expires_at(&self) -> i64 {
         self.batch.lock().expect("batch lock").expires_at
     }
 
     /// The creation time, Unix seconds.
-    pub(crate) fn created_at(&self) -> i64 {
+    pub fn created_at(&self) -> i64 {
         self.batch.lock().expect("batch lock").created_at
     }
 
     /// The custom_id of line `index`, `None` when outside the job.
-    pub(crate) fn custom_id(&self, index: u64) -> Option<&str> {
+    pub fn custom_id(&self, index: u64) -> Option<&str> {
         self.plan.custom_ids().get(index as usize)
     }
 
@@ -426,9 +463,10 @@ impl Job {
         );
     }
 
-    /// Writes outcomes (each skipped when its line exists) and flushes once. On an error
-    /// nothing of them is kept (see [`JobSink`]): the whole call can be made again.
-    pub(crate) fn record_all<'a>(
+    /// Writes the outcomes of lines (by line index; each skipped when its line has one
+    /// already) and flushes once. On an error nothing of them is kept (see [`JobSink`]): the
+    /// whole call can be made again. Blocking file work.
+    pub fn record_all<'a>(
         &self,
         outcomes: impl IntoIterator<Item = (u64, Outcome<'a>)>,
     ) -> Result<(), ExecError> {
@@ -455,8 +493,8 @@ impl Job {
         });
     }
 
-    /// Adds to the dispatched counter.
-    pub(crate) fn dispatched(&self, n: u64) {
+    /// Counts `n` more requests handed on (sent, enqueued) by this run, in [`JobProgress`].
+    pub fn dispatched(&self, n: u64) {
         self.progress.send_modify(|p| p.dispatched += n);
     }
 
@@ -471,12 +509,13 @@ impl Job {
     }
 
     /// Requests still without a line.
-    pub(crate) fn remaining(&self) -> u64 {
+    pub fn remaining(&self) -> u64 {
         self.sink.lock().expect("sink lock").remaining()
     }
 
-    /// Unresolved records of one model, in plan order.
-    pub(crate) fn unresolved_records(
+    /// The records of `model`'s lines still without a result, in plan order. Blocking file
+    /// work.
+    pub fn unresolved_records(
         &self,
         model: &batch_plan::ModelPlan,
     ) -> Result<Vec<Record>, ExecError> {
@@ -511,11 +550,8 @@ impl Job {
             .map_err(|e| ExecError::io(self.plan.input(), e))
     }
 
-    /// The lines of `records`, each with its record.
-    pub(crate) fn read_lines(
-        &self,
-        records: Vec<Record>,
-    ) -> Result<Vec<(Record, Vec<u8>)>, ExecError> {
+    /// The input lines of `records`, each with its record. Blocking file work.
+    pub fn read_lines(&self, records: Vec<Record>) -> Result<Vec<(Record, Vec<u8>)>, ExecError> {
         records
             .into_iter()
             .map(|r| Ok((r, self.read_line(&r)?)))

@@ -7,11 +7,13 @@
 //! as `cancelled`; either way every line still without a result gets `batch_expired` or
 //! `batch_cancelled`, so `output.jsonl` + `error.jsonl` always hold each `custom_id` once.
 //!
-//! Dispatch is one of two modes, chosen by the config's `dispatch_mode`:
-//! - **async**: members go into the llm-d-async dispatcher's sorted sets and results come back
-//!   through one [`batch_consumer::ResultConsumer`] per pool, shared by every job of the process;
-//!   on deadline or cancel the job's pending members are removed again;
-//! - **sync**: the executor calls the gateways itself ([`batch_sync_dispatch::SyncDispatcher`]).
+//! Dispatch is one of the modes behind [`Dispatch`], chosen by the config's `dispatch_mode`:
+//! - **async** ([`AsyncMode`]): members go into the llm-d-async dispatcher's sorted sets and
+//!   results come back through one [`batch_consumer::ResultConsumer`] per pool, shared by every
+//!   job of the process; on deadline or cancel the job's pending members are removed again;
+//! - **sync** ([`SyncMode`]): the executor calls the gateways itself
+//!   ([`batch_sync_dispatch::SyncDispatcher`]);
+//! - **dry_run** ([`DryRun`]): every request is answered locally, without a network.
 //!
 //! Running a job again on the same output directory resumes it: finished lines are kept, results
 //! that arrived meanwhile are written, and only lines without a result are dispatched again.
@@ -33,28 +35,32 @@
 
 mod async_mode;
 mod dir;
+mod dispatch;
+mod dry_run;
 mod job;
 mod metrics;
 mod registry;
 mod stop;
 mod sync_mode;
 
+use std::any::Any;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use batch_config::{DispatchMode, ProcessorConfig};
 use batch_wire::{error_codes, Batch, BatchStatus, Outcome};
-use futures::future::BoxFuture;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+pub use async_mode::{AsyncError, AsyncMode};
 pub use dir::{LOCK_FILE, MANIFEST_FILE};
-pub use job::{restore_checkpoint, Checkpoint, Job, JobProgress, JobSpec, Prepared};
-
-use async_mode::AsyncMode;
-use job::End;
-use stop::Stop;
-use sync_mode::SyncMode;
+pub use dispatch::Dispatch;
+pub use dry_run::DryRun;
+pub use job::{
+    restore_checkpoint, Checkpoint, End, Job, JobFailure, JobProgress, JobSpec, Prepared,
+};
+pub use stop::Stop;
+pub use sync_mode::{SyncError, SyncMode};
 
 /// How long a job that expired or was cancelled waits for Redis to withdraw its requests; past
 /// it, cancel markers and the dispatcher's own expiry cover what is left.
@@ -82,24 +88,12 @@ pub enum ExecError {
     /// The result files failed.
     #[error(transparent)]
     Sink(#[from] batch_sink::SinkError),
-    /// Redis could not be reached.
+    /// The sync mode failed.
     #[error(transparent)]
-    Connect(#[from] batch_redis::ConnectError),
-    /// Enqueueing or removing requests failed.
+    Sync(#[from] SyncError),
+    /// The async mode failed.
     #[error(transparent)]
-    Producer(#[from] batch_producer::ProducerError),
-    /// A gateway could not be set up.
-    #[error(transparent)]
-    Gateway(#[from] batch_sync_dispatch::DispatchError),
-    /// Redis may evict the processor's keys, and the config does not accept it.
-    #[error(transparent)]
-    UnsafeRedis(#[from] batch_redis::EvictionRefused),
-    /// Taking a result list, or registering a job with one, failed.
-    #[error(transparent)]
-    Lists(#[from] batch_consumer::ListError),
-    /// Async mode without a Redis URL.
-    #[error("async mode needs the Redis URL (redis_url_file)")]
-    NoRedisUrl,
+    Async(#[from] AsyncError),
     /// The configuration cannot be used.
     #[error("config: {0}")]
     Config(String),
@@ -153,8 +147,7 @@ impl ExecError {
     /// The job's stop fired while Redis was out: nothing failed.
     pub fn is_stopped(&self) -> bool {
         match self {
-            Self::Producer(e) => matches!(e, batch_producer::ProducerError::Stopped),
-            Self::Lists(e) => e.is_stopped(),
+            Self::Async(e) => e.is_stopped(),
             _ => false,
         }
     }
@@ -163,53 +156,9 @@ impl ExecError {
     /// list another process still reads.
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Producer(e) => e.is_transient(),
-            Self::Lists(e) => e.is_transient(),
-            Self::Connect(batch_redis::ConnectError::Unreachable { .. }) => true,
+            Self::Async(e) => e.is_transient(),
             _ => false,
         }
-    }
-}
-
-impl From<batch_producer::StreamError<ExecError>> for ExecError {
-    fn from(e: batch_producer::StreamError<ExecError>) -> Self {
-        match e {
-            batch_producer::StreamError::Source(e) => e,
-            batch_producer::StreamError::Producer(e) => e.into(),
-        }
-    }
-}
-
-/// One way of getting a job's requests answered: sync (HTTP to the gateways) or async (the
-/// dispatcher's queues). The executor drives jobs through it without knowing which.
-pub(crate) trait Dispatch: Send + Sync {
-    /// Makes a prepared job known before it runs (results of a resumed job may be waiting).
-    fn register(&self, _job: &Arc<Job>) {}
-    /// Forgets a job that ended.
-    fn unregister(&self, _job: &Job) {}
-    /// Gets every unresolved line answered, or stops when `stop` fires.
-    fn run<'a>(&'a self, job: &'a Arc<Job>, stop: &'a Stop) -> BoxFuture<'a, End>;
-    /// Takes back what is pending of a job that expired or was cancelled.
-    fn withdraw<'a>(
-        &'a self,
-        _job: &'a Arc<Job>,
-        _stop: &'a CancellationToken,
-    ) -> BoxFuture<'a, Result<(), ExecError>> {
-        Box::pin(async { Ok(()) })
-    }
-    /// Stops background work (result consumers) and lets go of what it holds.
-    fn shutdown(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async {})
-    }
-    /// The sync endpoint's current limit and cuts, when sync.
-    fn endpoint_limit(&self, _model: &str) -> Option<(usize, u64)> {
-        None
-    }
-    /// The async result consumers' counters, by pool.
-    fn consumer_stats(
-        &self,
-    ) -> BoxFuture<'_, std::collections::BTreeMap<String, Arc<batch_consumer::ConsumerStats>>> {
-        Box::pin(async { Default::default() })
     }
 }
 
@@ -234,16 +183,39 @@ impl Executor {
         connect: batch_redis::ConnectOptions,
     ) -> Result<Self, ExecError> {
         let config = Arc::new(config);
-        metrics::know_models(config.model_gateways.keys());
+        // The one place a mode is registered: its config name to the mode built for it.
         let dispatch: Box<dyn Dispatch> = match config.dispatch_mode {
             DispatchMode::Sync => Box::new(SyncMode::new(config.clone())?),
             DispatchMode::Async => Box::new(AsyncMode::new(config.clone(), connect).await?),
+            DispatchMode::DryRun => Box::new(DryRun),
         };
-        Ok(Self {
+        Ok(Self::with_dispatch(config, dispatch))
+    }
+
+    /// An executor whose jobs go through `dispatch`, a mode built by the caller; the config's
+    /// `dispatch_mode` is not looked at.
+    pub fn with_dispatch(config: Arc<ProcessorConfig>, dispatch: Box<dyn Dispatch>) -> Self {
+        metrics::know_models(config.model_gateways.keys());
+        Self {
             config,
             dispatch,
             pause: CancellationToken::new(),
-        })
+        }
+    }
+
+    /// The mode jobs go through, as its own type, for what only that mode has (the sync mode's
+    /// endpoint limits, the async mode's consumer counters); `None` when it is another mode.
+    ///
+    /// ```no_run
+    /// # fn demo(executor: &batch_executor::Executor) {
+    /// if let Some(sync) = executor.mode::<batch_executor::SyncMode>() {
+    ///     println!("llama-3 may have {:?} calls in flight", sync.endpoint_limit("llama-3"));
+    /// }
+    /// # }
+    /// ```
+    pub fn mode<M: Dispatch>(&self) -> Option<&M> {
+        let any: &dyn Any = &*self.dispatch;
+        any.downcast_ref::<M>()
     }
 
     /// The configuration.
@@ -278,13 +250,13 @@ impl Executor {
                     })?,
             ),
         };
-        let limits = batch_plan::Limits {
+        let mut limits = batch_plan::Limits {
             max_requests: self.config.input.max_requests,
             max_file_bytes: self.config.input.max_file_bytes,
             endpoint,
-            // Only async mode's requests pass through the dispatcher, which re-encodes them.
-            dispatcher: self.config.dispatch_mode == DispatchMode::Async,
+            dispatcher: false,
         };
+        self.dispatch.check_input(&mut limits);
         let (spec, work_dir) = (spec.clone(), self.config.work_dir.clone());
         let prepared = tokio::task::spawn_blocking(move || Job::prepare(&spec, &work_dir, limits))
             .await
@@ -514,24 +486,8 @@ impl Executor {
         Ok(batch)
     }
 
-    /// The current limit of a sync endpoint (`None` in async mode or for unknown names).
-    pub fn endpoint_limit(&self, model: &str) -> Option<usize> {
-        self.dispatch.endpoint_limit(model).map(|(limit, _)| limit)
-    }
-
-    /// How many times a sync endpoint's AIMD limit was cut (`None` in async mode).
-    pub fn endpoint_cuts(&self, model: &str) -> Option<u64> {
-        self.dispatch.endpoint_limit(model).map(|(_, cuts)| cuts)
-    }
-
-    /// The async mode's result-consumer counters, by pool (empty in sync mode).
-    pub async fn consumer_stats(
-        &self,
-    ) -> std::collections::BTreeMap<String, Arc<batch_consumer::ConsumerStats>> {
-        self.dispatch.consumer_stats().await
-    }
-
-    /// Stops the result consumers and releases their result lists.
+    /// Stops the mode's background work (the async mode's result consumers, which release
+    /// their result lists).
     pub async fn shutdown(&self) {
         self.dispatch.shutdown().await;
     }
@@ -564,7 +520,7 @@ pub(crate) async fn wait_for_end(
         }
         tokio::select! {
             changed = progress.changed() => if changed.is_err() { return None },
-            _ = stop.halt.cancelled() => return stop.end(),
+            _ = stop.halt().cancelled() => return stop.end(),
         }
     }
 }

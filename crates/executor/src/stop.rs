@@ -15,11 +15,11 @@ pub(crate) enum Cause {
     Pause,
 }
 
-/// The three ways a job is stopped, and one token (`halt`) that fires on the first of them, for
-/// every wait of every phase.
+/// The three ways a running job is stopped (its deadline, a cancel, a pause), and one token
+/// ([`Stop::halt`]) that fires on the first of them, for every wait of a mode's run.
 #[derive(Clone)]
-pub(crate) struct Stop {
-    pub(crate) halt: CancellationToken,
+pub struct Stop {
+    halt: CancellationToken,
     cause: Arc<OnceLock<Cause>>,
     _watch: Arc<WatchGuard>,
 }
@@ -59,8 +59,14 @@ impl Stop {
         }
     }
 
-    /// How the job ends because of the stop, once `halt` fired.
-    pub(crate) fn end(&self) -> Option<End> {
+    /// Fires on the first of the deadline, a cancel and a pause: a mode's run returns soon
+    /// after, with [`Stop::end`].
+    pub fn halt(&self) -> &CancellationToken {
+        &self.halt
+    }
+
+    /// How the job ends because of the stop, once [`Stop::halt`] fired; `None` before.
+    pub fn end(&self) -> Option<End> {
         self.cause.get().map(|c| match c {
             Cause::Deadline => End::Expired,
             Cause::Cancel => End::Cancelled,

@@ -17,16 +17,24 @@ use futures::future::{self, BoxFuture};
 use futures::stream::{self, StreamExt};
 use tokio::sync::{mpsc, Semaphore};
 
-use crate::job::{End, Job, JobFailure};
-use crate::stop::Stop;
-use crate::{blocking, Dispatch, ExecError};
+use crate::{blocking, Dispatch, End, ExecError, Job, JobFailure, Stop};
 
 /// Input lines read in one blocking call, ahead of the calls that send them.
 const READ_AHEAD: usize = 64;
 /// Answers written with one flush, at most.
 const WRITE_BATCH: usize = 256;
 
-pub(crate) struct SyncMode {
+/// Why the sync mode could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// A gateway could not be set up.
+    #[error(transparent)]
+    Gateway(#[from] batch_sync_dispatch::DispatchError),
+}
+
+/// The sync mode: the processor calls each model's gateway over HTTP itself, one
+/// [`SyncDispatcher`] (and its limits) shared by every job of the executor.
+pub struct SyncMode {
     dispatcher: SyncDispatcher,
     config: Arc<ProcessorConfig>,
     /// The calls each share (a tenant, [`crate::JobSpec::share`]) may have pending per model.
@@ -34,7 +42,8 @@ pub(crate) struct SyncMode {
 }
 
 impl SyncMode {
-    pub(crate) fn new(config: Arc<ProcessorConfig>) -> Result<Self, ExecError> {
+    /// The mode for `config`: one endpoint for each model with a `url`.
+    pub fn new(config: Arc<ProcessorConfig>) -> Result<Self, SyncError> {
         let c = &config.concurrency;
         let dispatcher = SyncDispatcher::new(LimitOptions {
             global: c.global,
@@ -80,6 +89,17 @@ impl SyncMode {
         })
     }
 
+    /// The current limit of `model`'s endpoint (its AIMD or gradient limiter), `None` for a
+    /// model without one.
+    pub fn endpoint_limit(&self, model: &str) -> Option<usize> {
+        self.dispatcher.limit(model)
+    }
+
+    /// How many times the limit of `model`'s endpoint was cut, `None` for a model without one.
+    pub fn endpoint_cuts(&self, model: &str) -> Option<u64> {
+        self.dispatcher.cuts(model)
+    }
+
     /// The permits `job`'s share has for `model`'s calls, `width` of them, when it names one.
     fn share_slots(&self, job: &Job, model: &str, width: usize) -> Option<Arc<Semaphore>> {
         let share = job.share.as_ref()?;
@@ -97,7 +117,7 @@ impl SyncMode {
     /// Sends every unresolved line, models side by side; the deadline, a cancel or a pause
     /// drops every call in flight at once.
     async fn run_job(&self, job: &Arc<Job>, stop: &Stop) -> End {
-        if stop.halt.is_cancelled() {
+        if stop.halt().is_cancelled() {
             return stop.end().unwrap_or(End::Expired);
         }
         tokio::select! {
@@ -106,7 +126,7 @@ impl SyncMode {
                 Ok(()) if job.remaining() == 0 => End::Completed,
                 Ok(()) => stop.end().unwrap_or_else(|| End::Failed(JobFailure::Unanswered(job.remaining()))),
             },
-            _ = stop.halt.cancelled() => stop.end().unwrap_or(End::Expired),
+            _ = stop.halt().cancelled() => stop.end().unwrap_or(End::Expired),
         }
     }
 
@@ -277,7 +297,7 @@ async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop
             Ok(()) => return,
             Err(e) => {
                 tracing::error!(job = %job.id, error = %e, "could not write answers; retrying");
-                if !backoff.wait(&stop.halt).await {
+                if !backoff.wait(stop.halt()).await {
                     return;
                 }
             }
@@ -288,10 +308,6 @@ async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop
 impl Dispatch for SyncMode {
     fn run<'a>(&'a self, job: &'a Arc<Job>, stop: &'a Stop) -> BoxFuture<'a, End> {
         Box::pin(self.run_job(job, stop))
-    }
-
-    fn endpoint_limit(&self, model: &str) -> Option<(usize, u64)> {
-        Some((self.dispatcher.limit(model)?, self.dispatcher.cuts(model)?))
     }
 }
 

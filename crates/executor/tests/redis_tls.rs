@@ -3,7 +3,7 @@
 use batch_config::figment::providers::{Format, Yaml};
 use batch_config::figment::Figment;
 use batch_config::ProcessorConfig;
-use batch_executor::{ExecError, Executor};
+use batch_executor::{AsyncError, ExecError, Executor};
 use batch_testkit::{ClientAuth, TlsRedis};
 
 fn config(redis: &TlsRedis, redis_tls: &str) -> ProcessorConfig {
@@ -38,7 +38,7 @@ async fn async_mode_connects_over_mutual_tls_with_the_configured_files() {
 
     // Without redis_tls the system's roots do not trust the test CA: nothing connects.
     match Executor::new(config(&redis, "")).await {
-        Err(ExecError::Connect(e)) => {
+        Err(ExecError::Async(AsyncError::Connect(e))) => {
             assert!(e.to_string().contains("TLS"), "{e}")
         }
         Err(other) => panic!("unexpected error: {other}"),

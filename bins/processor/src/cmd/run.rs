@@ -190,7 +190,7 @@ async fn run_jobs(
     };
     let executor = match built {
         Ok(e) => e,
-        Err(e @ batch_executor::ExecError::UnsafeRedis(_)) => {
+        Err(e @ batch_executor::ExecError::Async(batch_executor::AsyncError::UnsafeRedis(_))) => {
             eprintln!("processor: {e}");
             observability.stop().await;
             return Ok(ExitCode::from(EXIT_INVALID));

@@ -51,7 +51,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             Ok(s) => s,
             Err(
                 e @ (ServiceError::UnsafeRedis(_)
-                | ServiceError::Executor(batch_executor::ExecError::UnsafeRedis(_))),
+                | ServiceError::Executor(batch_executor::ExecError::Async(
+                    batch_executor::AsyncError::UnsafeRedis(_),
+                ))),
             ) => {
                 eprintln!("processor: {e}");
                 return Ok(ExitCode::from(super::EXIT_INVALID));

@@ -636,7 +636,7 @@ async fn one_run(
                     capacity = now;
                     gateway.set_config(GatewayConfig { capacity: Some(now), ..gateway.config() })?;
                 }
-                let limit = executor.endpoint_limit(MODEL).unwrap_or(0);
+                let limit = executor.mode::<batch_executor::SyncMode>().and_then(|m| m.endpoint_limit(MODEL)).unwrap_or(0);
                 let stats = gateway.stats();
                 if measured.is_none() && stats.answered as f64 >= n as f64 * MEASURED_SHARE {
                     measured = Some((t, stats.clone()));
