@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::dir::{DirLock, InputRecord, Manifest};
+use crate::dir::{InputRecord, JobDir, Manifest};
 use crate::metrics as m;
 use crate::ExecError;
 
@@ -72,7 +72,7 @@ impl JobSpec {
     /// before, its window from now when it is new (or its `batch.json` cannot be read, which
     /// preparing it will report); `None` when it has ended.
     pub fn time_left(&self) -> Option<Duration> {
-        match batch_sink::read_batch(&self.output_dir) {
+        match JobDir::batch_at(&self.output_dir) {
             Ok(Some(b)) if b.status.is_terminal() => None,
             Ok(Some(b)) => {
                 let now = SystemTime::now()
@@ -146,7 +146,8 @@ pub enum JobFailure {
 /// A job being executed.
 pub struct Job {
     pub(crate) id: String,
-    pub(crate) dir: PathBuf,
+    /// Its directory, locked while the job lives.
+    pub(crate) dir: JobDir,
     pub(crate) plan: Plan,
     pub(crate) input: InputFile,
     pub(crate) batch: Mutex<Batch>,
@@ -167,7 +168,6 @@ pub struct Job {
     pub(crate) inflight: m::Inflight,
     /// See [`Job::hold_results`].
     results_held: std::sync::atomic::AtomicBool,
-    _lock: DirLock,
 }
 
 /// A prepared job, or one that needs nothing more.
@@ -182,7 +182,7 @@ impl std::fmt::Debug for Job {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Job")
             .field("id", &self.id)
-            .field("dir", &self.dir)
+            .field("dir", &self.dir.path())
             .finish()
     }
 }
@@ -195,10 +195,8 @@ impl Job {
         work_dir: &Path,
         limits: batch_plan::Limits,
     ) -> Result<Prepared, ExecError> {
-        std::fs::create_dir_all(&spec.output_dir)
-            .map_err(|e| ExecError::io(&spec.output_dir, e))?;
-        let lock = DirLock::take(&spec.output_dir)?;
-        let existing = batch_sink::read_batch(&spec.output_dir)?;
+        let dir = JobDir::open(&spec.output_dir)?;
+        let existing = dir.batch()?;
         let (mut batch, resumed) = match existing {
             Some(b) if b.status.is_terminal() => return Ok(Prepared::Finished(Box::new(b))),
             Some(b) => {
@@ -231,7 +229,7 @@ impl Job {
                     created,
                     expires,
                 );
-                batch_sink::write_batch(&spec.output_dir, &b)?;
+                dir.write_batch(&b)?;
                 (b, false)
             }
         };
@@ -242,13 +240,13 @@ impl Job {
                 tracing::warn!(job = %batch.id, problems = errors.len(), "input file is invalid");
                 batch.errors = Some(BatchErrors::new(errors));
                 batch.set_status(BatchStatus::Failed, now_unix());
-                batch_sink::write_batch(&spec.output_dir, &batch)?;
+                dir.write_batch(&batch)?;
                 m::job_processed(BatchStatus::Failed, "validation", None);
                 return Ok(Prepared::Finished(Box::new(batch)));
             }
             Err(e) => return Err(e.into()),
         };
-        let manifest = Self::check_manifest(spec, &batch.id, &plan)?;
+        let manifest = dir.tie_to_input(&batch.id, &spec.input, input_record(spec, &plan))?;
         let input = plan.open_input()?;
         let mut model_of_line = vec![0u16; plan.total() as usize];
         for (i, model) in plan.models().iter().enumerate() {
@@ -257,7 +255,7 @@ impl Job {
                 model_of_line[record.line as usize] = i as u16;
             }
         }
-        let sink = JobSink::open(&spec.output_dir, &batch.id, plan.total())?;
+        let sink = dir.open_sink(&batch.id, plan.total())?;
         batch.endpoint = plan.endpoint().map(str::to_owned);
         batch.output_file_id = Some(batch_sink::OUTPUT_FILE.into());
         batch.error_file_id = Some(batch_sink::ERROR_FILE.into());
@@ -265,7 +263,7 @@ impl Job {
         if batch.status == BatchStatus::Validating {
             batch.set_status(BatchStatus::InProgress, now_unix());
         }
-        batch_sink::write_batch(&spec.output_dir, &batch)?;
+        dir.write_batch(&batch)?;
         let progress = watch::Sender::new(JobProgress {
             job_id: batch.id.clone(),
             status: batch.status,
@@ -274,7 +272,7 @@ impl Job {
         });
         Ok(Prepared::Ready(std::sync::Arc::new(Job {
             id: batch.id.clone(),
-            dir: spec.output_dir.clone(),
+            dir,
             plan,
             input,
             batch: Mutex::new(batch),
@@ -290,39 +288,7 @@ impl Job {
             manifest: Mutex::new(manifest),
             inflight: m::Inflight::default(),
             results_held: Default::default(),
-            _lock: lock,
         })))
-    }
-
-    /// The directory's manifest, written at the first run; on a resume, the input must be the
-    /// file the job started with.
-    fn check_manifest(spec: &JobSpec, job_id: &str, plan: &Plan) -> Result<Manifest, ExecError> {
-        let digest = plan.digest();
-        let record = InputRecord {
-            path: std::fs::canonicalize(&spec.input).unwrap_or_else(|_| spec.input.clone()),
-            bytes: digest.bytes,
-            xxh3: format!("{:016x}", digest.xxh3),
-        };
-        match Manifest::read(&spec.output_dir)? {
-            Some(m) if m.input.bytes != record.bytes || m.input.xxh3 != record.xxh3 => {
-                Err(ExecError::InputChanged {
-                    dir: spec.output_dir.clone(),
-                    input: spec.input.clone(),
-                    was: m.input.bytes,
-                    now: record.bytes,
-                })
-            }
-            Some(m) => Ok(m),
-            None => {
-                let m = Manifest {
-                    job_id: job_id.to_owned(),
-                    input: record,
-                    mode: serde_json::Map::new(),
-                };
-                m.write(&spec.output_dir)?;
-                Ok(m)
-            }
-        }
     }
 
     /// The dispatch mode's own record of the job, kept in `job-state.json` across runs;
@@ -350,7 +316,7 @@ impl Job {
             };
             let mut changed = manifest.clone();
             changed.mode.extend(fields);
-            changed.write(&self.dir)?;
+            self.dir.write_manifest(&changed)?;
             *manifest = changed;
         }
         Ok(state)
@@ -368,7 +334,7 @@ impl Job {
     }
 
     fn bad_mode_state(&self, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> ExecError {
-        let path = self.dir.join(crate::MANIFEST_FILE);
+        let path = self.dir.path().join(crate::MANIFEST_FILE);
         ExecError::io(
             &path,
             std::io::Error::new(std::io::ErrorKind::InvalidData, e),
@@ -587,7 +553,7 @@ impl Job {
         let mut batch = self.batch.lock().expect("batch lock");
         batch.set_status(status, now_unix());
         batch.request_counts = counts;
-        batch_sink::write_batch(&self.dir, &batch)?;
+        self.dir.write_batch(&batch)?;
         self.progress.send_modify(|p| {
             p.status = status;
             p.counts = counts;
@@ -611,12 +577,22 @@ impl Job {
 
     /// The job's directory (its result files, `batch.json`, `job-state.json`).
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.dir.path()
     }
 
     /// Flushes and syncs the result files.
     pub(crate) fn sync_files(&self) -> Result<(), ExecError> {
         Ok(self.sink.lock().expect("sink lock").sync()?)
+    }
+}
+
+/// What the manifest records of the input of `spec`, as planned.
+fn input_record(spec: &JobSpec, plan: &Plan) -> InputRecord {
+    let digest = plan.digest();
+    InputRecord {
+        path: std::fs::canonicalize(&spec.input).unwrap_or_else(|_| spec.input.clone()),
+        bytes: digest.bytes,
+        xxh3: format!("{:016x}", digest.xxh3),
     }
 }
 

@@ -270,8 +270,8 @@ impl Executor {
     /// Cancels a job that is not running (`processor cancel`): withdraws its pending requests,
     /// gives every line without a result `batch_cancelled`, and ends it `cancelled`.
     pub async fn cancel_stopped(&self, dir: &Path) -> Result<Batch, ExecError> {
-        let manifest = dir::Manifest::read(dir)?;
-        let batch = batch_sink::read_batch(dir)?.ok_or_else(|| ExecError::NoJob(dir.to_owned()))?;
+        let manifest = dir::JobDir::manifest_at(dir)?;
+        let batch = dir::JobDir::batch_at(dir)?.ok_or_else(|| ExecError::NoJob(dir.to_owned()))?;
         if batch.status.is_terminal() {
             return Ok(batch);
         }

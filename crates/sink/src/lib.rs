@@ -1,4 +1,5 @@
-//! A batch job's result files: `output.jsonl`, `error.jsonl` and `batch.json`.
+//! A batch job's result files: `output.jsonl` and `error.jsonl` (the job directory around them,
+//! its `batch.json` included, is the executor's).
 //!
 //! [`JobSink`] writes exactly one line per request index, whatever arrives twice, maps each
 //! [`Outcome`] to its file as the original processor does (an HTTP answer goes to
@@ -39,7 +40,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use batch_wire::{error_codes, parse_request_id, Batch, Outcome, RequestCounts, Usage};
+use batch_wire::{error_codes, parse_request_id, Outcome, RequestCounts, Usage};
 use serde::Deserialize;
 
 pub use done::DoneSet;
@@ -511,41 +512,5 @@ impl Resumed<'_> {
                 self.totals.error_line(code);
             }
         }
-    }
-}
-
-/// Writes `batch.json` into `dir` atomically (a temporary file renamed over the old one).
-pub fn write_batch(dir: &Path, batch: &Batch) -> Result<(), SinkError> {
-    write_json_atomically(dir, BATCH_FILE, batch).map_err(io(&dir.join(BATCH_FILE)))
-}
-
-/// Writes `value` as pretty JSON into `dir/name` so that a reader (or a crash) sees the old file
-/// or the new one whole: a temporary file beside it, synced, then renamed over it.
-pub fn write_json_atomically<T: serde::Serialize>(
-    dir: &Path,
-    name: &str,
-    value: &T,
-) -> std::io::Result<()> {
-    let tmp = dir.join(format!(".{name}.tmp"));
-    let mut json = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
-    json.push(b'\n');
-    let mut f = File::create(&tmp)?;
-    f.write_all(&json)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(name))
-}
-
-/// Reads `batch.json` from `dir`, `None` when there is none.
-pub fn read_batch(dir: &Path) -> Result<Option<Batch>, SinkError> {
-    let path = dir.join(BATCH_FILE);
-    match std::fs::read(&path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| SinkError::Io {
-                path,
-                error: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-            }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(error) => Err(SinkError::Io { path, error }),
     }
 }

@@ -2,9 +2,9 @@
 
 use std::io::Write;
 
-use batch_sink::{read_batch, write_batch, JobSink, SinkError, Written, ERROR_FILE, OUTPUT_FILE};
+use batch_sink::{JobSink, SinkError, Written, ERROR_FILE, OUTPUT_FILE};
 use batch_testkit::tempdir;
-use batch_wire::{Batch, BatchStatus, Outcome};
+use batch_wire::Outcome;
 
 const OK: Outcome<'static> = Outcome::Http {
     status: 200,
@@ -103,22 +103,6 @@ fn refuses_files_of_another_job() {
     }
     let err = JobSink::open(dir.path(), "job-b", 2).unwrap_err();
     assert!(matches!(err, SinkError::Foreign { line: 1, .. }), "{err}");
-}
-
-#[test]
-fn batch_json_is_replaced_atomically() {
-    let dir = tempdir().unwrap();
-    assert!(read_batch(dir.path()).unwrap().is_none());
-    let mut batch = Batch::new("job", "in.jsonl", "24h", 1, 86401);
-    write_batch(dir.path(), &batch).unwrap();
-    batch.set_status(BatchStatus::Completed, 5);
-    write_batch(dir.path(), &batch).unwrap();
-    assert_eq!(read_batch(dir.path()).unwrap().unwrap(), batch);
-    let names: Vec<_> = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    assert_eq!(names, ["batch.json"], "no temporary file left");
 }
 
 /// Outcomes of every kind the totals tell apart.

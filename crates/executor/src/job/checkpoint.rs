@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use super::Job;
+use crate::dir::JobDir;
 use crate::ExecError;
 
 /// A cut of a running job's files (see [`Job::checkpoint`]); [`restore_checkpoint`] writes
@@ -22,17 +23,7 @@ pub struct Checkpoint {
 /// Writes a checkpoint's `batch.json` and `job-state.json` into `dir`, which then resumes like
 /// the directory the checkpoint was taken from (its result files are the caller's to put back).
 pub fn restore_checkpoint(dir: &Path, batch: &[u8], manifest: &[u8]) -> Result<(), ExecError> {
-    std::fs::create_dir_all(dir).map_err(|e| ExecError::io(dir, e))?;
-    for (name, bytes) in [
-        (batch_sink::BATCH_FILE, batch),
-        (crate::dir::MANIFEST_FILE, manifest),
-    ] {
-        let path = dir.join(name);
-        let tmp = dir.join(format!(".{name}.restore"));
-        std::fs::write(&tmp, bytes).map_err(|e| ExecError::io(&tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| ExecError::io(&path, e))?;
-    }
-    Ok(())
+    JobDir::restore(dir, batch, manifest)
 }
 
 impl Job {
@@ -46,9 +37,7 @@ impl Job {
         };
         let batch = serde_json::to_vec(&*self.batch.lock().expect("batch lock"))
             .expect("a batch serializes");
-        let manifest_path = self.dir.join(crate::dir::MANIFEST_FILE);
-        let manifest =
-            std::fs::read(&manifest_path).map_err(|e| ExecError::io(&manifest_path, e))?;
+        let manifest = self.dir.manifest_bytes()?;
         Ok(Checkpoint {
             output_len,
             error_len,
@@ -64,11 +53,8 @@ impl Job {
         let (output_len, error_len) = self.sink.lock().expect("sink lock").committed_lengths();
         let len = match file {
             batch_sink::OUTPUT_FILE => output_len,
-            batch_sink::ERROR_FILE => error_len,
-            _ => return Ok(None),
+            _ => error_len,
         };
-        let path = self.dir.join(file);
-        let opened = std::fs::File::open(&path).map_err(|e| ExecError::io(&path, e))?;
-        Ok(Some((opened, len)))
+        Ok(self.dir.open_result(file)?.map(|opened| (opened, len)))
     }
 }
