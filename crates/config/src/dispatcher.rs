@@ -51,8 +51,10 @@ pub const DISPATCHER_BATCH_SIZE: u64 = 10;
 /// what is wrong with them.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GateSizing {
-    /// Every queue's gate.
+    /// The configured gate, or the default of the pools without `metrics_urls`.
     pub gate_type: String,
+    /// Pool → its model servers' metrics pages (`metrics_urls`).
+    pub metrics_urls: BTreeMap<String, Vec<String>>,
     /// The gate's `max_concurrency` per pod.
     pub max_concurrency: usize,
     /// The gate's `baseline`.
@@ -71,29 +73,71 @@ pub struct GateSizing {
 }
 
 impl GateSizing {
-    /// Whether the gate reads Prometheus (the dispatcher then needs `--prometheus-url`).
-    pub fn reads_prometheus(&self) -> bool {
-        self.gate_type.starts_with("prometheus")
+    /// The gate of `pool`: `endpoint-scrape` (`composite` over several pods) when its metrics
+    /// pages are known and no other gate is configured, else the configured one, else
+    /// `prometheus-budget`.
+    fn gate_type_of(&self, pool: &str) -> &str {
+        match self.metrics_urls.get(pool).map(Vec::len) {
+            _ if self.gate_type != ENDPOINT_SCRAPE => &self.gate_type,
+            Some(0) | None => DISPATCHER_GATE_TYPE,
+            Some(1) => ENDPOINT_SCRAPE,
+            Some(_) => "composite",
+        }
     }
 
-    /// The gate's parameters for `pool` with `pods` ready pods, all strings as the dispatcher
-    /// takes them.
-    fn params(&self, pool: &str, pods: usize) -> BTreeMap<String, String> {
-        let mut params = BTreeMap::new();
-        if self.gate_type == "local-max-concurrency" {
-            let limit = per_pod_cap(self.max_concurrency, self.baseline) * pods;
-            params.insert("limit".to_owned(), limit.to_string());
-            return params;
-        }
-        params.insert("pool".to_owned(), pool.to_owned());
-        params.insert(
-            "max_concurrency".to_owned(),
-            self.max_concurrency.to_string(),
-        );
-        params.insert("baseline".to_owned(), format!("{}", self.baseline));
-        params
+    /// The gate type and parameters of `pool` with `pods` ready pods, all strings as the
+    /// dispatcher takes them.
+    fn gate(&self, pool: &str, pods: usize) -> (String, BTreeMap<String, String>) {
+        let strings = |pairs: &[(&str, String)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                .collect()
+        };
+        let kind = self.gate_type_of(pool).to_owned();
+        let params = match kind.as_str() {
+            "local-max-concurrency" => strings(&[(
+                "limit",
+                (per_pod_cap(self.max_concurrency, self.baseline) * pods).to_string(),
+            )]),
+            ENDPOINT_SCRAPE | "composite" => {
+                let urls = self.metrics_urls.get(pool).cloned().unwrap_or_default();
+                let pod = |url: &str| {
+                    strings(&[
+                        ("url", url.to_owned()),
+                        ("metric", RUNNING_METRIC.to_owned()),
+                        ("max_count_per_pod", self.max_concurrency.to_string()),
+                        ("baseline", format!("{}", self.baseline)),
+                    ])
+                };
+                match urls.as_slice() {
+                    [one] => pod(one),
+                    several => {
+                        let gates: Vec<serde_json::Value> = several
+                            .iter()
+                            .map(|url| {
+                                serde_json::json!({"gate_type": ENDPOINT_SCRAPE, "gate_params": pod(url)})
+                            })
+                            .collect();
+                        strings(&[("gates", serde_json::Value::from(gates).to_string())])
+                    }
+                }
+            }
+            _ => strings(&[
+                ("pool", pool.to_owned()),
+                ("max_concurrency", self.max_concurrency.to_string()),
+                ("baseline", format!("{}", self.baseline)),
+            ]),
+        };
+        (kind, params)
     }
 }
+
+/// The gate that reads a model server's metrics page itself.
+pub const ENDPOINT_SCRAPE: &str = "endpoint-scrape";
+
+/// vLLM's gauge of the requests a server runs now: what every load-reading gate counts.
+pub const RUNNING_METRIC: &str = "vllm:num_requests_running";
 
 /// Requests a pod may run before a gate of `max_concurrency` and `baseline` closes, at least 1.
 fn per_pod_cap(max_concurrency: usize, baseline: f64) -> usize {
@@ -101,7 +145,8 @@ fn per_pod_cap(max_concurrency: usize, baseline: f64) -> usize {
 }
 
 impl DispatcherSettings {
-    /// These settings with every default derived, for `pools` pools of [`Self::pods`] pods.
+    /// These settings with every default derived, for the pools named `pools`, each of
+    /// [`Self::pods`] pods.
     ///
     /// - `max_concurrency`: `max_num_seqs`, else the dispatcher's 100;
     /// - `baseline`: `headroom`, so the gate closes once `(1 − headroom)` of a pod's slots run;
@@ -110,7 +155,18 @@ impl DispatcherSettings {
     /// - `concurrency`: the pools' `pods × max_concurrency × (1 − baseline)`, summed, when sized:
     ///   the batch then cannot take more than its share even while the gate acts on an old
     ///   reading; else the dispatcher's 64.
-    pub fn sizing(&self, pools: usize) -> GateSizing {
+    pub fn sizing(&self, pools: &[String]) -> GateSizing {
+        let gate_type = match &self.gate_type {
+            Some(kind) => kind.clone(),
+            None if !self.metrics_urls.is_empty() => ENDPOINT_SCRAPE.to_owned(),
+            None => DISPATCHER_GATE_TYPE.to_owned(),
+        };
+        let reads_pods = self.gate_type.is_none() && !self.metrics_urls.is_empty();
+        let cache_ttl = self.prometheus_cache_ttl.unwrap_or(if reads_pods {
+            self.poll_interval
+        } else {
+            std::time::Duration::from_secs(1)
+        });
         let sized = self.max_concurrency.or(self.max_num_seqs);
         let max_concurrency = sized.unwrap_or(DISPATCHER_MAX_CONCURRENCY);
         let baseline = self.baseline.unwrap_or(self.headroom);
@@ -124,26 +180,27 @@ impl DispatcherSettings {
             (m, _) => m,
         };
         let concurrency = self.concurrency.unwrap_or_else(|| match runnable {
-            Some(m) => per_pod_cap(m, baseline) * self.pods * pools.max(1),
+            Some(m) => per_pod_cap(m, baseline) * self.pods * pools.len().max(1),
             None => DISPATCHER_CONCURRENCY,
         });
         let mut sizing = GateSizing {
-            gate_type: self.gate_type.clone(),
+            gate_type,
+            metrics_urls: self.metrics_urls.clone(),
             max_concurrency,
             baseline,
             poll_interval_ms: self.poll_interval.as_millis().max(1) as u64,
             batch_size,
             concurrency,
-            prometheus_cache_ttl: humantime::format_duration(self.prometheus_cache_ttl)
+            prometheus_cache_ttl: humantime::format_duration(cache_ttl)
                 .to_string()
                 .replace(' ', ""),
             warnings: Vec::new(),
         };
-        sizing.warnings = self.warnings(&sizing);
+        sizing.warnings = self.warnings(&sizing, pools);
         sizing
     }
 
-    fn warnings(&self, s: &GateSizing) -> Vec<String> {
+    fn warnings(&self, s: &GateSizing, pools: &[String]) -> Vec<String> {
         let mut out = Vec::new();
         let closes_at = max_concurrency_closes_at(s.max_concurrency, s.baseline);
         if !DISPATCHER_GATE_TYPES.contains(&s.gate_type.as_str()) {
@@ -154,17 +211,29 @@ impl DispatcherSettings {
             ));
         } else if !matches!(
             s.gate_type.as_str(),
-            "prometheus-budget" | "local-max-concurrency"
+            "prometheus-budget" | "local-max-concurrency" | ENDPOINT_SCRAPE
         ) {
             out.push(format!(
                 "gate_type {}: its gate_params are printed as for prometheus-budget (pool, max_concurrency, baseline); write the ones it takes by hand",
                 s.gate_type
             ));
         }
-        if s.gate_type == "prometheus-budget" {
+        if s.gate_type == ENDPOINT_SCRAPE {
+            for pool in pools.iter().filter(|p| !s.metrics_urls.contains_key(*p)) {
+                out.push(format!(
+                    "pool {pool} has no metrics_urls, so its gate reads Prometheus (prometheus-budget); name its model servers' /metrics pages in async_dispatch.dispatcher.metrics_urls.{pool} for a gate that reads them itself"
+                ));
+            }
+        }
+        for pool in s.metrics_urls.keys().filter(|p| !pools.contains(p)) {
+            out.push(format!(
+                "metrics_urls names pool {pool}, which no model has as its inference_pool_name"
+            ));
+        }
+        if matches!(s.gate_type.as_str(), "prometheus-budget" | ENDPOINT_SCRAPE) {
             match self.max_num_seqs {
                 None => out.push(format!(
-                    "async_dispatch.dispatcher.max_num_seqs is not set: the prometheus-budget gate counts requests running, which never exceed the model servers' --max-num-seqs, and with max_concurrency {} it closes only once {closes_at:.0} run on a pod; set max_num_seqs to the servers' value",
+                    "async_dispatch.dispatcher.max_num_seqs is not set: the gate counts requests running, which never exceed the model servers' --max-num-seqs, and with max_concurrency {} it closes only once {closes_at:.0} run on a pod; set max_num_seqs to the servers' value",
                     s.max_concurrency
                 )),
                 Some(seqs) if closes_at >= seqs as f64 => out.push(format!(
@@ -173,7 +242,10 @@ impl DispatcherSettings {
                 Some(_) => {}
             }
         }
-        if s.reads_prometheus() && self.prometheus_cache_ttl > std::time::Duration::from_secs(5) {
+        if self
+            .prometheus_cache_ttl
+            .is_some_and(|ttl| ttl > std::time::Duration::from_secs(5))
+        {
             out.push(format!(
                 "prometheus_cache_ttl {}: the gate acts on load readings this old, long after the online traffic they show has changed",
                 s.prometheus_cache_ttl
@@ -280,6 +352,16 @@ impl DispatcherQueues {
             .any(|q| q.gate_type.starts_with("prometheus"))
     }
 
+    /// Whether some queue's gate reads the pool's load (through Prometheus or from the pods),
+    /// so that `--prometheus-cache-ttl`, which both go through, matters.
+    pub fn reads_load(&self) -> bool {
+        self.needs_prometheus()
+            || self
+                .queues_config
+                .iter()
+                .any(|q| matches!(q.gate_type.as_str(), ENDPOINT_SCRAPE | "composite"))
+    }
+
     /// What the Prometheus behind `--prometheus-url` must hold for the gates to read the pools'
     /// load, as comment lines (empty when no gate reads Prometheus).
     pub fn prometheus_requirements(&self) -> Vec<String> {
@@ -348,8 +430,11 @@ impl DispatcherQueues {
     fn push_pacing(&self, line: &mut String) {
         line.push_str(&format!(" --concurrency {}", self.sizing.concurrency));
         if self.needs_prometheus() {
+            line.push_str(" --prometheus-url \"$PROMETHEUS_URL\"");
+        }
+        if self.reads_load() {
             line.push_str(&format!(
-                " --prometheus-url \"$PROMETHEUS_URL\" --prometheus-cache-ttl {}",
+                " --prometheus-cache-ttl {}",
                 self.sizing.prometheus_cache_ttl
             ));
         }
@@ -403,7 +488,8 @@ impl ProcessorConfig {
     pub fn dispatcher_queues(&self) -> Result<DispatcherQueues, NameError> {
         let names = self.try_queue_names()?;
         let settings = &self.async_dispatch.dispatcher;
-        let sizing = settings.sizing(self.pools().len());
+        let pool_names: Vec<String> = self.pools().into_keys().collect();
+        let sizing = settings.sizing(&pool_names);
         let mut pools = Vec::new();
         let mut queues_config = Vec::new();
         for (pool, models) in self.pools() {
@@ -413,12 +499,13 @@ impl ProcessorConfig {
                 .find_map(|model| self.model_gateways.get(model)?.url.as_deref())
                 .map_or(PLACEHOLDER_GATEWAY_URL, |url| url.trim_end_matches('/'))
                 .to_owned();
+            let (gate_type, gate_params) = sizing.gate(&pool, settings.pods);
             queues_config.push(DispatcherQueueEntry {
                 queue_name: request_queue_name.clone(),
                 igw_base_url,
                 request_path_url: DISPATCHER_REQUEST_PATH.to_owned(),
-                gate_type: sizing.gate_type.clone(),
-                gate_params: sizing.params(&pool, settings.pods),
+                gate_type,
+                gate_params,
             });
             pools.push(PoolQueues {
                 result_queue_name: names.result_queue_name(&pool)?,

@@ -60,6 +60,7 @@ const DISPATCHER_KEYS: &[&str] = &[
     "batch_size",
     "concurrency",
     "prometheus_cache_ttl",
+    "metrics_urls",
 ];
 const MODEL_KEYS: &[&str] = &[
     "url",
@@ -344,8 +345,23 @@ fn dispatcher_settings(c: &mut Collector<'_>, parent: &Table<'_>) -> DispatcherS
             format!("must be in [0, 1) (at 1 the gate never opens), got {b}"),
         );
     }
+    let metrics = c.table(&t, "metrics_urls", &[]);
+    let mut metrics_urls = std::collections::BTreeMap::new();
+    for (pool, _) in metrics.entries() {
+        if let Err(problem) = validate_part("pool name", pool) {
+            c.at(&metrics, pool, problem);
+            continue;
+        }
+        let urls = c.strings(&metrics, pool);
+        for (i, url) in urls.iter().enumerate() {
+            if let Err(problem) = check_http_url(url) {
+                c.at(&metrics, pool, format!("[{i}] {url:?}: {problem}"));
+            }
+        }
+        metrics_urls.insert(pool.clone(), urls);
+    }
     DispatcherSettings {
-        gate_type: c.text(&t, "gate_type").unwrap_or(d.gate_type),
+        gate_type: c.text(&t, "gate_type").or(d.gate_type),
         max_num_seqs,
         pods: c.bounded_count(&t, "pods", d.pods, 1, 100_000),
         headroom,
@@ -359,7 +375,10 @@ fn dispatcher_settings(c: &mut Collector<'_>, parent: &Table<'_>) -> DispatcherS
         ),
         batch_size,
         concurrency,
-        prometheus_cache_ttl: c.duration(&t, "prometheus_cache_ttl", d.prometheus_cache_ttl),
+        prometheus_cache_ttl: t
+            .get("prometheus_cache_ttl")
+            .map(|_| c.duration(&t, "prometheus_cache_ttl", std::time::Duration::ZERO)),
+        metrics_urls,
     }
 }
 

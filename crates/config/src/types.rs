@@ -88,6 +88,17 @@ fn ser_duration<S: Serializer>(value: &Duration, serializer: S) -> Result<S::Ok,
     serializer.collect_str(&humantime::format_duration(*value))
 }
 
+/// An optional duration, printed as [`ser_duration`] prints one.
+fn ser_opt_duration<S: Serializer>(
+    value: &Option<Duration>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match value {
+        Some(d) => ser_duration(d, serializer),
+        None => serializer.serialize_none(),
+    }
+}
+
 /// The whole processor configuration, as resolved by [`ProcessorConfig::load`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProcessorConfig {
@@ -157,8 +168,9 @@ pub struct AsyncDispatchConfig {
 /// [`crate::GateSizing`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DispatcherSettings {
-    /// The gate of every queue (default `prometheus-budget`).
-    pub gate_type: String,
+    /// The gate of every queue (default `endpoint-scrape` for the pools with `metrics_urls`,
+    /// else `prometheus-budget`).
+    pub gate_type: Option<String>,
     /// The model servers' `--max-num-seqs`: the most requests a pod runs at once. The
     /// `prometheus-budget` gate counts requests running, which never exceed it, so a
     /// `max_concurrency` above it can never close the gate.
@@ -180,16 +192,21 @@ pub struct DispatcherSettings {
     /// The dispatcher's workers, `--concurrency`: the most batch requests in flight at once
     /// (default: each pool's `pods × max_num_seqs × (1 − headroom)`, summed; else 64).
     pub concurrency: Option<usize>,
-    /// The dispatcher's `--prometheus-cache-ttl` (default 1s; the dispatcher's own is 5s): how
-    /// old a load reading the gate may act on.
-    #[serde(serialize_with = "ser_duration")]
-    pub prometheus_cache_ttl: Duration,
+    /// The dispatcher's `--prometheus-cache-ttl`: how old a load reading the gate may act on
+    /// (default 1s for a gate that reads Prometheus, whose readings are as old as its scrape
+    /// anyway; `poll_interval` for one that reads the pods; the dispatcher's own is 5s).
+    #[serde(serialize_with = "ser_opt_duration")]
+    pub prometheus_cache_ttl: Option<Duration>,
+    /// Pool → its model servers' `/metrics` pages. With them the default gate reads the pods
+    /// directly (`endpoint-scrape`, one per pod, `composite` over several), fresh at every poll,
+    /// instead of through Prometheus.
+    pub metrics_urls: BTreeMap<String, Vec<String>>,
 }
 
 impl Default for DispatcherSettings {
     fn default() -> Self {
         Self {
-            gate_type: crate::DISPATCHER_GATE_TYPE.to_owned(),
+            gate_type: None,
             max_num_seqs: None,
             pods: 1,
             headroom: 0.25,
@@ -198,7 +215,8 @@ impl Default for DispatcherSettings {
             poll_interval: Duration::from_millis(200),
             batch_size: None,
             concurrency: None,
-            prometheus_cache_ttl: Duration::from_secs(1),
+            prometheus_cache_ttl: None,
+            metrics_urls: BTreeMap::new(),
         }
     }
 }

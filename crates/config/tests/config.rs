@@ -936,11 +936,61 @@ fn the_dispatchers_gate_is_sized_from_the_pool() {
     );
     assert!(!q.needs_prometheus());
 
+    // With the pods' pages known, each pool's gate reads them itself: endpoint-scrape for one
+    // pod, composite over several; no Prometheus, and readings as fresh as the poll.
+    let q = load(
+        "    max_num_seqs: 16\n    metrics_urls:\n      pool-a: [\"http://a0:8000/metrics\"]\n      pool-b: [\"http://b0:8000/metrics\", \"http://b1:8000/metrics\"]\n",
+    )
+    .unwrap()
+    .dispatcher_queues()
+    .unwrap();
+    assert!(!q.needs_prometheus() && q.reads_load());
+    assert!(q.sizing.warnings.is_empty(), "{:?}", q.sizing.warnings);
+    assert_eq!(q.sizing.prometheus_cache_ttl, "200ms");
+    let a = &q.queues_config[0];
+    assert_eq!(a.gate_type, "endpoint-scrape");
+    assert_eq!(a.gate_params["url"], "http://a0:8000/metrics");
+    assert_eq!(a.gate_params["metric"], "vllm:num_requests_running");
+    assert_eq!(a.gate_params["max_count_per_pod"], "16");
+    assert_eq!(a.gate_params["baseline"], "0.25");
+    let b = &q.queues_config[1];
+    assert_eq!(b.gate_type, "composite");
+    let gates: serde_json::Value = serde_json::from_str(&b.gate_params["gates"]).unwrap();
+    assert_eq!(gates.as_array().unwrap().len(), 2);
+    assert_eq!(gates[1]["gate_type"], "endpoint-scrape");
+    assert_eq!(gates[1]["gate_params"]["url"], "http://b1:8000/metrics");
+    let v10 = q.command_v0_10("t.json");
+    assert!(!v10.contains("--prometheus-url"), "{v10}");
+    assert!(v10.contains("--prometheus-cache-ttl 200ms"), "{v10}");
+    // A pool left out of metrics_urls keeps the Prometheus gate, said.
+    let q = load("    metrics_urls:\n      pool-a: [\"http://a0:8000/metrics\"]\n")
+        .unwrap()
+        .dispatcher_queues()
+        .unwrap();
+    assert_eq!(q.queues_config[1].gate_type, "prometheus-budget");
+    assert!(q.needs_prometheus());
+    assert!(
+        q.sizing
+            .warnings
+            .iter()
+            .any(|w| w.contains("pool pool-b has no metrics_urls")),
+        "{:?}",
+        q.sizing.warnings
+    );
+
     // Bad values are named with their field.
-    let err = load("    headroom: 1.5\n    pods: 0\n    baseline: 1\n    gate: x\n")
-        .unwrap_err()
-        .to_string();
-    for field in ["headroom", "pods", "baseline", "gate"] {
+    let err = load(
+        "    headroom: 1.5\n    pods: 0\n    baseline: 1\n    gate: x\n    metrics_urls:\n      pool-a: [\"ftp://x\"]\n",
+    )
+    .unwrap_err()
+    .to_string();
+    for field in [
+        "headroom",
+        "pods",
+        "baseline",
+        "gate",
+        "metrics_urls.pool-a",
+    ] {
         assert!(
             err.contains(&format!("async_dispatch.dispatcher.{field}")),
             "{field}: {err}"

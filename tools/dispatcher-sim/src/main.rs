@@ -94,6 +94,10 @@ struct GatewayModel {
     /// Extra latency of a request whose prompt prefix is not cached.
     #[arg(long = "prefix-miss-latency", value_parser = duration, default_value = "0s")]
     prefix_miss_latency: Duration,
+    /// vLLM mode: this many requests run at once, the rest wait in arrival order, and
+    /// `/metrics` shows `vllm:num_requests_running` and `vllm:num_requests_waiting`.
+    #[arg(long = "max-num-seqs", conflicts_with_all = ["capacity", "queue_limit", "batching"])]
+    max_num_seqs: Option<usize>,
 }
 
 impl GatewayModel {
@@ -113,6 +117,7 @@ impl GatewayModel {
             seed: self.seed,
             prefix_cache_size: self.prefix_cache_size,
             prefix_miss_latency: self.prefix_miss_latency,
+            max_num_seqs: self.max_num_seqs,
             ..GatewayConfig::default()
         }
     }

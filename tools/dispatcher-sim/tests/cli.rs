@@ -635,3 +635,57 @@ fn the_configuration_processor_queues_prints_starts_the_simulator() {
         assert!(status.success(), "{status:?}; stderr:\n{}", sim.stderr());
     }
 }
+
+/// With the pods' metrics pages in the config, `processor queues` prints gates that read them
+/// itself (`endpoint-scrape`) and no `--prometheus-url`: the simulator starts from exactly that
+/// (a gateway in vLLM mode standing in for the model server) and carries a request.
+#[test]
+fn the_endpoint_scrape_configuration_processor_queues_prints_starts_the_simulator() {
+    let redis = RedisServer::start();
+    let dir = tempdir().unwrap();
+    let gateway = Sim::spawn(&["gateway", "--listen", "127.0.0.1:0", "--max-num-seqs", "4"]);
+    let gateway_url = gateway.url(&gateway.listening(), "gateway");
+    let url_file = dir.path().join("redis-url");
+    std::fs::write(&url_file, redis.url()).unwrap();
+    let yaml = dir.path().join("async.yaml");
+    std::fs::write(
+        &yaml,
+        format!(
+            "dispatch_mode: async\nredis_url_file: {}\nmodel_gateways:\n  m:\n    url: {gateway_url}\n    inference_pool_name: pool-a\nasync_dispatch:\n  dispatcher:\n    max_num_seqs: 4\n    metrics_urls:\n      pool-a: [{gateway_url}/metrics]\n",
+            url_file.display()
+        ),
+    )
+    .unwrap();
+    let config = batch_config::ProcessorConfig::load(&yaml).unwrap();
+    let queues = config.dispatcher_queues().unwrap();
+    assert_eq!(queues.queues_config[0].gate_type, "endpoint-scrape");
+    std::fs::write(dir.path().join("queues.json"), queues.queues_config_json()).unwrap();
+    let printed = queues.command_v0_9("queues.json");
+    assert!(!printed.contains("--prometheus-url"), "{printed}");
+    let line = printed.strip_prefix("llm-d-async ").unwrap();
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(format!("exec {BIN} {line}"))
+        .current_dir(dir.path())
+        .env("REDIS_URL", redis.url());
+    let mut sim = Sim::spawn_command(command);
+    sim.listening();
+    let deadline = now() + 600;
+    let chat = r#"{"messages":[{"content":"hi","role":"user"}],"model":"m"}"#;
+    enqueue(
+        &redis,
+        "llm-d-async:requests:pool-a",
+        &envelope("scraped", deadline, chat, "results-here"),
+        deadline,
+    );
+    let got = pop_results(&redis, "results-here", 1);
+    assert_eq!(
+        (got[0].id.as_str(), got[0].status_code),
+        ("scraped", Some(200)),
+        "{printed}"
+    );
+    sim.terminate();
+    let status = sim.wait(Duration::from_secs(15));
+    assert!(status.success(), "{status:?}; stderr:\n{}", sim.stderr());
+}

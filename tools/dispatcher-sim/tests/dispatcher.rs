@@ -894,6 +894,70 @@ async fn the_prometheus_budget_gate_counts_running_requests_not_waiting_ones() {
     );
 }
 
+/// The `endpoint-scrape` gate reads a model server's page itself: with `max_count_per_pod` 4 on
+/// `vllm:num_requests_running` it holds the batch at 4 running, alone or inside a `composite`
+/// (the least budget of its gates), as `processor queues` prints it for a pool whose pages are
+/// known.
+#[tokio::test]
+async fn an_endpoint_scrape_gate_holds_the_batch_at_the_servers_slots() {
+    for composite in [false, true] {
+        let redis = RedisServer::start();
+        let client = common::redis_client(&redis.url()).await;
+        let gw = gateway(GatewayConfig {
+            latency_fixed: Duration::from_millis(400),
+            max_num_seqs: Some(8),
+            ..GatewayConfig::default()
+        })
+        .await;
+        for i in 0..12 {
+            let id = format!("p{i}");
+            enqueue(
+                &client,
+                QUEUE,
+                &id,
+                now() + 600,
+                &chat(&id),
+                &internal_to(RESULTS),
+            )
+            .await;
+        }
+        let params: BTreeMap<String, String> = [
+            ("url", format!("{}/metrics", gw.base_url())),
+            ("metric", "vllm:num_requests_running".to_owned()),
+            ("max_count_per_pod", "4".to_owned()),
+            ("baseline", "0".to_owned()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        let (gate_type, gate_params) = if composite {
+            let one = serde_json::json!({"gate_type": "endpoint-scrape", "gate_params": params});
+            let gates = serde_json::json!([one, {"gate_type": "constant"}]).to_string();
+            ("composite", [("gates".to_owned(), gates)].into())
+        } else {
+            ("endpoint-scrape", params)
+        };
+        let e = QueueEntry {
+            gate_type: Some(gate_type.into()),
+            gate_params,
+            ..QueueEntry::new(QUEUE)
+        };
+        let mut config = fast(&redis.url(), vec![e]);
+        config.batch_size = 4;
+        config.prometheus_cache_ttl = Duration::ZERO;
+        let d = Dispatcher::start(config, Some(&gw)).await.unwrap();
+        results(&client, RESULTS, 12, WAIT).await;
+        let s = gw.stats();
+        assert_eq!(s.responses(200), 12);
+        assert!(
+            s.max_in_flight_seen <= 5,
+            "{gate_type}: budget 0 at 4 running, saw {}",
+            s.max_in_flight_seen
+        );
+        d.shutdown().await;
+    }
+}
+
 /// The real gate reuses a reading for `--prometheus-cache-ttl`: while it does, every poll
 /// releases on the load it saw first, so a gate that would hold 4 lets a burst through.
 #[tokio::test]

@@ -128,7 +128,13 @@ fn human(queues: &DispatcherQueues) -> String {
 fn sizing(queues: &DispatcherQueues) -> String {
     let s = &queues.sizing;
     let mut out = String::from("# gate and pacing (async_dispatch.dispatcher in the config):\n");
-    let _ = writeln!(out, "#   gate_type:            {}", s.gate_type);
+    let gates: std::collections::BTreeSet<&str> = queues
+        .queues_config
+        .iter()
+        .map(|q| q.gate_type.as_str())
+        .collect();
+    let gates: Vec<&str> = gates.into_iter().collect();
+    let _ = writeln!(out, "#   gate_type:            {}", gates.join(", "));
     let _ = writeln!(
         out,
         "#   max_concurrency:      {} per pod, baseline {}: the gate closes once {:.0} requests run on a pod",
@@ -147,7 +153,7 @@ fn sizing(queues: &DispatcherQueues) -> String {
         "#   workers:              {} (--concurrency): the most batch requests in flight at once",
         s.concurrency
     );
-    if s.reads_prometheus() {
+    if queues.reads_load() {
         let _ = writeln!(
             out,
             "#   load readings:        at most {} old (--prometheus-cache-ttl)",

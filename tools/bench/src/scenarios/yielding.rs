@@ -72,8 +72,9 @@ struct Case {
     /// Async mode: the dispatcher (simulator) runs with what `processor queues` prints for
     /// `async_dispatch.dispatcher` with `max_num_seqs` the server's and `headroom` this one.
     dispatcher_headroom: Option<f64>,
-    /// Async mode: `prometheus_cache_ttl` in milliseconds, when not the printed default.
-    dispatcher_cache_ms: Option<u64>,
+    /// Async mode: the config names the server's metrics page (`metrics_urls`), so the printed
+    /// gate reads it itself (`endpoint-scrape`) instead of through Prometheus.
+    dispatcher_pages: bool,
     /// `load.headroom`, or no `load` section.
     headroom: Option<f64>,
     /// The server schedules by priority and the batch sends [`BATCH_PRIORITY`].
@@ -90,11 +91,9 @@ impl Case {
             .interval_ms
             .map_or(String::new(), |ms| format!(", every {ms} ms"));
         if let Some(h) = self.dispatcher_headroom {
-            return match self.dispatcher_cache_ms {
-                None => format!("async, the printed dispatcher config (headroom {h})"),
-                Some(ms) => {
-                    format!("async, printed config (headroom {h}), load read every {ms} ms")
-                }
+            return match self.dispatcher_pages {
+                false => format!("async, printed config, Prometheus gate (headroom {h})"),
+                true => format!("async, printed config, gate reading the pod (headroom {h})"),
             };
         }
         match (self.headroom, self.priority) {
@@ -110,7 +109,7 @@ impl Case {
     const fn load(headroom: f64, interval_ms: Option<u64>) -> Self {
         Case {
             dispatcher_headroom: None,
-            dispatcher_cache_ms: None,
+            dispatcher_pages: false,
             headroom: Some(headroom),
             priority: false,
             targeted: false,
@@ -128,7 +127,7 @@ impl Case {
     }
 }
 
-const CASES: [Case; 10] = [
+const CASES: [Case; 11] = [
     Case {
         headroom: None,
         ..Case::load(0.0, None)
@@ -149,11 +148,18 @@ const CASES: [Case; 10] = [
         ..Case::dispatcher(0.25)
     },
     Case::dispatcher(0.4),
-    Case::dispatcher(0.1),
-    // A gate that reads the pods at every poll (the poll interval, 200 ms, is then its age).
     Case {
-        dispatcher_cache_ms: Some(0),
+        targeted: true,
+        dispatcher_pages: true,
         ..Case::dispatcher(0.25)
+    },
+    Case {
+        dispatcher_pages: true,
+        ..Case::dispatcher(0.15)
+    },
+    Case {
+        dispatcher_pages: true,
+        ..Case::dispatcher(0.4)
     },
 ];
 
@@ -194,7 +200,10 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         Duration::from_secs(20)
     };
     let (shapes, cases): (Vec<Shape>, Vec<Case>) = if s.quick {
-        (vec![Shape::Steady(0.5)], vec![CASES[0], CASES[1], CASES[6]])
+        (
+            vec![Shape::Steady(0.5)],
+            vec![CASES[0], CASES[1], CASES[6], CASES[8]],
+        )
     } else {
         (
             vec![
@@ -451,10 +460,19 @@ async fn beside_dispatcher(
 ) -> Result<(Online, f64), BenchError> {
     lab.flush_redis().await?;
     let gateway = simulator::gateway(server(false)).await?;
+    let pages = if case.dispatcher_pages {
+        format!(
+            "    metrics_urls:\n      {}: [{}/metrics]\n",
+            crate::inputs::POOL,
+            gateway.base_url()
+        )
+    } else {
+        String::new()
+    };
     let path = lab.async_config_with(
         "yield-async.yaml",
         "yield",
-        &format!("  dispatcher:\n    max_num_seqs: {SEQS}\n    headroom: {headroom}\n"),
+        &format!("  dispatcher:\n    max_num_seqs: {SEQS}\n    headroom: {headroom}\n{pages}"),
         "",
     )?;
     let config = load(&path)?;
@@ -465,11 +483,9 @@ async fn beside_dispatcher(
         queue.igw_base_url = Some(gateway.base_url());
     }
     dispatcher.concurrency = queues.sizing.concurrency;
-    dispatcher.prometheus_cache_ttl = match case.dispatcher_cache_ms {
-        Some(ms) => Duration::from_millis(ms),
-        None => batch_config::parse_duration(&queues.sizing.prometheus_cache_ttl)
-            .map_err(BenchError::Check)?,
-    };
+    dispatcher.prometheus_cache_ttl =
+        batch_config::parse_duration(&queues.sizing.prometheus_cache_ttl)
+            .map_err(BenchError::Check)?;
     let dispatcher = Dispatcher::start(dispatcher, None).await?;
     let executor = Executor::new(config).await?;
     let measured = run_beside(lab, executor, input, &gateway, shape, capacity, span, body).await;

@@ -17,23 +17,23 @@ use crate::GatewayLoad;
 use crate::{GatewayHandle, SimError};
 
 /// The gate types the simulator implements.
-pub const GATE_TYPES: [&str; 4] = [
+pub const GATE_TYPES: [&str; 6] = [
     "constant",
     "redis",
     "prometheus-budget",
+    "endpoint-scrape",
+    "composite",
     "local-max-concurrency",
 ];
 
 /// Gate types the real dispatcher knows but the simulator does not model: refused at start
 /// rather than silently opened. Any other name opens the gate, as the real factory does.
-const REAL_UNSIMULATED: [&str; 7] = [
-    "composite",
+const REAL_UNSIMULATED: [&str; 5] = [
     "wait-on-refuse",
     "tier-priority-admission",
     "redis-quota",
     "prometheus-saturation",
     "prometheus-query",
-    "endpoint-scrape",
 ];
 
 /// What a gate says about one message taken from its queue.
@@ -73,7 +73,10 @@ pub enum Gate {
         /// Slots taken now.
         in_flight: Arc<AtomicUsize>,
     },
-    /// `max(0, 1 − in_flight / max_concurrency − baseline)` of a gateway.
+    /// The least budget of several gates; a message goes only if each of them lets it.
+    Composite(Vec<Gate>),
+    /// `max(0, 1 − in_flight / max_concurrency − baseline)` of a gateway; also the
+    /// `endpoint-scrape` gate, whose `max_count_per_pod` is the `max_concurrency`.
     PrometheusBudget {
         /// Where the in-flight count comes from.
         load: LoadSource,
@@ -106,6 +109,8 @@ pub enum LoadReader {
     /// (a vLLM-mode simulator or a model server), else a simulator gateway's
     /// `gateway_in_flight_requests`.
     Scrape(Uri),
+    /// A metrics page's samples of one metric, summed (the `endpoint-scrape` gate).
+    Metric(Uri, String),
 }
 
 /// The real dispatcher's `--prometheus-cache-ttl` default.
@@ -129,7 +134,8 @@ impl LoadSource {
         }
         let value = match &self.reader {
             LoadReader::Embedded(g) => Some(g.running() as f64),
-            LoadReader::Scrape(uri) => scrape_running(http, uri).await,
+            LoadReader::Scrape(uri) => scrape_running(http, uri, None).await,
+            LoadReader::Metric(uri, name) => scrape_running(http, uri, Some(name)).await,
         };
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), value));
         value
@@ -155,6 +161,37 @@ fn param_f64(
                 ))
             }),
     }
+}
+
+/// The gate configurations of a composite gate's `gates` (a JSON array of `{gate_type,
+/// gate_params}`; parameter values may be strings, numbers or booleans), as queue entries of
+/// `queue`.
+fn inner_gates(queue: &str, raw: &str) -> Result<Vec<QueueEntry>, SimError> {
+    let bad = |why: String| {
+        SimError::Config(format!(
+            "queue {queue}: composite gate_params.gates is not a JSON array of gate configurations: {why}"
+        ))
+    };
+    let list: Vec<serde_json::Value> = serde_json::from_str(raw).map_err(|e| bad(e.to_string()))?;
+    list.into_iter()
+        .map(|gate| {
+            let mut entry = QueueEntry::new(queue);
+            entry.gate_type = gate["gate_type"].as_str().map(str::to_owned);
+            if let Some(params) = gate["gate_params"].as_object() {
+                for (key, value) in params {
+                    let text = match value {
+                        serde_json::Value::String(s) => s.clone(),
+                        serde_json::Value::Number(_) | serde_json::Value::Bool(_) => {
+                            value.to_string()
+                        }
+                        other => return Err(bad(format!("gate_params.{key} is {other}"))),
+                    };
+                    entry.gate_params.insert(key.clone(), text);
+                }
+            }
+            Ok(entry)
+        })
+        .collect()
 }
 
 impl Gate {
@@ -231,6 +268,57 @@ impl Gate {
                     fallback: param_f64(queue, params, "fallback", 0.0)?,
                 })
             }
+            "endpoint-scrape" => {
+                for unsimulated in ["labels", "pods_url", "pods_metric", "pods_labels"] {
+                    if params.contains_key(unsimulated) {
+                        return Err(SimError::Config(format!(
+                            "queue {queue}: endpoint-scrape gate_params.{unsimulated} is not simulated"
+                        )));
+                    }
+                }
+                let required = |name: &str| {
+                    params.get(name).filter(|v| !v.is_empty()).ok_or_else(|| {
+                        SimError::Config(format!(
+                            "queue {queue}: endpoint-scrape gate requires gate_params.{name}"
+                        ))
+                    })
+                };
+                let url = required("url")?;
+                let metric = required("metric")?.clone();
+                let uri = url.parse().map_err(|e| {
+                    SimError::Config(format!(
+                        "queue {queue}: gate_params.url {url:?} is not a URL: {e}"
+                    ))
+                })?;
+                // The real source divides by max_count_per_pod when it is above 0 (and clamps
+                // the share to [0, 1]); at 0 the metric itself is the share.
+                let max_count = param_f64(queue, params, "max_count_per_pod", 0.0)?;
+                Ok(Gate::PrometheusBudget {
+                    load: LoadSource::new(LoadReader::Metric(uri, metric)),
+                    max_concurrency: if max_count > 0.0 { max_count } else { 1.0 },
+                    baseline: param_f64(queue, params, "baseline", 0.0)?,
+                    fallback: param_f64(queue, params, "fallback", 0.0)?,
+                })
+            }
+            "composite" => {
+                let raw = params.get("gates").filter(|g| !g.is_empty()).ok_or_else(|| {
+                    SimError::Config(format!(
+                        "queue {queue}: composite gate requires gate_params.gates, a JSON array of gate configurations"
+                    ))
+                })?;
+                let inner = inner_gates(queue, raw)?;
+                let mut gates = Vec::with_capacity(inner.len());
+                for entry in inner {
+                    let gate = Gate::from_entry(&entry, embedded, base_url)?;
+                    if matches!(gate, Gate::LocalMaxConcurrency { .. }) {
+                        return Err(SimError::Config(format!(
+                            "queue {queue}: local-max-concurrency inside a composite gate is not simulated"
+                        )));
+                    }
+                    gates.push(gate);
+                }
+                Ok(Gate::Composite(gates))
+            }
             other if REAL_UNSIMULATED.contains(&other) => Err(SimError::Config(format!(
                 "queue {queue}: gate type {other:?} is not simulated (the simulator knows {})",
                 GATE_TYPES.join(", ")
@@ -272,6 +360,13 @@ impl Gate {
                 let used = in_flight.load(Ordering::SeqCst).min(*limit);
                 (limit - used) as f64 / *limit as f64
             }
+            Gate::Composite(gates) => {
+                let mut least: f64 = 1.0;
+                for gate in gates {
+                    least = least.min(Box::pin(gate.budget(redis, http)).await);
+                }
+                least
+            }
         };
         if raw.is_nan() {
             0.0
@@ -305,15 +400,35 @@ impl Gate {
 impl Gate {
     /// This gate with its load readings reused for `ttl` (the dispatcher's
     /// `--prometheus-cache-ttl`; zero reads the load at every poll and message).
-    pub fn with_cache_ttl(mut self, ttl: Duration) -> Self {
-        if let Gate::PrometheusBudget { load, .. } = &mut self {
-            load.ttl = ttl;
+    pub fn with_cache_ttl(self, ttl: Duration) -> Self {
+        match self {
+            Gate::PrometheusBudget {
+                mut load,
+                max_concurrency,
+                baseline,
+                fallback,
+            } => {
+                load.ttl = ttl;
+                Gate::PrometheusBudget {
+                    load,
+                    max_concurrency,
+                    baseline,
+                    fallback,
+                }
+            }
+            Gate::Composite(gates) => {
+                Gate::Composite(gates.into_iter().map(|g| g.with_cache_ttl(ttl)).collect())
+            }
+            other => other,
         }
-        self
     }
 }
 
-async fn scrape_running(http: &crate::http::Client, uri: &Uri) -> Option<f64> {
+async fn scrape_running(
+    http: &crate::http::Client,
+    uri: &Uri,
+    metric: Option<&str>,
+) -> Option<f64> {
     let fetch = async {
         let req = hyper::Request::get(uri.clone())
             .body(http_body_util::Full::new(bytes::Bytes::new()))
@@ -324,8 +439,11 @@ async fn scrape_running(http: &crate::http::Client, uri: &Uri) -> Option<f64> {
         }
         let body = resp.into_body().collect().await.ok()?.to_bytes();
         let page = String::from_utf8_lossy(&body);
-        crate::prom::sum_samples(&page, "vllm:num_requests_running")
-            .or_else(|| crate::prom::read_sample(&page, "gateway_in_flight_requests"))
+        match metric {
+            Some(name) => crate::prom::sum_samples(&page, name),
+            None => crate::prom::sum_samples(&page, "vllm:num_requests_running")
+                .or_else(|| crate::prom::read_sample(&page, "gateway_in_flight_requests")),
+        }
     };
     let value = tokio::time::timeout(Duration::from_secs(2), fetch)
         .await
