@@ -1,115 +1,20 @@
-//! Jobs end to end on Redis as production runs it: a 3-primary Cluster, a Sentinel-managed
-//! primary that fails over mid-job, TLS and mutual TLS, and ACL users. The processor and the
-//! simulated dispatcher both connect the same ways.
+//! The `processor` binary on Redis as production runs it: a 3-primary Cluster (kill -9 and a
+//! resume, a cancel), TLS and mutual TLS, a plaintext server refused, and ACL users. The
+//! processor and the simulated dispatcher both connect the same ways. The executor's jobs on a
+//! Cluster and through a Sentinel failover are in `crates/executor/tests/jobs/topologies.rs`.
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use batch_executor::{Executor, JobSpec};
-use batch_redis::{ConnectOptions, RedisTls};
-use batch_testkit::{ClientAuth, RedisCluster, RedisSentinels, RedisServer, TempDir, TlsRedis};
-use batch_wire::BatchStatus;
-use dispatcher_sim::{
-    Dispatcher, DispatcherConfig, DispatcherHandle, DispatcherVersion, Gateway, GatewayConfig,
-    GatewayHandle, QueueEntry,
-};
+use batch_redis::RedisTls;
+use batch_testkit::{ClientAuth, RedisCluster, RedisServer, TlsRedis};
+use dispatcher_sim::{DispatcherVersion, GatewayConfig};
 use fred::interfaces::{KeysInterface, SortedSetsInterface};
 use support::*;
-use tokio_util::sync::CancellationToken;
 
 const QUEUE: &str = "llm-d-async:requests:pool-a";
-
-/// A gateway, a directory, and a Redis URL of any form.
-struct Rig {
-    gateway: GatewayHandle,
-    dir: TempDir,
-    url: String,
-    tls: Option<RedisTls>,
-}
-
-impl Rig {
-    async fn new(url: String, tls: Option<RedisTls>) -> Rig {
-        let gateway = Gateway::start("127.0.0.1:0".parse().unwrap(), GatewayConfig::default())
-            .await
-            .unwrap();
-        Rig {
-            gateway,
-            dir: batch_testkit::tempdir().unwrap(),
-            url,
-            tls,
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// An async config for model llama-3 on pool-a; `root_extra` is more top-level YAML.
-    fn config(&self, url: &str, root_extra: &str, async_extra: &str) -> PathBuf {
-        let url_file = self.path("redis-url");
-        std::fs::write(&url_file, format!("{url}\n")).unwrap();
-        let yaml = format!(
-            "dispatch_mode: async\nredis_url_file: {}\nwork_dir: {}\n{root_extra}async_dispatch:\n  result_poll_timeout: 200ms\n{async_extra}model_gateways:\n  llama-3:\n    inference_pool_name: pool-a\n",
-            url_file.display(),
-            self.path("work").display()
-        );
-        let path = self.path("processor.yaml");
-        std::fs::write(&path, yaml).unwrap();
-        path
-    }
-
-    async fn dispatcher(&self, configure: impl FnOnce(&mut DispatcherConfig)) -> DispatcherHandle {
-        let mut q = QueueEntry::new(QUEUE);
-        q.igw_base_url = Some(self.gateway.base_url());
-        q.request_path_url = Some("/v1/chat/completions".into());
-        let mut config = DispatcherConfig::new(self.url.clone(), vec![q]);
-        config.redis_tls = self.tls.clone();
-        config.poll_interval = Duration::from_millis(20);
-        config.batch_size = 500;
-        config.sim.time_scale = 0.01;
-        configure(&mut config);
-        Dispatcher::start(config, None).await.unwrap()
-    }
-
-    async fn client(&self) -> fred::clients::Client {
-        let options = ConnectOptions {
-            tls: self.tls.clone(),
-            ..ConnectOptions::default()
-        };
-        batch_redis::connect(&self.url, &options).await.unwrap()
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn ten_thousand_lines_on_a_cluster_complete_exactly_once() {
-    let cluster = RedisCluster::start(3);
-    let rig = Rig::new(cluster.url(), None).await;
-    let lines = write_input(&rig.path("in.jsonl"), 10_000, &["llama-3"]);
-    let config = rig.config(&cluster.url(), "", "");
-    let sim = rig.dispatcher(|_| {}).await;
-    let executor = Executor::new(load(&config)).await.unwrap();
-    let out = rig.path("out");
-    let batch = tokio::time::timeout(
-        Duration::from_secs(300),
-        executor.run(
-            JobSpec::new(rig.path("in.jsonl"), &out),
-            CancellationToken::new(),
-        ),
-    )
-    .await
-    .expect("the job finished")
-    .unwrap();
-    assert_eq!(batch.status, BatchStatus::Completed);
-    let results = Results::read(&out);
-    results.assert_answered(&lines);
-    let client = rig.client().await;
-    assert_eq!(client.zcard::<u64, _>(QUEUE).await.unwrap(), 0);
-    executor.shutdown().await;
-    sim.shutdown().await;
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cluster_job_resumes_after_kill_9_and_a_cancel_empties_its_queue() {
@@ -175,51 +80,6 @@ async fn a_cluster_job_resumes_after_kill_9_and_a_cancel_empties_its_queue() {
     let results = Results::read(&cancel_out);
     assert_eq!(results.error_codes().get("batch_cancelled"), Some(&10_000));
     closed.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_job_survives_a_sentinel_failover() {
-    let mut sentinels = RedisSentinels::start();
-    let rig = Rig::new(sentinels.url(), None).await;
-    let lines = write_input(&rig.path("in.jsonl"), 3000, &["llama-3"]);
-    // Writes the old primary took but never passed on are lost in a failover: what goes
-    // missing comes back through the lost-request check.
-    let config = rig.config(&sentinels.url(), "", "  lost_request_timeout: 2s\n");
-    let sim = rig.dispatcher(|c| c.batch_size = 20).await;
-    let executor = Executor::new(load(&config)).await.unwrap();
-    let out = rig.path("out");
-    let run = executor.run(
-        JobSpec::new(rig.path("in.jsonl"), &out),
-        CancellationToken::new(),
-    );
-    tokio::pin!(run);
-    let some = async {
-        eventually("some results", Duration::from_secs(120), || {
-            std::fs::read_to_string(out.join("output.jsonl"))
-                .is_ok_and(|t| t.lines().count() >= 300)
-        })
-        .await
-    };
-    tokio::select! { _ = some => {}, _ = &mut run => panic!("finished before the failover") }
-    let old = sentinels.kill_primary();
-    let new = tokio::task::spawn_blocking(move || {
-        let new = sentinels.wait_failover(old);
-        (sentinels, new)
-    });
-    let (sentinels, new) = tokio::select! {
-        r = new => r.unwrap(),
-        _ = &mut run => panic!("finished during the failover"),
-    };
-    assert_ne!(new, old);
-    let batch = tokio::time::timeout(Duration::from_secs(300), run)
-        .await
-        .expect("finished after the failover")
-        .unwrap();
-    assert_eq!(batch.status, BatchStatus::Completed);
-    Results::read(&out).assert_each_once(&lines);
-    executor.shutdown().await;
-    sim.shutdown().await;
-    drop(sentinels);
 }
 
 async fn tls_job(auth: ClientAuth) {

@@ -19,6 +19,9 @@
 //! [`S3Server`] does the same for S3: a real `moto_server` (PyPI's `moto`, installed into the
 //! project's virtualenv by `scripts/test.sh`) with a bucket, its endpoint and credentials given as
 //! the AWS environment variables.
+//!
+//! With the `e2e` feature, the module `e2e` is the rig of the end-to-end tests: a Redis, the simulated
+//! gateway and dispatcher, configs, and checks on a job's result files.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -46,6 +49,8 @@ pub fn damage(bytes: &mut Vec<u8>, at: usize, byte: u8, how: u8) {
 }
 
 mod cluster;
+#[cfg(feature = "e2e")]
+pub mod e2e;
 pub mod http;
 mod process;
 mod prometheus;

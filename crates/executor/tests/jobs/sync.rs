@@ -1,16 +1,14 @@
 //! Sync mode end to end: the executor calls the simulated gateway itself, under AIMD and the
 //! process-wide global limit.
 
-mod support;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use batch_executor::{Executor, SyncMode};
 use batch_wire::{parse_request_id, BatchStatus};
 use dispatcher_sim::{FailureKind, FailureRule, Gateway, GatewayConfig};
-use support::*;
 use tokio_util::sync::CancellationToken;
 
 /// The two tests that read a limiter's limit off a gateway of known capacity run one at a time:
