@@ -11,14 +11,17 @@ use std::time::{Duration, Instant};
 
 use batch_redis::{ConnectOptions, RedisTls};
 use batch_wire::{hash::body_digest, InputLine};
-pub use dispatcher_sim::DispatcherVersion;
 use dispatcher_sim::{
-    Dispatcher, DispatcherConfig, DispatcherHandle, Gateway, GatewayConfig, GatewayHandle,
-    QueueEntry, DEFAULT_BUDGET_KEY,
+    Dispatcher, DispatcherConfig, DispatcherHandle, Gateway, GatewayHandle, QueueEntry,
+    DEFAULT_BUDGET_KEY,
 };
+pub use dispatcher_sim::{DispatcherVersion, GatewayConfig};
 use serde_json::Value;
 
 use crate::{RedisServer, TempDir};
+
+pub mod api;
+pub mod tenants;
 
 /// The request queue of `pool-a`, the pool of the usual job.
 pub const POOL_A_QUEUE: &str = "llm-d-async:requests:pool-a";
