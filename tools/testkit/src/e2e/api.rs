@@ -15,7 +15,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
 /// How long one HTTP exchange with the service may take on a loaded 2-core machine.
-const HTTP_TIMEOUT: Duration = Duration::from_secs(60);
+pub const HTTP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Appends a `serve:` section to the processor config at `config`: storage in `storage`, the
 /// reaper every 200 ms, and, when `keys` is not empty, an API keys file of `(key, tenant)`
