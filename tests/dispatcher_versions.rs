@@ -30,7 +30,6 @@ async fn resume_after_kill_9(version: DispatcherVersion) {
     .await;
     sim.shutdown().await;
 }
-
 both_versions!(resume_after_kill_9);
 
 /// kill -9 while every request is at a gateway that answers in `answer`, then a resume: the

@@ -53,7 +53,6 @@ async fn completes(version: DispatcherVersion) {
     executor.shutdown().await;
     sim.shutdown().await;
 }
-
 both_versions!(completes);
 
 // ---- Expiry --------------------------------------------------------------------------------------
@@ -79,7 +78,6 @@ async fn expires_at_its_own_deadline(version: DispatcherVersion) {
     executor.shutdown().await;
     sim.shutdown().await;
 }
-
 both_versions!(expires_at_its_own_deadline);
 
 /// Rewrites every queued member's `deadline` to `deadline`, as a dispatcher whose clock runs
@@ -154,7 +152,6 @@ async fn a_dispatcher_past_the_deadline(version: DispatcherVersion) {
     executor.shutdown().await;
     sim.shutdown().await;
 }
-
 both_versions!(a_dispatcher_past_the_deadline);
 
 // ---- Cancel --------------------------------------------------------------------------------------
@@ -210,7 +207,6 @@ async fn cancel_mid_job(version: DispatcherVersion) {
     executor.shutdown().await;
     sim.shutdown().await;
 }
-
 both_versions!(cancel_mid_job);
 
 // ---- A dispatcher killed mid-job -----------------------------------------------------------------
@@ -265,7 +261,6 @@ async fn dispatcher_killed_mid_job(version: DispatcherVersion) {
     replacement.shutdown().await;
     crashing.shutdown().await;
 }
-
 both_versions!(dispatcher_killed_mid_job);
 
 // ---- Results v0.10 may send ----------------------------------------------------------------------
