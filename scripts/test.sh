@@ -15,4 +15,9 @@ status=0
 cargo test --workspace --no-fail-fast "$@" || status=$?
 # The JSON scanner's portable path, which targets other than x86-64 run, tested here too.
 cargo test -p batch-json -p batch-wire --features batch-json/portable --lib || status=$?
+# The examples for those who embed the crates (built by `cargo test`, run only here): each runs
+# on loopback in a second or so and exits non-zero when its job does not come out whole.
+cargo run -p batch-executor --example sync_job || status=$?
+cargo run -p batch-executor --example async_job || status=$?
+cargo run -p batch-service --example serve || status=$?
 exit "$status"

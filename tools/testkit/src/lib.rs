@@ -70,6 +70,12 @@ const INSTALL_HINT: &str = "redis-server is not installed; install it with \
     `sudo apt-get install -y redis-server` (Debian/Ubuntu) or `brew install redis` (macOS), \
     or set REDIS_SERVER_BIN to its path";
 
+/// The demo's batch input file, `examples/batch/demo.jsonl`: 40 chat requests to the models
+/// `llama-3` and `mistral` (`scripts/demo.sh` and the crates' examples run it).
+pub fn demo_input() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/batch/demo.jsonl")
+}
+
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
