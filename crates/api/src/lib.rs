@@ -1,29 +1,4 @@
-//! The batch service's HTTP API: OpenAI's Files and Batches endpoints as the official SDKs call
-//! them, each tenant seeing only its own objects, plus `/health`, `/ready` and `/metrics`.
-//!
-//! The router keeps no state of its own: records live in Redis ([`batch_state::Store`]), bytes in
-//! storage ([`batch_storage::Storage`]), so any replica answers for any object. What only the
-//! process running jobs knows (a new batch to wake for, the lines a running batch holds so far)
-//! comes through [`Hooks`].
-//!
-//! ```no_run
-//! # async fn demo(store: batch_state::Store, storage: batch_storage::Storage,
-//! #               hooks: std::sync::Arc<dyn batch_api::Hooks>) -> std::io::Result<()> {
-//! let api = batch_api::Api {
-//!     store,
-//!     storage,
-//!     keys: batch_api::Keys::single_tenant(),
-//!     limits: batch_config::InputLimits::default(),
-//!     edge: batch_api::EdgeLimits::default(),
-//!     quotas: batch_api::Quotas::default(),
-//!     pass_through_headers: std::sync::Arc::from(Vec::new()),
-//!     webhooks: batch_config::WebhooksConfig::default(),
-//!     hooks,
-//! };
-//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
-//! axum::serve(listener, batch_api::router(api)).await
-//! # }
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod batches;
 mod edge;

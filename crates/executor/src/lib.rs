@@ -1,37 +1,4 @@
-//! Runs batch jobs from input file to result files.
-//!
-//! A job goes: `batch.json` written (`validating`) → the input validated and planned (an invalid
-//! file fails the job with every bad line in `errors.data`) → lines of models without a gateway
-//! written as `model_not_found` → every other line dispatched (`in_progress`) → `finalizing` →
-//! `completed`. The SLO deadline (creation + completion window) ends it as `expired`, a cancel
-//! as `cancelled`; either way every line still without a result gets `batch_expired` or
-//! `batch_cancelled`, so `output.jsonl` + `error.jsonl` always hold each `custom_id` once.
-//!
-//! Dispatch is one of the modes behind [`Dispatch`], chosen by the config's `dispatch_mode`:
-//! - **async** ([`AsyncMode`]): members go into the llm-d-async dispatcher's sorted sets and
-//!   results come back through one [`batch_consumer::ResultConsumer`] per pool, shared by every
-//!   job of the process; on deadline or cancel the job's pending members are removed again;
-//! - **sync** ([`SyncMode`]): the executor calls the gateways itself
-//!   ([`batch_sync_dispatch::SyncDispatcher`]);
-//! - **dry_run** ([`DryRun`]): every request is answered locally, without a network.
-//!
-//! Running a job again on the same output directory resumes it: finished lines are kept, results
-//! that arrived meanwhile are written, and only lines without a result are dispatched again.
-//!
-//! ```no_run
-//! use batch_executor::{Executor, JobSpec};
-//! use tokio_util::sync::CancellationToken;
-//!
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let config = batch_config::ProcessorConfig::load("processor.yaml".as_ref())?;
-//! let executor = Executor::new(config).await?;
-//! let batch = executor
-//!     .run(JobSpec::new("batch.jsonl", "out/"), CancellationToken::new())
-//!     .await?;
-//! println!("{}: {:?}", batch.id, batch.request_counts);
-//! executor.shutdown().await;
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod async_mode;
 mod dir;

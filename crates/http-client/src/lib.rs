@@ -1,26 +1,4 @@
-//! The pooled HTTP(S) client: hyper-util's legacy `Client` over rustls (ring provider).
-//!
-//! [`build`] makes a keep-alive http and https client with the [`TlsOptions`] given (extra CA
-//! file, client certificate for mutual TLS, or no verification at all, for labs);
-//! [`build_checked`] makes one that connects to a host name only through the addresses a rule
-//! accepts ([`CheckedResolver`]), for URLs given by people who must not reach inside the
-//! network. Neither follows redirects.
-//!
-//! ```no_run
-//! use std::net::IpAddr;
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let tls = batch_http_client::TlsOptions::default();
-//! let client = batch_http_client::build_checked(&tls, |ip: IpAddr| !ip.is_loopback())?;
-//! let request = hyper::Request::get("https://example.com/")
-//!     .body(http_body_util::Full::new(bytes::Bytes::new()))?;
-//! let response = client.request(request).await?;
-//! println!("{}", response.status());
-//! # Ok(())
-//! # }
-//! ```
-
+#![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
 use std::future::Future;

@@ -1,27 +1,4 @@
-//! Fast passes over JSON text for the result drain and the input check: where a string or a
-//! value ends, a string's unescaped text, whether a document is JSON, and a string written as
-//! JSON.
-//!
-//! Each result's payload is a JSON document inside a JSON string, read once per result, and
-//! each input line is mostly message text, so the drain's and the check's cost is mostly these
-//! passes. They look at string text 32 bytes at a time (two SSE2 vectors; 8 bytes off x86-64)
-//! and call no general parser. Each accepts exactly what serde_json accepts (the tests hold them
-//! to it, input by input, and `fuzz/` fuzzes them against it), so using them changes no result;
-//! the walkers ([`members`], [`elements`], [`string`]) give `None` where serde would have to be
-//! asked. `batch_wire::json` is this crate; `bench --only json` measures each pass against
-//! serde_json doing the same work.
-//!
-//! ```
-//! use batch_json as json;
-//!
-//! let text = br#"{"usage":{"prompt_tokens":3}}"#;
-//! let doc = json::check(text).expect("JSON");
-//! assert_eq!(&text[doc.usage.unwrap()], br#"{"prompt_tokens":3}"#);
-//!
-//! let mut out = Vec::new();
-//! assert!(json::unescape_into(r#"{\"n\":\"\u00e9\"}"#, &mut out));
-//! assert_eq!(out, r#"{"n":"é"}"#.as_bytes());
-//! ```
+#![doc = include_str!("../README.md")]
 
 use std::borrow::Cow;
 use std::ops::Range;

@@ -1,29 +1,4 @@
-//! The Redis key schema: every key the processor shares with the llm-d-async dispatcher, and
-//! the keys its result consumer keeps beside each result list.
-//!
-//! - [`QueueNames`]: the dispatcher's request sorted set and result list of a pool, and the
-//!   consumer's routes and in-flight list; [`claimed_key`] and [`cancel_marker_key`] name the
-//!   dispatcher's other keys.
-//! - [`ListKeys`]: the consumer's keys of one result list (in-flight, lease, acknowledgement,
-//!   jobs registry, parked lists), all in the list's own Cluster hash slot.
-//!
-//! Both queues of a pool are derived from one inference pool name and are never configured on
-//! their own: the request queue is a sorted set `{prefix}:requests:{pool}` and the result queue is
-//! a list `{prefix}:results:{pool}:{consumer_id}`. The consumer id defaults to the seed's `$batch`;
-//! each processor replica may pick its own so that replicas never pop each other's results.
-//!
-//! ```
-//! use batch_keys::QueueNames;
-//!
-//! let names = QueueNames::default();
-//! assert_eq!(names.request_queue_name("pool-a")?, "llm-d-async:requests:pool-a");
-//! assert_eq!(names.result_queue_name("pool-a")?, "llm-d-async:results:pool-a:$batch");
-//!
-//! let replica = QueueNames::new("staging", "replica-1")?;
-//! assert_eq!(replica.result_queue_name("pool-a")?, "staging:results:pool-a:replica-1");
-//! assert!(replica.request_queue_name("a:b").is_err());
-//! # Ok::<(), batch_keys::NameError>(())
-//! ```
+#![doc = include_str!("../README.md")]
 
 use std::fmt;
 

@@ -1,35 +1,4 @@
-//! Ingestion: one streaming pass over a batch input file that validates every line and writes one
-//! plan file per model.
-//!
-//! A plan file is a sequence of fixed-size little-endian [`Record`]s (byte offset, length, system
-//! prompt hash, line index), sorted by prompt hash and then by line, so requests sharing a system
-//! prompt are sent together (better prefix-cache hits) and the order is the same on every run.
-//! Models come in name order. Request bodies are never held in memory: [`InputFile::read`] reads a
-//! line back with a positioned read when it is sent.
-//!
-//! ```no_run
-//! use batch_plan::{Limits, Plan, PlanError};
-//!
-//! match Plan::build("batch.jsonl".as_ref(), "work/plan".as_ref(), Limits::default()) {
-//!     Ok(plan) => {
-//!         let input = plan.open_input()?;
-//!         for model in plan.models() {
-//!             for record in plan.records(model)? {
-//!                 let record = record?;
-//!                 let line = input.read(&record)?;
-//!                 println!("{} line {}: {} bytes", model.model, record.line, line.len());
-//!             }
-//!         }
-//!     }
-//!     Err(PlanError::Invalid(errors)) => {
-//!         for e in errors {
-//!             eprintln!("line {:?}: {} ({})", e.line, e.message, e.code);
-//!         }
-//!     }
-//!     Err(e) => return Err(e.into()),
-//! }
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod blocks;
 mod carry;

@@ -1,37 +1,4 @@
-//! The sorted-set producer: a job's requests into `{prefix}:requests:{pool}`, score = deadline.
-//!
-//! [`JobMessages`] builds each request's envelope the way the real dispatcher reads it
-//! (contract §1): `request_kind: plain`, integer `created`/`deadline`, the body byte for byte,
-//! an id that routes the result back ([`batch_wire::request_id`]), a cancel token, and
-//! `internal.result_queue_name` naming this replica's own result list. Everything in a member is
-//! derived from the job and the line, so building it again gives the same bytes: enqueueing a
-//! line twice is a ZADD of an existing member, which changes nothing.
-//!
-//! [`Producer`] writes members with variadic `ZADD` in bounded, pipelined chunks (never
-//! throttled: the dispatcher meters what leaves the set), removes a job's pending members with
-//! batched `ZREM` plus `request-cancel:<id>` markers for the ones already taken, and tells which
-//! members are still queued (`ZMSCORE`). For a whole job it streams the lines in
-//! ([`Producer::enqueue_requests`]), finds which of them the dispatcher still holds
-//! ([`Producer::held_lines`]) and takes them out again ([`Producer::withdraw`]).
-//!
-//! ```no_run
-//! use batch_producer::{JobMessages, Producer, ProducerOptions};
-//!
-//! # async fn demo(client: fred::clients::Client) -> Result<(), batch_producer::ProducerError> {
-//! let job = JobMessages {
-//!     job_id: "batch_abc".into(),
-//!     created: 1_700_000_000,
-//!     deadline: 1_700_086_400,
-//!     request_queue: "llm-d-async:requests:pool-a".into(),
-//!     result_queue: "llm-d-async:results:pool-a:$batch".into(),
-//!     headers: Default::default(),
-//! };
-//! let line = br#"{"custom_id":"r1","method":"POST","url":"/v1/chat/completions","body":{"model":"m"}}"#;
-//! let member = job.member(0, line)?;
-//! let producer = Producer::new(client, ProducerOptions::default());
-//! producer.enqueue(&job.request_queue, job.score(), [member]).await?;
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod job;
 mod messages;

@@ -1,35 +1,4 @@
-//! Connecting to Redis the same way everywhere in the project: a single server, a Redis Cluster
-//! or a Sentinel-managed primary, in plaintext or TLS, with or without an ACL user.
-//!
-//! [`parse_url`] is the one judge of which URLs are accepted (the config check uses it too);
-//! [`connect`] tries a bounded number of times with exponential backoff, then reports which
-//! server it could not reach, never the password in the URL ([`redact_url`]). A `rediss…` URL
-//! always uses TLS ([`RedisTls`]: CA file or system roots, optional client certificate and
-//! server name) and never falls back to plaintext; TLS and authentication failures are reported
-//! at once, with what went wrong, instead of being retried. Once connected, the client
-//! reconnects on its own (exponential backoff, 100 ms to 10 s, without end; a Sentinel client
-//! asks the Sentinels for the current primary each time) and retries commands that were cut off,
-//! so a Redis restart or failover is a pause, not a failure.
-//!
-//! ```no_run
-//! use batch_redis::{connect, ConnectOptions, RedisTls};
-//! use fred::prelude::*;
-//!
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let client = connect("redis://127.0.0.1:6390", &ConnectOptions::default()).await?;
-//! let pong: String = client.ping(None).await?;
-//! assert_eq!(pong, "PONG");
-//!
-//! let tls = ConnectOptions {
-//!     tls: Some(RedisTls {
-//!         ca_file: Some("/etc/redis-tls/ca.crt".into()),
-//!         ..RedisTls::default()
-//!     }),
-//!     ..ConnectOptions::default()
-//! };
-//! let cluster = connect("rediss-cluster://:pw@10.0.0.1:7000?node=10.0.0.2:7000", &tls).await?;
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod durability;
 mod fault;

@@ -1,22 +1,4 @@
-//! `processor serve`: the OpenAI-compatible Batch API service. One [`Service`] composes the HTTP
-//! API ([`batch_api`]), the job runner (which takes queued batches by SLO deadline and runs up to
-//! `serve.max_active_jobs` of them at once through the [`batch_executor::Executor`]) and the reaper
-//! that deletes expired files.
-//!
-//! State lives in Redis ([`batch_state::Store`]) and bytes in storage ([`batch_storage::Storage`]),
-//! so a restarted service lists every file and batch as before and resumes the jobs it was
-//! running from their local files (the executor's resume: each line exactly once).
-//! [`Service::shutdown`] pauses running jobs, never cancels them.
-//!
-//! ```no_run
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let config = batch_config::ProcessorConfig::load_service("processor.yaml".as_ref())?;
-//! let service = batch_service::Service::start(config, Default::default()).await?;
-//! println!("listening on http://{}", service.local_addr());
-//! tokio::signal::ctrl_c().await?;
-//! service.shutdown().await;
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod finalize;
 mod http;
@@ -465,7 +447,7 @@ impl Service {
     }
 
     /// Stops taking requests and jobs, pauses running jobs (they resume at the next start) and
-    /// lets go of Redis: within [`PAUSE_PATIENCE`] plus a few seconds.
+    /// lets go of Redis: within 7 s (`PAUSE_PATIENCE`) plus a few seconds.
     pub async fn shutdown(self) {
         tracing::info!(
             jobs = self.runner.active_jobs(),

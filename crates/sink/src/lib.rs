@@ -1,35 +1,4 @@
-//! A batch job's result files: `output.jsonl` and `error.jsonl` (the job directory around them,
-//! its `batch.json` included, is the executor's).
-//!
-//! [`JobSink`] writes exactly one line per request index, whatever arrives twice, maps each
-//! [`Outcome`] to its file as the original processor does (an HTTP answer goes to
-//! `output.jsonl`, whatever its status; no answer goes to `error.jsonl`), and keeps the
-//! `request_counts`, and counts as it writes what the Batch object says once the job ended
-//! ([`Totals`]: the usage summed over the responses, the lines of each file, the requests
-//! closed by a cancel or the deadline). Opening a job directory that already has lines resumes
-//! it: the lines are kept, counted the same way and marked done, and a torn last line left by a
-//! crash is cut off.
-//!
-//! ```
-//! use batch_sink::{JobSink, Written};
-//! use batch_wire::Outcome;
-//!
-//! let dir = batch_testkit::tempdir()?;
-//! let mut sink = JobSink::open(dir.path(), "batch_1", 2)?;
-//! let ok = Outcome::Http { status: 200, body: r#"{"id":"chatcmpl-1"}"# };
-//! assert!(matches!(sink.record(0, "r1", &ok)?, Written::Output { status: 200, .. }));
-//! assert_eq!(sink.record(0, "r1", &ok)?, Written::Duplicate);
-//! sink.record(1, "r2", &Outcome::Failed { code: "batch_expired", message: "too late" })?;
-//! sink.flush()?;
-//! assert_eq!((sink.counts().completed, sink.counts().failed, sink.remaining()), (1, 1, 0));
-//! assert_eq!(sink.totals().expired, 1);
-//!
-//! // Reopening resumes from the files.
-//! let again = JobSink::open(dir.path(), "batch_1", 2)?;
-//! assert!(again.is_done(0) && again.is_done(1));
-//! assert_eq!(again.totals(), sink.totals());
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod done;
 mod render;

@@ -1,30 +1,4 @@
-//! The batch service's state in Redis: file and batch records, each tenant's listings, the job
-//! queue ordered by SLO deadline across all tenants, which replica runs which job under which
-//! lease, checkpoints, cancel requests, webhook endpoints and their deliveries, and the copy in
-//! storage Redis is rebuilt from.
-//!
-//! Every key is `{<prefix>}:…`, each named once in [`StateKeys`]: one hash slot, and every
-//! script is given each key it touches in `KEYS`, so the scripts that move a job between the
-//! queue and the running set are atomic on Redis Cluster too, and the dispatcher's keys are never
-//! touched. Ids sort by creation time
-//! (`file-`/`batch_` + 12 hex digits of milliseconds + 12 random), so a listing is a
-//! lexicographic range and its cursor is the last id of a page.
-//!
-//! One module per resource: [`files`](Store::put_file), batches and their listings
-//! ([`Store::create_batch`]), their status ([`Store::advance`]), the job queue ([`Store::claim_queued`]), leases
-//! ([`Store::adopt`]), checkpoints ([`Store::save_checkpoint`]), webhooks
-//! ([`Store::put_webhook`]) and recovery ([`Store::rebuild`]). Each script is a `.lua` file
-//! next to its module, its header saying its KEYS, ARGV and what it returns.
-//!
-//! ```no_run
-//! # async fn demo(client: fred::clients::Client) -> Result<(), batch_state::StoreError> {
-//! let store = batch_state::Store::new(client, "batch-processor");
-//! let page = store.list_batches("tenant-a", None, 20).await?;
-//! for batch in page.data {
-//!     println!("{} {}", batch.id, batch.status.as_str());
-//! }
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod batches;
 mod checkpoints;

@@ -1,33 +1,4 @@
-//! The batch service's files (uploaded inputs, result files, checkpoints) in a directory or an
-//! object store, through the `object_store` crate. Bytes are streamed both ways: memory does not
-//! grow with a file.
-//!
-//! Keys are `/`-separated names such as `files/file-0123`. A file is visible only once its
-//! upload completed: a failed or aborted upload leaves nothing behind under its key.
-//!
-//! Two kinds of URL: `file:///dir`, and `s3://bucket[/prefix]` for AWS S3 and S3-compatible
-//! stores (MinIO, Ceph RGW, ...). S3's endpoint, region and credentials come as the AWS SDKs read
-//! them (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-//! `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP=true` for a plain-http endpoint, web identity, the shared
-//! credentials and config files), overridden by [`S3Options`]. With an endpoint, requests are
-//! path-style. Uploads above 10 MiB go up as multipart uploads, part by part.
-//!
-//! ```no_run
-//! # async fn demo() -> Result<(), batch_storage::StorageError> {
-//! use futures::TryStreamExt;
-//!
-//! let storage = batch_storage::Storage::from_url("file:///var/lib/batch/storage")?;
-//! let chunks = futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from("hello\n"))]);
-//! let written = storage.put_stream("files/file-1", chunks).await?;
-//! assert_eq!(written, 6);
-//! let object = storage.get("files/file-1").await?;
-//! let bytes: Vec<bytes::Bytes> = object.stream.try_collect().await?;
-//! storage.delete("files/file-1").await?;
-//!
-//! // S3: checks at once that the bucket exists and answers.
-//! let s3 = batch_storage::Storage::open("s3://my-bucket/batch", &Default::default()).await?;
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,29 +1,4 @@
-//! Wire formats shared by the processor, the dispatcher and the simulator.
-//!
-//! - [`Envelope`] and [`RequestMessage`]: what goes into the dispatcher's request sorted set. The
-//!   member is the whole envelope; the real dispatcher drops a member without `request_kind` or
-//!   `data` without ever writing a result, so [`Envelope::parse`] refuses exactly those.
-//! - [`ResultMessage`]: what the dispatcher LPUSHes onto a result list. It carries no `metadata`,
-//!   so results are routed by [`request_id`], which encodes the job and line reversibly.
-//! - [`InputLine`], [`OutputLine`], [`Batch`]: the OpenAI batch file formats and Batch object.
-//!
-//! ```
-//! use batch_wire::{parse_request_id, request_id, Envelope, ResultMessage};
-//!
-//! let member = r#"{"internal":{},"request_kind":"plain",
-//!     "data":{"id":"batch_req_batch_abc_42","created":1700000000,"deadline":1700086400,
-//!             "payload":{"model":"m","max_tokens":128}}}"#;
-//! let envelope = Envelope::parse(member)?;
-//! assert_eq!(envelope.data.deadline, 1700086400);
-//! assert_eq!(envelope.data.payload.get(), r#"{"model":"m","max_tokens":128}"#);
-//!
-//! let id = request_id("batch_abc", 42);
-//! assert_eq!(parse_request_id(&id), Some(("batch_abc".to_owned(), 42)));
-//!
-//! let result = ResultMessage::parse(r#"{"id":"x","status_code":200,"payload":"{}","request_token":"t"}"#)?;
-//! assert_eq!(result.status_code, Some(200));
-//! # Ok::<(), batch_wire::WireError>(())
-//! ```
+#![doc = include_str!("../README.md")]
 
 mod batch;
 mod envelope;

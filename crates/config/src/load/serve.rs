@@ -548,7 +548,7 @@ fn read_api_keys(c: &mut Collector<'_>, t: &Table<'_>, file: &Path) -> Vec<ApiKe
 /// The longest tenant name.
 const MAX_TENANT: usize = 64;
 
-/// A tenant name: 1 to [`MAX_TENANT`] letters, digits, `-`, `_`, `.` and `@` (a user name from
+/// A tenant name: 1 to 64 (`MAX_TENANT`) letters, digits, `-`, `_`, `.` and `@` (a user name from
 /// a proxy may be an e-mail address), neither starting with `.` nor holding `..`.
 /// Tenants are parts of Redis keys and of log lines, where `/`, `..` or glob characters
 /// (`*`, `?`, `[`) would read as something else.
