@@ -248,6 +248,30 @@ impl Cost {
     }
 }
 
+/// What a closed window says of the gateway, read against the floor.
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    /// The latency floor (per answer, or per unit of work), this window included.
+    floor: f64,
+    /// The low end of the window's cost (see [`Cost::low`]): the part of it that the spread
+    /// of the requests' own costs cannot explain.
+    mean: f64,
+    /// The requests in flight when the window's answers were sent, on average.
+    mean_in_flight: f64,
+    /// Within a quarter of the tolerance above the floor.
+    near_floor: bool,
+    /// Above the tolerance: the gateway is queueing.
+    queued: bool,
+}
+
+impl Reading {
+    /// What the gateway serves at the floor latency: `mean in_flight × floor / mean`
+    /// (Gradient2's estimate).
+    fn serves(&self) -> f64 {
+        self.mean_in_flight * self.floor / self.mean
+    }
+}
+
 /// Answers a window needs for its standard error to be at most half of `tolerance`'s margin,
 /// given the spread of one answer's cost.
 fn answers_needed(spread: f64, tolerance: f64) -> usize {
@@ -489,6 +513,10 @@ impl GradientLimiter {
 
     /// A successful answer of `tokens` output tokens (its `usage.completion_tokens`, when
     /// known) that took `latency`, sent with `in_flight` requests out.
+    ///
+    /// The answer joins the current window; when the window closes, it is read against the
+    /// floor, and the limit follows what it says: back from a probe, shrink on queueing,
+    /// probe for a stale floor, or grow.
     pub fn on_answer(
         &mut self,
         latency: Duration,
@@ -499,6 +527,41 @@ impl GradientLimiter {
             // Sent before the probe's cut: it queued behind the old limit.
             return None;
         }
+        let window = self.note_answer(latency, tokens, in_flight)?;
+        let reading = self.read_window(&window);
+        if reading.queued
+            && self.queued_windows < self.config.confirm_windows
+            && self.probe.is_none()
+        {
+            // Not confirmed yet: one window slowed by a scheduling hiccup is not queueing.
+            return None;
+        }
+        if let Some(before) = self.probe.take() {
+            if !reading.queued {
+                // The floor was seen again: back to where the probe started.
+                return self.set(before);
+            }
+        }
+        if !reading.queued && window.max_in_flight >= self.limit {
+            self.proven = self.proven.max(self.limit);
+        }
+        if reading.queued {
+            return self.shrink(&reading);
+        }
+        if let Some(change) = self.start_probe(&reading) {
+            return Some(change);
+        }
+        self.grow(&window, &reading)
+    }
+
+    /// Adds an answer to the current window (and, with `per_work`, to the fit of latency
+    /// against length); the window, once it holds enough answers to close.
+    fn note_answer(
+        &mut self,
+        latency: Duration,
+        tokens: Option<u64>,
+        in_flight: usize,
+    ) -> Option<Window> {
         let latency = latency.as_secs_f64();
         let tokens = match (&mut self.work, tokens) {
             (Some(work), Some(t)) => {
@@ -514,7 +577,12 @@ impl GradientLimiter {
         if self.window.count < self.window_size() {
             return None;
         }
-        let window = std::mem::take(&mut self.window);
+        Some(std::mem::take(&mut self.window))
+    }
+
+    /// Remembers a closed window for the floor and the spread, reads its cost against the
+    /// floor, and counts it among the calm, off-floor and queued windows.
+    fn read_window(&mut self, window: &Window) -> Reading {
         if self.floors.len() == self.config.floor_windows {
             self.floors.pop_front();
         }
@@ -543,46 +611,60 @@ impl GradientLimiter {
         };
         let queued = mean > floor * self.config.tolerance;
         self.queued_windows = if queued { self.queued_windows + 1 } else { 0 };
-        if queued && self.queued_windows < self.config.confirm_windows && self.probe.is_none() {
+        Reading {
+            floor,
+            mean,
+            mean_in_flight,
+            near_floor,
+            queued,
+        }
+    }
+
+    /// A queued window: the limit moves toward what the gateway serves at the floor latency,
+    /// by `smoothing`, and slow start and the step end.
+    fn shrink(&mut self, reading: &Reading) -> Option<Change> {
+        self.slow_start = false;
+        self.slow_start_cap = None;
+        self.step = self.config.initial_step;
+        let s = self.config.smoothing;
+        let target = (self.limit as f64 * (1.0 - s) + reading.serves() * s).round();
+        let to = (target.max(0.0) as usize).max(self.config.min);
+        if to < self.limit {
+            self.set(to)
+        } else {
+            None
+        }
+    }
+
+    /// After `probe_windows` windows off the floor (outside slow start), drops the limit for
+    /// one window to 0.9 × what the gateway serves at the floor, to see the floor again.
+    fn start_probe(&mut self, reading: &Reading) -> Option<Change> {
+        if self.windows_off_floor < self.config.probe_windows || self.slow_start {
             return None;
         }
-        if let Some(before) = self.probe.take() {
-            if !queued {
-                // The floor was seen again: back to where the probe started.
-                return self.set(before);
-            }
+        self.windows_off_floor = 0;
+        let to = ((reading.serves() * 0.9).floor() as usize).max(self.config.min);
+        if to >= self.limit {
+            return None;
         }
+        self.probe = Some(self.limit);
+        self.set(to)
+    }
 
-        if !queued && window.max_in_flight >= self.limit {
-            self.proven = self.proven.max(self.limit);
-        }
-        if queued {
-            self.slow_start = false;
-            self.slow_start_cap = None;
-            self.step = self.config.initial_step;
-            let estimate = mean_in_flight * floor / mean;
-            let s = self.config.smoothing;
-            let target = (self.limit as f64 * (1.0 - s) + estimate * s).round();
-            let to = (target.max(0.0) as usize).max(self.config.min);
-            return if to < self.limit { self.set(to) } else { None };
-        }
-        if self.windows_off_floor >= self.config.probe_windows && !self.slow_start {
-            self.windows_off_floor = 0;
-            let to = ((mean_in_flight * floor / mean * 0.9).floor() as usize).max(self.config.min);
-            if to < self.limit {
-                self.probe = Some(self.limit);
-                return self.set(to);
-            }
-        }
+    /// A calm window that used the limit: grows it by slow start or by the step, held below
+    /// the concurrency last refused until `hold_windows` calm windows have passed.
+    fn grow(&mut self, window: &Window, reading: &Reading) -> Option<Change> {
         if window.max_in_flight * 2 < self.limit {
             // Not limited by the limit: growing it would test nothing.
             return None;
         }
         if !self.slow_start
-            && near_floor
+            && reading.near_floor
             && self.refused_at != usize::MAX
             && self.limit >= self.refused_at.saturating_add(self.refused_at / 4)
         {
+            // The refusal is stale: the gateway grew. Slow start again, up to what a calm
+            // window has used in full.
             self.slow_start = true;
             self.slow_start_cap = (self.proven > self.limit).then_some(self.proven);
         }
@@ -595,35 +677,17 @@ impl GradientLimiter {
             self.step = self.config.initial_step;
         }
         let mut to = if self.slow_start {
-            // Doubling per round trip, as TCP's slow start: a window longer than the limit
-            // spans several.
-            let rounds = window.count as f64 / self.limit.max(1) as f64;
-            let factor = 2f64.powf(rounds.clamp(1.0, SLOW_START_ROUNDS));
-            let grown = (self.limit as f64 * factor).floor() as usize;
-            match self.slow_start_cap {
-                Some(cap) if grown >= cap => {
-                    // Back where the gateway served before: past it only step by step, after
-                    // calm windows, as past a refusal.
-                    self.slow_start = false;
-                    self.slow_start_cap = None;
-                    self.refused_at = cap.saturating_add(1);
-                    self.calm_windows = 0;
-                    self.step = self.config.initial_step;
-                    cap
-                }
-                _ => grown,
-            }
+            self.slow_start_step(window.count)
         } else {
             self.limit.saturating_add(self.step)
         };
         if !passing {
             to = to.min(self.refused_at - 1);
         }
-        if !self.slow_start && mean > floor * (1.0 + self.config.tolerance) / 2.0 {
+        if !self.slow_start && reading.mean > reading.floor * (1.0 + self.config.tolerance) / 2.0 {
             // Latency is already rising within the tolerance: grow at most to what that
             // queueing says the gateway serves, times the tolerance.
-            let serves = mean_in_flight * floor / mean;
-            let cap = (serves * self.config.tolerance).floor() as usize;
+            let cap = (reading.serves() * self.config.tolerance).floor() as usize;
             to = to.min(cap.max(self.limit));
         }
         to = to.min(self.config.max);
@@ -632,6 +696,28 @@ impl GradientLimiter {
             .saturating_mul(2)
             .min((to / 4).max(self.config.initial_step));
         self.set(to)
+    }
+
+    /// The limit slow start grows to after a window of `answers`; it ends at its cap.
+    fn slow_start_step(&mut self, answers: usize) -> usize {
+        // Doubling per round trip, as TCP's slow start: a window longer than the limit
+        // spans several.
+        let rounds = answers as f64 / self.limit.max(1) as f64;
+        let factor = 2f64.powf(rounds.clamp(1.0, SLOW_START_ROUNDS));
+        let grown = (self.limit as f64 * factor).floor() as usize;
+        match self.slow_start_cap {
+            Some(cap) if grown >= cap => {
+                // Back where the gateway served before: past it only step by step, after
+                // calm windows, as past a refusal.
+                self.slow_start = false;
+                self.slow_start_cap = None;
+                self.refused_at = cap.saturating_add(1);
+                self.calm_windows = 0;
+                self.step = self.config.initial_step;
+                cap
+            }
+            _ => grown,
+        }
     }
 
     /// Successes that close the current window.
