@@ -5,6 +5,8 @@ mod collect;
 mod dispatcher;
 mod error;
 mod load;
+#[macro_use]
+mod table;
 mod types;
 mod values;
 

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
 
 use batch_keys::validate_part;
 use figment::providers::{Env, Format, Yaml};
@@ -25,85 +26,19 @@ pub const ENV_PREFIX: &str = "PROCESSOR_";
 /// (`PROCESSOR_ASYNC_DISPATCH__RESULT_POLL_TIMEOUT=1s`).
 pub const ENV_NESTING: &str = "__";
 
-const ROOT_KEYS: &[&str] = &[
-    "dispatch_mode",
-    "async_dispatch",
-    "model_gateways",
-    "concurrency",
-    "redis_url_file",
-    "redis_tls",
-    "redis_allow_eviction",
-    "work_dir",
-    "observability",
-    "input",
-    "serve",
-];
-const ASYNC_KEYS: &[&str] = &[
-    "result_poll_timeout",
-    "queue_prefix",
-    "consumer_id",
-    "retry_queue_name",
-    "lost_request_timeout",
-    "enqueue_chunk",
-    "result_batch",
-    "result_linger",
-    "dispatcher",
-];
-const DISPATCHER_KEYS: &[&str] = &[
-    "gate_type",
-    "max_num_seqs",
-    "pods",
-    "headroom",
-    "max_concurrency",
-    "baseline",
-    "poll_interval",
-    "batch_size",
-    "concurrency",
-    "prometheus_cache_ttl",
-    "metrics_urls",
-];
-const MODEL_KEYS: &[&str] = &[
-    "url",
-    "inference_pool_name",
-    "request_timeout",
-    "max_retries",
-    "initial_backoff",
-    "max_backoff",
-    "api_key_file",
-    "inference_objective",
-    "tls",
-    "tls_ca_cert_file",
-    "tls_client_cert_file",
-    "tls_client_key_file",
-    "tls_insecure_skip_verify",
-    "load",
-];
-const LOAD_KEYS: &[&str] = &[
-    "metrics_urls",
-    "prometheus_url",
-    "pool",
-    "max_running_per_pod",
-    "interval",
-    "headroom",
-    "priority",
-];
-const TLS_KEYS: &[&str] = &[
-    "ca_cert_file",
-    "client_cert_file",
-    "client_key_file",
-    "insecure_skip_verify",
-];
-const REDIS_TLS_KEYS: &[&str] = &["ca_file", "cert_file", "key_file", "server_name"];
-const CONCURRENCY_KEYS: &[&str] = &["global", "per_endpoint", "aimd"];
-const AIMD_KEYS: &[&str] = &[
-    "enabled",
-    "algorithm",
-    "min",
-    "backoff_factor",
-    "additive_increase",
-];
-const OBSERVABILITY_KEYS: &[&str] = &["addr", "otlp_endpoint"];
-const INPUT_KEYS: &[&str] = &["max_requests", "max_file_bytes"];
+/// A model's keys: its fields, and its TLS settings also written flat beside `tls:`
+/// (`tls_ca_cert_file`, as the issue and the Go processor spell them).
+static MODEL_KEYS: LazyLock<Vec<&'static str>> = LazyLock::new(|| {
+    let flat_after = |key: &str| match key {
+        "tls" => TlsConfig::FLAT_KEYS,
+        _ => &[],
+    };
+    ModelGatewayConfig::KEYS
+        .iter()
+        .flat_map(|&key| std::iter::once(key).chain(flat_after(key).iter().copied()))
+        .collect()
+});
+
 impl ProcessorConfig {
     /// Loads `path` (YAML) with `PROCESSOR_…` environment overrides, and validates everything.
     ///
@@ -203,7 +138,7 @@ enum Needs {
 }
 
 fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
-    let root = c.root(root, ROOT_KEYS);
+    let root = c.root(root, ProcessorConfig::KEYS);
     let dispatch_mode = dispatch_mode(c, &root);
     let async_dispatch = async_dispatch(c, &root);
     let model_gateways = model_gateways(c, &root, dispatch_mode);
@@ -236,7 +171,7 @@ fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
         .path(&root, "work_dir")
         .unwrap_or_else(|| std::env::temp_dir().join("batch-processor"));
 
-    let observability_table = c.table(&root, "observability", OBSERVABILITY_KEYS);
+    let observability_table = c.table(&root, "observability", ObservabilityConfig::KEYS);
     let observability = ObservabilityConfig {
         addr: c.socket_addr(&observability_table, "addr"),
         otlp_endpoint: c
@@ -254,7 +189,7 @@ fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
                 }
             }),
     };
-    let input_table = c.table(&root, "input", INPUT_KEYS);
+    let input_table = c.table(&root, "input", InputLimits::KEYS);
     let defaults = InputLimits::default();
     let input = InputLimits {
         max_requests: c.count(&input_table, "max_requests", defaults.max_requests, 1),
@@ -294,7 +229,7 @@ fn dispatch_mode(c: &mut Collector<'_>, root: &Table<'_>) -> DispatchMode {
 }
 
 fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfig {
-    let t = c.table(root, "async_dispatch", ASYNC_KEYS);
+    let t = c.table(root, "async_dispatch", AsyncDispatchConfig::KEYS);
     let d = AsyncDispatchConfig::default();
     let result_poll_timeout = c.positive_duration(&t, "result_poll_timeout", d.result_poll_timeout);
     let queue_prefix = name_part(c, &t, "queue_prefix", "prefix").unwrap_or(d.queue_prefix);
@@ -321,7 +256,7 @@ fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfi
 
 /// `async_dispatch.dispatcher`: what `processor queues` prints for the real dispatcher.
 fn dispatcher_settings(c: &mut Collector<'_>, parent: &Table<'_>) -> DispatcherSettings {
-    let t = c.table(parent, "dispatcher", DISPATCHER_KEYS);
+    let t = c.table(parent, "dispatcher", DispatcherSettings::KEYS);
     let d = DispatcherSettings::default();
     let optional_count = |c: &mut Collector<'_>, key: &str| {
         t.get(key)
@@ -414,7 +349,7 @@ fn model_gateways(
                 "a model name must be non-empty, without surrounding spaces",
             );
         }
-        let entry = c.entry(&t, name, value, MODEL_KEYS);
+        let entry = c.entry(&t, name, value, &MODEL_KEYS);
         models.insert(name.clone(), model(c, &entry, mode));
     }
     if models.is_empty() {
@@ -490,7 +425,7 @@ fn model(c: &mut Collector<'_>, t: &Table<'_>, mode: DispatchMode) -> ModelGatew
 /// `load`: one source of the pool's load, in sync mode only.
 fn load_config(c: &mut Collector<'_>, model: &Table<'_>, mode: DispatchMode) -> Option<LoadConfig> {
     model.get("load")?;
-    let t = c.table(model, "load", LOAD_KEYS);
+    let t = c.table(model, "load", LoadConfig::KEYS);
     let d = LoadConfig::default();
     if mode == DispatchMode::Async {
         c.at(
@@ -556,7 +491,7 @@ fn load_config(c: &mut Collector<'_>, model: &Table<'_>, mode: DispatchMode) -> 
 /// TLS settings, written either flat (`tls_ca_cert_file`, as the issue and the Go processor spell
 /// them) or nested (`tls: {ca_cert_file}`); setting one field both ways is an error.
 fn tls(c: &mut Collector<'_>, model: &Table<'_>) -> TlsConfig {
-    let nested = c.table(model, "tls", TLS_KEYS);
+    let nested = c.table(model, "tls", TlsConfig::KEYS);
     let ca_cert_file = tls_file(c, model, &nested, "ca_cert_file").map(|(path, ..)| path);
     let client_cert = tls_file(c, model, &nested, "client_cert_file");
     let client_key = tls_file(c, model, &nested, "client_key_file");
@@ -618,7 +553,7 @@ fn redis_tls(
     root: &Table<'_>,
     url: Option<&batch_redis::RedisUrl>,
 ) -> Option<RedisTlsConfig> {
-    let t = c.table(root, "redis_tls", REDIS_TLS_KEYS);
+    let t = c.table(root, "redis_tls", RedisTlsConfig::KEYS);
     let mut usable = true;
     let mut file = |c: &mut Collector<'_>, key: &str| {
         let path = c.path(&t, key)?;
@@ -667,12 +602,12 @@ fn redis_tls(
 }
 
 fn concurrency(c: &mut Collector<'_>, root: &Table<'_>) -> ConcurrencyConfig {
-    let t = c.table(root, "concurrency", CONCURRENCY_KEYS);
+    let t = c.table(root, "concurrency", ConcurrencyConfig::KEYS);
     let d = ConcurrencyConfig::default();
     let global = c.bounded_count(&t, "global", d.global, 1, 1_000_000);
     let per_endpoint = c.bounded_count(&t, "per_endpoint", d.per_endpoint, 1, 1_000_000);
 
-    let a = c.table(&t, "aimd", AIMD_KEYS);
+    let a = c.table(&t, "aimd", AimdConfig::KEYS);
     let enabled = c.boolean(&a, "enabled", d.aimd.enabled);
     let algorithm = match c.string(&a, "algorithm") {
         None => d.aimd.algorithm,
@@ -728,5 +663,26 @@ fn read_secret(c: &mut Collector<'_>, t: &Table<'_>, key: &str, file: &Path) -> 
             );
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The flat TLS keys a model accepts are the ones the resolved config prints (the serde
+    /// renames of [`TlsConfig`]), so a config printed can be read back.
+    #[test]
+    fn the_flat_tls_keys_are_the_printed_ones() {
+        let printed = serde_yaml::to_value(TlsConfig::default()).unwrap();
+        let printed: Vec<_> = printed
+            .as_mapping()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str().unwrap())
+            .collect();
+        assert_eq!(printed, TlsConfig::FLAT_KEYS);
+        assert!(MODEL_KEYS.contains(&"tls"));
+        assert!(TlsConfig::FLAT_KEYS.iter().all(|k| MODEL_KEYS.contains(k)));
     }
 }

@@ -1,4 +1,7 @@
 //! The resolved configuration: plain data, every default applied, every file path absolute.
+//!
+//! Each table of the file is declared with [`config_table!`], which also lists the keys the
+//! file may set in it: adding an option is adding a field.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -99,6 +102,7 @@ fn ser_opt_duration<S: Serializer>(
     }
 }
 
+config_table! {
 /// The whole processor configuration, as resolved by [`ProcessorConfig::load`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProcessorConfig {
@@ -113,7 +117,7 @@ pub struct ProcessorConfig {
     /// The mounted file holding the Redis URL (absolute).
     pub redis_url_file: PathBuf,
     /// The Redis URL read from `redis_url_file` (trimmed) in async mode; `None` in sync mode.
-    pub redis_url: Option<Secret>,
+    @derived pub redis_url: Option<Secret>,
     /// TLS towards Redis, for a `rediss…` URL; `None`: the system's roots, no client certificate.
     pub redis_tls: Option<RedisTlsConfig>,
     /// Run on a Redis whose `maxmemory-policy` may evict keys (default false: refused at start).
@@ -127,7 +131,9 @@ pub struct ProcessorConfig {
     /// `processor serve`.
     pub serve: ServeConfig,
 }
+}
 
+config_table! {
 /// Settings of the async (dispatcher) mode.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AsyncDispatchConfig {
@@ -141,7 +147,7 @@ pub struct AsyncDispatchConfig {
     /// Whether `consumer_id` was given. When it was not, a process whose `$batch` list another
     /// live process reads takes the next free one (`$batch-2`, `$batch-3`, ...) by itself.
     #[serde(skip)]
-    pub consumer_id_set: bool,
+    @derived pub consumer_id_set: bool,
     /// The dispatcher's retry sorted set (its `retry_queue_name`, default `retry-sortedset`),
     /// looked into before a request is taken for lost.
     pub retry_queue_name: String,
@@ -159,7 +165,9 @@ pub struct AsyncDispatchConfig {
     /// What `processor queues` prints for the real dispatcher (`async_dispatch.dispatcher`).
     pub dispatcher: DispatcherSettings,
 }
+}
 
+config_table! {
 /// The real dispatcher's gate and pacing, as `processor queues` prints them
 /// (`async_dispatch.dispatcher`). The processor itself never reads them: the dispatcher meters
 /// requests into the pool, and these say how.
@@ -202,6 +210,7 @@ pub struct DispatcherSettings {
     /// instead of through Prometheus.
     pub metrics_urls: BTreeMap<String, Vec<String>>,
 }
+}
 
 impl Default for DispatcherSettings {
     fn default() -> Self {
@@ -238,6 +247,7 @@ impl Default for AsyncDispatchConfig {
     }
 }
 
+config_table! {
 /// How one model is reached.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ModelGatewayConfig {
@@ -259,7 +269,7 @@ pub struct ModelGatewayConfig {
     /// The mounted file holding the API key (absolute).
     pub api_key_file: Option<PathBuf>,
     /// The API key read from `api_key_file`, trimmed.
-    pub api_key: Option<Secret>,
+    @derived pub api_key: Option<Secret>,
     /// Sent as `x-gateway-inference-objective` when set.
     pub inference_objective: Option<String>,
     /// TLS towards the gateway; printed with the flat `tls_*` keys the config file uses.
@@ -269,7 +279,9 @@ pub struct ModelGatewayConfig {
     /// read from the model servers' metrics; the limiter alone when absent.
     pub load: Option<LoadConfig>,
 }
+}
 
+config_table! {
 /// `model_gateways.<m>.load`: where the pool's load is read and how much the batch leaves
 /// free. Exactly one source: `metrics_urls`, or `prometheus_url` with `pool`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -293,6 +305,7 @@ pub struct LoadConfig {
     /// Sent as the body's `priority` when the line has none (vLLM serves lower numbers first;
     /// online requests have 0): for servers started with `--scheduling-policy priority`.
     pub priority: Option<i64>,
+}
 }
 
 impl Default for LoadConfig {
@@ -327,9 +340,10 @@ impl Default for ModelGatewayConfig {
     }
 }
 
+config_table! {
 /// TLS towards one gateway. Every file was readable at load time.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct TlsConfig {
+pub struct TlsConfig flat "tls_" {
     /// CA bundle to trust instead of the system roots.
     #[serde(rename = "tls_ca_cert_file")]
     pub ca_cert_file: Option<PathBuf>,
@@ -343,7 +357,9 @@ pub struct TlsConfig {
     #[serde(rename = "tls_insecure_skip_verify")]
     pub insecure_skip_verify: bool,
 }
+}
 
+config_table! {
 /// TLS towards Redis (`redis_tls`). Every file was readable at load time; paths are absolute.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct RedisTlsConfig {
@@ -355,6 +371,7 @@ pub struct RedisTlsConfig {
     pub key_file: Option<PathBuf>,
     /// The name the server certificate must carry, when it is not the URL's host.
     pub server_name: Option<String>,
+}
 }
 
 impl RedisTlsConfig {
@@ -385,6 +402,7 @@ impl ProcessorConfig {
     }
 }
 
+config_table! {
 /// Sync-mode concurrency limits.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ConcurrencyConfig {
@@ -394,6 +412,7 @@ pub struct ConcurrencyConfig {
     pub per_endpoint: usize,
     /// The per-endpoint adaptive limit.
     pub aimd: AimdConfig,
+}
 }
 
 impl Default for ConcurrencyConfig {
@@ -406,6 +425,7 @@ impl Default for ConcurrencyConfig {
     }
 }
 
+config_table! {
 /// The per-endpoint adaptive limit: which limiter, and the reference AIMD's parameters.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AimdConfig {
@@ -426,6 +446,7 @@ pub struct AimdConfig {
     /// Added after a full window of successes (default 1, >= 1).
     pub additive_increase: usize,
 }
+}
 
 impl Default for AimdConfig {
     fn default() -> Self {
@@ -443,6 +464,7 @@ fn algorithm_name<S: Serializer>(a: &LimiterAlgorithm, s: S) -> Result<S::Ok, S:
     s.serialize_str(a.name())
 }
 
+config_table! {
 /// The health and metrics endpoint.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct ObservabilityConfig {
@@ -453,7 +475,9 @@ pub struct ObservabilityConfig {
     /// variables name one.
     pub otlp_endpoint: Option<String>,
 }
+}
 
+config_table! {
 /// Limits on one input file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct InputLimits {
@@ -461,6 +485,7 @@ pub struct InputLimits {
     pub max_requests: u64,
     /// File size in bytes (default 200 MiB).
     pub max_file_bytes: u64,
+}
 }
 
 impl Default for InputLimits {
@@ -481,6 +506,7 @@ pub struct ApiKey {
     pub tenant: String,
 }
 
+config_table! {
 /// `serve.s3`: settings of S3 storage that take precedence over the `AWS_*` environment and the
 /// shared AWS files (`~/.aws/credentials`, `~/.aws/config`); each unset one is left to them.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -498,11 +524,13 @@ pub struct S3Config {
     /// Mounted secret holding the secret access key.
     pub secret_access_key_file: Option<PathBuf>,
     /// The key id read from `access_key_id_file` (only by [`ProcessorConfig::load_service`]).
-    pub access_key_id: Option<Secret>,
+    @derived pub access_key_id: Option<Secret>,
     /// The key read from `secret_access_key_file` (only by [`ProcessorConfig::load_service`]).
-    pub secret_access_key: Option<Secret>,
+    @derived pub secret_access_key: Option<Secret>,
+}
 }
 
+config_table! {
 /// `serve.webhooks`: where tenants' webhook endpoints may point, and how deliveries are retried.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct WebhooksConfig {
@@ -529,6 +557,7 @@ pub struct WebhooksConfig {
     /// account): each batch end sends one event per endpoint, so it bounds one tenant's share
     /// of deliveries, of the fan-out and of a listing.
     pub max_endpoints_per_tenant: u32,
+}
 }
 
 impl WebhooksConfig {
@@ -654,6 +683,7 @@ impl Default for WebhooksConfig {
     }
 }
 
+config_table! {
 /// `processor serve`: the OpenAI-compatible Batch API service.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ServeConfig {
@@ -663,7 +693,7 @@ pub struct ServeConfig {
     /// loopback only.
     pub api_keys_file: Option<PathBuf>,
     /// The keys read from `api_keys_file` (only by [`ProcessorConfig::load_service`]).
-    pub api_keys: Vec<ApiKey>,
+    @derived pub api_keys: Vec<ApiKey>,
     /// The header an authenticating proxy sets to the caller's user (`X-MaaS-Username`), lower
     /// case; its (last) value is the tenant. The other way to tell tenants apart than
     /// `api_keys_file`, and exclusive with it. None by default.
@@ -675,8 +705,6 @@ pub struct ServeConfig {
     pub webhooks: WebhooksConfig,
     /// Where files live: `file:///dir` (default `file://<work_dir>/storage`) or `s3://bucket/prefix`.
     pub storage: String,
-    /// How to reach S3 storage, over the `AWS_*` environment and the shared AWS files.
-    pub s3: S3Config,
     /// Jobs this replica runs at once (default 16).
     pub max_active_jobs: usize,
     /// Prefix of the service's own Redis keys (default `batch-processor`).
@@ -694,21 +722,23 @@ pub struct ServeConfig {
     /// How often a running job's partial results are copied to storage (default 30s).
     #[serde(serialize_with = "ser_duration")]
     pub checkpoint_interval: Duration,
+    /// How to reach S3 storage, over the `AWS_*` environment and the shared AWS files.
+    pub s3: S3Config,
     /// How long a client has to send a request's headers, from its connection's opening or the
     /// end of its previous answer (default 10s): a slow or silent client is then closed. It also
     /// bounds how long a kept-alive connection waits for its next request.
     #[serde(serialize_with = "ser_duration")]
     pub header_read_timeout: Duration,
-    /// How long a connection may carry no byte either way (a stalled body, a client that does
-    /// not read its answer) before it is closed, a request in progress first answered
-    /// (default 60s).
-    #[serde(serialize_with = "ser_duration")]
-    pub idle_timeout: Duration,
     /// How long a new connection has to send its first request's whole head, its TLS
     /// handshake included (default 3s); it is closed then. Later heads get
     /// `header_read_timeout`.
     #[serde(serialize_with = "ser_duration")]
     pub first_request_timeout: Duration,
+    /// How long a connection may carry no byte either way (a stalled body, a client that does
+    /// not read its answer) before it is closed, a request in progress first answered
+    /// (default 60s).
+    #[serde(serialize_with = "ser_duration")]
+    pub idle_timeout: Duration,
     /// Connections served at once. Default (`None`): from the open-file limit, which the
     /// service raises to its hard limit at start: that limit less 1,024 for everything else,
     /// between 256 and 8,192 (an open connection not yet answered costs about 26 KiB). At the
@@ -752,7 +782,9 @@ pub struct ServeConfig {
     /// plain HTTP.
     pub tls: Option<ServeTls>,
 }
+}
 
+config_table! {
 /// `serve.tls`: PEM files, as a Kubernetes TLS secret mounts them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ServeTls {
@@ -760,6 +792,7 @@ pub struct ServeTls {
     pub cert_file: PathBuf,
     /// Its private key (PKCS#8, PKCS#1 or SEC1).
     pub key_file: PathBuf,
+}
 }
 
 impl ServeConfig {

@@ -7,56 +7,6 @@ use crate::collect::{Collector, Table};
 use crate::types::*;
 use crate::values::check_http_url;
 
-const SERVE_KEYS: &[&str] = &[
-    "listen",
-    "api_keys_file",
-    "tenant_header",
-    "pass_through_headers",
-    "webhooks",
-    "storage",
-    "max_active_jobs",
-    "state_prefix",
-    "reaper_interval",
-    "replica_id",
-    "lease_ttl",
-    "checkpoint_interval",
-    "s3",
-    "header_read_timeout",
-    "first_request_timeout",
-    "idle_timeout",
-    "max_connections",
-    "max_connections_per_peer",
-    "max_json_body_bytes",
-    "max_form_field_bytes",
-    "max_filename_bytes",
-    "max_id_bytes",
-    "tenant_max_batches",
-    "tenant_max_stored_bytes",
-    "tenant_max_files",
-    "tenant_max_running_batches",
-    "tenant_weights",
-    "tenant_max_requests_in_flight",
-    "tls",
-];
-const TLS_KEYS: &[&str] = &["cert_file", "key_file"];
-const WEBHOOKS_KEYS: &[&str] = &[
-    "allowed_hosts",
-    "allow_http",
-    "allowed_ports",
-    "timeout",
-    "retry_initial_backoff",
-    "give_up_after",
-    "max_endpoints_per_tenant",
-];
-const S3_KEYS: &[&str] = &[
-    "endpoint",
-    "region",
-    "allow_http",
-    "profile",
-    "access_key_id_file",
-    "secret_access_key_file",
-];
-
 /// The longest an edge timeout may be set to.
 const HOUR: std::time::Duration = std::time::Duration::from_secs(3600);
 
@@ -66,7 +16,7 @@ pub(super) fn serve(
     work_dir: &Path,
     needs: Needs,
 ) -> ServeConfig {
-    let t = c.table(root, "serve", SERVE_KEYS);
+    let t = c.table(root, "serve", ServeConfig::KEYS);
     let d = ServeConfig::defaults(work_dir);
     let api_keys_file = c.path(&t, "api_keys_file");
     let api_keys = match (&api_keys_file, needs) {
@@ -209,7 +159,7 @@ fn tenant_weights(
 
 /// `serve.s3`; the key files are read for the service only.
 fn s3(c: &mut Collector<'_>, serve: &Table<'_>, needs: Needs) -> S3Config {
-    let t = c.table(serve, "s3", S3_KEYS);
+    let t = c.table(serve, "s3", S3Config::KEYS);
     let allow_http = t
         .get("allow_http")
         .map(|_| c.boolean(&t, "allow_http", false));
@@ -304,7 +254,7 @@ const RESERVED_HEADERS: &[&str] = &[
 
 /// `serve.tls`: both files or neither.
 fn tls(c: &mut Collector<'_>, serve: &Table<'_>) -> Option<ServeTls> {
-    let t = c.table(serve, "tls", TLS_KEYS);
+    let t = c.table(serve, "tls", ServeTls::KEYS);
     match (c.path(&t, "cert_file"), c.path(&t, "key_file")) {
         (Some(cert_file), Some(key_file)) => Some(ServeTls {
             cert_file,
@@ -324,7 +274,7 @@ fn tls(c: &mut Collector<'_>, serve: &Table<'_>) -> Option<ServeTls> {
 
 /// `serve.webhooks`.
 fn webhooks(c: &mut Collector<'_>, serve: &Table<'_>) -> WebhooksConfig {
-    let t = c.table(serve, "webhooks", WEBHOOKS_KEYS);
+    let t = c.table(serve, "webhooks", WebhooksConfig::KEYS);
     let d = WebhooksConfig::default();
     let mut allowed_hosts = Vec::new();
     for host in string_list(c, &t, "allowed_hosts") {
