@@ -55,6 +55,8 @@ pub struct GateSizing {
     pub gate_type: String,
     /// Pool → its model servers' metrics pages (`metrics_urls`).
     pub metrics_urls: BTreeMap<String, Vec<String>>,
+    /// Whether a gate that reads the pods also closes while a request waits on any of them.
+    pub waiting_gate: bool,
     /// The gate's `max_concurrency` per pod.
     pub max_concurrency: usize,
     /// The gate's `baseline`.
@@ -80,7 +82,7 @@ impl GateSizing {
         match self.metrics_urls.get(pool).map(Vec::len) {
             _ if self.gate_type != ENDPOINT_SCRAPE => &self.gate_type,
             Some(0) | None => DISPATCHER_GATE_TYPE,
-            Some(1) => ENDPOINT_SCRAPE,
+            Some(1) if !self.waiting_gate => ENDPOINT_SCRAPE,
             Some(_) => "composite",
         }
     }
@@ -102,7 +104,8 @@ impl GateSizing {
             )]),
             ENDPOINT_SCRAPE | "composite" => {
                 let urls = self.metrics_urls.get(pool).cloned().unwrap_or_default();
-                let pod = |url: &str| {
+                // A pod's running gate: closed once max_concurrency × (1 − baseline) run.
+                let running = |url: &str| {
                     strings(&[
                         ("url", url.to_owned()),
                         ("metric", RUNNING_METRIC.to_owned()),
@@ -110,17 +113,26 @@ impl GateSizing {
                         ("baseline", format!("{}", self.baseline)),
                     ])
                 };
-                match urls.as_slice() {
-                    [one] => pod(one),
-                    several => {
-                        let gates: Vec<serde_json::Value> = several
-                            .iter()
-                            .map(|url| {
-                                serde_json::json!({"gate_type": ENDPOINT_SCRAPE, "gate_params": pod(url)})
-                            })
-                            .collect();
-                        strings(&[("gates", serde_json::Value::from(gates).to_string())])
+                // A pod's waiting gate: budget 1 − min(waiting, 1), closed while any waits.
+                let waiting = |url: &str| {
+                    strings(&[
+                        ("url", url.to_owned()),
+                        ("metric", WAITING_METRIC.to_owned()),
+                        ("max_count_per_pod", "1".to_owned()),
+                        ("baseline", "0".to_owned()),
+                    ])
+                };
+                if kind == ENDPOINT_SCRAPE {
+                    running(urls.first().map_or("", String::as_str))
+                } else {
+                    let mut gates = Vec::new();
+                    for url in &urls {
+                        gates.push(serde_json::json!({"gate_type": ENDPOINT_SCRAPE, "gate_params": running(url)}));
+                        if self.waiting_gate {
+                            gates.push(serde_json::json!({"gate_type": ENDPOINT_SCRAPE, "gate_params": waiting(url)}));
+                        }
                     }
+                    strings(&[("gates", serde_json::Value::from(gates).to_string())])
                 }
             }
             _ => strings(&[
@@ -138,6 +150,9 @@ pub const ENDPOINT_SCRAPE: &str = "endpoint-scrape";
 
 /// vLLM's gauge of the requests a server runs now: what every load-reading gate counts.
 pub const RUNNING_METRIC: &str = "vllm:num_requests_running";
+
+/// vLLM's gauge of the requests waiting in a server's queue.
+pub const WAITING_METRIC: &str = "vllm:num_requests_waiting";
 
 /// Requests a pod may run before a gate of `max_concurrency` and `baseline` closes, at least 1.
 fn per_pod_cap(max_concurrency: usize, baseline: f64) -> usize {
@@ -186,6 +201,7 @@ impl DispatcherSettings {
         let mut sizing = GateSizing {
             gate_type,
             metrics_urls: self.metrics_urls.clone(),
+            waiting_gate: self.waiting_gate,
             max_concurrency,
             baseline,
             poll_interval_ms: self.poll_interval.as_millis().max(1) as u64,

@@ -314,6 +314,7 @@ fn dispatcher_settings(c: &mut Collector<'_>, parent: &Table<'_>) -> DispatcherS
             .get("prometheus_cache_ttl")
             .map(|_| c.duration(&t, "prometheus_cache_ttl", std::time::Duration::ZERO)),
         metrics_urls,
+        waiting_gate: c.boolean(&t, "waiting_gate", d.waiting_gate),
     }
 }
 

@@ -209,6 +209,10 @@ pub struct DispatcherSettings {
     /// directly (`endpoint-scrape`, one per pod, `composite` over several), fresh at every poll,
     /// instead of through Prometheus.
     pub metrics_urls: BTreeMap<String, Vec<String>>,
+    /// With `metrics_urls`: the gate also closes while any request waits in a pod's queue
+    /// (`vllm:num_requests_waiting`), so a burst of online traffic stops the batch at once
+    /// (default true).
+    pub waiting_gate: bool,
 }
 }
 
@@ -226,6 +230,7 @@ impl Default for DispatcherSettings {
             concurrency: None,
             prometheus_cache_ttl: None,
             metrics_urls: BTreeMap::new(),
+            waiting_gate: true,
         }
     }
 }

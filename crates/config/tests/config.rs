@@ -947,21 +947,42 @@ fn the_dispatchers_gate_is_sized_from_the_pool() {
     assert!(!q.needs_prometheus() && q.reads_load());
     assert!(q.sizing.warnings.is_empty(), "{:?}", q.sizing.warnings);
     assert_eq!(q.sizing.prometheus_cache_ttl, "200ms");
-    let a = &q.queues_config[0];
-    assert_eq!(a.gate_type, "endpoint-scrape");
-    assert_eq!(a.gate_params["url"], "http://a0:8000/metrics");
-    assert_eq!(a.gate_params["metric"], "vllm:num_requests_running");
-    assert_eq!(a.gate_params["max_count_per_pod"], "16");
-    assert_eq!(a.gate_params["baseline"], "0.25");
-    let b = &q.queues_config[1];
-    assert_eq!(b.gate_type, "composite");
-    let gates: serde_json::Value = serde_json::from_str(&b.gate_params["gates"]).unwrap();
-    assert_eq!(gates.as_array().unwrap().len(), 2);
-    assert_eq!(gates[1]["gate_type"], "endpoint-scrape");
-    assert_eq!(gates[1]["gate_params"]["url"], "http://b1:8000/metrics");
+    // Pool a (one pod): its running gate and its waiting gate, in a composite.
+    let gates_of = |i: usize| -> serde_json::Value {
+        let entry = &q.queues_config[i];
+        assert_eq!(entry.gate_type, "composite");
+        serde_json::from_str(&entry.gate_params["gates"]).unwrap()
+    };
+    let a = gates_of(0);
+    assert_eq!(
+        a,
+        serde_json::json!([
+            {"gate_type": "endpoint-scrape", "gate_params": {"url": "http://a0:8000/metrics",
+             "metric": "vllm:num_requests_running", "max_count_per_pod": "16", "baseline": "0.25"}},
+            {"gate_type": "endpoint-scrape", "gate_params": {"url": "http://a0:8000/metrics",
+             "metric": "vllm:num_requests_waiting", "max_count_per_pod": "1", "baseline": "0"}},
+        ])
+    );
+    // Pool b (two pods): both gates of each.
+    let b = gates_of(1);
+    assert_eq!(b.as_array().unwrap().len(), 4);
+    assert_eq!(b[2]["gate_params"]["url"], "http://b1:8000/metrics");
+    assert_eq!(b[3]["gate_params"]["metric"], "vllm:num_requests_waiting");
     let v10 = q.command_v0_10("t.json");
     assert!(!v10.contains("--prometheus-url"), "{v10}");
     assert!(v10.contains("--prometheus-cache-ttl 200ms"), "{v10}");
+    // Without the waiting gate, one pod's gate is a plain endpoint-scrape.
+    let q = load(
+        "    max_num_seqs: 16\n    waiting_gate: false\n    metrics_urls:\n      pool-a: [\"http://a0:8000/metrics\"]\n      pool-b: [\"http://b0:8000/metrics\"]\n",
+    )
+    .unwrap()
+    .dispatcher_queues()
+    .unwrap();
+    let a = &q.queues_config[0];
+    assert_eq!(a.gate_type, "endpoint-scrape");
+    assert_eq!(a.gate_params["url"], "http://a0:8000/metrics");
+    assert_eq!(a.gate_params["max_count_per_pod"], "16");
+
     // A pool left out of metrics_urls keeps the Prometheus gate, said.
     let q = load("    metrics_urls:\n      pool-a: [\"http://a0:8000/metrics\"]\n")
         .unwrap()

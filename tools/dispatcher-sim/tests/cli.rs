@@ -637,7 +637,8 @@ fn the_configuration_processor_queues_prints_starts_the_simulator() {
 }
 
 /// With the pods' metrics pages in the config, `processor queues` prints gates that read them
-/// itself (`endpoint-scrape`) and no `--prometheus-url`: the simulator starts from exactly that
+/// itself (`endpoint-scrape` on running and on waiting requests, in a `composite`) and no
+/// `--prometheus-url`: the simulator starts from exactly that
 /// (a gateway in vLLM mode standing in for the model server) and carries a request.
 #[test]
 fn the_endpoint_scrape_configuration_processor_queues_prints_starts_the_simulator() {
@@ -658,7 +659,7 @@ fn the_endpoint_scrape_configuration_processor_queues_prints_starts_the_simulato
     .unwrap();
     let config = batch_config::ProcessorConfig::load(&yaml).unwrap();
     let queues = config.dispatcher_queues().unwrap();
-    assert_eq!(queues.queues_config[0].gate_type, "endpoint-scrape");
+    assert_eq!(queues.queues_config[0].gate_type, "composite");
     std::fs::write(dir.path().join("queues.json"), queues.queues_config_json()).unwrap();
     let printed = queues.command_v0_9("queues.json");
     assert!(!printed.contains("--prometheus-url"), "{printed}");

@@ -958,6 +958,61 @@ async fn an_endpoint_scrape_gate_holds_the_batch_at_the_servers_slots() {
     }
 }
 
+/// A waiting gate beside the running one (what `processor queues` prints with `metrics_urls`):
+/// the running gate alone, sized above the server's 4 slots, would let all 12 in; the waiting
+/// gate (`vllm:num_requests_waiting`, `max_count_per_pod` 1) closes as soon as one waits.
+#[tokio::test]
+async fn a_waiting_gate_closes_as_soon_as_a_request_queues() {
+    let redis = RedisServer::start();
+    let client = common::redis_client(&redis.url()).await;
+    let gw = gateway(GatewayConfig {
+        latency_fixed: Duration::from_millis(400),
+        max_num_seqs: Some(4),
+        ..GatewayConfig::default()
+    })
+    .await;
+    for i in 0..12 {
+        let id = format!("p{i}");
+        enqueue(
+            &client,
+            QUEUE,
+            &id,
+            now() + 600,
+            &chat(&id),
+            &internal_to(RESULTS),
+        )
+        .await;
+    }
+    let page = format!("{}/metrics", gw.base_url());
+    let scrape = |metric: &str, max: &str| {
+        serde_json::json!({"gate_type": "endpoint-scrape", "gate_params": {
+            "url": page, "metric": metric, "max_count_per_pod": max, "baseline": "0"}})
+    };
+    let gates = serde_json::json!([
+        scrape("vllm:num_requests_running", "8"),
+        scrape("vllm:num_requests_waiting", "1"),
+    ]);
+    let e = QueueEntry {
+        gate_type: Some("composite".into()),
+        gate_params: [("gates".to_owned(), gates.to_string())].into(),
+        ..QueueEntry::new(QUEUE)
+    };
+    let mut config = fast(&redis.url(), vec![e]);
+    config.batch_size = 4;
+    config.prometheus_cache_ttl = Duration::ZERO;
+    let d = Dispatcher::start(config, Some(&gw)).await.unwrap();
+    results(&client, RESULTS, 12, WAIT).await;
+    let s = gw.stats();
+    assert_eq!(s.responses(200), 12);
+    // 4 running, and the poll that first sees one waiting may have sent one more.
+    assert!(
+        s.max_in_flight_seen <= 6,
+        "closed once one waits: saw {} at once",
+        s.max_in_flight_seen
+    );
+    d.shutdown().await;
+}
+
 /// The real gate reuses a reading for `--prometheus-cache-ttl`: while it does, every poll
 /// releases on the load it saw first, so a gate that would hold 4 lets a burst through.
 #[tokio::test]

@@ -75,6 +75,8 @@ struct Case {
     /// Async mode: the config names the server's metrics page (`metrics_urls`), so the printed
     /// gate reads it itself (`endpoint-scrape`) instead of through Prometheus.
     dispatcher_pages: bool,
+    /// With `dispatcher_pages`: `waiting_gate: false` (the gate reads running requests only).
+    no_waiting_gate: bool,
     /// `load.headroom`, or no `load` section.
     headroom: Option<f64>,
     /// The server schedules by priority and the batch sends [`BATCH_PRIORITY`].
@@ -91,9 +93,14 @@ impl Case {
             .interval_ms
             .map_or(String::new(), |ms| format!(", every {ms} ms"));
         if let Some(h) = self.dispatcher_headroom {
-            return match self.dispatcher_pages {
-                false => format!("async, printed config, Prometheus gate (headroom {h})"),
-                true => format!("async, printed config, gate reading the pod (headroom {h})"),
+            return match (self.dispatcher_pages, self.no_waiting_gate) {
+                (false, _) => format!("async, printed config, Prometheus gate (headroom {h})"),
+                (true, false) => {
+                    format!("async, printed config, gate reading the pod (headroom {h})")
+                }
+                (true, true) => format!(
+                    "async, printed config, gate reading the pod, running only (headroom {h})"
+                ),
             };
         }
         match (self.headroom, self.priority) {
@@ -110,6 +117,7 @@ impl Case {
         Case {
             dispatcher_headroom: None,
             dispatcher_pages: false,
+            no_waiting_gate: false,
             headroom: Some(headroom),
             priority: false,
             targeted: false,
@@ -127,7 +135,7 @@ impl Case {
     }
 }
 
-const CASES: [Case; 11] = [
+const CASES: [Case; 12] = [
     Case {
         headroom: None,
         ..Case::load(0.0, None)
@@ -160,6 +168,11 @@ const CASES: [Case; 11] = [
     Case {
         dispatcher_pages: true,
         ..Case::dispatcher(0.4)
+    },
+    Case {
+        dispatcher_pages: true,
+        no_waiting_gate: true,
+        ..Case::dispatcher(0.25)
     },
 ];
 
@@ -462,9 +475,10 @@ async fn beside_dispatcher(
     let gateway = simulator::gateway(server(false)).await?;
     let pages = if case.dispatcher_pages {
         format!(
-            "    metrics_urls:\n      {}: [{}/metrics]\n",
+            "    metrics_urls:\n      {}: [{}/metrics]\n    waiting_gate: {}\n",
             crate::inputs::POOL,
-            gateway.base_url()
+            gateway.base_url(),
+            !case.no_waiting_gate
         )
     } else {
         String::new()
