@@ -17,128 +17,141 @@ pub(super) fn serve(
     needs: Needs,
 ) -> ServeConfig {
     let t = c.table(root, "serve", ServeConfig::KEYS);
-    let d = ServeConfig::defaults(work_dir);
-    let api_keys_file = c.path(&t, "api_keys_file");
-    let api_keys = match (&api_keys_file, needs) {
-        (Some(file), Needs::Service) => read_api_keys(c, &t, file),
-        _ => Vec::new(),
-    };
+    // Each step overwrites the defaults with what is set; the steps run in the order of the
+    // keys they read, so that the problems are reported in that order.
+    let mut serve = ServeConfig::defaults(work_dir);
+    tenant_naming(c, &t, needs, &mut serve);
+    serve.webhooks = webhooks(c, &t);
+    storage(c, &t, &mut serve);
+    serve.s3 = s3(c, &t, needs);
+    serve.tls = tls(c, &t);
+    serve.listen = c.socket_addr(&t, "listen").unwrap_or(serve.listen);
+    jobs_and_leases(c, &t, &mut serve);
+    edge_limits(c, &t, &mut serve);
+    tenant_quotas(c, &t, &mut serve);
+    serve
+}
+
+/// How requests name their tenant: API keys (read for the service only), or a trusted header,
+/// and the headers passed through to the model gateways.
+fn tenant_naming(c: &mut Collector<'_>, t: &Table<'_>, needs: Needs, serve: &mut ServeConfig) {
+    let api_keys_file = c.path(t, "api_keys_file");
+    if let (Some(file), Needs::Service) = (&api_keys_file, needs) {
+        serve.api_keys = read_api_keys(c, t, file);
+    }
     let tenant_header =
-        c.text(&t, "tenant_header")
+        c.text(t, "tenant_header")
             .and_then(|name| match check_header_name(&name) {
                 Ok(name) => Some(name),
                 Err(problem) => {
-                    c.at(&t, "tenant_header", problem);
+                    c.at(t, "tenant_header", problem);
                     None
                 }
             });
     if tenant_header.is_some() && api_keys_file.is_some() {
         c.at(
-            &t,
+            t,
             "tenant_header",
             "set either tenant_header or api_keys_file, not both: they are two ways to name tenants",
         );
     }
-    let pass_through_headers = pass_through_headers(c, &t, tenant_header.as_deref());
-    let webhooks = webhooks(c, &t);
-    let storage = match c.text(&t, "storage") {
-        None => d.storage,
-        Some(url) => match check_storage_url(&url) {
-            Ok(()) => url,
-            Err(problem) => {
-                c.at(&t, "storage", problem);
-                d.storage
-            }
-        },
-    };
-    let state_prefix = name_part(c, &t, "state_prefix", "prefix").unwrap_or(d.state_prefix);
-    let s3 = s3(c, &t, needs);
-    let tls = tls(c, &t);
-    ServeConfig {
-        tls,
-        listen: c.socket_addr(&t, "listen").unwrap_or(d.listen),
-        api_keys_file,
-        api_keys,
-        tenant_header,
-        pass_through_headers,
-        webhooks,
-        storage,
-        s3,
-        max_active_jobs: c.bounded_count(&t, "max_active_jobs", d.max_active_jobs, 1, 10_000),
-        state_prefix,
-        reaper_interval: c.positive_duration(&t, "reaper_interval", d.reaper_interval),
-        replica_id: name_part(c, &t, "replica_id", "replica id").unwrap_or(d.replica_id),
-        lease_ttl: c.positive_duration(&t, "lease_ttl", d.lease_ttl),
-        checkpoint_interval: c.positive_duration(&t, "checkpoint_interval", d.checkpoint_interval),
-        header_read_timeout: c.bounded_duration(
-            &t,
-            "header_read_timeout",
-            d.header_read_timeout,
-            HOUR,
-        ),
-        first_request_timeout: c.bounded_duration(
-            &t,
-            "first_request_timeout",
-            d.first_request_timeout,
-            HOUR,
-        ),
-        idle_timeout: c.bounded_duration(&t, "idle_timeout", d.idle_timeout, HOUR),
-        max_connections: t
-            .get("max_connections")
-            .map(|_| c.bounded_count(&t, "max_connections", 1, 1, 1 << 20)),
-        max_connections_per_peer: t
-            .get("max_connections_per_peer")
-            .map(|_| c.bounded_count(&t, "max_connections_per_peer", 0, 0, 1 << 20)),
-        max_json_body_bytes: c.bounded_byte_size(
-            &t,
-            "max_json_body_bytes",
-            d.max_json_body_bytes,
-            1 << 30,
-        ),
-        max_form_field_bytes: c.bounded_byte_size(
-            &t,
-            "max_form_field_bytes",
-            d.max_form_field_bytes,
-            1 << 30,
-        ),
-        max_filename_bytes: c.bounded_count(
-            &t,
-            "max_filename_bytes",
-            d.max_filename_bytes,
-            1,
-            1 << 20,
-        ),
-        max_id_bytes: c.bounded_count(&t, "max_id_bytes", d.max_id_bytes, 16, 1 << 16),
-        tenant_max_batches: c.bounded_count(
-            &t,
-            "tenant_max_batches",
-            d.tenant_max_batches,
-            1,
-            1 << 30,
-        ),
-        tenant_max_stored_bytes: c.bounded_byte_size(
-            &t,
-            "tenant_max_stored_bytes",
-            d.tenant_max_stored_bytes,
-            1 << 50,
-        ),
-        tenant_max_files: c.bounded_count(&t, "tenant_max_files", d.tenant_max_files, 1, 1 << 30),
-        tenant_max_running_batches: c.bounded_count(
-            &t,
-            "tenant_max_running_batches",
-            d.tenant_max_running_batches,
-            1,
-            1 << 20,
-        ),
-        tenant_weights: tenant_weights(c, &t),
-        tenant_max_requests_in_flight: c.bounded_count(
-            &t,
-            "tenant_max_requests_in_flight",
-            d.tenant_max_requests_in_flight,
-            0,
-            1_000_000,
-        ),
+    serve.pass_through_headers = pass_through_headers(c, t, tenant_header.as_deref());
+    serve.api_keys_file = api_keys_file;
+    serve.tenant_header = tenant_header;
+}
+
+/// Where files and the service's state live: the storage URL and the state's key prefix.
+fn storage(c: &mut Collector<'_>, t: &Table<'_>, serve: &mut ServeConfig) {
+    if let Some(url) = c.text(t, "storage") {
+        match check_storage_url(&url) {
+            Ok(()) => serve.storage = url,
+            Err(problem) => c.at(t, "storage", problem),
+        }
     }
+    if let Some(prefix) = name_part(c, t, "state_prefix", "prefix") {
+        serve.state_prefix = prefix;
+    }
+}
+
+/// How many jobs this replica runs, and the leases and checkpoints that let another take over.
+fn jobs_and_leases(c: &mut Collector<'_>, t: &Table<'_>, serve: &mut ServeConfig) {
+    serve.max_active_jobs = c.bounded_count(t, "max_active_jobs", serve.max_active_jobs, 1, 10_000);
+    serve.reaper_interval = c.positive_duration(t, "reaper_interval", serve.reaper_interval);
+    if let Some(replica_id) = name_part(c, t, "replica_id", "replica id") {
+        serve.replica_id = replica_id;
+    }
+    serve.lease_ttl = c.positive_duration(t, "lease_ttl", serve.lease_ttl);
+    serve.checkpoint_interval =
+        c.positive_duration(t, "checkpoint_interval", serve.checkpoint_interval);
+}
+
+/// What the listener accepts: its timeouts, connection caps and request sizes.
+fn edge_limits(c: &mut Collector<'_>, t: &Table<'_>, serve: &mut ServeConfig) {
+    serve.header_read_timeout =
+        c.bounded_duration(t, "header_read_timeout", serve.header_read_timeout, HOUR);
+    serve.first_request_timeout = c.bounded_duration(
+        t,
+        "first_request_timeout",
+        serve.first_request_timeout,
+        HOUR,
+    );
+    serve.idle_timeout = c.bounded_duration(t, "idle_timeout", serve.idle_timeout, HOUR);
+    serve.max_connections = t
+        .get("max_connections")
+        .map(|_| c.bounded_count(t, "max_connections", 1, 1, 1 << 20));
+    serve.max_connections_per_peer = t
+        .get("max_connections_per_peer")
+        .map(|_| c.bounded_count(t, "max_connections_per_peer", 0, 0, 1 << 20));
+    serve.max_json_body_bytes =
+        c.bounded_byte_size(t, "max_json_body_bytes", serve.max_json_body_bytes, 1 << 30);
+    serve.max_form_field_bytes = c.bounded_byte_size(
+        t,
+        "max_form_field_bytes",
+        serve.max_form_field_bytes,
+        1 << 30,
+    );
+    serve.max_filename_bytes = c.bounded_count(
+        t,
+        "max_filename_bytes",
+        serve.max_filename_bytes,
+        1,
+        1 << 20,
+    );
+    serve.max_id_bytes = c.bounded_count(t, "max_id_bytes", serve.max_id_bytes, 16, 1 << 16);
+}
+
+/// What one tenant may hold and run at once, and its share of the gateways.
+fn tenant_quotas(c: &mut Collector<'_>, t: &Table<'_>, serve: &mut ServeConfig) {
+    serve.tenant_max_batches = c.bounded_count(
+        t,
+        "tenant_max_batches",
+        serve.tenant_max_batches,
+        1,
+        1 << 30,
+    );
+    serve.tenant_max_stored_bytes = c.bounded_byte_size(
+        t,
+        "tenant_max_stored_bytes",
+        serve.tenant_max_stored_bytes,
+        1 << 50,
+    );
+    serve.tenant_max_files =
+        c.bounded_count(t, "tenant_max_files", serve.tenant_max_files, 1, 1 << 30);
+    serve.tenant_max_running_batches = c.bounded_count(
+        t,
+        "tenant_max_running_batches",
+        serve.tenant_max_running_batches,
+        1,
+        1 << 20,
+    );
+    serve.tenant_weights = tenant_weights(c, t);
+    serve.tenant_max_requests_in_flight = c.bounded_count(
+        t,
+        "tenant_max_requests_in_flight",
+        serve.tenant_max_requests_in_flight,
+        0,
+        1_000_000,
+    );
 }
 
 /// `serve.tenant_weights`: tenant name to a whole weight from 1 to 1,000.
