@@ -150,6 +150,28 @@ const EXPECTED: &str = "expected redis://, rediss://, redis-cluster://, rediss-c
 /// # Ok::<(), batch_redis::UrlError>(())
 /// ```
 pub fn parse_url(url: &str) -> Result<RedisUrl, UrlError> {
+    let (kind, tls) = scheme(url)?;
+    let (parsed, host) = well_formed(url)?;
+    let credentials = !parsed.username().is_empty() || parsed.password().is_some();
+    let default_port = if kind == 2 { 26379 } else { 6379 };
+    let mut nodes = vec![(host, parsed.port().unwrap_or(default_port))];
+    let service_name = query(kind, &parsed, &mut nodes)?;
+    let database = database(parsed.path())?;
+    let topology = topology(kind, database, service_name)?;
+    let config = client_config(url, tls)?;
+    Ok(RedisUrl {
+        topology,
+        tls,
+        nodes,
+        database,
+        credentials,
+        config,
+    })
+}
+
+/// The topology without its name (an index into the forms of [`SCHEMES`]) and whether the URL
+/// asks for TLS.
+fn scheme(url: &str) -> Result<(u8, bool), UrlError> {
     let Some((scheme, _)) = url.split_once("://") else {
         return bad(format!("not a Redis URL ({EXPECTED})"));
     };
@@ -161,6 +183,11 @@ pub fn parse_url(url: &str) -> Result<RedisUrl, UrlError> {
         };
         return bad(format!("unsupported {shown} ({EXPECTED})"));
     };
+    Ok((kind, tls))
+}
+
+/// The URL parsed, with its host: no whitespace, no fragment, and a password with any user.
+fn well_formed(url: &str) -> Result<(url::Url, String), UrlError> {
     if url.chars().any(char::is_whitespace) {
         return bad("the URL contains whitespace");
     }
@@ -179,13 +206,19 @@ pub fn parse_url(url: &str) -> Result<RedisUrl, UrlError> {
     if parsed.fragment().is_some() {
         return bad("the URL has a #fragment (a '#' in a password must be written %23)");
     }
-    let credentials = !parsed.username().is_empty() || parsed.password().is_some();
     if !parsed.username().is_empty() && parsed.password().is_none() {
         return bad("the URL has a user name but no password (write user:password@host)");
     }
+    Ok((parsed, host))
+}
 
-    let default_port = if kind == 2 { 26379 } else { 6379 };
-    let mut nodes = vec![(host, parsed.port().unwrap_or(default_port))];
+/// Reads the query parameters the form of `kind` takes: further nodes into `nodes`, and the
+/// sentinel service name, returned; any other parameter is refused.
+fn query(
+    kind: u8,
+    parsed: &url::Url,
+    nodes: &mut Vec<(String, u16)>,
+) -> Result<Option<String>, UrlError> {
     let mut service_name = None;
     for (key, value) in parsed.query_pairs() {
         match (kind, key.as_ref()) {
@@ -199,26 +232,36 @@ pub fn parse_url(url: &str) -> Result<RedisUrl, UrlError> {
                 }
             }
             (2, "sentinelUsername" | "sentinelPassword") => {}
-            (_, key) => {
-                let shown = if key.len() <= 32
-                    && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-                {
-                    format!("query parameter {key:?}")
-                } else {
-                    "query parameter".to_owned()
-                };
-                let hint = match kind {
-                    0 => " (a redis:// URL takes none; use redis-cluster:// or redis-sentinel:// for several nodes)",
-                    1 => " (a cluster URL takes only node=host:port)",
-                    _ => " (a sentinel URL takes sentinelServiceName, node, sentinelUsername, sentinelPassword)",
-                };
-                return bad(format!("unknown {shown}{hint}"));
-            }
+            (_, key) => return Err(unknown_parameter(kind, key)),
         }
     }
+    Ok(service_name)
+}
 
-    let database = database(parsed.path())?;
-    let topology = match kind {
+/// Why `key` is refused on a URL of `kind`, naming the key only when it cannot be a secret.
+fn unknown_parameter(kind: u8, key: &str) -> UrlError {
+    let shown = if key.len() <= 32 && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        format!("query parameter {key:?}")
+    } else {
+        "query parameter".to_owned()
+    };
+    let hint = match kind {
+        0 => " (a redis:// URL takes none; use redis-cluster:// or redis-sentinel:// for several nodes)",
+        1 => " (a cluster URL takes only node=host:port)",
+        _ => " (a sentinel URL takes sentinelServiceName, node, sentinelUsername, sentinelPassword)",
+    };
+    UrlError {
+        reason: format!("unknown {shown}{hint}"),
+    }
+}
+
+/// The topology of `kind`: a cluster has database 0 only, a sentinel URL names its service.
+fn topology(
+    kind: u8,
+    database: Option<u8>,
+    service_name: Option<String>,
+) -> Result<Topology, UrlError> {
+    Ok(match kind {
         0 => Topology::Single,
         1 => {
             if database.unwrap_or(0) != 0 {
@@ -233,25 +276,20 @@ pub fn parse_url(url: &str) -> Result<RedisUrl, UrlError> {
                         .into(),
             })?,
         },
-    };
+    })
+}
 
+/// The client's own configuration from the same URL.
+fn client_config(url: &str, tls: bool) -> Result<Config, UrlError> {
     // fred parses the same string; TLS is left to connect, which builds it from the options.
     let plain = match tls {
         true => format!("redis{}", &url["rediss".len()..]),
         false => url.to_owned(),
     };
-    let config = match Config::from_url(&plain) {
-        Ok(config) => config,
-        Err(e) => return bad(format!("the Redis client refuses the URL: {}", e.details())),
-    };
-    Ok(RedisUrl {
-        topology,
-        tls,
-        nodes,
-        database,
-        credentials,
-        config,
-    })
+    match Config::from_url(&plain) {
+        Ok(config) => Ok(config),
+        Err(e) => bad(format!("the Redis client refuses the URL: {}", e.details())),
+    }
 }
 
 fn node(value: &str) -> Result<(String, u16), UrlError> {
