@@ -152,6 +152,73 @@ enum NoAnswer {
     Network(String),
 }
 
+/// Options of the endpoint `name` that cannot be used.
+fn invalid(name: &str, message: String) -> DispatchError {
+    DispatchError::InvalidOptions {
+        endpoint: name.to_owned(),
+        message,
+    }
+}
+
+/// `base_url` without its trailing slashes, when it is an http:// or https:// URL with a host
+/// and no query.
+fn checked_base_url(name: &str, base_url: &str) -> Result<String, DispatchError> {
+    let base_url = base_url.trim_end_matches('/').to_owned();
+    let uri: Uri = base_url
+        .parse()
+        .map_err(|e| invalid(name, format!("base_url {base_url:?}: {e}")))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+        return Err(invalid(
+            name,
+            format!("base_url {base_url:?} must be an http:// or https:// URL with a host"),
+        ));
+    }
+    if uri.query().is_some() {
+        return Err(invalid(
+            name,
+            format!("base_url {base_url:?} must not have a query"),
+        ));
+    }
+    Ok(base_url)
+}
+
+/// The headers the endpoint adds to every request: its API key and inference objective.
+fn own_headers(name: &str, options: &EndpointOptions) -> Result<HeaderMap, DispatchError> {
+    let mut own_headers = HeaderMap::new();
+    if let Some(key) = &options.api_key {
+        let mut value = HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
+            invalid(
+                name,
+                "api_key contains characters not allowed in a header".into(),
+            )
+        })?;
+        value.set_sensitive(true);
+        own_headers.insert(header::AUTHORIZATION, value);
+    }
+    if let Some(objective) = &options.inference_objective {
+        let value = HeaderValue::try_from(objective.as_str()).map_err(|_| {
+            invalid(
+                name,
+                format!("inference_objective {objective:?} is not a valid header value"),
+            )
+        })?;
+        own_headers.insert(OBJECTIVE_HEADER, value);
+    }
+    Ok(own_headers)
+}
+
+/// The endpoint's adaptive limiter when AIMD is on.
+fn build_limiter(limits: &LimitOptions) -> Result<Option<Box<dyn Limiter>>, DispatchError> {
+    if !limits.aimd_enabled {
+        return Ok(None);
+    }
+    let limiter = limits
+        .algorithm
+        .build(limits.aimd_config())
+        .map_err(|e| DispatchError::InvalidLimits(e.to_string()))?;
+    Ok(Some(limiter))
+}
+
 impl SyncDispatcher {
     /// A dispatcher with no endpoint yet. `limits` is checked by [`add_endpoint`](Self::add_endpoint).
     pub fn new(limits: LimitOptions) -> Self {
@@ -177,52 +244,10 @@ impl SyncDispatcher {
         let limits = &self.inner.limits;
         limits.validate()?;
         options.validate(name)?;
-        let invalid = |message: String| DispatchError::InvalidOptions {
-            endpoint: name.to_owned(),
-            message,
-        };
-        let base_url = options.base_url.trim_end_matches('/').to_owned();
-        let uri: Uri = base_url
-            .parse()
-            .map_err(|e| invalid(format!("base_url {base_url:?}: {e}")))?;
-        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
-            return Err(invalid(format!(
-                "base_url {base_url:?} must be an http:// or https:// URL with a host"
-            )));
-        }
-        if uri.query().is_some() {
-            return Err(invalid(format!(
-                "base_url {base_url:?} must not have a query"
-            )));
-        }
-
-        let mut own_headers = HeaderMap::new();
-        if let Some(key) = &options.api_key {
-            let mut value = HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
-                invalid("api_key contains characters not allowed in a header".into())
-            })?;
-            value.set_sensitive(true);
-            own_headers.insert(header::AUTHORIZATION, value);
-        }
-        if let Some(objective) = &options.inference_objective {
-            let value = HeaderValue::try_from(objective.as_str()).map_err(|_| {
-                invalid(format!(
-                    "inference_objective {objective:?} is not a valid header value"
-                ))
-            })?;
-            own_headers.insert(OBJECTIVE_HEADER, value);
-        }
-
+        let base_url = checked_base_url(name, &options.base_url)?;
+        let own_headers = own_headers(name, &options)?;
         let client = self.client_for(&options.tls)?;
-        let limiter = if limits.aimd_enabled {
-            let limiter = limits
-                .algorithm
-                .build(limits.aimd_config())
-                .map_err(|e| DispatchError::InvalidLimits(e.to_string()))?;
-            Some(limiter)
-        } else {
-            None
-        };
+        let limiter = build_limiter(limits)?;
         let initial = limiter.as_ref().map_or(limits.per_endpoint, |l| l.limit());
         let per_attempt = limiter
             .as_ref()
@@ -245,7 +270,17 @@ impl SyncDispatcher {
             load_fresh: AtomicBool::new(false),
             priority: options.load.as_ref().and_then(|l| l.priority),
         });
+        self.register(name, endpoint, options)
+    }
 
+    /// Adds `endpoint` under a name not yet taken, with the task that follows its pool's load
+    /// when `options` ask for one, and publishes its starting limit.
+    fn register(
+        &self,
+        name: &str,
+        endpoint: Arc<Endpoint>,
+        options: EndpointOptions,
+    ) -> Result<(), DispatchError> {
         let mut endpoints = self
             .inner
             .endpoints
@@ -254,13 +289,16 @@ impl SyncDispatcher {
         if endpoints.contains_key(name) {
             return Err(DispatchError::DuplicateEndpoint(name.to_owned()));
         }
+        let initial = endpoint.semaphore.limit();
         if let Some(load) = options.load {
             let Ok(runtime) = tokio::runtime::Handle::try_current() else {
                 return Err(invalid(
+                    name,
                     "load is read by a task: add the endpoint within a Tokio runtime".into(),
                 ));
             };
-            runtime.spawn(yielding::follow(Arc::downgrade(&endpoint), load, *limits));
+            let limits = self.inner.limits;
+            runtime.spawn(yielding::follow(Arc::downgrade(&endpoint), load, limits));
         }
         endpoints.insert(name.to_owned(), endpoint);
         metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => name.to_owned())
