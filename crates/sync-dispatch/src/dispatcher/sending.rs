@@ -1,6 +1,8 @@
 //! One endpoint's side of a request: preparing it, sending it with retries, and feeding what
 //! each answer says back to the limiter.
 
+use std::ops::ControlFlow;
+
 use super::*;
 
 /// A request checked and turned into its URI and fixed headers, before any permit is taken.
@@ -60,80 +62,127 @@ impl Endpoint {
                     Feedback::Silent,
                 );
             };
-            let epoch = self.epoch();
-            let (attempt_guard, in_flight) = AttemptGuard::enter(&self.attempts);
-            let sent = Instant::now();
-            let answer = self.attempt(prepared, &request.body, slo_left).await;
-            // Requests sent after this one may have reached the gateway before it: the count
-            // when the answer came is the better measure of what a refusal met.
-            let in_flight_at_answer = attempt_guard.leave();
-            if self.per_attempt {
-                if let Ok(answer) = &answer {
-                    let seen = (in_flight, in_flight_at_answer);
-                    let tokens = completion_tokens(&answer.body);
-                    self.observe(answer.status, sent.elapsed(), tokens, seen, epoch);
-                }
-            }
-            let (cause, retry_after) = match answer {
-                Ok(answer) => {
-                    let status = answer.status;
-                    if (status == 429 || status == 503) && ttl_expired(&answer.headers) {
-                        tracing::debug!(endpoint = %self.name, id = request.id, status, "gateway dropped the request: TTL expired");
-                        let message = format!(
-                            "the inference gateway dropped the request ({status}, {TTL_EXPIRED})"
-                        );
-                        return (expired(&message), final_feedback(status, capacity_retry));
-                    }
-                    if !retry::is_retryable_status(status) || retry >= self.max_retries {
-                        let feedback = final_feedback(status, capacity_retry);
-                        return (
-                            SyncOutcome::Http {
-                                status,
-                                body: answer.body,
-                            },
-                            feedback,
-                        );
-                    }
-                    capacity_retry = true;
-                    let retry_after = answer
-                        .headers
-                        .get(header::RETRY_AFTER)
-                        .and_then(|v| v.to_str().ok())
-                        .and_then(|v| retry::parse_retry_after(v, SystemTime::now()));
-                    (RetryCause::Status(status), retry_after)
-                }
-                Err(failure) => {
-                    let message = match &failure {
-                        NoAnswer::Timeout(after) => format!("no answer within {after:?}"),
-                        NoAnswer::Network(error) => error.clone(),
-                    };
-                    if retry >= self.max_retries {
-                        tracing::warn!(endpoint = %self.name, id = request.id, attempts = retry + 1, error = %message, "inference request failed");
-                        let message = format!(
-                            "inference request failed after {} attempt(s): {message}",
-                            retry + 1
-                        );
-                        return (
-                            SyncOutcome::failed(dispatcher_error_codes::INFERENCE_ERROR, message),
-                            Feedback::Silent,
-                        );
-                    }
-                    tracing::debug!(endpoint = %self.name, id = request.id, error = %message, "attempt failed");
-                    (RetryCause::Network, None)
-                }
+            let judged = match self.observed_attempt(prepared, request, slo_left).await {
+                Ok(answer) => self.judge_answer(answer, request, retry, &mut capacity_retry),
+                Err(failure) => self.judge_failure(&failure, request, retry),
             };
-            let delay = self
-                .backoff
-                .delay(retry, cause, retry_after, retry::jitter());
-            tracing::debug!(endpoint = %self.name, id = request.id, ?cause, retry = retry + 1, delay_ms = delay.as_millis() as u64, "retrying");
-            if self.per_attempt {
-                permits.held = None;
-            }
-            // No point sleeping past the SLO: the next turn reports the expiry.
-            let slo_left = time_left(request.slo_deadline).unwrap_or(Duration::ZERO);
-            tokio::time::sleep(delay.min(slo_left)).await;
+            let (cause, retry_after) = match judged {
+                ControlFlow::Break(done) => return done,
+                ControlFlow::Continue(again) => again,
+            };
+            self.wait_to_retry(request, permits, retry, cause, retry_after)
+                .await;
             retry += 1;
         }
+    }
+
+    /// One attempt, its answer fed to a per-attempt limiter.
+    async fn observed_attempt(
+        &self,
+        prepared: &Prepared,
+        request: &SyncRequest<'_>,
+        slo_left: Duration,
+    ) -> Result<Answer, NoAnswer> {
+        let epoch = self.epoch();
+        let (attempt_guard, in_flight) = AttemptGuard::enter(&self.attempts);
+        let sent = Instant::now();
+        let answer = self.attempt(prepared, &request.body, slo_left).await;
+        // Requests sent after this one may have reached the gateway before it: the count
+        // when the answer came is the better measure of what a refusal met.
+        let in_flight_at_answer = attempt_guard.leave();
+        if self.per_attempt {
+            if let Ok(answer) = &answer {
+                let seen = (in_flight, in_flight_at_answer);
+                let tokens = completion_tokens(&answer.body);
+                self.observe(answer.status, sent.elapsed(), tokens, seen, epoch);
+            }
+        }
+        answer
+    }
+
+    /// The request's outcome when `answer` ends it, else why and after how long to retry;
+    /// notes in `capacity_retry` that a retry was for the gateway's capacity.
+    fn judge_answer(
+        &self,
+        answer: Answer,
+        request: &SyncRequest<'_>,
+        retry: u32,
+        capacity_retry: &mut bool,
+    ) -> ControlFlow<(SyncOutcome, Feedback), (RetryCause, Option<Duration>)> {
+        let status = answer.status;
+        if (status == 429 || status == 503) && ttl_expired(&answer.headers) {
+            tracing::debug!(endpoint = %self.name, id = request.id, status, "gateway dropped the request: TTL expired");
+            let message =
+                format!("the inference gateway dropped the request ({status}, {TTL_EXPIRED})");
+            return ControlFlow::Break((
+                expired(&message),
+                final_feedback(status, *capacity_retry),
+            ));
+        }
+        if !retry::is_retryable_status(status) || retry >= self.max_retries {
+            let feedback = final_feedback(status, *capacity_retry);
+            return ControlFlow::Break((
+                SyncOutcome::Http {
+                    status,
+                    body: answer.body,
+                },
+                feedback,
+            ));
+        }
+        *capacity_retry = true;
+        let retry_after = answer
+            .headers
+            .get(header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| retry::parse_retry_after(v, SystemTime::now()));
+        ControlFlow::Continue((RetryCause::Status(status), retry_after))
+    }
+
+    /// The request's outcome when no retry is left after `failure`, else the cause to retry.
+    fn judge_failure(
+        &self,
+        failure: &NoAnswer,
+        request: &SyncRequest<'_>,
+        retry: u32,
+    ) -> ControlFlow<(SyncOutcome, Feedback), (RetryCause, Option<Duration>)> {
+        let message = match failure {
+            NoAnswer::Timeout(after) => format!("no answer within {after:?}"),
+            NoAnswer::Network(error) => error.clone(),
+        };
+        if retry >= self.max_retries {
+            tracing::warn!(endpoint = %self.name, id = request.id, attempts = retry + 1, error = %message, "inference request failed");
+            let message = format!(
+                "inference request failed after {} attempt(s): {message}",
+                retry + 1
+            );
+            return ControlFlow::Break((
+                SyncOutcome::failed(dispatcher_error_codes::INFERENCE_ERROR, message),
+                Feedback::Silent,
+            ));
+        }
+        tracing::debug!(endpoint = %self.name, id = request.id, error = %message, "attempt failed");
+        ControlFlow::Continue((RetryCause::Network, None))
+    }
+
+    /// Sleeps the backoff before retry `retry + 1`, giving back a per-attempt permit meanwhile.
+    async fn wait_to_retry(
+        &self,
+        request: &SyncRequest<'_>,
+        permits: &mut Permits<'_>,
+        retry: u32,
+        cause: RetryCause,
+        retry_after: Option<Duration>,
+    ) {
+        let delay = self
+            .backoff
+            .delay(retry, cause, retry_after, retry::jitter());
+        tracing::debug!(endpoint = %self.name, id = request.id, ?cause, retry = retry + 1, delay_ms = delay.as_millis() as u64, "retrying");
+        if self.per_attempt {
+            permits.held = None;
+        }
+        // No point sleeping past the SLO: the next turn reports the expiry.
+        let slo_left = time_left(request.slo_deadline).unwrap_or(Duration::ZERO);
+        tokio::time::sleep(delay.min(slo_left)).await;
     }
 
     async fn attempt(
