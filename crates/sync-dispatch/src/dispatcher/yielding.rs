@@ -48,48 +48,64 @@ pub(super) async fn follow(endpoint: Weak<Endpoint>, options: LoadOptions, limit
         match reading {
             Ok((pods, taken)) => {
                 let ours = match taken {
-                    // The last count at or before the scrape (the oldest kept if it is older).
-                    Some(taken) => ours_then
-                        .iter()
-                        .rev()
-                        .find(|(at, _)| *at <= taken)
-                        .or(ours_then.front())
-                        .map_or(0, |(_, n)| *n),
+                    Some(taken) => ours_when(&ours_then, taken),
                     None => e.attempts.load(Ordering::SeqCst),
                 };
-                let limit = rule.limit(&pods, ours);
-                let pool: f64 = pods.iter().map(|p| p.running + p.waiting).sum();
-                if !e.load_fresh.swap(true, Ordering::SeqCst) {
-                    tracing::info!(endpoint = %e.name, pods = pods.len(), "the pool's load sets the limit");
-                    metrics::gauge!(names::LOAD_FOLLOWED, "endpoint" => e.name.clone()).set(1.0);
-                }
-                e.semaphore.set_limit(limit);
+                follow_reading(&e, &mut rule, &pods, ours);
                 last_good = Instant::now();
-                metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => e.name.clone())
-                    .set(limit as f64);
-                metrics::gauge!(names::POOL_ONLINE_REQUESTS, "endpoint" => e.name.clone())
-                    .set((pool - ours as f64).max(0.0));
             }
             Err(error) if last_good.elapsed() >= stale_after => {
-                if e.load_fresh.swap(false, Ordering::SeqCst) {
-                    let limit = e.limiter.as_ref().map_or(limits.per_endpoint, |l| {
-                        l.lock().unwrap_or_else(|p| p.into_inner()).limit()
-                    });
-                    e.semaphore.set_limit(limit);
-                    metrics::gauge!(names::LOAD_FOLLOWED, "endpoint" => e.name.clone()).set(0.0);
-                    metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => e.name.clone())
-                        .set(limit as f64);
-                    tracing::warn!(
-                        endpoint = %e.name,
-                        %error,
-                        limit,
-                        "no fresh reading of the pool's load: the limiter sets the limit until readings come again"
-                    );
-                }
+                hand_back_to_limiter(&e, &limits, &error);
             }
             Err(error) => {
                 tracing::debug!(endpoint = %e.name, %error, "a load reading failed");
             }
         }
+    }
+}
+
+/// The batch's attempts in flight when a reading was `taken`: the last count at or before the
+/// scrape (the oldest kept if it is older).
+fn ours_when(ours_then: &VecDeque<(SystemTime, usize)>, taken: SystemTime) -> usize {
+    ours_then
+        .iter()
+        .rev()
+        .find(|(at, _)| *at <= taken)
+        .or(ours_then.front())
+        .map_or(0, |(_, n)| *n)
+}
+
+/// Sets the endpoint's limit from a fresh reading of the pool's `pods`, `ours` of whose
+/// requests are the batch's.
+fn follow_reading(e: &Endpoint, rule: &mut Yield, pods: &[load::PodLoad], ours: usize) {
+    let limit = rule.limit(pods, ours);
+    let pool: f64 = pods.iter().map(|p| p.running + p.waiting).sum();
+    if !e.load_fresh.swap(true, Ordering::SeqCst) {
+        tracing::info!(endpoint = %e.name, pods = pods.len(), "the pool's load sets the limit");
+        metrics::gauge!(names::LOAD_FOLLOWED, "endpoint" => e.name.clone()).set(1.0);
+    }
+    e.semaphore.set_limit(limit);
+    metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => e.name.clone()).set(limit as f64);
+    metrics::gauge!(names::POOL_ONLINE_REQUESTS, "endpoint" => e.name.clone())
+        .set((pool - ours as f64).max(0.0));
+}
+
+/// With no fresh reading for too long, gives the endpoint's limit back to its limiter (once,
+/// until readings come again).
+fn hand_back_to_limiter(e: &Endpoint, limits: &LimitOptions, error: &str) {
+    if e.load_fresh.swap(false, Ordering::SeqCst) {
+        let limit = e.limiter.as_ref().map_or(limits.per_endpoint, |l| {
+            l.lock().unwrap_or_else(|p| p.into_inner()).limit()
+        });
+        e.semaphore.set_limit(limit);
+        metrics::gauge!(names::LOAD_FOLLOWED, "endpoint" => e.name.clone()).set(0.0);
+        metrics::gauge!(names::AIMD_CONCURRENCY_LIMIT, "endpoint" => e.name.clone())
+            .set(limit as f64);
+        tracing::warn!(
+            endpoint = %e.name,
+            %error,
+            limit,
+            "no fresh reading of the pool's load: the limiter sets the limit until readings come again"
+        );
     }
 }
