@@ -261,69 +261,35 @@ impl Store {
         report: &mut RebuildReport,
     ) -> Result<(), StoreError> {
         let record = &copy.record;
-        let b = record;
-        if b.id != id {
+        if record.id != id {
             report.unreadable += 1;
             return Ok(());
         }
-        let status = b.status;
-        let terminal = status.is_terminal();
-        let (cancel, checkpoint) = if terminal {
-            (None, None)
-        } else {
-            let cancel = read_opt(storage, &layout::cancel_copy(id)).await?;
-            let checkpoint = read_opt(storage, &layout::checkpoint_copy(id)).await?;
-            (cancel, checkpoint)
+        let terminal = record.status.is_terminal();
+        let (cancel, checkpoint) = match terminal {
+            true => (None, None),
+            false => unfinished_copies(storage, id).await?,
         };
-        let cancel = cancel.map(|c| String::from_utf8_lossy(&c).into_owned());
-        let checkpoint = checkpoint.map(|c| String::from_utf8_lossy(&c).into_owned());
         let checkpoint_epoch = checkpoint
             .as_deref()
             .and_then(|c| serde_json::from_str::<serde_json::Value>(c).ok())
             .and_then(|v| v.get("epoch").and_then(|e| e.as_u64()))
             .unwrap_or(0);
         let floor = copy.epoch.max(checkpoint_epoch) + 1;
-        // A batch nobody claimed yet (validating, or cancelled while queued; no epoch written)
-        // goes back to its queue; any other unfinished one to the running set, to be adopted
-        // with its checkpoint.
-        let started = copy.epoch > 0
-            || checkpoint_epoch > 0
-            || b.times.in_progress.is_some()
-            || !matches!(status, BatchStatus::Validating | BatchStatus::Cancelling);
-        let mode = match (terminal, started, cancel.is_some()) {
-            (true, _, _) => "done",
-            (false, false, false) => "queue",
-            (false, false, true) => "cancelq",
-            (false, true, _) => "resume",
-        };
-        let keys = vec![
-            self.keys.batch(id),
-            self.keys.batches(&record.tenant),
-            self.keys.status_counts(),
-            self.keys.active(),
-            self.keys.tenant_of(),
-            self.keys.queue(),
-            self.keys.tenant_queue(&record.tenant),
-            self.keys.tenants_queued(),
-            self.keys.running(),
-            self.keys.epoch(id),
-            self.keys.cancel(id),
-            self.keys.cancel_queue(),
-            self.keys.checkpoint(id),
-        ];
+        let mode = restore_mode(&copy, checkpoint_epoch, cancel.is_some());
         let args = vec![
             id.to_owned(),
             serde_json::to_string(record).expect("a batch record serializes"),
-            status.as_str().to_owned(),
+            record.status.as_str().to_owned(),
             record.tenant.clone(),
-            b.expires_at.to_string(),
+            record.expires_at.to_string(),
             mode.to_owned(),
             floor.to_string(),
             cancel.clone().unwrap_or_default(),
             checkpoint.unwrap_or_default(),
         ];
         let n: i64 = RESTORE_BATCH
-            .evalsha_with_reload(&self.client, keys, args)
+            .evalsha_with_reload(&self.client, self.restore_keys(id, &record.tenant), args)
             .await?;
         if n == 0 {
             report.present += 1;
@@ -339,5 +305,53 @@ impl Store {
             report.cancelling += 1;
         }
         Ok(())
+    }
+
+    /// The keys `RESTORE_BATCH` writes for batch `id` of `tenant`.
+    fn restore_keys(&self, id: &str, tenant: &str) -> Vec<String> {
+        vec![
+            self.keys.batch(id),
+            self.keys.batches(tenant),
+            self.keys.status_counts(),
+            self.keys.active(),
+            self.keys.tenant_of(),
+            self.keys.queue(),
+            self.keys.tenant_queue(tenant),
+            self.keys.tenants_queued(),
+            self.keys.running(),
+            self.keys.epoch(id),
+            self.keys.cancel(id),
+            self.keys.cancel_queue(),
+            self.keys.checkpoint(id),
+        ]
+    }
+}
+
+/// The storage copies of an unfinished batch's cancel request and checkpoint, if any.
+async fn unfinished_copies(
+    storage: &Storage,
+    id: &str,
+) -> Result<(Option<String>, Option<String>), StoreError> {
+    let cancel = read_opt(storage, &layout::cancel_copy(id)).await?;
+    let checkpoint = read_opt(storage, &layout::checkpoint_copy(id)).await?;
+    let text = |c: Bytes| String::from_utf8_lossy(&c).into_owned();
+    Ok((cancel.map(text), checkpoint.map(text)))
+}
+
+/// Where `RESTORE_BATCH` puts a batch back: `done`, `queue`, `cancelq` or `resume`.
+fn restore_mode(copy: &BatchCopy, checkpoint_epoch: u64, cancelled: bool) -> &'static str {
+    let b = &copy.record;
+    // A batch nobody claimed yet (validating, or cancelled while queued; no epoch written)
+    // goes back to its queue; any other unfinished one to the running set, to be adopted
+    // with its checkpoint.
+    let started = copy.epoch > 0
+        || checkpoint_epoch > 0
+        || b.times.in_progress.is_some()
+        || !matches!(b.status, BatchStatus::Validating | BatchStatus::Cancelling);
+    match (b.status.is_terminal(), started, cancelled) {
+        (true, _, _) => "done",
+        (false, false, false) => "queue",
+        (false, false, true) => "cancelq",
+        (false, true, _) => "resume",
     }
 }
