@@ -170,6 +170,81 @@ pub struct Job {
     results_held: std::sync::atomic::AtomicBool,
 }
 
+/// The batch of an unfinished job found in its directory, when it is the job `spec` asks for.
+fn resume(spec: &JobSpec, batch: Batch) -> Result<Batch, ExecError> {
+    if let Some(id) = spec.job_id.as_ref().filter(|id| **id != batch.id) {
+        return Err(ExecError::OtherJob {
+            dir: spec.output_dir.clone(),
+            found: batch.id,
+            wanted: id.clone(),
+        });
+    }
+    tracing::info!(job = %batch.id, dir = %spec.output_dir.display(), status = batch.status.as_str(), "resuming job");
+    Ok(batch)
+}
+
+/// The batch of a new job, written to its directory before anything else.
+fn create(spec: &JobSpec, dir: &JobDir) -> Result<Batch, ExecError> {
+    let id = spec.job_id.clone().unwrap_or_else(new_job_id);
+    let created = spec.created_at.unwrap_or_else(now_unix);
+    let window = humantime_window(spec.completion_window);
+    let expires = batch_wire::deadline(created, spec.completion_window).ok_or_else(|| {
+        ExecError::Config(format!(
+            "the completion window {:?} is longer than the {}-day limit",
+            spec.completion_window,
+            batch_wire::MAX_COMPLETION_WINDOW.as_secs() / 86_400
+        ))
+    })?;
+    let batch = Batch::new(
+        id,
+        spec.input.display().to_string(),
+        window,
+        created,
+        expires,
+    );
+    dir.write_batch(&batch)?;
+    Ok(batch)
+}
+
+/// Ends a job whose input is invalid: the batch failed, with every bad line listed.
+fn fail_validation(
+    dir: &JobDir,
+    mut batch: Batch,
+    errors: Vec<batch_wire::BatchError>,
+) -> Result<Prepared, ExecError> {
+    tracing::warn!(job = %batch.id, problems = errors.len(), "input file is invalid");
+    batch.errors = Some(BatchErrors::new(errors));
+    batch.set_status(BatchStatus::Failed, now_unix());
+    dir.write_batch(&batch)?;
+    m::job_processed(BatchStatus::Failed, "validation", None);
+    Ok(Prepared::Finished(Box::new(batch)))
+}
+
+/// The index of each input line's model among the plan's models.
+fn model_of_line(plan: &Plan) -> Result<Vec<u16>, ExecError> {
+    let mut model_of_line = vec![0u16; plan.total() as usize];
+    for (i, model) in plan.models().iter().enumerate() {
+        for record in plan.records(model)? {
+            let record = record.map_err(|e| ExecError::io(&model.path, e))?;
+            model_of_line[record.line as usize] = i as u16;
+        }
+    }
+    Ok(model_of_line)
+}
+
+/// Records in the batch what the plan and the sink know (endpoint, result files, counts so
+/// far) and moves a validating batch to in progress.
+fn start(dir: &JobDir, batch: &mut Batch, plan: &Plan, sink: &JobSink) -> Result<(), ExecError> {
+    batch.endpoint = plan.endpoint().map(str::to_owned);
+    batch.output_file_id = Some(batch_sink::OUTPUT_FILE.into());
+    batch.error_file_id = Some(batch_sink::ERROR_FILE.into());
+    batch.request_counts = sink.counts();
+    if batch.status == BatchStatus::Validating {
+        batch.set_status(BatchStatus::InProgress, now_unix());
+    }
+    dir.write_batch(batch)
+}
+
 /// A prepared job, or one that needs nothing more.
 pub enum Prepared {
     /// Validated and ready to dispatch.
@@ -196,74 +271,22 @@ impl Job {
         limits: batch_plan::Limits,
     ) -> Result<Prepared, ExecError> {
         let dir = JobDir::open(&spec.output_dir)?;
-        let existing = dir.batch()?;
-        let (mut batch, resumed) = match existing {
+        let (mut batch, resumed) = match dir.batch()? {
             Some(b) if b.status.is_terminal() => return Ok(Prepared::Finished(Box::new(b))),
-            Some(b) => {
-                if let Some(id) = spec.job_id.as_ref().filter(|id| **id != b.id) {
-                    return Err(ExecError::OtherJob {
-                        dir: spec.output_dir.clone(),
-                        found: b.id,
-                        wanted: id.clone(),
-                    });
-                }
-                tracing::info!(job = %b.id, dir = %spec.output_dir.display(), status = b.status.as_str(), "resuming job");
-                (b, true)
-            }
-            None => {
-                let id = spec.job_id.clone().unwrap_or_else(new_job_id);
-                let created = spec.created_at.unwrap_or_else(now_unix);
-                let window = humantime_window(spec.completion_window);
-                let expires =
-                    batch_wire::deadline(created, spec.completion_window).ok_or_else(|| {
-                        ExecError::Config(format!(
-                            "the completion window {:?} is longer than the {}-day limit",
-                            spec.completion_window,
-                            batch_wire::MAX_COMPLETION_WINDOW.as_secs() / 86_400
-                        ))
-                    })?;
-                let b = Batch::new(
-                    id,
-                    spec.input.display().to_string(),
-                    window,
-                    created,
-                    expires,
-                );
-                dir.write_batch(&b)?;
-                (b, false)
-            }
+            Some(b) => (resume(spec, b)?, true),
+            None => (create(spec, &dir)?, false),
         };
         let plan_dir = work_dir.join(&batch.id).join("plan");
         let plan = match Plan::build(&spec.input, &plan_dir, limits) {
             Ok(plan) => plan,
-            Err(PlanError::Invalid(errors)) => {
-                tracing::warn!(job = %batch.id, problems = errors.len(), "input file is invalid");
-                batch.errors = Some(BatchErrors::new(errors));
-                batch.set_status(BatchStatus::Failed, now_unix());
-                dir.write_batch(&batch)?;
-                m::job_processed(BatchStatus::Failed, "validation", None);
-                return Ok(Prepared::Finished(Box::new(batch)));
-            }
+            Err(PlanError::Invalid(errors)) => return fail_validation(&dir, batch, errors),
             Err(e) => return Err(e.into()),
         };
         let manifest = dir.tie_to_input(&batch.id, &spec.input, input_record(spec, &plan))?;
         let input = plan.open_input()?;
-        let mut model_of_line = vec![0u16; plan.total() as usize];
-        for (i, model) in plan.models().iter().enumerate() {
-            for record in plan.records(model)? {
-                let record = record.map_err(|e| ExecError::io(&model.path, e))?;
-                model_of_line[record.line as usize] = i as u16;
-            }
-        }
+        let model_of_line = model_of_line(&plan)?;
         let sink = dir.open_sink(&batch.id, plan.total())?;
-        batch.endpoint = plan.endpoint().map(str::to_owned);
-        batch.output_file_id = Some(batch_sink::OUTPUT_FILE.into());
-        batch.error_file_id = Some(batch_sink::ERROR_FILE.into());
-        batch.request_counts = sink.counts();
-        if batch.status == BatchStatus::Validating {
-            batch.set_status(BatchStatus::InProgress, now_unix());
-        }
-        dir.write_batch(&batch)?;
+        start(&dir, &mut batch, &plan, &sink)?;
         let progress = watch::Sender::new(JobProgress {
             job_id: batch.id.clone(),
             status: batch.status,
