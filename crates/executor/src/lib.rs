@@ -374,38 +374,9 @@ impl Executor {
         pause: &CancellationToken,
     ) -> Result<Batch, ExecError> {
         if let End::Paused = end {
-            let j = job.clone();
-            blocking(move || j.sync_files()).await?;
-            let batch = job.batch.lock().expect("batch lock").clone();
-            tracing::info!(job = %job.id, status = batch.status.as_str(), "job paused; run it again to resume");
-            return Ok(batch);
+            return pause_job(job).await;
         }
-        let (status, reason, code, message) = match &end {
-            End::Completed => (BatchStatus::Completed, "", "", String::new()),
-            End::Expired => (
-                BatchStatus::Expired,
-                "deadline",
-                error_codes::BATCH_EXPIRED,
-                error_codes::BATCH_EXPIRED_MESSAGE.to_owned(),
-            ),
-            End::Cancelled => (
-                BatchStatus::Cancelled,
-                "cancelled",
-                error_codes::BATCH_CANCELLED,
-                CANCELLED_MESSAGE.to_owned(),
-            ),
-            End::Failed(e) => {
-                tracing::error!(job = %job.id, error = %e, "job failed");
-                job.add_error("system_error", &e.to_string());
-                (
-                    BatchStatus::Failed,
-                    "system_error",
-                    error_codes::BATCH_FAILED,
-                    format!("The batch failed before this request completed: {e}"),
-                )
-            }
-            End::Paused => unreachable!("handled above"),
-        };
+        let (status, reason, code, message) = closing_terms(job, &end);
         match &end {
             End::Completed => {
                 set_status(job, BatchStatus::Finalizing).await?;
@@ -416,20 +387,7 @@ impl Executor {
             _ => {}
         }
         if !matches!(end, End::Completed) {
-            // Withdrawing needs Redis; it stops for a pause, and gives up after WITHDRAW_PATIENCE
-            // (the dispatcher drops expired requests, and cancel markers cover the rest).
-            let give_up = pause.child_token();
-            let timer = {
-                let give_up = give_up.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(WITHDRAW_PATIENCE).await;
-                    give_up.cancel();
-                })
-            };
-            if let Err(e) = self.dispatch.withdraw(job, &give_up).await {
-                tracing::error!(job = %job.id, error = %e, "could not withdraw pending requests; their results will be ignored");
-            }
-            timer.abort();
+            self.withdraw_pending(job, pause).await;
             if pause.is_cancelled() && matches!(end, End::Cancelled) {
                 // Stopped half way through a cancel: the next run finishes it.
                 return Ok(job.batch.lock().expect("batch lock").clone());
@@ -438,19 +396,25 @@ impl Executor {
             let resolved = blocking(move || j.resolve_all(c, &msg)).await?;
             tracing::info!(job = %job.id, resolved, code, "unresolved requests closed");
         }
-        let j = job.clone();
-        blocking(move || j.sync_files()).await?;
-        let batch = set_status(job, status).await?;
-        metrics::job_processed(status, reason, Some(job.started.elapsed().as_secs_f64()));
-        tracing::info!(
-            job = %job.id,
-            status = status.as_str(),
-            total = batch.request_counts.total,
-            completed = batch.request_counts.completed,
-            failed = batch.request_counts.failed,
-            "job finished"
-        );
-        Ok(batch)
+        record_end(job, status, reason).await
+    }
+
+    /// Takes the job's requests still waiting out of the mode's hands, as far as it can.
+    async fn withdraw_pending(&self, job: &Arc<Job>, pause: &CancellationToken) {
+        // Withdrawing needs Redis; it stops for a pause, and gives up after WITHDRAW_PATIENCE
+        // (the dispatcher drops expired requests, and cancel markers cover the rest).
+        let give_up = pause.child_token();
+        let timer = {
+            let give_up = give_up.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(WITHDRAW_PATIENCE).await;
+                give_up.cancel();
+            })
+        };
+        if let Err(e) = self.dispatch.withdraw(job, &give_up).await {
+            tracing::error!(job = %job.id, error = %e, "could not withdraw pending requests; their results will be ignored");
+        }
+        timer.abort();
     }
 
     /// Stops the mode's background work (the async mode's result consumers, which release
@@ -469,6 +433,68 @@ where
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| ExecError::Panicked(format!("file work: {e}")))?
+}
+
+/// Leaves a paused job's files as they are on disk, to be resumed by the next run.
+async fn pause_job(job: &Arc<Job>) -> Result<Batch, ExecError> {
+    let j = job.clone();
+    blocking(move || j.sync_files()).await?;
+    let batch = job.batch.lock().expect("batch lock").clone();
+    tracing::info!(job = %job.id, status = batch.status.as_str(), "job paused; run it again to resume");
+    Ok(batch)
+}
+
+/// How a job that ended with `end` closes: its final status, the reason its metric gives,
+/// and the error code and message its unresolved requests get (a failure is also noted in
+/// the job's errors).
+fn closing_terms(job: &Job, end: &End) -> (BatchStatus, &'static str, &'static str, String) {
+    match end {
+        End::Completed => (BatchStatus::Completed, "", "", String::new()),
+        End::Expired => (
+            BatchStatus::Expired,
+            "deadline",
+            error_codes::BATCH_EXPIRED,
+            error_codes::BATCH_EXPIRED_MESSAGE.to_owned(),
+        ),
+        End::Cancelled => (
+            BatchStatus::Cancelled,
+            "cancelled",
+            error_codes::BATCH_CANCELLED,
+            CANCELLED_MESSAGE.to_owned(),
+        ),
+        End::Failed(e) => {
+            tracing::error!(job = %job.id, error = %e, "job failed");
+            job.add_error("system_error", &e.to_string());
+            (
+                BatchStatus::Failed,
+                "system_error",
+                error_codes::BATCH_FAILED,
+                format!("The batch failed before this request completed: {e}"),
+            )
+        }
+        End::Paused => unreachable!("a paused job is not closed"),
+    }
+}
+
+/// Syncs the job's files and writes its final status.
+async fn record_end(
+    job: &Arc<Job>,
+    status: BatchStatus,
+    reason: &'static str,
+) -> Result<Batch, ExecError> {
+    let j = job.clone();
+    blocking(move || j.sync_files()).await?;
+    let batch = set_status(job, status).await?;
+    metrics::job_processed(status, reason, Some(job.started.elapsed().as_secs_f64()));
+    tracing::info!(
+        job = %job.id,
+        status = status.as_str(),
+        total = batch.request_counts.total,
+        completed = batch.request_counts.completed,
+        failed = batch.request_counts.failed,
+        "job finished"
+    );
+    Ok(batch)
 }
 
 async fn set_status(job: &Arc<Job>, status: BatchStatus) -> Result<Batch, ExecError> {
