@@ -26,7 +26,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -218,56 +218,22 @@ pub(crate) async fn serve(
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let edge = Arc::new(Edge::default());
     let connections = TaskTracker::new();
-    let mut http = hyper::server::conn::http1::Builder::new();
-    // The read buffer bounds a request head: at 64 KiB, hyper answers 431 itself; below that,
-    // the API answers over its own smaller limits with a body and a request id.
-    http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(64 << 10)
-        .max_headers(2 * batch_api::MAX_HEADERS);
+    let http = http_builder(&limits);
     let service = TowerToHyperService::new(app);
     tokio::spawn(give_memory_back(
         slots.clone(),
         limits.max_connections,
         stop.clone(),
     ));
-    loop {
-        let (stream, peer) = tokio::select! {
-            _ = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    // Out of file descriptors, or a connection reset before it was taken: the
-                    // listener itself is fine; wait a moment rather than spin.
-                    tracing::warn!(error = %e, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
+    while let Some((stream, peer)) = accept(&listener, &stop).await {
         let Some(seat) = edge.enter(peer.ip(), limits.per_peer) else {
             tracing::debug!(peer = %peer.ip(), "closed: its address holds max_connections_per_peer");
             continue;
         };
-        let slot = match slots.clone().try_acquire_owned() {
-            Ok(slot) => slot,
-            Err(_) => {
-                // At the ceiling: the oldest connection not yet answered makes room; with
-                // none, this one waits for a slot and further ones in the backlog.
-                if edge.close_oldest() {
-                    tracing::debug!("closed the oldest unanswered connection: at max_connections");
-                }
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    slot = slots.clone().acquire_owned() => match slot {
-                        Ok(slot) => slot,
-                        Err(_) => break,
-                    },
-                }
-            }
+        let Some(slot) = take_slot(&slots, &edge, &stop).await else {
+            break;
         };
         let _ = stream.set_nodelay(true);
-        let http = http.clone();
         let (id, closed, busy) = edge.register();
         let noted = Noted {
             service: service.clone(),
@@ -276,28 +242,16 @@ pub(crate) async fn serve(
             headed: Arc::new(AtomicBool::new(false)),
             busy,
         };
-        let stop = stop.clone();
-        let tls = tls.clone();
+        let run = handshake_and_serve(
+            stream,
+            tls.clone(),
+            http.clone(),
+            noted,
+            limits,
+            stop.clone(),
+        );
         let edge = edge.clone();
         connections.spawn(async move {
-            let first_by = Instant::now() + limits.first_request_timeout;
-            let idle = limits.idle_timeout;
-            let run = async {
-                match tls {
-                    None => connection(stream, http, noted, first_by, idle, stop).await,
-                    Some(tls) => {
-                        match tokio::time::timeout_at(first_by.into(), tls.accept(stream)).await {
-                            Ok(Ok(stream)) => {
-                                connection(stream, http, noted, first_by, idle, stop).await
-                            }
-                            Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
-                            Err(_) => tracing::debug!(
-                                "TLS handshake not done within first_request_timeout"
-                            ),
-                        }
-                    }
-                }
-            };
             tokio::select! {
                 () = run => {}
                 () = closed.cancelled() => {}
@@ -307,6 +261,86 @@ pub(crate) async fn serve(
             drop(slot);
         });
     }
+    drain(connections).await;
+}
+
+/// The HTTP/1 settings of every connection.
+fn http_builder(limits: &EdgeLimits) -> hyper::server::conn::http1::Builder {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    // The read buffer bounds a request head: at 64 KiB, hyper answers 431 itself; below that,
+    // the API answers over its own smaller limits with a body and a request id.
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(64 << 10)
+        .max_headers(2 * batch_api::MAX_HEADERS);
+    http
+}
+
+/// The next connection, or `None` once `stop` is cancelled.
+async fn accept(
+    listener: &TcpListener,
+    stop: &CancellationToken,
+) -> Option<(tokio::net::TcpStream, std::net::SocketAddr)> {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return None,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => return Some(accepted),
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before it was taken: the
+                    // listener itself is fine; wait a moment rather than spin.
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+}
+
+/// A slot under `max_connections` for a new connection, or `None` once `stop` is cancelled.
+async fn take_slot(
+    slots: &Arc<Semaphore>,
+    edge: &Edge,
+    stop: &CancellationToken,
+) -> Option<OwnedSemaphorePermit> {
+    if let Ok(slot) = slots.clone().try_acquire_owned() {
+        return Some(slot);
+    }
+    // At the ceiling: the oldest connection not yet answered makes room; with none, this one
+    // waits for a slot and further ones in the backlog.
+    if edge.close_oldest() {
+        tracing::debug!("closed the oldest unanswered connection: at max_connections");
+    }
+    tokio::select! {
+        _ = stop.cancelled() => None,
+        slot = slots.clone().acquire_owned() => slot.ok(),
+    }
+}
+
+/// Serves one connection: its TLS handshake first when the server has TLS, both the handshake
+/// and the first request head within `first_request_timeout`.
+async fn handshake_and_serve(
+    stream: tokio::net::TcpStream,
+    tls: Option<TlsAcceptor>,
+    http: hyper::server::conn::http1::Builder,
+    noted: Noted,
+    limits: EdgeLimits,
+    stop: CancellationToken,
+) {
+    let first_by = Instant::now() + limits.first_request_timeout;
+    let idle = limits.idle_timeout;
+    match tls {
+        None => connection(stream, http, noted, first_by, idle, stop).await,
+        Some(tls) => match tokio::time::timeout_at(first_by.into(), tls.accept(stream)).await {
+            Ok(Ok(stream)) => connection(stream, http, noted, first_by, idle, stop).await,
+            Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+            Err(_) => tracing::debug!("TLS handshake not done within first_request_timeout"),
+        },
+    }
+}
+
+/// Lets the connections' requests in progress finish, waiting [`DRAIN_PATIENCE`] at most.
+async fn drain(connections: TaskTracker) {
     connections.close();
     if tokio::time::timeout(DRAIN_PATIENCE, connections.wait())
         .await
