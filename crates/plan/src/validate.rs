@@ -379,103 +379,12 @@ pub fn check_line(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Vec<Batch
 /// [`check_line`] through serde's visitors: every line the hand reading does not take, and the
 /// reference the tests hold that reading to (public for the benchmark that compares the two).
 pub fn check_line_with_serde(text: &str, line_no: u64) -> Result<CheckedLine<'_>, Vec<BatchError>> {
-    // serde would read a JSON array into the struct's fields in order: only objects are lines.
-    let parsed = match text.trim_start().starts_with('{') {
-        true => serde_json::from_str::<LineView>(text).map_err(|e| e.to_string()),
-        false => Err(not_an_object(text)),
-    };
-    let view = match parsed {
-        Ok(v) => v,
-        Err(e) => {
-            let what = if text.trim().is_empty() {
-                "the line is empty".to_owned()
-            } else {
-                format!("the line is not a JSON object of the batch format: {e}")
-            };
-            return Err(vec![error(
-                error_codes::INVALID_JSON_LINE,
-                what,
-                None,
-                line_no,
-            )]);
-        }
-    };
+    let view = read_view(text, line_no).map_err(|e| vec![e])?;
     let mut errors = Vec::new();
-    let custom_id = as_nonempty_str(view.custom_id);
-    if custom_id.is_none() {
-        errors.push(error(
-            error_codes::MISSING_CUSTOM_ID,
-            custom_id_problem(view.custom_id),
-            Some("custom_id"),
-            line_no,
-        ));
-    }
-    if !view.method.as_deref().is_some_and(rules::method_allowed) {
-        errors.push(error(
-            error_codes::INVALID_METHOD,
-            format!(
-                "method must be {}, got {}",
-                rules::METHOD,
-                view.method
-                    .as_deref()
-                    .map_or("nothing".into(), |m| format!("{m:?}"))
-            ),
-            Some("method"),
-            line_no,
-        ));
-    }
-    let url_ok = view.url.as_deref().is_some_and(rules::url_allowed);
-    if !url_ok {
-        errors.push(error(
-            error_codes::INVALID_URL,
-            format!(
-                "url must be one of {}, got {}",
-                ALLOWED_URLS.join(", "),
-                view.url
-                    .as_deref()
-                    .map_or("nothing".into(), |u| format!("{u:?}"))
-            ),
-            Some("url"),
-            line_no,
-        ));
-    }
-    let body = match view.body {
-        Some(Body::Object(b)) => Some(b),
-        _ => None,
-    };
-    let mut model = None;
-    let mut prefix_hash = NO_PREFIX;
-    match body {
-        None => errors.push(error(
-            error_codes::INVALID_JSON_LINE,
-            "body is required and must be a JSON object",
-            Some("body"),
-            line_no,
-        )),
-        Some(body) => {
-            model = as_nonempty_str(body.model);
-            if model.is_none() {
-                errors.push(error(
-                    error_codes::MISSING_MODEL,
-                    "body.model is required and must be a non-empty string",
-                    Some("body.model"),
-                    line_no,
-                ));
-            }
-            if body
-                .stream
-                .is_some_and(|s| rules::streams(s.get().as_bytes()))
-            {
-                errors.push(error(
-                    error_codes::STREAMING_NOT_SUPPORTED,
-                    "body.stream: streaming is not supported in batch requests",
-                    Some("body.stream"),
-                    line_no,
-                ));
-            }
-            prefix_hash = body.prefix_hash;
-        }
-    }
+    let custom_id = check_custom_id(view.custom_id, line_no, &mut errors);
+    check_method(view.method.as_deref(), line_no, &mut errors);
+    check_url(view.url.as_deref(), line_no, &mut errors);
+    let (model, prefix_hash) = check_body(view.body, line_no, &mut errors);
     match (errors.is_empty(), custom_id, model, view.url) {
         (true, Some(custom_id), Some(model), Some(url)) => Ok(CheckedLine {
             custom_id,
@@ -485,6 +394,112 @@ pub fn check_line_with_serde(text: &str, line_no: u64) -> Result<CheckedLine<'_>
         }),
         _ => Err(errors),
     }
+}
+
+/// The line read as a JSON object of the batch format, or the one error saying it is not.
+fn read_view(text: &str, line_no: u64) -> Result<LineView<'_>, BatchError> {
+    // serde would read a JSON array into the struct's fields in order: only objects are lines.
+    let parsed = match text.trim_start().starts_with('{') {
+        true => serde_json::from_str::<LineView>(text).map_err(|e| e.to_string()),
+        false => Err(not_an_object(text)),
+    };
+    parsed.map_err(|e| {
+        let what = if text.trim().is_empty() {
+            "the line is empty".to_owned()
+        } else {
+            format!("the line is not a JSON object of the batch format: {e}")
+        };
+        error(error_codes::INVALID_JSON_LINE, what, None, line_no)
+    })
+}
+
+/// The line's `custom_id` when it names something; else its problem joins `errors`.
+fn check_custom_id<'a>(
+    raw: Option<&'a RawValue>,
+    line_no: u64,
+    errors: &mut Vec<BatchError>,
+) -> Option<Cow<'a, str>> {
+    let custom_id = as_nonempty_str(raw);
+    if custom_id.is_none() {
+        errors.push(error(
+            error_codes::MISSING_CUSTOM_ID,
+            custom_id_problem(raw),
+            Some("custom_id"),
+            line_no,
+        ));
+    }
+    custom_id
+}
+
+/// Notes in `errors` a `method` other than the one allowed.
+fn check_method(method: Option<&str>, line_no: u64, errors: &mut Vec<BatchError>) {
+    if !method.is_some_and(rules::method_allowed) {
+        errors.push(error(
+            error_codes::INVALID_METHOD,
+            format!(
+                "method must be {}, got {}",
+                rules::METHOD,
+                method.map_or("nothing".into(), |m| format!("{m:?}"))
+            ),
+            Some("method"),
+            line_no,
+        ));
+    }
+}
+
+/// Notes in `errors` a `url` other than the allowed ones.
+fn check_url(url: Option<&str>, line_no: u64, errors: &mut Vec<BatchError>) {
+    if !url.is_some_and(rules::url_allowed) {
+        errors.push(error(
+            error_codes::INVALID_URL,
+            format!(
+                "url must be one of {}, got {}",
+                ALLOWED_URLS.join(", "),
+                url.map_or("nothing".into(), |u| format!("{u:?}"))
+            ),
+            Some("url"),
+            line_no,
+        ));
+    }
+}
+
+/// The body's model and prefix hash; a body that is not an object, a missing model or a
+/// request to stream joins `errors`.
+fn check_body<'a>(
+    body: Option<Body<'a>>,
+    line_no: u64,
+    errors: &mut Vec<BatchError>,
+) -> (Option<Cow<'a, str>>, u32) {
+    let Some(Body::Object(body)) = body else {
+        errors.push(error(
+            error_codes::INVALID_JSON_LINE,
+            "body is required and must be a JSON object",
+            Some("body"),
+            line_no,
+        ));
+        return (None, NO_PREFIX);
+    };
+    let model = as_nonempty_str(body.model);
+    if model.is_none() {
+        errors.push(error(
+            error_codes::MISSING_MODEL,
+            "body.model is required and must be a non-empty string",
+            Some("body.model"),
+            line_no,
+        ));
+    }
+    if body
+        .stream
+        .is_some_and(|s| rules::streams(s.get().as_bytes()))
+    {
+        errors.push(error(
+            error_codes::STREAMING_NOT_SUPPORTED,
+            "body.stream: streaming is not supported in batch requests",
+            Some("body.stream"),
+            line_no,
+        ));
+    }
+    (model, body.prefix_hash)
 }
 
 /// The hash of a system message's text (a string, or the concatenated `text` of its parts),
