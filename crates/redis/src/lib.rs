@@ -236,51 +236,11 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
             Err(e) => {
                 let _ = client.quit().await;
                 last = e.details().to_string();
-                if parsed.is_tls() {
-                    if let Some(reason) = tls::explain_handshake(&last, &tls) {
-                        return Err(ConnectError::Tls {
-                            url: shown,
-                            addresses: parsed.addresses(),
-                            reason,
-                        });
-                    }
-                }
-                if is_auth_failure(&last) {
-                    return Err(ConnectError::Auth {
-                        url: shown,
-                        reason: last,
-                    });
-                }
-                if parsed.is_tls() {
-                    // A plaintext server just waits for a command that never comes: ask it.
-                    if let Some((host, port)) = plaintext_node(&parsed).await {
-                        return Err(ConnectError::Tls {
-                            url: shown,
-                            addresses: format!("{host}:{port}"),
-                            reason: "the server answers in plaintext, not TLS (does the server speak TLS? \
-                                use redis:// for a plaintext server, or the server's TLS port)"
-                                .into(),
-                        });
-                    }
+                if let Some(error) = lasting_failure(&last, &parsed, &tls, &shown).await {
+                    return Err(error);
                 }
                 if more(attempt) {
-                    let mut wait = backoff.next_wait();
-                    if let Some(until) = options.until {
-                        wait = wait.min(until.saturating_duration_since(Instant::now()));
-                    }
-                    if attempt == 1 {
-                        match options.until {
-                            Some(until) => {
-                                tracing::warn!(url = %shown, error = %last, "Redis not reachable; waiting for it for up to {:?} (the jobs' deadline), logged once", until.saturating_duration_since(Instant::now()))
-                            }
-                            None => {
-                                tracing::warn!(url = %shown, error = %last, "Redis not reachable; retrying (logged once)")
-                            }
-                        }
-                    } else {
-                        tracing::debug!(url = %shown, attempt, error = %last, "Redis still not reachable, retrying in {wait:?}");
-                    }
-                    tokio::time::sleep(wait).await;
+                    wait_to_retry(&mut backoff, options, attempt, &shown, &last).await;
                 }
             }
         }
@@ -290,6 +250,71 @@ pub async fn connect(url: &str, options: &ConnectOptions) -> Result<Client, Conn
         attempts: attempt,
         last,
     })
+}
+
+/// The error of a failed first connection that waiting does not heal (a TLS handshake, a
+/// login, a plaintext server behind a TLS URL), if `last` is one.
+async fn lasting_failure(
+    last: &str,
+    parsed: &RedisUrl,
+    tls: &RedisTls,
+    shown: &str,
+) -> Option<ConnectError> {
+    if parsed.is_tls() {
+        if let Some(reason) = tls::explain_handshake(last, tls) {
+            return Some(ConnectError::Tls {
+                url: shown.to_owned(),
+                addresses: parsed.addresses(),
+                reason,
+            });
+        }
+    }
+    if is_auth_failure(last) {
+        return Some(ConnectError::Auth {
+            url: shown.to_owned(),
+            reason: last.to_owned(),
+        });
+    }
+    if parsed.is_tls() {
+        // A plaintext server just waits for a command that never comes: ask it.
+        if let Some((host, port)) = plaintext_node(parsed).await {
+            return Some(ConnectError::Tls {
+                url: shown.to_owned(),
+                addresses: format!("{host}:{port}"),
+                reason: "the server answers in plaintext, not TLS (does the server speak TLS? \
+                    use redis:// for a plaintext server, or the server's TLS port)"
+                    .into(),
+            });
+        }
+    }
+    None
+}
+
+/// Sleeps the backoff before the next attempt (never past `options.until`), saying so once.
+async fn wait_to_retry(
+    backoff: &mut Backoff,
+    options: &ConnectOptions,
+    attempt: u32,
+    shown: &str,
+    last: &str,
+) {
+    let mut wait = backoff.next_wait();
+    if let Some(until) = options.until {
+        wait = wait.min(until.saturating_duration_since(Instant::now()));
+    }
+    if attempt == 1 {
+        match options.until {
+            Some(until) => {
+                tracing::warn!(url = %shown, error = %last, "Redis not reachable; waiting for it for up to {:?} (the jobs' deadline), logged once", until.saturating_duration_since(Instant::now()))
+            }
+            None => {
+                tracing::warn!(url = %shown, error = %last, "Redis not reachable; retrying (logged once)")
+            }
+        }
+    } else {
+        tracing::debug!(url = %shown, attempt, error = %last, "Redis still not reachable, retrying in {wait:?}");
+    }
+    tokio::time::sleep(wait).await;
 }
 
 /// The first node of `url` that answers a plaintext `PING` with a Redis reply, if any.
