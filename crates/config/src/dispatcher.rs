@@ -75,6 +75,12 @@ pub struct GateSizing {
 }
 
 impl GateSizing {
+    /// The running requests per pod at which a load-reading gate's budget
+    /// `1 − running / max_concurrency − baseline` reaches 0.
+    pub fn closes_at(&self) -> f64 {
+        self.max_concurrency as f64 * (1.0 - self.baseline)
+    }
+
     /// The gate of `pool`: `endpoint-scrape` (`composite` over several pods) when its metrics
     /// pages are known and no other gate is configured, else the configured one, else
     /// `prometheus-budget`.
@@ -218,7 +224,7 @@ impl DispatcherSettings {
 
     fn warnings(&self, s: &GateSizing, pools: &[String]) -> Vec<String> {
         let mut out = Vec::new();
-        let closes_at = max_concurrency_closes_at(s.max_concurrency, s.baseline);
+        let closes_at = s.closes_at();
         if !DISPATCHER_GATE_TYPES.contains(&s.gate_type.as_str()) {
             out.push(format!(
                 "gate_type {:?} is not a gate the dispatcher knows ({}): it would open the gate fully",
@@ -269,12 +275,6 @@ impl DispatcherSettings {
         }
         out
     }
-}
-
-/// The number of running requests per pod at which a `prometheus-budget` gate's budget
-/// `1 − running / max_concurrency − baseline` reaches 0.
-fn max_concurrency_closes_at(max_concurrency: usize, baseline: f64) -> f64 {
-    max_concurrency as f64 * (1.0 - baseline)
 }
 
 /// The v0.10 dispatcher's `--transport-config-file` object for this processor's pools.

@@ -556,6 +556,29 @@ fn crash_after_loses_nothing_in_v0_10() {
     assert_eq!(redis.command(&["ZCARD", "q"]), ":0");
 }
 
+/// What `processor queues` prints for an async config in `dir` of one model `m` on pool-a at
+/// `gateway_url`, Redis at `redis_url`, with `extra` more top-level YAML.
+fn printed_queues(
+    dir: &std::path::Path,
+    redis_url: &str,
+    gateway_url: &str,
+    extra: &str,
+) -> batch_config::DispatcherQueues {
+    let url_file = dir.join("redis-url");
+    std::fs::write(&url_file, redis_url).unwrap();
+    let yaml = dir.join("async.yaml");
+    std::fs::write(
+        &yaml,
+        format!(
+            "dispatch_mode: async\nredis_url_file: {}\nmodel_gateways:\n  m:\n    url: {gateway_url}\n    inference_pool_name: pool-a\n{extra}",
+            url_file.display()
+        ),
+    )
+    .unwrap();
+    let config = batch_config::ProcessorConfig::load(&yaml).unwrap();
+    config.dispatcher_queues().unwrap()
+}
+
 /// The dispatcher configuration and command lines `processor queues` prints (both releases'
 /// forms) start the simulator exactly as printed, which then carries a request; without the
 /// `--prometheus-url` they print, it refuses to start, as the real dispatcher does.
@@ -565,19 +588,7 @@ fn the_configuration_processor_queues_prints_starts_the_simulator() {
     let dir = tempdir().unwrap();
     let gateway = Sim::spawn(&["gateway", "--listen", "127.0.0.1:0"]);
     let gateway_url = gateway.url(&gateway.listening(), "gateway");
-    let url_file = dir.path().join("redis-url");
-    std::fs::write(&url_file, redis.url()).unwrap();
-    let yaml = dir.path().join("async.yaml");
-    std::fs::write(
-        &yaml,
-        format!(
-            "dispatch_mode: async\nredis_url_file: {}\nmodel_gateways:\n  m:\n    url: {gateway_url}\n    inference_pool_name: pool-a\n",
-            url_file.display()
-        ),
-    )
-    .unwrap();
-    let config = batch_config::ProcessorConfig::load(&yaml).unwrap();
-    let queues = config.dispatcher_queues().unwrap();
+    let queues = printed_queues(dir.path(), &redis.url(), &gateway_url, "");
     assert!(
         queues.needs_prometheus(),
         "the default gate reads Prometheus"
@@ -646,19 +657,10 @@ fn the_endpoint_scrape_configuration_processor_queues_prints_starts_the_simulato
     let dir = tempdir().unwrap();
     let gateway = Sim::spawn(&["gateway", "--listen", "127.0.0.1:0", "--max-num-seqs", "4"]);
     let gateway_url = gateway.url(&gateway.listening(), "gateway");
-    let url_file = dir.path().join("redis-url");
-    std::fs::write(&url_file, redis.url()).unwrap();
-    let yaml = dir.path().join("async.yaml");
-    std::fs::write(
-        &yaml,
-        format!(
-            "dispatch_mode: async\nredis_url_file: {}\nmodel_gateways:\n  m:\n    url: {gateway_url}\n    inference_pool_name: pool-a\nasync_dispatch:\n  dispatcher:\n    max_num_seqs: 4\n    metrics_urls:\n      pool-a: [{gateway_url}/metrics]\n",
-            url_file.display()
-        ),
-    )
-    .unwrap();
-    let config = batch_config::ProcessorConfig::load(&yaml).unwrap();
-    let queues = config.dispatcher_queues().unwrap();
+    let dispatcher = format!(
+        "async_dispatch:\n  dispatcher:\n    max_num_seqs: 4\n    metrics_urls:\n      pool-a: [{gateway_url}/metrics]\n"
+    );
+    let queues = printed_queues(dir.path(), &redis.url(), &gateway_url, &dispatcher);
     assert_eq!(queues.queues_config[0].gate_type, "composite");
     std::fs::write(dir.path().join("queues.json"), queues.queues_config_json()).unwrap();
     let printed = queues.command_v0_9("queues.json");

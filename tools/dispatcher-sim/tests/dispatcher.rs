@@ -833,10 +833,14 @@ async fn the_prometheus_budget_gate_follows_the_embedded_gateways_load() {
     d.shutdown().await;
 }
 
-/// The most requests at the gateway at once when 12 go through a `prometheus-budget` gate of
-/// `max_concurrency` (baseline 0) that reuses its load reading for `cache_ttl`, in front of
-/// `gateway` (400 ms answers).
-async fn gated_peak(server: GatewayConfig, max_concurrency: &str, cache_ttl: Duration) -> usize {
+/// The most requests at the gateway at once when 12 go through the gate `gate` builds (given
+/// the gateway's metrics page), its load readings reused for `cache_ttl`, in front of `server`
+/// (400 ms answers), 4 taken per poll.
+async fn peak_through(
+    server: GatewayConfig,
+    gate: impl FnOnce(&str) -> (String, BTreeMap<String, String>),
+    cache_ttl: Duration,
+) -> usize {
     let redis = RedisServer::start();
     let client = common::redis_client(&redis.url()).await;
     let gw = gateway(server).await;
@@ -852,12 +856,10 @@ async fn gated_peak(server: GatewayConfig, max_concurrency: &str, cache_ttl: Dur
         )
         .await;
     }
+    let (gate_type, gate_params) = gate(&format!("{}/metrics", gw.base_url()));
     let e = QueueEntry {
-        gate_type: Some("prometheus-budget".into()),
-        gate_params: [("max_concurrency", max_concurrency), ("baseline", "0")]
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect(),
+        gate_type: Some(gate_type),
+        gate_params,
         ..QueueEntry::new(QUEUE)
     };
     let mut config = fast(&redis.url(), vec![e]);
@@ -869,6 +871,25 @@ async fn gated_peak(server: GatewayConfig, max_concurrency: &str, cache_ttl: Dur
     assert_eq!(s.responses(200), 12);
     d.shutdown().await;
     s.max_in_flight_seen
+}
+
+/// String gate parameters from pairs.
+fn params(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+/// [`peak_through`] a `prometheus-budget` gate of `max_concurrency`, baseline 0.
+async fn gated_peak(server: GatewayConfig, max_concurrency: &str, cache_ttl: Duration) -> usize {
+    let gate = |_: &str| {
+        (
+            "prometheus-budget".to_owned(),
+            params(&[("max_concurrency", max_concurrency), ("baseline", "0")]),
+        )
+    };
+    peak_through(server, gate, cache_ttl).await
 }
 
 /// The real gate reads `vllm:num_requests_running`, which a model server caps at its
@@ -894,67 +915,59 @@ async fn the_prometheus_budget_gate_counts_running_requests_not_waiting_ones() {
     );
 }
 
+/// An `endpoint-scrape` gate's parameters: `metric` of `page`, `max_count_per_pod` `max`,
+/// baseline 0.
+fn scrape_params(page: &str, metric: &str, max: &str) -> BTreeMap<String, String> {
+    params(&[
+        ("url", page),
+        ("metric", metric),
+        ("max_count_per_pod", max),
+        ("baseline", "0"),
+    ])
+}
+
+/// The same gate as an entry of a composite's `gates`.
+fn scrape(page: &str, metric: &str, max: &str) -> serde_json::Value {
+    serde_json::json!({"gate_type": "endpoint-scrape", "gate_params": scrape_params(page, metric, max)})
+}
+
+/// A `composite` gate of `gates`.
+fn composite(gates: serde_json::Value) -> (String, BTreeMap<String, String>) {
+    (
+        "composite".to_owned(),
+        params(&[("gates", gates.to_string().as_str())]),
+    )
+}
+
 /// The `endpoint-scrape` gate reads a model server's page itself: with `max_count_per_pod` 4 on
 /// `vllm:num_requests_running` it holds the batch at 4 running, alone or inside a `composite`
 /// (the least budget of its gates), as `processor queues` prints it for a pool whose pages are
 /// known.
 #[tokio::test]
 async fn an_endpoint_scrape_gate_holds_the_batch_at_the_servers_slots() {
-    for composite in [false, true] {
-        let redis = RedisServer::start();
-        let client = common::redis_client(&redis.url()).await;
-        let gw = gateway(GatewayConfig {
+    for in_composite in [false, true] {
+        let server = GatewayConfig {
             latency_fixed: Duration::from_millis(400),
             max_num_seqs: Some(8),
             ..GatewayConfig::default()
-        })
-        .await;
-        for i in 0..12 {
-            let id = format!("p{i}");
-            enqueue(
-                &client,
-                QUEUE,
-                &id,
-                now() + 600,
-                &chat(&id),
-                &internal_to(RESULTS),
-            )
-            .await;
-        }
-        let params: BTreeMap<String, String> = [
-            ("url", format!("{}/metrics", gw.base_url())),
-            ("metric", "vllm:num_requests_running".to_owned()),
-            ("max_count_per_pod", "4".to_owned()),
-            ("baseline", "0".to_owned()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
-        let (gate_type, gate_params) = if composite {
-            let one = serde_json::json!({"gate_type": "endpoint-scrape", "gate_params": params});
-            let gates = serde_json::json!([one, {"gate_type": "constant"}]).to_string();
-            ("composite", [("gates".to_owned(), gates)].into())
-        } else {
-            ("endpoint-scrape", params)
         };
-        let e = QueueEntry {
-            gate_type: Some(gate_type.into()),
-            gate_params,
-            ..QueueEntry::new(QUEUE)
+        let gate = |page: &str| {
+            let running = ("vllm:num_requests_running", "4");
+            if in_composite {
+                let one = scrape(page, running.0, running.1);
+                composite(serde_json::json!([one, {"gate_type": "constant"}]))
+            } else {
+                (
+                    "endpoint-scrape".to_owned(),
+                    scrape_params(page, running.0, running.1),
+                )
+            }
         };
-        let mut config = fast(&redis.url(), vec![e]);
-        config.batch_size = 4;
-        config.prometheus_cache_ttl = Duration::ZERO;
-        let d = Dispatcher::start(config, Some(&gw)).await.unwrap();
-        results(&client, RESULTS, 12, WAIT).await;
-        let s = gw.stats();
-        assert_eq!(s.responses(200), 12);
+        let peak = peak_through(server, gate, Duration::ZERO).await;
         assert!(
-            s.max_in_flight_seen <= 5,
-            "{gate_type}: budget 0 at 4 running, saw {}",
-            s.max_in_flight_seen
+            peak <= 5,
+            "composite {in_composite}: budget 0 at 4 running, saw {peak}"
         );
-        d.shutdown().await;
     }
 }
 
@@ -963,54 +976,20 @@ async fn an_endpoint_scrape_gate_holds_the_batch_at_the_servers_slots() {
 /// gate (`vllm:num_requests_waiting`, `max_count_per_pod` 1) closes as soon as one waits.
 #[tokio::test]
 async fn a_waiting_gate_closes_as_soon_as_a_request_queues() {
-    let redis = RedisServer::start();
-    let client = common::redis_client(&redis.url()).await;
-    let gw = gateway(GatewayConfig {
+    let server = GatewayConfig {
         latency_fixed: Duration::from_millis(400),
         max_num_seqs: Some(4),
         ..GatewayConfig::default()
-    })
-    .await;
-    for i in 0..12 {
-        let id = format!("p{i}");
-        enqueue(
-            &client,
-            QUEUE,
-            &id,
-            now() + 600,
-            &chat(&id),
-            &internal_to(RESULTS),
-        )
-        .await;
-    }
-    let page = format!("{}/metrics", gw.base_url());
-    let scrape = |metric: &str, max: &str| {
-        serde_json::json!({"gate_type": "endpoint-scrape", "gate_params": {
-            "url": page, "metric": metric, "max_count_per_pod": max, "baseline": "0"}})
     };
-    let gates = serde_json::json!([
-        scrape("vllm:num_requests_running", "8"),
-        scrape("vllm:num_requests_waiting", "1"),
-    ]);
-    let e = QueueEntry {
-        gate_type: Some("composite".into()),
-        gate_params: [("gates".to_owned(), gates.to_string())].into(),
-        ..QueueEntry::new(QUEUE)
+    let gate = |page: &str| {
+        composite(serde_json::json!([
+            scrape(page, "vllm:num_requests_running", "8"),
+            scrape(page, "vllm:num_requests_waiting", "1"),
+        ]))
     };
-    let mut config = fast(&redis.url(), vec![e]);
-    config.batch_size = 4;
-    config.prometheus_cache_ttl = Duration::ZERO;
-    let d = Dispatcher::start(config, Some(&gw)).await.unwrap();
-    results(&client, RESULTS, 12, WAIT).await;
-    let s = gw.stats();
-    assert_eq!(s.responses(200), 12);
+    let peak = peak_through(server, gate, Duration::ZERO).await;
     // 4 running, and the poll that first sees one waiting may have sent one more.
-    assert!(
-        s.max_in_flight_seen <= 6,
-        "closed once one waits: saw {} at once",
-        s.max_in_flight_seen
-    );
-    d.shutdown().await;
+    assert!(peak <= 6, "closed once one waits: saw {peak} at once");
 }
 
 /// The real gate reuses a reading for `--prometheus-cache-ttl`: while it does, every poll

@@ -140,7 +140,7 @@ fn sizing(queues: &DispatcherQueues) -> String {
         "#   max_concurrency:      {} per pod, baseline {}: the gate closes once {:.0} requests run on a pod",
         s.max_concurrency,
         s.baseline,
-        s.max_concurrency as f64 * (1.0 - s.baseline)
+        s.closes_at()
     );
     let _ = writeln!(
         out,

@@ -400,26 +400,16 @@ impl Gate {
 impl Gate {
     /// This gate with its load readings reused for `ttl` (the dispatcher's
     /// `--prometheus-cache-ttl`; zero reads the load at every poll and message).
-    pub fn with_cache_ttl(self, ttl: Duration) -> Self {
+    pub fn with_cache_ttl(mut self, ttl: Duration) -> Self {
+        self.set_cache_ttl(ttl);
+        self
+    }
+
+    fn set_cache_ttl(&mut self, ttl: Duration) {
         match self {
-            Gate::PrometheusBudget {
-                mut load,
-                max_concurrency,
-                baseline,
-                fallback,
-            } => {
-                load.ttl = ttl;
-                Gate::PrometheusBudget {
-                    load,
-                    max_concurrency,
-                    baseline,
-                    fallback,
-                }
-            }
-            Gate::Composite(gates) => {
-                Gate::Composite(gates.into_iter().map(|g| g.with_cache_ttl(ttl)).collect())
-            }
-            other => other,
+            Gate::PrometheusBudget { load, .. } => load.ttl = ttl,
+            Gate::Composite(gates) => gates.iter_mut().for_each(|g| g.set_cache_ttl(ttl)),
+            _ => {}
         }
     }
 }
