@@ -12,7 +12,14 @@ ensure_venv   # exports BATCH_VENV
 ensure_moto   # the same virtualenv
 ensure_schemathesis   # the same virtualenv: the fuzz of the running service
 status=0
-cargo test --workspace --no-fail-fast "$@" || status=$?
+if [ "$#" -gt 0 ]; then
+  # Arguments (a filter, `-p crate`, `-- --nocapture`) go to cargo test as given.
+  cargo test --workspace --no-fail-fast "$@" || status=$?
+else
+  # Every test binary, several at once (scripts/run-tests.sh says why); TEST_JOBS=1 runs them
+  # one by one.
+  bash scripts/run-tests.sh || status=$?
+fi
 # The JSON scanner's portable path, which targets other than x86-64 run, tested here too.
 cargo test -p batch-json -p batch-wire --features batch-json/portable --lib || status=$?
 # The examples for those who embed the crates (built by `cargo test`, run only here): each runs
