@@ -183,11 +183,52 @@ fn queues_warn_of_a_gate_that_never_closes() {
     );
     assert_eq!(code, 0, "{stderr}");
     assert!(
-        stderr.contains("warning: the gate can never close")
+        stderr.contains("warning: pool pool-a: the gate can never close")
+            && stderr.contains("warning: pool pool-b: the gate can never close")
             && stderr.contains("max_num_seqs = 16"),
         "{stderr}"
     );
     assert!(stderr.contains("inference_pool_ready_pods"), "{stderr}");
+}
+
+/// A pool's own facts (`async_dispatch.dispatcher.pools`) size its gate, and the printed summary
+/// says each pool's; a pool no model serves is refused, naming the field and the file.
+#[test]
+fn queues_size_each_pool_from_its_own_facts() {
+    let file = examples().join("async.yaml");
+    let (code, stdout, stderr) = run(processor(&["queues", "--config", path_arg(&file)])
+        .env(
+            "PROCESSOR_ASYNC_DISPATCH__DISPATCHER__POOLS__pool-b__MAX_NUM_SEQS",
+            "64",
+        )
+        .env(
+            "PROCESSOR_ASYNC_DISPATCH__DISPATCHER__POOLS__pool-b__PODS",
+            "2",
+        ));
+    assert_eq!(code, 0, "{stderr}");
+    for expected in [
+        "pool-a:               1 pod(s), max_concurrency 16 per pod, baseline 0.25: the gate closes once 12 requests run on a pod",
+        "pool-b:               2 pod(s), max_concurrency 64 per pod, baseline 0.25: the gate closes once 48 requests run on a pod",
+        "\"max_concurrency\": \"64\"",
+        // 1 × 12 + 2 × 48 workers; a poll brings at most pool-a's 16.
+        "--concurrency 108",
+        "--redis.ss.batch-size 16",
+    ] {
+        assert!(stdout.contains(expected), "{expected:?} not in:\n{stdout}");
+    }
+    assert!(!stderr.contains("warning"), "{stderr}");
+
+    let (code, stdout, stderr) = run(processor(&["queues", "--config", path_arg(&file)]).env(
+        "PROCESSOR_ASYNC_DISPATCH__DISPATCHER__POOLS__pool-c__PODS",
+        "2",
+    ));
+    assert_eq!(code, 2, "{stdout}");
+    assert!(
+        stderr.contains(
+            "PROCESSOR_ASYNC_DISPATCH__DISPATCHER__POOLS__POOL-C: async_dispatch.dispatcher.pools.pool-c: no model has inference_pool_name pool-c"
+        ),
+        "{stderr}"
+    );
 }
 
 #[test]

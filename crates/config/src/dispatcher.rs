@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use batch_keys::{NameError, QueueNames};
 use serde::Serialize;
 
-use crate::types::{DispatcherSettings, ProcessorConfig};
+use crate::types::{DispatcherSettings, PoolSettings, ProcessorConfig};
 
 /// `igw_base_url` of a pool none of whose models has a `url`: the operator must fill it in.
 pub const PLACEHOLDER_GATEWAY_URL: &str = "http://CHANGE-ME";
@@ -57,13 +57,11 @@ pub struct GateSizing {
     pub metrics_urls: BTreeMap<String, Vec<String>>,
     /// Whether a gate that reads the pods also closes while a request waits on any of them.
     pub waiting_gate: bool,
-    /// The gate's `max_concurrency` per pod.
-    pub max_concurrency: usize,
-    /// The gate's `baseline`.
-    pub baseline: f64,
+    /// Pool → its gate, sized from its own settings over the dispatcher's.
+    pub pools: BTreeMap<String, PoolSizing>,
     /// The dispatcher's poll interval, milliseconds.
     pub poll_interval_ms: u64,
-    /// Messages taken per poll at a full budget.
+    /// Messages taken per poll of each queue at a full budget.
     pub batch_size: u64,
     /// The dispatcher's `--concurrency`.
     pub concurrency: usize,
@@ -74,13 +72,50 @@ pub struct GateSizing {
     pub warnings: Vec<String>,
 }
 
-impl GateSizing {
+/// One pool's gate: its settings (`async_dispatch.dispatcher.pools.<pool>`, else the
+/// dispatcher's) with every default derived.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PoolSizing {
+    /// The pool's ready pods.
+    pub pods: usize,
+    /// The pool's model servers' `--max-num-seqs`, when known.
+    pub max_num_seqs: Option<usize>,
+    /// The gate's `max_concurrency` per pod.
+    pub max_concurrency: usize,
+    /// The gate's `baseline`.
+    pub baseline: f64,
+    /// Whether `max_concurrency` was configured or derived from `max_num_seqs` rather than the
+    /// dispatcher's own 100.
+    pub sized: bool,
+}
+
+impl PoolSizing {
     /// The running requests per pod at which a load-reading gate's budget
     /// `1 − running / max_concurrency − baseline` reaches 0.
     pub fn closes_at(&self) -> f64 {
         self.max_concurrency as f64 * (1.0 - self.baseline)
     }
 
+    /// The batch requests the pool can run below its gate, all pods together: what the
+    /// dispatcher's workers are sized to (`None` for an unsized pool).
+    fn workers(&self) -> Option<usize> {
+        // A pod never runs more than max_num_seqs, whatever max_concurrency says.
+        let runnable = match self.max_num_seqs {
+            Some(seqs) => self.max_concurrency.min(seqs),
+            None => self.max_concurrency,
+        };
+        self.sized
+            .then(|| per_pod_cap(runnable, self.baseline) * self.pods)
+    }
+
+    /// Messages a full budget lets in at one poll: the pool's whole gate (`None` when unsized).
+    fn full_poll(&self) -> Option<u64> {
+        self.sized
+            .then_some((self.pods * self.max_concurrency) as u64)
+    }
+}
+
+impl GateSizing {
     /// The gate of `pool`: `endpoint-scrape` (`composite` over several pods) when its metrics
     /// pages are known and no other gate is configured, else the configured one, else
     /// `prometheus-budget`.
@@ -93,9 +128,9 @@ impl GateSizing {
         }
     }
 
-    /// The gate type and parameters of `pool` with `pods` ready pods, all strings as the
-    /// dispatcher takes them.
-    fn gate(&self, pool: &str, pods: usize) -> (String, BTreeMap<String, String>) {
+    /// The gate type and parameters of `pool`, sized as `sizing`, all strings as the dispatcher
+    /// takes them.
+    fn gate(&self, pool: &str, sizing: &PoolSizing) -> (String, BTreeMap<String, String>) {
         let strings = |pairs: &[(&str, String)]| -> BTreeMap<String, String> {
             pairs
                 .iter()
@@ -106,7 +141,7 @@ impl GateSizing {
         let params = match kind.as_str() {
             "local-max-concurrency" => strings(&[(
                 "limit",
-                (per_pod_cap(self.max_concurrency, self.baseline) * pods).to_string(),
+                (per_pod_cap(sizing.max_concurrency, sizing.baseline) * sizing.pods).to_string(),
             )]),
             ENDPOINT_SCRAPE | "composite" => {
                 let urls = self.metrics_urls.get(pool).cloned().unwrap_or_default();
@@ -115,8 +150,8 @@ impl GateSizing {
                     strings(&[
                         ("url", url.to_owned()),
                         ("metric", RUNNING_METRIC.to_owned()),
-                        ("max_count_per_pod", self.max_concurrency.to_string()),
-                        ("baseline", format!("{}", self.baseline)),
+                        ("max_count_per_pod", sizing.max_concurrency.to_string()),
+                        ("baseline", format!("{}", sizing.baseline)),
                     ])
                 };
                 // A pod's waiting gate: budget 1 − min(waiting, 1), closed while any waits.
@@ -143,8 +178,8 @@ impl GateSizing {
             }
             _ => strings(&[
                 ("pool", pool.to_owned()),
-                ("max_concurrency", self.max_concurrency.to_string()),
-                ("baseline", format!("{}", self.baseline)),
+                ("max_concurrency", sizing.max_concurrency.to_string()),
+                ("baseline", format!("{}", sizing.baseline)),
             ]),
         };
         (kind, params)
@@ -166,16 +201,22 @@ fn per_pod_cap(max_concurrency: usize, baseline: f64) -> usize {
 }
 
 impl DispatcherSettings {
-    /// These settings with every default derived, for the pools named `pools`, each of
-    /// [`Self::pods`] pods.
+    /// These settings with every default derived, for the pools named `pools`.
     ///
+    /// Each pool's settings are its entry in [`Self::pools`] over the dispatcher's own keys;
+    /// from them, per pool:
     /// - `max_concurrency`: `max_num_seqs`, else the dispatcher's 100;
-    /// - `baseline`: `headroom`, so the gate closes once `(1 − headroom)` of a pod's slots run;
-    /// - `batch_size`: `pods × max_concurrency` when sized, so a full budget fills the pool's
-    ///   share in one poll; else the dispatcher's 10;
-    /// - `concurrency`: the pools' `pods × max_concurrency × (1 − baseline)`, summed, when sized:
-    ///   the batch then cannot take more than its share even while the gate acts on an old
-    ///   reading; else the dispatcher's 64.
+    /// - `baseline`: `headroom`, so the gate closes once `(1 − headroom)` of a pod's slots run.
+    ///
+    /// And for the whole dispatcher, which has one of each:
+    /// - `batch_size`: the smallest sized pool's `pods × max_concurrency`, so that a full budget
+    ///   fills that pool's slots in one poll, and no poll lands more on any pool than its pods
+    ///   can run (the excess would wait in the servers' queues, ahead of online requests); a
+    ///   larger pool fills over a few polls. Else the dispatcher's 10;
+    /// - `concurrency`: each pool's `pods × max_concurrency × (1 − baseline)` (with
+    ///   `max_concurrency` at most `max_num_seqs`), summed, when every pool is sized: the batch
+    ///   then cannot take more than its share even while a gate acts on an old reading; else
+    ///   the dispatcher's 64.
     pub fn sizing(&self, pools: &[String]) -> GateSizing {
         let gate_type = match &self.gate_type {
             Some(kind) => kind.clone(),
@@ -188,28 +229,37 @@ impl DispatcherSettings {
         } else {
             std::time::Duration::from_secs(1)
         });
-        let sized = self.max_concurrency.or(self.max_num_seqs);
-        let max_concurrency = sized.unwrap_or(DISPATCHER_MAX_CONCURRENCY);
-        let baseline = self.baseline.unwrap_or(self.headroom);
+        let sized_pools: BTreeMap<String, PoolSizing> = pools
+            .iter()
+            .map(|pool| (pool.clone(), self.pool_sizing(self.pools.get(pool))))
+            .collect();
+        // Without pools, the dispatcher's keys alone size the pacing.
+        let every: Vec<PoolSizing> = match sized_pools.is_empty() {
+            true => vec![self.pool_sizing(None)],
+            false => sized_pools.values().cloned().collect(),
+        };
         let batch_size = self.batch_size.map_or_else(
-            || sized.map_or(DISPATCHER_BATCH_SIZE, |m| (m * self.pods) as u64),
+            || {
+                every
+                    .iter()
+                    .filter_map(PoolSizing::full_poll)
+                    .min()
+                    .unwrap_or(DISPATCHER_BATCH_SIZE)
+            },
             |b| b as u64,
         );
-        // A pod never runs more than max_num_seqs, whatever max_concurrency says.
-        let runnable = match (sized, self.max_num_seqs) {
-            (Some(m), Some(seqs)) => Some(m.min(seqs)),
-            (m, _) => m,
-        };
-        let concurrency = self.concurrency.unwrap_or_else(|| match runnable {
-            Some(m) => per_pod_cap(m, baseline) * self.pods * pools.len().max(1),
-            None => DISPATCHER_CONCURRENCY,
+        let concurrency = self.concurrency.unwrap_or_else(|| {
+            every
+                .iter()
+                .map(PoolSizing::workers)
+                .sum::<Option<usize>>()
+                .unwrap_or(DISPATCHER_CONCURRENCY)
         });
         let mut sizing = GateSizing {
             gate_type,
             metrics_urls: self.metrics_urls.clone(),
             waiting_gate: self.waiting_gate,
-            max_concurrency,
-            baseline,
+            pools: sized_pools,
             poll_interval_ms: self.poll_interval.as_millis().max(1) as u64,
             batch_size,
             concurrency,
@@ -222,9 +272,28 @@ impl DispatcherSettings {
         sizing
     }
 
+    /// One pool's gate: `own` (its entry in `pools`) over these settings.
+    fn pool_sizing(&self, own: Option<&PoolSettings>) -> PoolSizing {
+        let own = own.cloned().unwrap_or_default();
+        let max_num_seqs = own.max_num_seqs.or(self.max_num_seqs);
+        let sized = own
+            .max_concurrency
+            .or(self.max_concurrency)
+            .or(max_num_seqs);
+        PoolSizing {
+            pods: own.pods.unwrap_or(self.pods),
+            max_num_seqs,
+            max_concurrency: sized.unwrap_or(DISPATCHER_MAX_CONCURRENCY),
+            baseline: own
+                .baseline
+                .or(self.baseline)
+                .unwrap_or(own.headroom.unwrap_or(self.headroom)),
+            sized: sized.is_some(),
+        }
+    }
+
     fn warnings(&self, s: &GateSizing, pools: &[String]) -> Vec<String> {
         let mut out = Vec::new();
-        let closes_at = s.closes_at();
         if !DISPATCHER_GATE_TYPES.contains(&s.gate_type.as_str()) {
             out.push(format!(
                 "gate_type {:?} is not a gate the dispatcher knows ({}): it would open the gate fully",
@@ -253,15 +322,18 @@ impl DispatcherSettings {
             ));
         }
         if matches!(s.gate_type.as_str(), "prometheus-budget" | ENDPOINT_SCRAPE) {
-            match self.max_num_seqs {
-                None => out.push(format!(
-                    "async_dispatch.dispatcher.max_num_seqs is not set: the gate counts requests running, which never exceed the model servers' --max-num-seqs, and with max_concurrency {} it closes only once {closes_at:.0} run on a pod; set max_num_seqs to the servers' value",
-                    s.max_concurrency
-                )),
-                Some(seqs) if closes_at >= seqs as f64 => out.push(format!(
-                    "the gate can never close: it closes once max_concurrency × (1 − baseline) = {closes_at:.1} requests run on a pod, but a pod runs at most max_num_seqs = {seqs}; lower max_concurrency or raise baseline"
-                )),
-                Some(_) => {}
+            for (pool, p) in &s.pools {
+                let closes_at = p.closes_at();
+                match p.max_num_seqs {
+                    None => out.push(format!(
+                        "pool {pool}: max_num_seqs is not set (async_dispatch.dispatcher.max_num_seqs, or pools.{pool}.max_num_seqs): the gate counts requests running, which never exceed the model servers' --max-num-seqs, and with max_concurrency {} it closes only once {closes_at:.0} run on a pod; set max_num_seqs to the servers' value",
+                        p.max_concurrency
+                    )),
+                    Some(seqs) if closes_at >= seqs as f64 => out.push(format!(
+                        "pool {pool}: the gate can never close: it closes once max_concurrency × (1 − baseline) = {closes_at:.1} requests run on a pod, but a pod runs at most max_num_seqs = {seqs}; lower max_concurrency or raise baseline"
+                    )),
+                    Some(_) => {}
+                }
             }
         }
         if self
@@ -515,7 +587,12 @@ impl ProcessorConfig {
                 .find_map(|model| self.model_gateways.get(model)?.url.as_deref())
                 .map_or(PLACEHOLDER_GATEWAY_URL, |url| url.trim_end_matches('/'))
                 .to_owned();
-            let (gate_type, gate_params) = sizing.gate(&pool, settings.pods);
+            // Every pool was sized: `sizing` was made for these very pools.
+            let pool_sizing = match sizing.pools.get(&pool) {
+                Some(own) => own.clone(),
+                None => settings.pool_sizing(settings.pools.get(&pool)),
+            };
+            let (gate_type, gate_params) = sizing.gate(&pool, &pool_sizing);
             queues_config.push(DispatcherQueueEntry {
                 queue_name: request_queue_name.clone(),
                 igw_base_url,

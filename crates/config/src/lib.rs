@@ -12,17 +12,17 @@ mod values;
 
 pub use dispatcher::{
     DispatcherQueueEntry, DispatcherQueues, DispatcherTransportConfig, GateSizing, PoolQueues,
-    DISPATCHER_BATCH_SIZE, DISPATCHER_CONCURRENCY, DISPATCHER_GATE_TYPE, DISPATCHER_GATE_TYPES,
-    DISPATCHER_MAX_CONCURRENCY, DISPATCHER_POLL_INTERVAL_MS, DISPATCHER_REQUEST_PATH,
-    DISPATCHER_RETRY_QUEUE, PLACEHOLDER_GATEWAY_URL,
+    PoolSizing, DISPATCHER_BATCH_SIZE, DISPATCHER_CONCURRENCY, DISPATCHER_GATE_TYPE,
+    DISPATCHER_GATE_TYPES, DISPATCHER_MAX_CONCURRENCY, DISPATCHER_POLL_INTERVAL_MS,
+    DISPATCHER_REQUEST_PATH, DISPATCHER_RETRY_QUEUE, PLACEHOLDER_GATEWAY_URL,
 };
 pub use error::{ConfigError, ConfigErrors};
 pub use load::{check_tenant, ENV_NESTING, ENV_PREFIX};
 pub use types::{
     AimdConfig, ApiKey, AsyncDispatchConfig, ConcurrencyConfig, DispatchMode, DispatcherSettings,
     InputLimits, LimiterAlgorithm, LoadConfig, ModelGatewayConfig, ObservabilityConfig,
-    ProcessorConfig, RedisTlsConfig, S3Config, Secret, ServeConfig, ServeTls, TlsConfig,
-    WebhooksConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
+    PoolSettings, ProcessorConfig, RedisTlsConfig, S3Config, Secret, ServeConfig, ServeTls,
+    TlsConfig, WebhooksConfig, DEFAULT_REDIS_URL_FILE, REDACTED,
 };
 pub use values::{parse_byte_size, parse_duration};
 

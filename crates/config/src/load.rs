@@ -140,8 +140,9 @@ enum Needs {
 fn build(c: &mut Collector<'_>, root: &Value, needs: Needs) -> ProcessorConfig {
     let root = c.root(root, ProcessorConfig::KEYS);
     let dispatch_mode = dispatch_mode(c, &root);
-    let async_dispatch = async_dispatch(c, &root);
+    let (async_dispatch, dispatcher_pools) = async_dispatch(c, &root);
     let model_gateways = model_gateways(c, &root, dispatch_mode);
+    check_dispatcher_pools(c, &dispatcher_pools, &model_gateways);
     let concurrency = concurrency(c, &root);
 
     let redis_url_file = c
@@ -228,13 +229,15 @@ fn dispatch_mode(c: &mut Collector<'_>, root: &Table<'_>) -> DispatchMode {
     }
 }
 
-fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfig {
+/// `async_dispatch`, and its dispatcher's `pools` table (see [`check_dispatcher_pools`]).
+fn async_dispatch<'v>(c: &mut Collector<'_>, root: &Table<'v>) -> (AsyncDispatchConfig, Table<'v>) {
     let t = c.table(root, "async_dispatch", AsyncDispatchConfig::KEYS);
     let d = AsyncDispatchConfig::default();
     let result_poll_timeout = c.positive_duration(&t, "result_poll_timeout", d.result_poll_timeout);
     let queue_prefix = name_part(c, &t, "queue_prefix", "prefix").unwrap_or(d.queue_prefix);
     let consumer_id = name_part(c, &t, "consumer_id", "consumer id");
-    AsyncDispatchConfig {
+    let (dispatcher, pools_table) = dispatcher_settings(c, &t);
+    let config = AsyncDispatchConfig {
         result_poll_timeout,
         queue_prefix,
         consumer_id_set: consumer_id.is_some(),
@@ -250,38 +253,24 @@ fn async_dispatch(c: &mut Collector<'_>, root: &Table<'_>) -> AsyncDispatchConfi
         enqueue_chunk: c.count(&t, "enqueue_chunk", d.enqueue_chunk, 1),
         result_batch: c.count(&t, "result_batch", d.result_batch, 1),
         result_linger: c.duration(&t, "result_linger", d.result_linger),
-        dispatcher: dispatcher_settings(c, &t),
-    }
+        dispatcher,
+    };
+    (config, pools_table)
 }
 
-/// `async_dispatch.dispatcher`: what `processor queues` prints for the real dispatcher.
-fn dispatcher_settings(c: &mut Collector<'_>, parent: &Table<'_>) -> DispatcherSettings {
+/// `async_dispatch.dispatcher`: what `processor queues` prints for the real dispatcher; also
+/// its `pools` table, checked against the models' pools once they are read.
+fn dispatcher_settings<'v>(
+    c: &mut Collector<'_>,
+    parent: &Table<'v>,
+) -> (DispatcherSettings, Table<'v>) {
     let t = c.table(parent, "dispatcher", DispatcherSettings::KEYS);
     let d = DispatcherSettings::default();
-    let optional_count = |c: &mut Collector<'_>, key: &str| {
-        t.get(key)
-            .map(|_| c.bounded_count(&t, key, 1usize, 1, 1_000_000))
-    };
-    let max_num_seqs = optional_count(c, "max_num_seqs");
-    let max_concurrency = optional_count(c, "max_concurrency");
-    let batch_size = optional_count(c, "batch_size");
-    let concurrency = optional_count(c, "concurrency");
-    let headroom = c.float(&t, "headroom", d.headroom);
-    if !(0.0..1.0).contains(&headroom) {
-        c.at(&t, "headroom", format!("must be in [0, 1), got {headroom}"));
-    }
-    let baseline = t
-        .get("baseline")
-        .map(|_| c.float(&t, "baseline", d.headroom));
-    if let Some(b) = baseline.filter(|b| !(0.0..1.0).contains(b)) {
-        c.at(
-            &t,
-            "baseline",
-            format!("must be in [0, 1) (at 1 the gate never opens), got {b}"),
-        );
-    }
+    let facts = pool_settings(c, &t);
+    let batch_size = optional_count(c, &t, "batch_size");
+    let concurrency = optional_count(c, &t, "concurrency");
     let metrics = c.table(&t, "metrics_urls", &[]);
-    let mut metrics_urls = std::collections::BTreeMap::new();
+    let mut metrics_urls = BTreeMap::new();
     for (pool, _) in metrics.entries() {
         if let Err(problem) = validate_part("pool name", pool) {
             c.at(&metrics, pool, problem);
@@ -295,13 +284,23 @@ fn dispatcher_settings(c: &mut Collector<'_>, parent: &Table<'_>) -> DispatcherS
         }
         metrics_urls.insert(pool.clone(), urls);
     }
-    DispatcherSettings {
+    let pools_table = c.table(&t, "pools", &[]);
+    let mut pools = BTreeMap::new();
+    for (pool, value) in pools_table.entries() {
+        if let Err(problem) = validate_part("pool name", pool) {
+            c.at(&pools_table, pool, problem);
+            continue;
+        }
+        let entry = c.entry(&pools_table, pool, value, PoolSettings::KEYS);
+        pools.insert(pool.clone(), pool_settings(c, &entry));
+    }
+    let settings = DispatcherSettings {
         gate_type: c.text(&t, "gate_type").or(d.gate_type),
-        max_num_seqs,
-        pods: c.bounded_count(&t, "pods", d.pods, 1, 100_000),
-        headroom,
-        max_concurrency,
-        baseline,
+        max_num_seqs: facts.max_num_seqs,
+        pods: facts.pods.unwrap_or(d.pods),
+        headroom: facts.headroom.unwrap_or(d.headroom),
+        max_concurrency: facts.max_concurrency,
+        baseline: facts.baseline,
         poll_interval: c.bounded_duration(
             &t,
             "poll_interval",
@@ -315,6 +314,62 @@ fn dispatcher_settings(c: &mut Collector<'_>, parent: &Table<'_>) -> DispatcherS
             .map(|_| c.duration(&t, "prometheus_cache_ttl", std::time::Duration::ZERO)),
         metrics_urls,
         waiting_gate: c.boolean(&t, "waiting_gate", d.waiting_gate),
+        pools,
+    };
+    (settings, pools_table)
+}
+
+/// The keys a pool may override, as set in `t`: the dispatcher's table (the defaults of every
+/// pool) or one entry of its `pools`.
+fn pool_settings(c: &mut Collector<'_>, t: &Table<'_>) -> PoolSettings {
+    let mut fraction = |key: &str, why: &str| {
+        let value = t.get(key).map(|_| c.float(t, key, 0.0));
+        if let Some(v) = value.filter(|v| !(0.0..1.0).contains(v)) {
+            c.at(t, key, format!("must be in [0, 1){why}, got {v}"));
+        }
+        value
+    };
+    let headroom = fraction("headroom", "");
+    let baseline = fraction("baseline", " (at 1 the gate never opens)");
+    PoolSettings {
+        max_num_seqs: optional_count(c, t, "max_num_seqs"),
+        pods: t
+            .get("pods")
+            .map(|_| c.bounded_count(t, "pods", 1usize, 1, 100_000)),
+        headroom,
+        max_concurrency: optional_count(c, t, "max_concurrency"),
+        baseline,
+    }
+}
+
+/// A count from 1 to a million, `None` when unset.
+fn optional_count(c: &mut Collector<'_>, t: &Table<'_>, key: &str) -> Option<usize> {
+    t.get(key)
+        .map(|_| c.bounded_count(t, key, 1usize, 1, 1_000_000))
+}
+
+/// Each pool of `async_dispatch.dispatcher.pools` must be some model's pool: an override of a
+/// pool no queue serves is a typo that would otherwise be silently ignored.
+fn check_dispatcher_pools(
+    c: &mut Collector<'_>,
+    pools_table: &Table<'_>,
+    models: &BTreeMap<String, ModelGatewayConfig>,
+) {
+    let known: std::collections::BTreeSet<&str> = models
+        .values()
+        .filter_map(|m| m.inference_pool_name.as_deref())
+        .collect();
+    for (pool, _) in pools_table.entries() {
+        if !known.contains(pool.as_str()) && validate_part("pool name", pool).is_ok() {
+            let problem = match known.is_empty() {
+                true => format!("no model has inference_pool_name {pool} (no model names a pool)"),
+                false => format!(
+                    "no model has inference_pool_name {pool} (the models' pools: {})",
+                    known.iter().copied().collect::<Vec<_>>().join(", ")
+                ),
+            };
+            c.at(pools_table, pool, problem);
+        }
     }
 }
 

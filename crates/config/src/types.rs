@@ -173,7 +173,8 @@ config_table! {
 /// requests into the pool, and these say how.
 ///
 /// The unset ones are derived from the pool (`max_num_seqs`, `pods`, `headroom`): see
-/// [`crate::GateSizing`].
+/// [`DispatcherSettings::sizing`]. Those three and the gate's `max_concurrency` and `baseline`
+/// hold for every pool whose entry in `pools` does not set its own.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DispatcherSettings {
     /// The gate of every queue (default `endpoint-scrape` for the pools with `metrics_urls`,
@@ -195,10 +196,13 @@ pub struct DispatcherSettings {
     /// How often the dispatcher polls each queue (default 200ms; the dispatcher's own is 1s).
     #[serde(serialize_with = "ser_duration")]
     pub poll_interval: Duration,
-    /// Messages taken per poll at a full budget (default `pods × max_concurrency`, else 10).
+    /// Messages taken per poll of each queue at a full budget, one value for every queue
+    /// (default: the smallest pool's `pods × max_concurrency`, so no poll brings a pool more
+    /// than its pods run; else 10).
     pub batch_size: Option<usize>,
     /// The dispatcher's workers, `--concurrency`: the most batch requests in flight at once
-    /// (default: each pool's `pods × max_num_seqs × (1 − headroom)`, summed; else 64).
+    /// (default: each pool's `pods × max_num_seqs × (1 − headroom)`, summed, when every pool
+    /// has `max_num_seqs`; else 64).
     pub concurrency: Option<usize>,
     /// The dispatcher's `--prometheus-cache-ttl`: how old a load reading the gate may act on
     /// (default 1s for a gate that reads Prometheus, whose readings are as old as its scrape
@@ -213,6 +217,28 @@ pub struct DispatcherSettings {
     /// (`vllm:num_requests_waiting`), so a burst of online traffic stops the batch at once
     /// (default true).
     pub waiting_gate: bool,
+    /// Pool → what differs in that pool (`max_num_seqs`, `pods`, `headroom`, `max_concurrency`,
+    /// `baseline`); each key it leaves out is the one above. Every pool named must be some
+    /// model's `inference_pool_name`.
+    pub pools: BTreeMap<String, PoolSettings>,
+}
+}
+
+config_table! {
+/// `async_dispatch.dispatcher.pools.<pool>`: one pool's own facts and gate, each overriding the
+/// key of the same name in [`DispatcherSettings`] for that pool's queue.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PoolSettings {
+    /// The pool's model servers' `--max-num-seqs`.
+    pub max_num_seqs: Option<usize>,
+    /// The pool's ready pods.
+    pub pods: Option<usize>,
+    /// The share of each of the pool's pods' slots left to online traffic, in [0, 1).
+    pub headroom: Option<f64>,
+    /// The pool's gate's `max_concurrency` per pod.
+    pub max_concurrency: Option<usize>,
+    /// The pool's gate's `baseline`, in [0, 1).
+    pub baseline: Option<f64>,
 }
 }
 
@@ -231,6 +257,7 @@ impl Default for DispatcherSettings {
             prometheus_cache_ttl: None,
             metrics_urls: BTreeMap::new(),
             waiting_gate: true,
+            pools: BTreeMap::new(),
         }
     }
 }

@@ -856,28 +856,38 @@ model_gateways:
     );
 }
 
+/// An async config in `dir` of model `a` on pool-a and `b` on pool-b, with `dispatcher` (indented
+/// YAML) as `async_dispatch.dispatcher`: the file and what loading it gives.
+fn load_two_pools(
+    dir: &Path,
+    dispatcher: &str,
+) -> (PathBuf, Result<ProcessorConfig, ConfigErrors>) {
+    write(dir, "redis-url", "redis://127.0.0.1:6379");
+    let file = write(
+        dir,
+        "processor.yaml",
+        &format!(
+            "dispatch_mode: async\nredis_url_file: redis-url\nmodel_gateways:\n  a: {{inference_pool_name: pool-a}}\n  b: {{inference_pool_name: pool-b}}\nasync_dispatch:\n  dispatcher:\n{dispatcher}"
+        ),
+    );
+    let loaded = load_file(&file);
+    (file, loaded)
+}
+
 /// `async_dispatch.dispatcher`: the gate and pacing sized from the pool (`max_num_seqs`, `pods`,
 /// `headroom`), each explicit setting winning over what would be derived.
 #[test]
 fn the_dispatchers_gate_is_sized_from_the_pool() {
     let dir = tempfile::tempdir().unwrap();
-    write(dir.path(), "redis-url", "redis://127.0.0.1:6379");
-    let load = |dispatcher: &str| {
-        let file = write(
-            dir.path(),
-            "processor.yaml",
-            &format!(
-                "dispatch_mode: async\nredis_url_file: redis-url\nmodel_gateways:\n  a: {{inference_pool_name: pool-a}}\n  b: {{inference_pool_name: pool-b}}\nasync_dispatch:\n  dispatcher:\n{dispatcher}"
-            ),
-        );
-        load_file(&file)
-    };
+    let load = |dispatcher: &str| load_two_pools(dir.path(), dispatcher).1;
     let q = load("    max_num_seqs: 16\n    pods: 2\n")
         .unwrap()
         .dispatcher_queues()
         .unwrap();
     let s = &q.sizing;
-    assert_eq!((s.max_concurrency, s.baseline), (16, 0.25));
+    let b = &s.pools["pool-b"];
+    assert_eq!((b.pods, b.max_concurrency, b.baseline), (2, 16, 0.25));
+    assert_eq!(s.pools["pool-a"], *b);
     // A full budget fills the pool's 2 × 16 slots in one poll; the workers stop at 12 per pod.
     assert_eq!((s.batch_size, s.concurrency), (32, 2 * 2 * 12));
     assert_eq!(
@@ -911,8 +921,9 @@ fn the_dispatchers_gate_is_sized_from_the_pool() {
     .dispatcher_queues()
     .unwrap();
     let s = &q.sizing;
+    let a = &s.pools["pool-a"];
     assert_eq!(
-        (s.max_concurrency, s.baseline, s.batch_size, s.concurrency),
+        (a.max_concurrency, a.baseline, s.batch_size, s.concurrency),
         (40, 0.1, 5, 7)
     );
     assert_eq!(
@@ -1017,6 +1028,94 @@ fn the_dispatchers_gate_is_sized_from_the_pool() {
             "{field}: {err}"
         );
     }
+}
+
+/// `async_dispatch.dispatcher.pools`: each pool's own facts over the dispatcher's; each gate is
+/// sized from its pool, the dispatcher-wide workers and batch size from all of them.
+#[test]
+fn each_pool_can_have_its_own_gate() {
+    let dir = tempfile::tempdir().unwrap();
+    let load = |dispatcher: &str| load_two_pools(dir.path(), dispatcher);
+    // pool-a: 2 pods of 16 (the dispatcher's keys); pool-b: 1 pod of 64, headroom 0.2.
+    let (_, config) = load(
+        "    max_num_seqs: 16\n    pods: 2\n    pools:\n      pool-b: {max_num_seqs: 64, pods: 1, headroom: 0.2}\n",
+    );
+    let q = config.unwrap().dispatcher_queues().unwrap();
+    let s = &q.sizing;
+    let (a, b) = (&s.pools["pool-a"], &s.pools["pool-b"]);
+    assert_eq!((a.pods, a.max_concurrency, a.baseline), (2, 16, 0.25));
+    assert_eq!((b.pods, b.max_concurrency, b.baseline), (1, 64, 0.2));
+    assert_eq!((a.closes_at(), b.closes_at()), (12.0, 51.2));
+    // Workers: 2 × 12 + 1 × ⌊64 × 0.8⌋; a poll never brings more than the smaller pool's 32.
+    assert_eq!((s.concurrency, s.batch_size), (24 + 51, 32));
+    assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+    let params = |i: usize| {
+        let p = &q.queues_config[i].gate_params;
+        (
+            p["pool"].clone(),
+            p["max_concurrency"].clone(),
+            p["baseline"].clone(),
+        )
+    };
+    assert_eq!(params(0), ("pool-a".into(), "16".into(), "0.25".into()));
+    assert_eq!(params(1), ("pool-b".into(), "64".into(), "0.2".into()));
+    assert!(q.command_v0_10("t.json").contains("--concurrency 75"));
+    assert_eq!(q.transport_config().batch_size, 32);
+
+    // A pool's explicit gate params win over its facts, and the pods' gate takes them too.
+    let (_, config) = load(
+        "    max_num_seqs: 16\n    metrics_urls:\n      pool-b: [\"http://b0:8000/metrics\"]\n    pools:\n      pool-b: {max_num_seqs: 64, max_concurrency: 32, baseline: 0.5}\n",
+    );
+    let q = config.unwrap().dispatcher_queues().unwrap();
+    let gates: serde_json::Value =
+        serde_json::from_str(&q.queues_config[1].gate_params["gates"]).unwrap();
+    assert_eq!(gates[0]["gate_params"]["max_count_per_pod"], "32");
+    assert_eq!(gates[0]["gate_params"]["baseline"], "0.5");
+    // 1 × 12 + 1 × ⌊32 × 0.5⌋.
+    assert_eq!(q.sizing.concurrency, 12 + 16);
+
+    // Warnings stay per pool: only pool-b, sized nowhere, is unsized; the workers can then not
+    // be derived, but the batch size still comes from the sized pool.
+    let (_, config) = load("    pools:\n      pool-a: {max_num_seqs: 16}\n");
+    let s = config.unwrap().dispatcher_queues().unwrap().sizing;
+    assert_eq!((s.concurrency, s.batch_size), (64, 16));
+    assert_eq!(s.warnings.len(), 1, "{:?}", s.warnings);
+    assert!(
+        s.warnings[0].starts_with("pool pool-b: max_num_seqs is not set")
+            && s.warnings[0].contains("pools.pool-b.max_num_seqs"),
+        "{:?}",
+        s.warnings
+    );
+    let (_, config) =
+        load("    max_num_seqs: 16\n    pools:\n      pool-b: {max_concurrency: 40}\n");
+    let s = config.unwrap().dispatcher_queues().unwrap().sizing;
+    assert_eq!(s.warnings.len(), 1, "{:?}", s.warnings);
+    assert!(
+        s.warnings[0].starts_with("pool pool-b: the gate can never close"),
+        "{:?}",
+        s.warnings
+    );
+
+    // A pool no model serves, a bad value and an unknown key: each named with its field and file.
+    let (file, config) = load(
+        "    pools:\n      pool-x: {pods: 2}\n      pool-a: {headroom: 1, podz: 1}\n      pool-b: {baseline: 1}\n",
+    );
+    let errors: Vec<String> = config
+        .unwrap_err()
+        .errors
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let f = file.display();
+    for expected in [
+        format!("{f}: async_dispatch.dispatcher.pools.pool-x: no model has inference_pool_name pool-x (the models' pools: pool-a, pool-b)"),
+        format!("{f}: async_dispatch.dispatcher.pools.pool-a.headroom: must be in [0, 1), got 1"),
+        format!("{f}: async_dispatch.dispatcher.pools.pool-a.podz: unknown key (did you mean pods?)"),
+        format!("{f}: async_dispatch.dispatcher.pools.pool-b.baseline: must be in [0, 1) (at 1 the gate never opens), got 1"),
+    ] {
+        assert!(errors.contains(&expected), "{expected}\nnot in {errors:#?}");
+    }
+    assert_eq!(errors.len(), 4, "{errors:#?}");
 }
 
 #[test]

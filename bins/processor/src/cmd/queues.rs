@@ -135,16 +135,21 @@ fn sizing(queues: &DispatcherQueues) -> String {
         .collect();
     let gates: Vec<&str> = gates.into_iter().collect();
     let _ = writeln!(out, "#   gate_type:            {}", gates.join(", "));
+    for (pool, p) in &s.pools {
+        let _ = writeln!(
+            out,
+            "#   {:<21} {} pod(s), max_concurrency {} per pod, baseline {}: the gate closes once {:.0} requests run on a pod",
+            format!("{pool}:"),
+            p.pods,
+            p.max_concurrency,
+            p.baseline,
+            p.closes_at()
+        );
+    }
     let _ = writeln!(
         out,
-        "#   max_concurrency:      {} per pod, baseline {}: the gate closes once {:.0} requests run on a pod",
-        s.max_concurrency,
-        s.baseline,
-        s.closes_at()
-    );
-    let _ = writeln!(
-        out,
-        "#   poll interval:        {} ms, batch size {}: a poll takes batch size × budget requests,\n\
+        "#   poll interval:        {} ms, batch size {}: a poll of a queue takes\n\
+         #                         batch size × budget requests,\n\
          #                         budget = 1 − running / (pods × max_concurrency) − baseline",
         s.poll_interval_ms, s.batch_size
     );
