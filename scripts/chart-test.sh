@@ -21,7 +21,7 @@ ensure_chart_tools   # exports CHART_VENV
 KUBE_VERSION=1.37.0
 chart=${CHART:-deploy/helm/batch-processor}   # another copy: to see a broken chart fail
 cargo build --quiet --bin processor
-processor=$PWD/target/debug/processor
+processor=$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/processor   # cargo's own target dir
 py=$CHART_VENV/bin/python
 
 work=$(mktemp -d -t batch-chart-XXXXXX)
@@ -167,5 +167,8 @@ check "refused: model_gateways in config" refused "config.model_gateways is set 
 check "refused: a model twice" refused "models: m is listed twice" \
   --set 'models[0].name=m' --set 'models[1].name=m'
 check "refused: no model" refused "models: list at least one model" --set 'models=null'
+check "refused: a pool override of no model's pool" \
+  refused "dispatcher.pools: pool-x is not the inference_pool_name of any model" \
+  -f "$chart/ci/async-two-pools-values.yaml" --set dispatcher.pools.pool-x.pods=2
 
 check_summary "chart tests"

@@ -57,12 +57,19 @@ values. Fails on a key the chart owns, and on a config the service would refuse 
 {{- $ad := deepCopy (default dict (get $config "async_dispatch")) -}}
 {{- if hasKey $ad "dispatcher" -}}{{- fail "config.async_dispatch.dispatcher is set by the chart: use the chart's values (dispatcher.*)" -}}{{- end -}}
 {{- $d := $v.dispatcher -}}
-{{- $gate := dict "gate_type" $d.gateType "pods" (int (default 1 $d.pods)) "headroom" $d.headroom "poll_interval" (printf "%vms" $d.pollIntervalMs) -}}
-{{- if gt (int (default 0 $d.maxNumSeqs)) 0 -}}{{- $_ := set $gate "max_num_seqs" (int $d.maxNumSeqs) -}}{{- end -}}
+{{- $gate := include "bp.poolFacts" $d | fromJson -}}
+{{- $_ := set $gate "poll_interval" (printf "%vms" $d.pollIntervalMs) -}}
+{{- $_ := set $gate "waiting_gate" (ne $d.waitingGate false) -}}
+{{- if $d.gateType -}}{{- $_ := set $gate "gate_type" $d.gateType -}}{{- end -}}
 {{- if gt (int (default 0 $d.batchSize)) 0 -}}{{- $_ := set $gate "batch_size" (int $d.batchSize) -}}{{- end -}}
-{{- range $key := list "max_concurrency" "baseline" -}}
-{{- if hasKey (default dict $d.gateParams) $key -}}{{- $_ := set $gate $key (get $d.gateParams $key) -}}{{- end -}}
+{{- if $d.metricsUrls -}}{{- $_ := set $gate "metrics_urls" $d.metricsUrls -}}{{- end -}}
+{{- $known := include "bp.pools" . | fromJson -}}
+{{- $pools := dict -}}
+{{- range $pool, $own := default dict $d.pools -}}
+{{- if not (hasKey $known $pool) -}}{{- fail (printf "dispatcher.pools: %s is not the inference_pool_name of any model" $pool) -}}{{- end -}}
+{{- $_ := set $pools $pool (include "bp.poolFacts" (default dict $own) | fromJson) -}}
 {{- end -}}
+{{- if $pools -}}{{- $_ := set $gate "pools" $pools -}}{{- end -}}
 {{- $_ := set $ad "dispatcher" $gate -}}
 {{- $_ := set $config "async_dispatch" $ad -}}
 {{- end -}}
@@ -147,26 +154,95 @@ sorted by name (both sides must name the same queues: <queue_prefix>:requests:<p
 {{- end -}}
 
 {{/*
-The gate and pacing of the dispatcher's queues, derived from dispatcher.* as `processor queues`
-derives them from async_dispatch.dispatcher (DispatcherSettings::sizing): max_concurrency =
-maxNumSeqs (else 100), baseline = headroom, batch_size = pods × max_concurrency when sized (else 10),
-a local-max-concurrency limit = pods × max(1, floor(max_concurrency × (1 − baseline))).
+The facts and gate params set in one values table (dispatcher, or an entry of dispatcher.pools) as
+the processor's config keys (async_dispatch.dispatcher, or its pools.<pool>): maxNumSeqs ->
+max_num_seqs (0: unset), pods, headroom, gateParams.max_concurrency / baseline.
 */}}
-{{- define "bp.gateSizing" -}}
-{{- $d := .Values.dispatcher -}}
-{{- $p := default dict $d.gateParams -}}
-{{- $seqs := int (default 0 $d.maxNumSeqs) -}}
-{{- $sized := or (gt $seqs 0) (hasKey $p "max_concurrency") -}}
-{{- $m := int (default 100 (ternary $seqs 0 (gt $seqs 0))) -}}
-{{- if hasKey $p "max_concurrency" -}}{{- $m = int $p.max_concurrency -}}{{- end -}}
-{{- $b := float64 $d.headroom -}}
-{{- if hasKey $p "baseline" -}}{{- $b = float64 $p.baseline -}}{{- end -}}
-{{- $pods := int (default 1 $d.pods) -}}
-{{- $batch := int (default 0 $d.batchSize) -}}
-{{- if eq $batch 0 -}}{{- $batch = ternary (mul $pods $m) 10 $sized -}}{{- end -}}
+{{- define "bp.poolFacts" -}}
+{{- $facts := dict -}}
+{{- if gt (int (default 0 .maxNumSeqs)) 0 -}}{{- $_ := set $facts "max_num_seqs" (int .maxNumSeqs) -}}{{- end -}}
+{{- if .pods -}}{{- $_ := set $facts "pods" (int .pods) -}}{{- end -}}
+{{- if hasKey . "headroom" -}}{{- $_ := set $facts "headroom" .headroom -}}{{- end -}}
+{{- range $key := list "max_concurrency" "baseline" -}}
+{{- if hasKey (default dict $.gateParams) $key -}}{{- $_ := set $facts $key (get $.gateParams $key) -}}{{- end -}}
+{{- end -}}
+{{- toJson $facts -}}
+{{- end -}}
+
+{{/*
+One pool's gate, derived as `processor queues` derives it (DispatcherSettings::sizing): the keys of
+dispatcher.pools.<pool> over those of dispatcher.*; max_concurrency = maxNumSeqs (else 100),
+baseline = headroom; a local-max-concurrency limit = pods × max(1, ⌊max_concurrency × (1 − baseline)⌋);
+`full`: what a full budget lets in at one poll, pods × max_concurrency (when sized).
+Called with (dict "root" $ "pool" <pool>).
+*/}}
+{{- define "bp.poolSizing" -}}
+{{- $d := .root.Values.dispatcher -}}
+{{- $top := include "bp.poolFacts" $d | fromJson -}}
+{{- $f := merge (include "bp.poolFacts" (default dict (get (default dict $d.pools) .pool)) | fromJson) $top -}}
+{{- $seqs := int (default 0 $f.max_num_seqs) -}}
+{{- $sized := or (gt $seqs 0) (hasKey $f "max_concurrency") -}}
+{{- $m := int (ternary $seqs 100 (gt $seqs 0)) -}}
+{{- if hasKey $f "max_concurrency" -}}{{- $m = int $f.max_concurrency -}}{{- end -}}
+{{- $b := 0.25 -}}
+{{- if hasKey $f "headroom" -}}{{- $b = float64 $f.headroom -}}{{- end -}}
+{{- if hasKey $f "baseline" -}}{{- $b = float64 $f.baseline -}}{{- end -}}
+{{- $pods := int (default 1 $f.pods) -}}
 {{- $cap := int (floor (mulf $m (subf 1 $b))) -}}
 {{- if lt $cap 1 -}}{{- $cap = 1 -}}{{- end -}}
-{{- dict "max_concurrency" $m "baseline" $b "batch_size" $batch "limit" (mul $pods $cap) "sized" $sized | toJson -}}
+{{- dict "max_concurrency" $m "baseline" $b "limit" (mul $pods $cap) "full" (mul $pods $m) "sized" $sized | toJson -}}
+{{- end -}}
+
+{{/*
+The dispatcher-wide pacing: batch_size = dispatcher.batchSize, else the smallest sized pool's
+pods × max_concurrency (no poll brings a pool more than its pods run), else the dispatcher's 10.
+*/}}
+{{- define "bp.gateSizing" -}}
+{{- $batch := int (default 0 .Values.dispatcher.batchSize) -}}
+{{- if eq $batch 0 -}}
+{{- range $pool := keys (include "bp.pools" $ | fromJson) -}}
+{{- $s := include "bp.poolSizing" (dict "root" $ "pool" $pool) | fromJson -}}
+{{- if and $s.sized (or (eq $batch 0) (lt (int $s.full) $batch)) -}}{{- $batch = int $s.full -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $batch 0 -}}{{- $batch = 10 -}}{{- end -}}
+{{- dict "batch_size" $batch | toJson -}}
+{{- end -}}
+
+{{/*
+One pool's gate type and params, as `processor queues` prints them: the configured gateType; unset,
+a gate that reads the pool's pods (dispatcher.metricsUrls.<pool>) itself, endpoint-scrape for one
+pod without the waiting gate, else composite over each pod's running (and waiting) gates; a pool
+without metricsUrls, prometheus-budget. Called with (dict "root" $ "pool" <pool>).
+*/}}
+{{- define "bp.poolGate" -}}
+{{- $d := .root.Values.dispatcher -}}
+{{- $pool := .pool -}}
+{{- $urls := get (default dict $d.metricsUrls) $pool | default list -}}
+{{- $waiting := ne $d.waitingGate false -}}
+{{- $kind := $d.gateType -}}
+{{- if and (not $kind) $d.metricsUrls -}}{{- $kind = "endpoint-scrape" -}}{{- end -}}
+{{- if and (eq $kind "endpoint-scrape") (not $urls) -}}{{- $kind = "prometheus-budget" -}}
+{{- else if eq $kind "endpoint-scrape" -}}{{- $kind = ternary "endpoint-scrape" "composite" (and (eq (len $urls) 1) (not $waiting)) -}}
+{{- else if not $kind -}}{{- $kind = "prometheus-budget" -}}
+{{- end -}}
+{{- $s := include "bp.poolSizing" . | fromJson -}}
+{{- $params := dict "pool" $pool "max_concurrency" (toString $s.max_concurrency) "baseline" (toString $s.baseline) -}}
+{{- if eq $kind "local-max-concurrency" -}}
+{{- $params = dict "limit" (toString $s.limit) -}}
+{{- else if or (eq $kind "endpoint-scrape") (eq $kind "composite") -}}
+{{- $gates := list -}}
+{{- range $url := $urls -}}
+{{- $gates = append $gates (dict "gate_type" "endpoint-scrape" "gate_params" (dict "url" $url "metric" "vllm:num_requests_running" "max_count_per_pod" (toString $s.max_concurrency) "baseline" (toString $s.baseline))) -}}
+{{- if $waiting -}}
+{{- $gates = append $gates (dict "gate_type" "endpoint-scrape" "gate_params" (dict "url" $url "metric" "vllm:num_requests_waiting" "max_count_per_pod" "1" "baseline" "0")) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $kind "endpoint-scrape" -}}{{- $params = (index $gates 0).gate_params -}}
+{{- else -}}{{- $params = dict "gates" (toJson $gates) -}}
+{{- end -}}
+{{- end -}}
+{{- dict "gate_type" $kind "gate_params" $params | toJson -}}
 {{- end -}}
 
 {{/* The dispatcher's queue entries, one per pool, sorted by pool. */}}
@@ -182,12 +258,8 @@ a local-max-concurrency limit = pods × max(1, floor(max_concurrency × (1 − b
 {{- $gw := get $gateways $model -}}
 {{- if and (not $url) $gw.url -}}{{- $url = trimSuffix "/" $gw.url -}}{{- end -}}
 {{- end -}}
-{{- $sizing := include "bp.gateSizing" $ | fromJson -}}
-{{- $params := dict "pool" $pool "max_concurrency" (toString $sizing.max_concurrency) "baseline" (toString $sizing.baseline) -}}
-{{- if eq $.Values.dispatcher.gateType "local-max-concurrency" -}}
-{{- $params = dict "limit" (toString $sizing.limit) -}}
-{{- end -}}
-{{- $entries = append $entries (dict "queue_name" (printf "%s:requests:%s" $prefix $pool) "igw_base_url" (default "http://CHANGE-ME" $url) "request_path_url" $.Values.dispatcher.requestPath "gate_type" $.Values.dispatcher.gateType "gate_params" $params) -}}
+{{- $gate := include "bp.poolGate" (dict "root" $ "pool" $pool) | fromJson -}}
+{{- $entries = append $entries (dict "queue_name" (printf "%s:requests:%s" $prefix $pool) "igw_base_url" (default "http://CHANGE-ME" $url) "request_path_url" $.Values.dispatcher.requestPath "gate_type" $gate.gate_type "gate_params" $gate.gate_params) -}}
 {{- end -}}
 {{- toJson $entries -}}
 {{- end -}}
