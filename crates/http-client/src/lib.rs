@@ -18,8 +18,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
 /// TLS settings of a client. Endpoints with equal settings can share one connection pool.
@@ -147,9 +146,8 @@ fn tls_config(tls: &TlsOptions) -> Result<ClientConfig, TlsError> {
     };
     match (&tls.client_cert_file, &tls.client_key_file) {
         (Some(cert_file), Some(key_file)) => {
-            let chain = read_certs(cert_file)?;
-            let key = PrivateKeyDer::from_pem_file(key_file)
-                .map_err(|e| tls_error(Some(key_file), format!("no usable private key: {e}")))?;
+            let chain = batch_pem::read_certs(cert_file).map_err(pem_error)?;
+            let key = batch_pem::read_key(key_file).map_err(pem_error)?;
             builder
                 .with_client_auth_cert(chain, key)
                 .map_err(|e| tls_error(Some(cert_file), e))
@@ -162,14 +160,9 @@ fn tls_config(tls: &TlsOptions) -> Result<ClientConfig, TlsError> {
     }
 }
 
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| tls_error(Some(path), e))?;
-    if certs.is_empty() {
-        return Err(tls_error(Some(path), "no certificate in the file"));
-    }
-    Ok(certs)
+/// A PEM file's problem, whose message already names the file.
+fn pem_error(e: batch_pem::PemError) -> TlsError {
+    TlsError(e.to_string())
 }
 
 /// The system's roots plus the configured CA file.
@@ -179,11 +172,7 @@ fn roots(ca_cert_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
     let native = rustls_native_certs::load_native_certs();
     roots.add_parsable_certificates(native.certs);
     if let Some(path) = ca_cert_file {
-        for cert in read_certs(path)? {
-            roots
-                .add(cert)
-                .map_err(|e| tls_error(Some(path), format!("unusable CA certificate: {e}")))?;
-        }
+        batch_pem::add_roots(&mut roots, path).map_err(pem_error)?;
     }
     Ok(roots)
 }
@@ -284,7 +273,7 @@ mod tests {
         let e = build(&tls).err().unwrap();
         assert_eq!(
             e.0,
-            format!("{}: no certificate in the file", empty.display())
+            format!("{}: no PEM certificate in the file", empty.display())
         );
     }
 

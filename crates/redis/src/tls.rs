@@ -1,14 +1,13 @@
 //! TLS towards Redis with rustls (ring): the CA file or the system roots, optional client
 //! certificate, optional server name to verify instead of the URL's host.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use fred::types::config::{TlsConfig, TlsConnector, TlsHostMapping};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
 /// TLS settings for a `rediss…` URL. Every file is PEM; the default (all `None`) trusts the
@@ -69,13 +68,8 @@ impl RedisTls {
         };
         let config = match (&self.cert_file, &self.key_file) {
             (Some(cert_file), Some(key_file)) => {
-                let chain = read_certs(cert_file, "cert_file")?;
-                let key = PrivateKeyDer::from_pem_file(key_file).map_err(|e| {
-                    format!(
-                        "key_file {}: no usable private key: {e}",
-                        key_file.display()
-                    )
-                })?;
+                let chain = batch_pem::read_certs(cert_file).map_err(named("cert_file"))?;
+                let key = batch_pem::read_key(key_file).map_err(named("key_file"))?;
                 builder.with_client_auth_cert(chain, key).map_err(|e| {
                     format!(
                         "cert_file {} and key_file {} do not make a client identity: {e}",
@@ -97,13 +91,7 @@ impl RedisTls {
     fn roots(&self) -> Result<RootCertStore, String> {
         let mut roots = RootCertStore::empty();
         match &self.ca_file {
-            Some(path) => {
-                for cert in read_certs(path, "ca_file")? {
-                    roots.add(cert).map_err(|e| {
-                        format!("ca_file {}: unusable CA certificate: {e}", path.display())
-                    })?;
-                }
-            }
+            Some(path) => batch_pem::add_roots(&mut roots, path).map_err(named("ca_file"))?,
             None => {
                 let native = rustls_native_certs::load_native_certs();
                 let (added, _) = roots.add_parsable_certificates(native.certs);
@@ -123,17 +111,9 @@ impl RedisTls {
     }
 }
 
-fn read_certs(path: &Path, field: &str) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("{field} {}: {e}", path.display()))?;
-    if certs.is_empty() {
-        return Err(format!(
-            "{field} {}: no PEM certificate in the file",
-            path.display()
-        ));
-    }
-    Ok(certs)
+/// A PEM file's problem (which names the file) prefixed with the setting that named the file.
+fn named(field: &'static str) -> impl Fn(batch_pem::PemError) -> String {
+    move |e| format!("{field} {e}")
 }
 
 /// Why TLS settings cannot be used; the message names the field and file.
