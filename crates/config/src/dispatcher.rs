@@ -587,11 +587,12 @@ impl ProcessorConfig {
                 .find_map(|model| self.model_gateways.get(model)?.url.as_deref())
                 .map_or(PLACEHOLDER_GATEWAY_URL, |url| url.trim_end_matches('/'))
                 .to_owned();
-            // Every pool was sized: `sizing` was made for these very pools.
-            let pool_sizing = match sizing.pools.get(&pool) {
-                Some(own) => own.clone(),
-                None => settings.pool_sizing(settings.pools.get(&pool)),
-            };
+            // `sizing` was made for these very pools: every one of them is in it.
+            let pool_sizing = sizing
+                .pools
+                .get(&pool)
+                .cloned()
+                .unwrap_or_else(|| settings.pool_sizing(settings.pools.get(&pool)));
             let (gate_type, gate_params) = sizing.gate(&pool, &pool_sizing);
             queues_config.push(DispatcherQueueEntry {
                 queue_name: request_queue_name.clone(),

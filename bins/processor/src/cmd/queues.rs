@@ -148,9 +148,8 @@ fn sizing(queues: &DispatcherQueues) -> String {
     }
     let _ = writeln!(
         out,
-        "#   poll interval:        {} ms, batch size {}: a poll of a queue takes\n\
-         #                         batch size × budget requests,\n\
-         #                         budget = 1 − running / (pods × max_concurrency) − baseline",
+        "#   poll interval:        {} ms, batch size {}: a poll of a queue takes batch size × budget\n\
+         #                         requests, budget = 1 − running / (pods × max_concurrency) − baseline",
         s.poll_interval_ms, s.batch_size
     );
     let _ = writeln!(
