@@ -434,6 +434,29 @@ impl GatewayState {
         Reply::Response(resp)
     }
 
+    /// Counts a streamed answer's 200, sent with its head before its events.
+    fn count_stream(&self, body: http::ChunkBody) -> Reply {
+        *lock(&self.by_status).entry(200).or_insert(0) += 1;
+        let mut resp = hyper::Response::new(body);
+        resp.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("text/event-stream"),
+        );
+        Reply::Stream(resp)
+    }
+
+    /// Counts an answer served whole: its time from admission, what it would have taken
+    /// unloaded, and its tokens and their time.
+    fn answered(&self, admitted: Instant, unloaded: Duration, token_time: Duration, tokens: u64) {
+        self.answered.fetch_add(1, Ordering::SeqCst);
+        let add =
+            |counter: &AtomicU64, d: Duration| counter.fetch_add(as_micros(d), Ordering::SeqCst);
+        add(&self.latency_micros, admitted.elapsed());
+        add(&self.unloaded_micros, unloaded);
+        add(&self.token_micros, token_time);
+        self.completion_tokens.fetch_add(tokens, Ordering::SeqCst);
+    }
+
     fn metrics_page(&self) -> String {
         let s = self.stats();
         let mut page = Page::default();

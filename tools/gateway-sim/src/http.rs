@@ -2,6 +2,7 @@
 //! handlers may ask for the connection to be reset (TCP RST), and the client the dispatcher
 //! posts with.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
@@ -11,13 +12,14 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
+use http_body_util::{Either, Full};
+use hyper::body::{Body, Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -33,6 +35,8 @@ pub type Client = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>
 pub enum Reply {
     /// Send this response.
     Response(Resp),
+    /// Send this response's head now and its body as it is produced.
+    Stream(Response<ChunkBody>),
     /// Send nothing and reset the TCP connection.
     Reset,
 }
@@ -45,6 +49,33 @@ pub fn response(status: StatusCode, content_type: &str, body: impl Into<Bytes>) 
         resp.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
     }
     resp
+}
+
+/// A response body sent piece by piece: each piece given to the sender goes out when it comes
+/// (as a chunk of chunked encoding); the body ends when the sender is dropped. A sender whose
+/// send fails knows the client went away.
+pub struct ChunkBody(mpsc::Receiver<Bytes>);
+
+impl ChunkBody {
+    /// A body and the sender that feeds it; `buffer` pieces may wait unsent.
+    pub fn channel(buffer: usize) -> (mpsc::Sender<Bytes>, Self) {
+        let (tx, rx) = mpsc::channel(buffer);
+        (tx, Self(rx))
+    }
+}
+
+impl Body for ChunkBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|piece| piece.map(|b| Ok(Frame::data(b))))
+    }
 }
 
 /// A JSON response.
@@ -105,7 +136,8 @@ where
         let reset = reset.clone();
         async move {
             match handler(req).await {
-                Reply::Response(resp) => Ok(resp),
+                Reply::Response(resp) => Ok(resp.map(Either::Left)),
+                Reply::Stream(resp) => Ok(resp.map(Either::Right)),
                 Reply::Reset => {
                     reset.store(true, Ordering::SeqCst);
                     Err(ResetRequested)

@@ -66,7 +66,7 @@ pub fn success(
     digest: &str,
     tokens: u64,
 ) -> String {
-    let content = format!("digest:{digest}");
+    let content = content(digest);
     let reply = match endpoint {
         Endpoint::Chat => {
             let prompt = prompt_tokens(endpoint, body);
@@ -122,6 +122,75 @@ pub fn success(
     };
     reply.to_string()
 }
+
+/// Whether a chat request asks for a streamed answer (`"stream": true`), and if so whether it
+/// wants the usage chunk at the end (`stream_options.include_usage`).
+pub fn stream_asked(body: &Map<String, Value>) -> Option<bool> {
+    if body.get("stream").and_then(Value::as_bool) != Some(true) {
+        return None;
+    }
+    let usage = body
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool);
+    Some(usage == Some(true))
+}
+
+/// Piece `i` of `n` of a streamed chat answer's content (one piece per token): the
+/// non-streamed answer's `content` cut into `n` near-equal pieces, so the pieces joined still
+/// name the digest (with more tokens than characters, some pieces are empty).
+pub fn content_piece(content: &str, i: u64, n: u64) -> String {
+    let len = content.chars().count() as u128;
+    let n = u128::from(n.max(1));
+    let at = |k: u128| usize::try_from(k * len / n).unwrap_or(usize::MAX);
+    let (from, to) = (at(u128::from(i)), at(u128::from(i) + 1));
+    content.chars().skip(from).take(to - from).collect()
+}
+
+/// The content of every answer to a request whose body has `digest`.
+pub fn content(digest: &str) -> String {
+    format!("digest:{digest}")
+}
+
+/// One `chat.completion.chunk` event of a streamed chat answer (vLLM's and OpenAI's
+/// server-sent events): the first piece also names the role, the last the finish reason.
+pub fn chunk_event(model: &str, digest: &str, piece: &str, first: bool, last: bool) -> String {
+    let mut delta = Map::new();
+    if first {
+        delta.insert("role".into(), "assistant".into());
+    }
+    delta.insert("content".into(), piece.into());
+    let chunk = json!({
+        "id": format!("chatcmpl-{digest}"),
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "delta": delta,
+            "logprobs": null,
+            "finish_reason": if last { Value::from("stop") } else { Value::Null },
+        }],
+    });
+    format!("data: {chunk}\n\n")
+}
+
+/// The usage event a streamed answer ends with when `stream_options.include_usage` is set: no
+/// choices, the whole answer's usage.
+pub fn usage_event(model: &str, digest: &str, prompt: u64, completion: u64) -> String {
+    let chunk = json!({
+        "id": format!("chatcmpl-{digest}"),
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt, completion),
+    });
+    format!("data: {chunk}\n\n")
+}
+
+/// The event that ends every streamed answer.
+pub const DONE_EVENT: &str = "data: [DONE]\n\n";
 
 /// An OpenAI error body.
 pub fn error(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> String {
@@ -206,6 +275,26 @@ mod tests {
         assert_eq!(reply["data"][1]["embedding"].as_array().unwrap().len(), 8);
         assert_ne!(reply["data"][0]["embedding"], reply["data"][1]["embedding"]);
         assert_eq!(reply["usage"]["prompt_tokens"], 3);
+    }
+
+    #[test]
+    fn streamed_pieces_join_into_the_content() {
+        for n in [1, 5, 24, 71, 200] {
+            let joined: String = (0..n).map(|i| content_piece("digest:abc", i, n)).collect();
+            assert_eq!(joined, "digest:abc", "{n} pieces");
+        }
+        assert_eq!(content_piece("abcd", 1, 2), "cd");
+        let event = chunk_event("m", "d", "x", true, false);
+        let v: Value = serde_json::from_str(event.strip_prefix("data: ").unwrap()).unwrap();
+        assert!(event.ends_with("\n\n"));
+        assert_eq!(
+            v["choices"][0]["delta"],
+            json!({"role": "assistant", "content": "x"})
+        );
+        assert_eq!(stream_asked(&obj(r#"{"stream":true}"#)), Some(false));
+        let with_usage = r#"{"stream":true,"stream_options":{"include_usage":true}}"#;
+        assert_eq!(stream_asked(&obj(with_usage)), Some(true));
+        assert_eq!(stream_asked(&obj(r#"{"stream":false}"#)), None);
     }
 
     #[test]

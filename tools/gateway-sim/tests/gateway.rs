@@ -952,3 +952,136 @@ async fn vllm_mode_slows_tokens_as_more_run() {
         "{full:?} per token with 4 running"
     );
 }
+
+/// A streamed answer as a client reads it: each server-sent event with the time it arrived,
+/// counted from the request's send.
+async fn read_stream(url: &str, body: &'static str) -> (u16, String, Vec<(Duration, String)>) {
+    use http_body_util::{BodyExt, Full};
+    let client = gateway_sim::http::client();
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from_static(body.as_bytes())))
+        .unwrap();
+    let sent = Instant::now();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let content_type = resp.headers()["content-type"].to_str().unwrap().to_owned();
+    let mut body = resp.into_body();
+    let (mut events, mut pending) = (Vec::new(), String::new());
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.unwrap().into_data() else {
+            continue;
+        };
+        pending.push_str(std::str::from_utf8(&data).unwrap());
+        while let Some(end) = pending.find("\n\n") {
+            let event = pending[..end].to_owned();
+            pending.drain(..end + 2);
+            events.push((sent.elapsed(), event));
+        }
+    }
+    assert!(pending.is_empty(), "a partial event: {pending:?}");
+    (status, content_type, events)
+}
+
+/// vLLM mode streams a chat answer as vLLM does: one `chat.completion.chunk` event per token,
+/// each sent at its token's time (the first after the queue wait and the time to the first
+/// token), then the usage event when asked for, then `[DONE]`.
+#[tokio::test]
+async fn vllm_mode_streams_one_event_per_token_at_its_time() {
+    let gw = start(GatewayConfig {
+        latency_fixed: Duration::from_millis(100),
+        latency_per_token: Duration::from_millis(20),
+        max_num_seqs: Some(1),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", gw.base_url());
+    const BODY: &str = r#"{"model":"m","messages":[{"role":"user","content":"three little words"}],"max_tokens":8,"stream":true,"stream_options":{"include_usage":true}}"#;
+    let (first, second) = tokio::join!(read_stream(&url, BODY), async {
+        // Sent just after: it waits in the queue behind the first (one runs at a time).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        read_stream(&url, BODY).await
+    });
+    let digest = body_digest(BODY.as_bytes());
+    for (status, content_type, events) in [&first, &second] {
+        assert_eq!((*status, content_type.as_str()), (200, "text/event-stream"));
+        assert_eq!(events.len(), 8 + 2, "{events:?}");
+        assert_eq!(events[9].1, "data: [DONE]");
+        let chunks: Vec<Value> = events[..9]
+            .iter()
+            .map(|(_, e)| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+            .collect();
+        let content: String = chunks[..8]
+            .iter()
+            .map(|c| {
+                assert_eq!(c["object"], "chat.completion.chunk");
+                c["choices"][0]["delta"]["content"].as_str().unwrap()
+            })
+            .collect();
+        assert_eq!(content, format!("digest:{digest}"));
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(chunks[7]["choices"][0]["finish_reason"], "stop");
+        assert!(chunks[6]["choices"][0]["finish_reason"].is_null());
+        assert_eq!(chunks[8]["choices"], serde_json::json!([]));
+        assert_eq!(chunks[8]["usage"]["completion_tokens"], 8);
+        assert_eq!(chunks[8]["usage"]["prompt_tokens"], 3);
+        // Spread over time: seven gaps of one token's time after the first token.
+        let spread = events[7].0 - events[0].0;
+        assert!(
+            spread >= Duration::from_millis(130),
+            "{spread:?}: {events:?}"
+        );
+    }
+    let first_ttft = first.2[0].0;
+    assert!(
+        first_ttft >= Duration::from_millis(100) && first_ttft < Duration::from_millis(250),
+        "{first_ttft:?}"
+    );
+    // The second waited for the first to finish (~240 ms) before its own 100 ms.
+    let second_ttft = second.2[0].0;
+    assert!(
+        second_ttft >= Duration::from_millis(300),
+        "{second_ttft:?} after the first's {:?}",
+        first.2[7].0
+    );
+    let stats = gw.stats();
+    assert_eq!((stats.responses(200), stats.answered), (2, 2));
+    assert_eq!(stats.completion_tokens_total, 16);
+
+    // Without `stream`, the same request is answered whole, as before.
+    let plain = BODY.replace(r#""stream":true"#, r#""stream":false"#);
+    let (status, headers, reply) = post(&url, &plain, &[]).await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "application/json");
+    let v: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(v["object"], "chat.completion");
+}
+
+/// A client that leaves a streamed answer midway frees its place in the server, as vLLM aborts
+/// a request whose client disconnected.
+#[tokio::test]
+async fn vllm_mode_frees_the_slot_of_a_stream_left_midway() {
+    let gw = start(GatewayConfig {
+        latency_per_token: Duration::from_millis(20),
+        max_num_seqs: Some(1),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", gw.base_url());
+    let body = r#"{"model":"m","messages":[],"max_tokens":500,"stream":true}"#;
+    let leaver = tokio::spawn(read_stream_owned(url.clone(), body));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(gw.load().running(), 1);
+    leaver.abort();
+    let load = gw.load();
+    common::eventually(Duration::from_secs(2), "the slot freed", || {
+        let load = load.clone();
+        async move { load.running() == 0 }
+    })
+    .await;
+    assert_eq!(gw.stats().answered, 0);
+}
+
+async fn read_stream_owned(url: String, body: &'static str) {
+    read_stream(&url, body).await;
+}

@@ -63,6 +63,17 @@ pub(super) struct Pending {
     wake: Option<oneshot::Receiver<()>>,
 }
 
+impl Arrival {
+    /// The request's slot, once it runs; `None` if it was refused.
+    pub(super) async fn slot(self) -> Option<RunSlot> {
+        match self {
+            Arrival::Running(slot) => Some(slot),
+            Arrival::Waiting(pending) => Some(pending.run().await),
+            Arrival::Refused => None,
+        }
+    }
+}
+
 impl Engine {
     /// Running and waiting requests now.
     pub(super) fn counts(&self) -> (usize, usize) {

@@ -204,9 +204,12 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
         fixed = fixed.saturating_add(config.prefix_miss_latency);
     }
     let mut per_token = config.latency(tokens).saturating_sub(config.latency_fixed);
-    // Prompt processing, which the answer's usage.prompt_tokens shows.
-    let prompt = u32::try_from(reply::prompt_tokens(endpoint, request)).unwrap_or(u32::MAX);
-    fixed = fixed.saturating_add(config.latency_per_prompt_token.saturating_mul(prompt));
+    // Prompt processing, which the answer's usage.prompt_tokens shows (counting the words
+    // costs a pass over the prompt: skipped when it costs nothing).
+    if !config.latency_per_prompt_token.is_zero() {
+        let prompt = u32::try_from(reply::prompt_tokens(endpoint, request)).unwrap_or(u32::MAX);
+        fixed = fixed.saturating_add(config.latency_per_prompt_token.saturating_mul(prompt));
+    }
     // The pod it lands on (held until the answer), when several serve the URL.
     let pod = state.route(config);
     let mut factor = pod.as_ref().map_or(1.0, |p| p.factor);
@@ -222,10 +225,36 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
     let token_time = if let Some(seqs) = config.max_num_seqs {
         let priority = request.get("priority").and_then(Value::as_i64);
         let priority = priority.filter(|_| config.priority_scheduling).unwrap_or(0);
-        let _running = match state.engine.arrive(seqs, config.max_waiting, priority) {
-            Arrival::Running(slot) => slot,
-            Arrival::Waiting(pending) => pending.run().await,
-            Arrival::Refused => return state.count(full(config)),
+        let arrival = state.engine.arrive(seqs, config.max_waiting, priority);
+        if matches!(arrival, Arrival::Refused) {
+            return state.count(full(config));
+        }
+        let streamed = reply::stream_asked(request).filter(|_| endpoint == Endpoint::Chat);
+        if let Some(include_usage) = streamed {
+            let prompt = include_usage.then(|| reply::prompt_tokens(endpoint, request));
+            let answer = Streamed {
+                state: state.clone(),
+                active: active.clone(),
+                arrival,
+                fixed,
+                per_token,
+                tokens,
+                model: model.to_owned(),
+                digest,
+                prompt,
+                admitted,
+                unloaded,
+            };
+            let (tx, body) = http::ChunkBody::channel(STREAM_BUFFER);
+            let guards = (_slot, pod);
+            tokio::spawn(async move {
+                answer.send(tx).await;
+                drop(guards);
+            });
+            return state.count_stream(body);
+        }
+        let Some(_running) = arrival.slot().await else {
+            return state.count(full(config));
         };
         // The first token is slowed by the running batch as the later ones are.
         let stretch = config.itl_stretch(state.engine.counts().0);
@@ -243,14 +272,77 @@ async fn infer(state: Arc<GatewayState>, endpoint: Endpoint, req: Request<Incomi
         crate::timer::sleep(latency).await;
         per_token.mul_f64(latency.as_secs_f64() / unloaded.as_secs_f64().max(1e-9))
     };
-    state.answered.fetch_add(1, Ordering::SeqCst);
-    let add = |counter: &AtomicU64, d: Duration| counter.fetch_add(as_micros(d), Ordering::SeqCst);
-    add(&state.latency_micros, admitted.elapsed());
-    add(&state.unloaded_micros, unloaded);
-    add(&state.token_micros, token_time);
-    state.completion_tokens.fetch_add(tokens, Ordering::SeqCst);
+    state.answered(admitted, unloaded, token_time, tokens);
     let text = reply::success(endpoint, model, request, &digest, tokens);
     state.count(http::json(StatusCode::OK, text))
+}
+
+/// Events of a streamed answer that may wait unsent for a slow client.
+const STREAM_BUFFER: usize = 16;
+
+/// A streamed chat answer in vLLM mode, from its place in the server (running or waiting) to
+/// its last event.
+struct Streamed {
+    state: Arc<GatewayState>,
+    active: Arc<Active>,
+    arrival: Arrival,
+    /// Time to the first token, unloaded.
+    fixed: Duration,
+    /// The time of all output tokens, unloaded.
+    per_token: Duration,
+    tokens: u64,
+    model: String,
+    digest: String,
+    /// Prompt tokens for the usage event, when one is asked for.
+    prompt: Option<u64>,
+    admitted: Instant,
+    unloaded: Duration,
+}
+
+impl Streamed {
+    /// Waits for a slot, then sends one `chat.completion.chunk` event per token: the first
+    /// after the time to the first token, each next after one token's time, both stretched by
+    /// the requests running then (re-read per token, as vLLM's batch changes); then the usage
+    /// event if asked, then `[DONE]`. A client that leaves ends it (its slot freed), as vLLM
+    /// aborts a request whose client disconnected.
+    async fn send(self, tx: tokio::sync::mpsc::Sender<Bytes>) {
+        let config = &self.active.config;
+        let engine = &self.state.engine;
+        let _running = tokio::select! {
+            slot = self.arrival.slot() => slot,
+            _ = tx.closed() => return,
+        };
+        let content = reply::content(&self.digest);
+        let n = self.tokens.max(1);
+        let each = self.per_token.div_f64(n as f64);
+        crate::timer::sleep(self.fixed.mul_f64(config.itl_stretch(engine.counts().0))).await;
+        let started = Instant::now();
+        for i in 0..n {
+            if i > 0 {
+                crate::timer::sleep(each.mul_f64(config.itl_stretch(engine.counts().0))).await;
+            }
+            let piece = reply::content_piece(&content, i, n);
+            let event = reply::chunk_event(&self.model, &self.digest, &piece, i == 0, i + 1 == n);
+            if tx.send(Bytes::from(event)).await.is_err() {
+                return;
+            }
+        }
+        let token_time = started.elapsed();
+        if let Some(prompt) = self.prompt {
+            let event = reply::usage_event(&self.model, &self.digest, prompt, self.tokens);
+            if tx.send(Bytes::from(event)).await.is_err() {
+                return;
+            }
+        }
+        if tx
+            .send(Bytes::from_static(reply::DONE_EVENT.as_bytes()))
+            .await
+            .is_ok()
+        {
+            let state = &self.state;
+            state.answered(self.admitted, self.unloaded, token_time, self.tokens);
+        }
+    }
 }
 
 /// Output tokens re-read between steps of the model-server mode's decode.
