@@ -49,6 +49,7 @@ mod child;
 mod inputs;
 mod lab;
 mod machine;
+pub mod online;
 mod plots;
 mod redis_benchmark;
 mod report;
@@ -68,7 +69,8 @@ pub use lab::Lab;
 pub use machine::{utc_date, Machine};
 pub use redis_benchmark::{parse_csv_rps, RedisBenchmark};
 pub use report::{
-    thousands, AimdSample, AimdTrace, Kind, Limit, Report, Row, RssPoint, Target, Unit, AIMD_PLOTS,
+    thousands, AimdSample, AimdTrace, Kind, Limit, Report, Row, RssPoint, Target, Timeline, Unit,
+    AIMD_PLOTS,
 };
 pub use rss::{rss_helper, RSS_HELPER_ARG};
 pub use scenarios::Scenario;

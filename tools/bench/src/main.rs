@@ -3,8 +3,10 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
+use batch_bench::online::{self, OnlineLoad, Shape};
 use batch_bench::{Scenario, Settings};
 use clap::Parser;
 
@@ -19,9 +21,14 @@ use clap::Parser;
 /// same Redis and the dispatcher simulator; the replicas group starts 1 and 3 of them on one
 /// Redis and storage, and kills one to time the takeover. Exit status 0 when every scenario ran
 /// (targets missed are reported, not errors), 1 when one failed.
+///
+/// `bench online` instead sends open-loop online traffic to a server by hand and prints what it
+/// met (time to first token, inter-token latency, time per output token, end to end).
 #[derive(Debug, Parser)]
-#[command(name = "bench", version)]
+#[command(name = "bench", version, args_conflicts_with_subcommands = true)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Where the report and plots go; a new temporary directory with --quick when absent,
     /// `docs` otherwise.
     #[arg(long)]
@@ -42,8 +49,110 @@ struct Args {
     no_cluster: bool,
 }
 
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Sends streamed chat requests at Poisson arrival times (steady, or in waves of bursts and
+    /// quiet periods) to a server, whatever its answers do, and prints per phase the answers per
+    /// second, the errors and p50 / p95 / p99 of the time to first token (TTFT), the
+    /// inter-token latency (ITL), the time per output token (TPOT) and the end-to-end latency.
+    /// For runs by hand against a real stack (a gateway or a vLLM server), beside a batch or
+    /// not. Plain HTTP only.
+    Online(OnlineArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct OnlineArgs {
+    /// The server, `http://host:port`; requests go to its `/v1/chat/completions`.
+    #[arg(long)]
+    url: String,
+    /// The model the requests name.
+    #[arg(long)]
+    model: String,
+    /// Requests per second on average; with --waves, the bursts' rate.
+    #[arg(long)]
+    rate: f64,
+    /// How long requests are sent for (`90s`, `2m`); then every answer is waited for.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Waves: --rate for this long (`5s`), then --quiet-rate as long, and again; the bursts and
+    /// the quiet periods are reported apart.
+    #[arg(long, value_parser = parse_duration)]
+    waves: Option<Duration>,
+    /// The rate between bursts [default: a tenth of --rate].
+    #[arg(long, requires = "waves")]
+    quiet_rate: Option<f64>,
+    /// Each request's `max_tokens`.
+    #[arg(long, default_value_t = 24)]
+    max_tokens: u64,
+    /// Seeds the arrival times, so a run can be repeated.
+    #[arg(long, default_value_t = 40)]
+    seed: u64,
+    /// A request unanswered this long counts as an error.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    timeout: Duration,
+    /// Prints the figures as JSON (times in seconds) instead of a table (times in ms).
+    #[arg(long)]
+    json: bool,
+}
+
 fn parse_scenario(s: &str) -> Result<Scenario, String> {
     s.parse()
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    batch_config::parse_duration(s)
+}
+
+/// `bench online`: the traffic of `args`, its figures printed.
+fn online(args: OnlineArgs) -> anyhow::Result<ExitCode> {
+    if !(args.rate > 0.0 && args.rate.is_finite()) {
+        anyhow::bail!("--rate must be above 0, got {}", args.rate);
+    }
+    let shape = match args.waves {
+        None => Shape::Steady { rate: args.rate },
+        Some(wave) => Shape::Waves {
+            burst: args.rate,
+            quiet: args.quiet_rate.unwrap_or(args.rate / 10.0),
+            wave,
+        },
+    };
+    let load = OnlineLoad {
+        base_url: args.url.clone(),
+        body: online::chat_body(&args.model, args.max_tokens),
+        shape,
+        duration: args.duration,
+        seed: args.seed,
+        timeout: args.timeout,
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let run = runtime.block_on(online::run(&load))?;
+    let phases = run.figures();
+    if args.json {
+        let out = serde_json::json!({
+            "url": args.url,
+            "model": args.model,
+            "shape": shape,
+            "duration_seconds": args.duration.as_secs_f64(),
+            "max_tokens": args.max_tokens,
+            "phases": phases,
+            "overall": run.overall(),
+        });
+        println!("{out:#}");
+    } else {
+        println!(
+            "{} requests to {} over {:.0} s ({shape:?}), max_tokens {}:",
+            run.answers.len(),
+            args.url,
+            args.duration.as_secs_f64(),
+            args.max_tokens
+        );
+        let lines: Vec<(String, online::PhaseFigures)> = phases
+            .into_iter()
+            .map(|f| ("online".to_owned(), f))
+            .collect();
+        print!("{}", online::table(&lines, false));
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn main() -> anyhow::Result<ExitCode> {
@@ -54,6 +163,9 @@ fn main() -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)));
     }
     let args = Args::parse();
+    if let Some(Command::Online(online_args)) = args.command {
+        return online(online_args);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

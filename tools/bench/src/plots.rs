@@ -6,7 +6,8 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::report::{AimdSample, AimdTrace, Kind, Report, Unit};
+use crate::online::LatencySample;
+use crate::report::{AimdSample, AimdTrace, Kind, Report, Timeline, Unit};
 use crate::BenchError;
 
 const OURS: RGBColor = RGBColor(31, 119, 180);
@@ -228,4 +229,105 @@ pub fn aimd(traces: &[&AimdTrace], path: &Path) -> Result<(), BenchError> {
         legend(&mut chart, &err)?;
     }
     root.present().map_err(|e| err(e.to_string()))
+}
+
+/// A line of the online latency plot: label, colour and the value it draws.
+type LatencySeries = (&'static str, RGBColor, fn(&LatencySample) -> f64);
+
+/// The colours of the batch jobs' lines, in job order.
+const JOBS: [RGBColor; 3] = [OURS, SECOND, BASELINE];
+
+/// One row of panels per timeline: each batch job's completed lines on the left, the online
+/// latency (p95 end to end and to the first token) on the right, both against the seconds
+/// since the batch started, the online traffic's start marked.
+pub fn timelines(timelines: &[&Timeline], path: &Path) -> Result<(), BenchError> {
+    let err = plot_error(path);
+    let rows = timelines.len().max(1);
+    let root = SVGBackend::new(path, (1200, 300 * rows as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    for (timeline, row) in timelines.iter().zip(root.split_evenly((rows, 1))) {
+        let [left, right] = [0, 1].map(|i| row.split_evenly((1, 2))[i].clone());
+        let at = |t: f64| t + timeline.online_from;
+        let end = timeline
+            .jobs
+            .iter()
+            .flatten()
+            .map(|p| p.0)
+            .chain(timeline.latency.iter().map(|s| at(s.t)))
+            .fold(1.0, f64::max);
+        let most = timeline
+            .jobs
+            .iter()
+            .flatten()
+            .map(|p| p.1)
+            .fold(1.0, f64::max);
+        let caption = format!("{}: batch jobs", timeline.label);
+        let y = 0.0..most * 1.1;
+        let mut jobs = chart(&left, (&caption, 13), 8, (32, 52), 0.0..end, y, &err)?;
+        jobs.configure_mesh()
+            .x_desc("seconds since the batch started")
+            .y_desc("completed lines")
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        online_start(&mut jobs, timeline.online_from, most * 1.1, &err)?;
+        for (k, (job, color)) in timeline.jobs.iter().zip(JOBS.iter().cycle()).enumerate() {
+            let color = *color;
+            jobs.draw_series(LineSeries::new(job.iter().copied(), color.stroke_width(2)))
+                .map_err(|e| err(e.to_string()))?
+                .label(format!("job {}", k + 1))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
+        legend(&mut jobs, &err)?;
+
+        let top = timeline
+            .latency
+            .iter()
+            .flat_map(|s| [s.e2e_p95, s.ttft_p95])
+            .filter(|v| !v.is_nan())
+            .fold(0.1, f64::max)
+            * 1.1;
+        let caption = "online latency, p95 per half second";
+        let mut latency = chart(&right, (caption, 13), 8, (32, 52), 0.0..end, 0.0..top, &err)?;
+        latency
+            .configure_mesh()
+            .x_desc("seconds since the batch started")
+            .y_desc("seconds")
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        online_start(&mut latency, timeline.online_from, top, &err)?;
+        let series: [LatencySeries; 2] = [
+            ("end to end", OURS, |s| s.e2e_p95),
+            ("first token", TARGET, |s| s.ttft_p95),
+        ];
+        for (label, color, value) in series {
+            let points = timeline
+                .latency
+                .iter()
+                .filter(|s| !value(s).is_nan())
+                .map(|s| (at(s.t), value(s)));
+            latency
+                .draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .map_err(|e| err(e.to_string()))?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
+        legend(&mut latency, &err)?;
+    }
+    root.present().map_err(|e| err(e.to_string()))
+}
+
+/// A grey vertical line where the online traffic started.
+fn online_start(
+    chart: &mut Chart<'_, '_>,
+    at: f64,
+    top: f64,
+    err: &impl Fn(String) -> BenchError,
+) -> Result<(), BenchError> {
+    chart
+        .draw_series(std::iter::once(PathElement::new(
+            vec![(at, 0.0), (at, top)],
+            LIMIT.stroke_width(1),
+        )))
+        .map_err(|e| err(e.to_string()))?;
+    Ok(())
 }

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::machine::Machine;
+use crate::online::{LatencySample, OnlineRun, PhaseFigures};
 use crate::stats::Summary;
 use crate::BenchError;
 
@@ -246,6 +247,21 @@ pub struct RssPoint {
     pub mib: Summary,
 }
 
+/// A batch beside online traffic over time, for its plot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timeline {
+    /// What ran (`online at 50 % of capacity, sync, load (headroom 0.15)`).
+    pub label: String,
+    /// The SVG file its panel goes to (one per shape of the online traffic).
+    pub plot: String,
+    /// When the online traffic started, in seconds since the batch started.
+    pub online_from: f64,
+    /// Each job's completed lines: (seconds since the batch started, lines).
+    pub jobs: Vec<Vec<(f64, f64)>>,
+    /// The online latency, its times in seconds since the online traffic started.
+    pub latency: Vec<LatencySample>,
+}
+
 /// Everything a run found.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -263,6 +279,10 @@ pub struct Report {
     pub aimd: Vec<AimdTrace>,
     /// Peak RSS points for the plot.
     pub rss: Vec<RssPoint>,
+    /// The online traffic's figures by run and phase (the yield scenario's).
+    pub online: Vec<(String, PhaseFigures)>,
+    /// Batches beside online traffic over time, for their plots.
+    pub timelines: Vec<Timeline>,
     /// How long the whole run took.
     pub elapsed: Duration,
 }
@@ -335,6 +355,8 @@ impl Report {
             failures: Vec::new(),
             aimd: Vec::new(),
             rss: Vec::new(),
+            online: Vec::new(),
+            timelines: Vec::new(),
             elapsed: Duration::ZERO,
         }
     }
@@ -342,6 +364,24 @@ impl Report {
     /// Adds a note to `scenario`.
     pub fn note(&mut self, scenario: &str, text: impl Into<String>) {
         self.notes.push((scenario.into(), text.into()));
+    }
+
+    /// Adds a line to the online figures for each phase of `run`, named `what`.
+    pub fn online_lines(&mut self, what: &str, run: &OnlineRun) {
+        for figures in run.figures() {
+            self.online.push((what.to_owned(), figures));
+        }
+    }
+
+    /// The plot files of [`Report::timelines`], each once, in order.
+    pub fn timeline_plots(&self) -> Vec<&str> {
+        let mut files: Vec<&str> = Vec::new();
+        for t in &self.timelines {
+            if !files.contains(&t.plot.as_str()) {
+                files.push(&t.plot);
+            }
+        }
+        files
     }
 
     /// Rows whose target is missed.
@@ -382,6 +422,10 @@ impl Report {
         for (scenario, why) in &self.failures {
             out.push_str(&format!("{scenario}: FAILED: {why}\n"));
         }
+        if !self.online.is_empty() {
+            out.push_str("\nOnline traffic (Yield):\n");
+            out.push_str(&crate::online::table(&self.online, false));
+        }
         out
     }
 
@@ -421,6 +465,13 @@ impl Report {
                 "| {} |",
                 r.cells().map(|c| c.replace('|', "\\|")).join(" | ")
             );
+        }
+        if !self.online.is_empty() {
+            let _ = writeln!(
+                md,
+                "\n## Online traffic\n\nThe yield scenario's online requests, by run and phase (see its notes): answers per second, errors, and p50 / p95 / p99 of the time to first token (TTFT), the inter-token latency (ITL), the time per output token (TPOT) and the end-to-end latency.\n"
+            );
+            md.push_str(&crate::online::table(&self.online, true));
         }
         let missed = self.missed();
         let _ = writeln!(md, "\n## Targets\n");
@@ -471,11 +522,21 @@ impl Report {
         for (what, file) in AIMD_PLOTS {
             let _ = writeln!(md, "{what}:\n\n![aimd]({file})\n");
         }
+        let plots = self.timeline_plots();
+        if !plots.is_empty() {
+            let _ = writeln!(
+                md,
+                "Yield: each batch job's completed lines and the online latency over time (p95 of the requests sent in each half second), by shape of the online traffic.\n"
+            );
+        }
+        for file in plots {
+            let _ = writeln!(md, "![yield]({file})\n");
+        }
         md
     }
 
-    /// Writes `benchmarks.md`, `rates.svg`, `rss.svg` and the limit plots ([`AIMD_PLOTS`])
-    /// into `dir`.
+    /// Writes `benchmarks.md`, `rates.svg`, `rss.svg`, the limit plots ([`AIMD_PLOTS`]) and
+    /// the plots over time ([`Report::timeline_plots`]) into `dir`.
     pub fn write(&self, dir: &Path) -> Result<(), BenchError> {
         std::fs::create_dir_all(dir).map_err(|e| BenchError::io(dir, e))?;
         let md = dir.join("benchmarks.md");
@@ -485,6 +546,11 @@ impl Report {
         for (_, file) in AIMD_PLOTS {
             let traces: Vec<&AimdTrace> = self.aimd.iter().filter(|t| t.plot == file).collect();
             crate::plots::aimd(&traces, &dir.join(file))?;
+        }
+        for file in self.timeline_plots() {
+            let timelines: Vec<&Timeline> =
+                self.timelines.iter().filter(|t| t.plot == file).collect();
+            crate::plots::timelines(&timelines, &dir.join(file))?;
         }
         Ok(())
     }

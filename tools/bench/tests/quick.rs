@@ -1,5 +1,6 @@
 //! The CI smoke test of the bench: `bench --quick` runs every scenario (enqueue and drain on a
-//! Redis Cluster too, the replicas group with a replica killed) and writes a report with each scenario's rows and the three plots.
+//! Redis Cluster too, the replicas group with a replica killed) and writes a report with each
+//! scenario's rows, the yield scenario's online figures, and the plots.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -94,6 +95,15 @@ fn quick_run_reports_every_scenario() {
         "| Yield | online at 50 % of capacity, online alone: p95 latency |",
         "| Yield | online at 50 % of capacity, sync, no load (work limiter): online p95 / alone |",
         "| Yield | online at 50 % of capacity, sync, load (headroom 0.15): batch rate / spare capacity |",
+        "| Yield | online in waves (1 s at capacity, 1 s at 10 %), sync, load (headroom 0.15): online p95 / alone |",
+        // The online traffic's table: per run and phase.
+        "| run | phase | answers/s | errors | TTFT p50 / p95 / p99 (ms) |",
+        "| online at 50 % of capacity, online alone | steady |",
+        "| online at 50 % of capacity, sync, load (headroom 0.15) | steady |",
+        "| online in waves (1 s at capacity, 1 s at 10 %), sync, load (headroom 0.15) | bursts |",
+        "| online in waves (1 s at capacity, 1 s at 10 %), sync, load (headroom 0.15) | quiet periods |",
+        "![yield](yield-steady-50.svg)",
+        "![yield](yield-waves.svg)",
     ] {
         assert!(md.contains(row), "no row {row:?} in\n{md}");
     }
@@ -116,7 +126,12 @@ fn quick_run_reports_every_scenario() {
         "{md}"
     );
     let limit_plots = batch_bench::AIMD_PLOTS.map(|(_, file)| file);
-    for plot in ["rates.svg", "rss.svg"].into_iter().chain(limit_plots) {
+    let yield_plots = ["yield-steady-50.svg", "yield-waves.svg"];
+    for plot in ["rates.svg", "rss.svg"]
+        .into_iter()
+        .chain(limit_plots)
+        .chain(yield_plots)
+    {
         let svg = std::fs::read_to_string(out.path().join(plot)).unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("</svg>"), "{plot}");
         assert!(

@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 use batch_executor::Executor;
 use bytes::Bytes;
 use dispatcher_sim::{Dispatcher, DispatcherConfig, GatewayConfig, GatewayHandle, TransportConfig};
-use rand::{Rng, SeedableRng};
 use tokio_util::sync::CancellationToken;
 
 use super::{ready, resolved, simulator, spec, Ctx};
 use crate::inputs::{request_line, write_input};
 use crate::lab::{load, Lab};
-use crate::report::{Kind, Report, Row, Target, Unit};
+use crate::online::{self, OnlineLoad, OnlineRun};
+use crate::report::{Kind, Report, Row, Target, Timeline, Unit};
 use crate::service::Api;
 use crate::stats::Summary;
 use crate::BenchError;
@@ -30,38 +30,58 @@ const SEQS: usize = 16;
 const TTFT: Duration = Duration::from_millis(100);
 const PER_TOKEN: Duration = Duration::from_millis(20);
 const ITL_GROWTH: f64 = 0.25;
-/// Waves: this long at the server's capacity, then as long at a tenth of it.
+/// Waves: this long at the server's capacity, then as long at a tenth of it (shorter with
+/// `--quick`, so its short run still has bursts and quiet periods).
 const WAVE: Duration = Duration::from_secs(5);
+const QUICK_WAVE: Duration = Duration::from_secs(1);
 /// The batch's priority when the server schedules by it (online requests have 0).
 const BATCH_PRIORITY: i64 = 10;
+/// Batch jobs run side by side in each case.
+const JOBS: usize = 3;
+/// The batch runs this long before the online traffic starts.
+const BATCH_LEAD: Duration = Duration::from_secs(3);
+/// How often each job's progress and the online latency are sampled for the plots.
+const SAMPLE: Duration = Duration::from_millis(500);
 
 /// How the online traffic arrives.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Shape {
     /// Poisson arrivals at this share of the capacity.
     Steady(f64),
-    /// Poisson arrivals at the capacity for [`WAVE`], then at a tenth of it, and again.
-    Waves,
+    /// Poisson arrivals at the capacity for this long, then as long at a tenth of it, and
+    /// again.
+    Waves(Duration),
 }
 
 impl Shape {
     fn label(self) -> String {
         match self {
             Shape::Steady(share) => format!("online at {:.0} % of capacity", share * 100.0),
-            Shape::Waves => format!(
+            Shape::Waves(wave) => format!(
                 "online in waves ({} s at capacity, {} s at 10 %)",
-                WAVE.as_secs(),
-                WAVE.as_secs()
+                wave.as_secs(),
+                wave.as_secs()
             ),
         }
     }
 
-    /// Arrivals per second at `t` into the phase, with the server's capacity `c`.
-    fn rate(self, c: f64, t: Duration) -> f64 {
+    /// The load generator's shape, with the server's capacity `c` in answers per second.
+    fn online(self, c: f64) -> online::Shape {
         match self {
-            Shape::Steady(share) => c * share,
-            Shape::Waves if ((t.as_secs_f64() / WAVE.as_secs_f64()) as u64).is_multiple_of(2) => c,
-            Shape::Waves => c * 0.1,
+            Shape::Steady(share) => online::Shape::Steady { rate: c * share },
+            Shape::Waves(wave) => online::Shape::Waves {
+                burst: c,
+                quiet: c * 0.1,
+                wave,
+            },
+        }
+    }
+
+    /// The file of its plot over time.
+    fn plot(self) -> String {
+        match self {
+            Shape::Steady(share) => format!("yield-steady-{:.0}.svg", share * 100.0),
+            Shape::Waves(_) => "yield-waves.svg".into(),
         }
     }
 }
@@ -176,24 +196,6 @@ const CASES: [Case; 12] = [
     },
 ];
 
-/// What the online traffic met in one phase.
-#[derive(Debug, Clone, Default)]
-struct Online {
-    latencies: Vec<f64>,
-    errors: usize,
-    rate: f64,
-}
-
-impl Online {
-    fn quantile(&self, q: f64) -> f64 {
-        if self.latencies.is_empty() {
-            return f64::NAN;
-        }
-        let i = ((self.latencies.len() as f64 * q) as usize).min(self.latencies.len() - 1);
-        self.latencies[i]
-    }
-}
-
 fn server(priority_scheduling: bool) -> GatewayConfig {
     GatewayConfig {
         latency_fixed: TTFT,
@@ -212,29 +214,31 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
     } else {
         Duration::from_secs(20)
     };
-    let (shapes, cases): (Vec<Shape>, Vec<Case>) = if s.quick {
-        (
-            vec![Shape::Steady(0.5)],
-            vec![CASES[0], CASES[1], CASES[6], CASES[8]],
-        )
-    } else {
-        (
-            vec![
-                Shape::Steady(0.25),
+    let plan: Vec<(Shape, Vec<Case>)> = if s.quick {
+        vec![
+            (
                 Shape::Steady(0.5),
-                Shape::Steady(0.75),
-                Shape::Waves,
-            ],
-            CASES.to_vec(),
-        )
+                vec![CASES[0], CASES[1], CASES[6], CASES[8]],
+            ),
+            (Shape::Waves(QUICK_WAVE), vec![CASES[1]]),
+        ]
+    } else {
+        [
+            Shape::Steady(0.25),
+            Shape::Steady(0.5),
+            Shape::Steady(0.75),
+            Shape::Waves(WAVE),
+        ]
+        .map(|shape| (shape, CASES.to_vec()))
+        .to_vec()
     };
-    let cases: Vec<Case> = match std::env::var("BENCH_YIELD_ONLY") {
-        Ok(text) => cases
+    let only = std::env::var("BENCH_YIELD_ONLY").ok();
+    let plan = plan.into_iter().map(|(shape, cases)| {
+        let cases = cases
             .into_iter()
-            .filter(|c| c.label().contains(text.as_str()))
-            .collect(),
-        Err(_) => cases,
-    };
+            .filter(|c| only.as_deref().is_none_or(|text| c.label().contains(text)));
+        (shape, cases.collect::<Vec<_>>())
+    });
     let body = online_body();
     let capacity = measure_capacity(span, &body).await?;
     progress(&format!(
@@ -252,45 +256,57 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
     let n = (capacity * (span.as_secs_f64() + 10.0) * 2.0) as usize;
     let input = lab.path("yield.jsonl");
     write_input(&input, n, 256)?;
-    for shape in shapes {
+    let streamed = online::stream_body(
+        serde_json::from_slice(&body).map_err(|e| BenchError::Check(e.to_string()))?,
+    );
+    for (shape, cases) in plan {
         let gateway = simulator::gateway(server(false)).await?;
-        let alone = online(&gateway, shape, capacity, span, &body).await?;
+        let alone = online(&gateway, shape, capacity, span, &streamed).await?;
         gateway.shutdown().await;
+        let alone_all = alone.overall();
         progress(&format!(
-            "   {}, alone: p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms, {:.1} req/s",
+            "   {}, alone: e2e p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms, TTFT p95 {:.0} ms, {:.1} req/s",
             shape.label(),
-            alone.quantile(0.5) * 1e3,
-            alone.quantile(0.95) * 1e3,
-            alone.quantile(0.99) * 1e3,
-            alone.rate
+            alone_all.e2e.p50 * 1e3,
+            alone_all.e2e.p95 * 1e3,
+            alone_all.e2e.p99 * 1e3,
+            alone_all.ttft.p95 * 1e3,
+            offered(&alone)
         ));
         let figure = |what: &str| format!("{}, online alone: {what}", shape.label());
-        for (q, name) in [(0.5, "p50"), (0.95, "p95"), (0.99, "p99")] {
+        for (q, name) in [
+            (alone_all.e2e.p50, "p50"),
+            (alone_all.e2e.p95, "p95"),
+            (alone_all.e2e.p99, "p99"),
+        ] {
             report.rows.push(
                 Row::new(
                     YIELD,
                     figure(&format!("{name} latency")),
                     Unit::Seconds,
-                    Summary::one(alone.quantile(q)),
+                    Summary::one(q),
                 )
                 .kind(Kind::Limit),
             );
         }
-        let spare = (capacity - alone.rate).max(1e-9);
+        report.online_lines(&format!("{}, online alone", shape.label()), &alone);
+        let spare = (capacity - offered(&alone)).max(1e-9);
         for case in &cases {
-            let (with, batch_rate) =
-                beside(lab, &input, *case, shape, capacity, span, &body).await?;
-            let share = batch_rate / spare;
+            let b = beside(lab, &input, *case, shape, capacity, span, &streamed).await?;
+            let with = b.online.overall();
+            let share = b.batch_rate / spare;
             progress(&format!(
-                "   {}, {}: online p50 {:.0} ms, p95 {:.0} ms ({:.2}× alone), p99 {:.0} ms, {} errors; batch {:.1} req/s = {:.0} % of the spare {:.1}",
+                "   {}, {}: online e2e p50 {:.0} ms, p95 {:.0} ms ({:.2}× alone), p99 {:.0} ms, TTFT p95 {:.0} ms, ITL p95 {:.0} ms, {} errors; batch {:.1} req/s = {:.0} % of the spare {:.1}",
                 shape.label(),
                 case.label(),
-                with.quantile(0.5) * 1e3,
-                with.quantile(0.95) * 1e3,
-                with.quantile(0.95) / alone.quantile(0.95),
-                with.quantile(0.99) * 1e3,
+                with.e2e.p50 * 1e3,
+                with.e2e.p95 * 1e3,
+                with.e2e.p95 / alone_all.e2e.p95,
+                with.e2e.p99 * 1e3,
+                with.ttft.p95 * 1e3,
+                with.itl.p95 * 1e3,
                 with.errors,
-                batch_rate,
+                b.batch_rate,
                 share * 100.0,
                 spare
             ));
@@ -299,13 +315,13 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
                 YIELD,
                 figure("online p95 / alone"),
                 Unit::Factor,
-                Summary::one(with.quantile(0.95) / alone.quantile(0.95)),
+                Summary::one(with.e2e.p95 / alone_all.e2e.p95),
             );
             let p99 = Row::new(
                 YIELD,
                 figure("online p99 / alone"),
                 Unit::Factor,
-                Summary::one(with.quantile(0.99) / alone.quantile(0.99)),
+                Summary::one(with.e2e.p99 / alone_all.e2e.p99),
             );
             let mut batch = Row::new(
                 YIELD,
@@ -320,6 +336,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
             report.rows.push(p95);
             report.rows.push(p99);
             report.rows.push(batch);
+            report.online_lines(&format!("{}, {}", shape.label(), case.label()), &b.online);
             if with.errors > 0 {
                 report.note(
                     YIELD,
@@ -330,13 +347,27 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
                     ),
                 );
             }
+            if case.targeted {
+                report.timelines.push(Timeline {
+                    label: format!("{}, {}", shape.label(), case.label()),
+                    plot: shape.plot(),
+                    online_from: BATCH_LEAD.as_secs_f64(),
+                    jobs: b.jobs,
+                    latency: b.online.over_time(SAMPLE),
+                });
+            }
         }
     }
     report.note(YIELD, format!(
-        "One simulated model server in vLLM mode (tools/gateway-sim): {SEQS} requests run at once (`max_num_seqs`), the rest wait in its queue in arrival order; an answer takes {} ms to its first token, then {} ms per token for its 16 tokens, up to {:.0} % slower per token with {SEQS} running. Its capacity is measured first, in the same run, with {SEQS} callers keeping it exactly full. Online traffic is open-loop (Poisson arrivals, each request timed from its send to its whole answer, not streamed: time to first token is not measured here), {} s per phase after the batch has run 3 s; the batch is a job of 256-byte lines run by the executor in sync mode with the default limits (`per_endpoint` 10, the `work` limiter) and, with `load`, `metrics_urls` on the server's `/metrics` and the headroom named. The spare capacity is the measured capacity less the online rate; `+ priority` is a server scheduling by priority (`--scheduling-policy priority`) and the batch sending `load.priority: {BATCH_PRIORITY}`. In async mode the dispatcher simulator runs in the bench's process with exactly what `processor queues` prints for `async_dispatch.dispatcher` with `max_num_seqs: {SEQS}` and the headroom named (poll interval, batch size, workers, cache of the load readings, the gate and its parameters): the Prometheus gate reads the server's `vllm:num_requests_running` through the printed 1 s cache (standing in for Prometheus's scrape and the dispatcher's cache); the gate reading the pod is the printed `endpoint-scrape` gate on the server's page (running requests, and waiting ones unless `running only`), read at every poll. Targets (issue 40): at 50 % online load, online p95 within 1.2× of online alone while the batch gets at least 70 % of the spare capacity.",
-        TTFT.as_millis(), PER_TOKEN.as_millis(), ITL_GROWTH * 100.0, span.as_secs()
+        "One simulated model server in vLLM mode (tools/gateway-sim): {SEQS} requests run at once (`max_num_seqs`), the rest wait in its queue in arrival order; an answer takes {} ms to its first token, then {} ms per token for its 16 tokens, up to {:.0} % slower per token with {SEQS} running. Its capacity is measured first, in the same run, with {SEQS} callers keeping it exactly full (answers not streamed). Online traffic is open-loop (Poisson arrivals; in waves, bursts at the capacity alternating with quiet periods at a tenth of it) and streamed (`stream: true` with the usage event; the server sends one event per token at its time): each request is timed from its send to its first token (TTFT), between its tokens (ITL, every gap pooled), per output token after the first (TPOT, (e2e − TTFT) / (tokens − 1)) and to its last event (e2e), {} s per phase after the batch has run {} s. The rows' online latency is the end-to-end one; the table of online figures gives p50 / p95 / p99 of each, the answers per second and the errors per phase (the whole run when steady; the bursts and the quiet periods apart in waves). The batch is {JOBS} jobs of the same 256-byte lines run side by side by one executor in sync mode with the default limits (`per_endpoint` 10, the `work` limiter) and, with `load`, `metrics_urls` on the server's `/metrics` and the headroom named; the batch's rate is the three jobs' lines resolved per second over the online phase, and the plots over time show each job's completed lines, sampled every {} ms, beside the online latency (p95 of the requests sent in each {} ms). The spare capacity is the measured capacity less the online rate; `+ priority` is a server scheduling by priority (`--scheduling-policy priority`) and the batch sending `load.priority: {BATCH_PRIORITY}`. In async mode the dispatcher simulator runs in the bench's process with exactly what `processor queues` prints for `async_dispatch.dispatcher` with `max_num_seqs: {SEQS}` and the headroom named (poll interval, batch size, workers, cache of the load readings, the gate and its parameters): the Prometheus gate reads the server's `vllm:num_requests_running` through the printed 1 s cache (standing in for Prometheus's scrape and the dispatcher's cache); the gate reading the pod is the printed `endpoint-scrape` gate on the server's page (running requests, and waiting ones unless `running only`), read at every poll. Targets (issue 40): at 50 % online load, online p95 within 1.2× of online alone while the batch gets at least 70 % of the spare capacity.",
+        TTFT.as_millis(), PER_TOKEN.as_millis(), ITL_GROWTH * 100.0, span.as_secs(), BATCH_LEAD.as_secs(), SAMPLE.as_millis(), SAMPLE.as_millis()
     ));
     Ok(())
+}
+
+/// Requests per second the online traffic offered (sent, answered or not).
+fn offered(run: &OnlineRun) -> f64 {
+    run.answers.len() as f64 / run.duration.as_secs_f64()
 }
 
 /// An online request: the bench's own chat line, sent as is.
@@ -376,45 +407,33 @@ async fn measure_capacity(span: Duration, body: &Bytes) -> Result<f64, BenchErro
     Ok(rate)
 }
 
-/// Sends online traffic of `shape` for `span`, waits for every answer.
+/// Sends online traffic of `shape` for `span` (streamed `body`s), waits for every answer.
 async fn online(
     gateway: &GatewayHandle,
     shape: Shape,
     capacity: f64,
     span: Duration,
     body: &Bytes,
-) -> Result<Online, BenchError> {
-    let api = Api::new(&gateway.base_url(), 256);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(40);
-    let mut calls = tokio::task::JoinSet::new();
-    let started = Instant::now();
-    let mut at = Duration::ZERO;
-    let mut sent = 0usize;
-    while at < span {
-        tokio::time::sleep_until((started + at).into()).await;
-        let (api, body) = (api.clone(), body.clone());
-        calls.spawn(async move {
-            let sent = Instant::now();
-            let reply = api.post_json_bytes("/v1/chat/completions", body).await;
-            let ok = matches!(&reply, Ok(r) if r.status == hyper::StatusCode::OK);
-            (ok, sent.elapsed().as_secs_f64())
-        });
-        sent += 1;
-        let rate = shape.rate(capacity, at).max(1e-3);
-        at += Duration::from_secs_f64(-(1.0 - rng.random::<f64>()).ln() / rate);
-    }
-    let mut out = Online {
-        rate: sent as f64 / span.as_secs_f64(),
-        ..Online::default()
-    };
-    while let Some(call) = calls.join_next().await {
-        match call {
-            Ok((true, took)) => out.latencies.push(took),
-            _ => out.errors += 1,
-        }
-    }
-    out.latencies.sort_by(f64::total_cmp);
-    Ok(out)
+) -> Result<OnlineRun, BenchError> {
+    online::run(&OnlineLoad {
+        base_url: gateway.base_url(),
+        body: body.clone(),
+        shape: shape.online(capacity),
+        duration: span,
+        seed: 40,
+        timeout: Duration::from_secs(60),
+    })
+    .await
+}
+
+/// What a batch beside online traffic did.
+struct Beside {
+    /// The online traffic's figures.
+    online: OnlineRun,
+    /// The batch's lines resolved per second over the online phase.
+    batch_rate: f64,
+    /// Each job's completed lines over time: (seconds since the batch started, lines).
+    jobs: Vec<Vec<(f64, f64)>>,
 }
 
 /// Runs the batch of `case` beside online traffic of `shape`; the online figures and the
@@ -427,7 +446,7 @@ async fn beside(
     capacity: f64,
     span: Duration,
     body: &Bytes,
-) -> Result<(Online, f64), BenchError> {
+) -> Result<Beside, BenchError> {
     if let Some(headroom) = case.dispatcher_headroom {
         return beside_dispatcher(lab, input, case, headroom, shape, capacity, span, body).await;
     }
@@ -470,7 +489,7 @@ async fn beside_dispatcher(
     capacity: f64,
     span: Duration,
     body: &Bytes,
-) -> Result<(Online, f64), BenchError> {
+) -> Result<Beside, BenchError> {
     lab.flush_redis().await?;
     let gateway = simulator::gateway(server(false)).await?;
     let pages = if case.dispatcher_pages {
@@ -509,8 +528,8 @@ async fn beside_dispatcher(
     measured
 }
 
-/// Runs the job of `input` with `executor` for 3 s, then online traffic of `shape` beside it;
-/// the online figures and the batch's answers per second over the online phase.
+/// Runs [`JOBS`] jobs of `input` side by side with `executor` for [`BATCH_LEAD`], then online
+/// traffic of `shape` beside them; each job's progress is sampled every [`SAMPLE`].
 #[allow(clippy::too_many_arguments)]
 async fn run_beside(
     lab: &Lab,
@@ -521,26 +540,55 @@ async fn run_beside(
     capacity: f64,
     span: Duration,
     body: &Bytes,
-) -> Result<(Online, f64), BenchError> {
+) -> Result<Beside, BenchError> {
     let executor = Arc::new(executor);
-    let out = lab.fresh_dir("yield-out")?;
-    let job = ready(&executor, &spec(input, &out, None)).await?;
-    let progress = job.progress();
     let stop = CancellationToken::new();
-    let execution = {
-        let (executor, job, stop) = (executor.clone(), job.clone(), stop.clone());
-        tokio::spawn(async move { executor.execute(job, stop).await })
+    let mut progress = Vec::new();
+    let mut executions = Vec::new();
+    for k in 0..JOBS {
+        let out = lab.fresh_dir(&format!("yield-out-{k}"))?;
+        let job = ready(&executor, &spec(input, &out, None)).await?;
+        progress.push(job.progress());
+        let (executor, stop) = (executor.clone(), stop.clone());
+        executions.push(tokio::spawn(
+            async move { executor.execute(job, stop).await },
+        ));
+    }
+    let batch_started = Instant::now();
+    let sampler = {
+        let (progress, stop) = (progress.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut jobs = vec![Vec::new(); progress.len()];
+            let mut tick = tokio::time::interval(SAMPLE);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return jobs,
+                    _ = tick.tick() => {}
+                }
+                let t = batch_started.elapsed().as_secs_f64();
+                for (samples, p) in jobs.iter_mut().zip(&progress) {
+                    samples.push((t, p.borrow().counts.completed as f64));
+                }
+            }
+        })
     };
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let before = resolved(&progress.borrow());
+    let resolved_now = || progress.iter().map(|p| resolved(&p.borrow())).sum::<u64>();
+    tokio::time::sleep(BATCH_LEAD).await;
+    let before = resolved_now();
     let started = Instant::now();
     let online = online(gateway, shape, capacity, span, body).await;
-    let batch_rate =
-        (resolved(&progress.borrow()) - before) as f64 / started.elapsed().as_secs_f64();
+    let batch_rate = (resolved_now() - before) as f64 / started.elapsed().as_secs_f64();
     stop.cancel();
-    let _ = execution.await;
+    let jobs = sampler.await.unwrap_or_default();
+    for execution in executions {
+        let _ = execution.await;
+    }
     if let Ok(executor) = Arc::try_unwrap(executor) {
         executor.shutdown().await;
     }
-    Ok((online?, batch_rate))
+    Ok(Beside {
+        online: online?,
+        batch_rate,
+        jobs,
+    })
 }
