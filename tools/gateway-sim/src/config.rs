@@ -84,7 +84,11 @@ pub struct GatewayConfig {
     /// `priority_scheduling`). A request's time is then its wait, plus `latency_fixed` (time to
     /// the first token), plus its tokens at `latency_per_token` each, both slowed by
     /// `itl_growth` as more run. The `/metrics` page shows vLLM's `vllm:num_requests_running` and
-    /// `vllm:num_requests_waiting`. Not with `capacity`, `queue_limit` or `batching`.
+    /// `vllm:num_requests_waiting`. A chat request with `"stream": true` is answered as vLLM
+    /// streams (`text/event-stream`): one `chat.completion.chunk` event per token, sent at its
+    /// token's time (the first after the wait and `latency_fixed`, each next `latency_per_token`
+    /// later, as slowed then), the usage event with `stream_options.include_usage`, then
+    /// `data: [DONE]`. Not with `capacity`, `queue_limit` or `batching`.
     pub max_num_seqs: Option<usize>,
     /// vLLM mode: requests waiting past this many are refused with `full_status` at once (as a
     /// gateway in front of a full server does); unbounded when absent, as vLLM itself is.

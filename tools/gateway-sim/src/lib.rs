@@ -7,8 +7,9 @@
 //! limit (429 with `Retry-After` beyond it, or in queueing mode latency that grows with the load
 //! past it and 429 only past a queue limit), a prefix cache (an LRU of prompt prefixes per
 //! endpoint, a miss may cost extra latency), a model server as vLLM schedules one
-//! (`max_num_seqs` running, the rest waiting in its queue, by priority if asked, with vLLM's
-//! metric names on `/metrics`) and injected failures, all changeable at run time
+//! (`max_num_seqs` running, the rest waiting in its queue, by priority if asked, chat answers
+//! streamed token by token when asked, with vLLM's metric names on `/metrics`) and injected
+//! failures, all changeable at run time
 //! through [`GatewayHandle::set_config`] or `POST /admin/config`.
 //!
 //! It installs no global metrics recorder or tracing subscriber: its counters are in
