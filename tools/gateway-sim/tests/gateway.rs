@@ -1057,10 +1057,10 @@ async fn vllm_mode_streams_one_event_per_token_at_its_time() {
     assert_eq!(v["object"], "chat.completion");
 }
 
-/// A client that leaves a streamed answer midway frees its place in the server, as vLLM aborts
-/// a request whose client disconnected.
+/// A client that leaves a streamed answer frees its place in the server, waiting or running, as
+/// vLLM aborts a request whose client disconnected.
 #[tokio::test]
-async fn vllm_mode_frees_the_slot_of_a_stream_left_midway() {
+async fn vllm_mode_frees_the_place_of_a_stream_left() {
     let gw = start(GatewayConfig {
         latency_per_token: Duration::from_millis(20),
         max_num_seqs: Some(1),
@@ -1068,11 +1068,24 @@ async fn vllm_mode_frees_the_slot_of_a_stream_left_midway() {
     })
     .await;
     let url = format!("{}/v1/chat/completions", gw.base_url());
+    let metrics_url = format!("{}/metrics", gw.base_url());
+    let waiting = |n: usize| {
+        let metrics_url = metrics_url.clone();
+        async move {
+            get(&metrics_url).await.1.contains(&format!(
+                "vllm:num_requests_waiting{{model_name=\"sim-model\"}} {n}"
+            ))
+        }
+    };
     let body = r#"{"model":"m","messages":[],"max_tokens":500,"stream":true}"#;
-    let leaver = tokio::spawn(read_stream_owned(url.clone(), body));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let running = tokio::spawn(read_stream_owned(url.clone(), body));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiter = tokio::spawn(read_stream_owned(url.clone(), body));
+    common::eventually(Duration::from_secs(2), "one waiting", || waiting(1)).await;
     assert_eq!(gw.load().running(), 1);
-    leaver.abort();
+    waiter.abort();
+    common::eventually(Duration::from_secs(2), "the waiter gone", || waiting(0)).await;
+    running.abort();
     let load = gw.load();
     common::eventually(Duration::from_secs(2), "the slot freed", || {
         let load = load.clone();

@@ -60,6 +60,8 @@ pub(super) struct RunSlot(Arc<Engine>);
 /// A waiting request's claim on the next free slot.
 pub(super) struct Pending {
     engine: Arc<Engine>,
+    /// Its place in the queue, to leave it by.
+    arrival: u64,
     wake: Option<oneshot::Receiver<()>>,
 }
 
@@ -107,6 +109,7 @@ impl Engine {
         }));
         Arrival::Waiting(Pending {
             engine: self.clone(),
+            arrival,
             wake: Some(woken),
         })
     }
@@ -131,21 +134,30 @@ impl Pending {
     /// Waits for a slot. The sender is only dropped with the engine, so an error cannot
     /// happen while the engine lives; it is taken as a slot all the same.
     pub(super) async fn run(mut self) -> RunSlot {
-        if let Some(woken) = self.wake.take() {
+        if let Some(woken) = self.wake.as_mut() {
             let _ = woken.await;
         }
+        // The slot is this request's now: dropping the claim must not hand it on.
+        self.wake = None;
         RunSlot(self.engine.clone())
     }
 }
 
 impl Drop for Pending {
-    /// A client that leaves while waiting gives up its place; one that leaves just after a
-    /// slot was handed to it gives the slot back.
+    /// A client that leaves while waiting (also while [`Pending::run`] waits) leaves the queue,
+    /// so the waiting count no longer shows it; one that leaves just after a slot was handed to
+    /// it gives the slot back.
     fn drop(&mut self) {
         if let Some(mut woken) = self.wake.take() {
             woken.close();
             if woken.try_recv().is_ok() {
                 self.engine.release();
+            } else {
+                let arrival = self.arrival;
+                self.engine
+                    .lock()
+                    .waiting
+                    .retain(|Reverse(w)| w.arrival != arrival);
             }
         }
     }
@@ -200,6 +212,13 @@ mod tests {
         let first = running(engine.arrive(1, Some(1), 0));
         let leaver = waiting(engine.arrive(1, Some(1), 0));
         assert!(matches!(engine.arrive(1, Some(1), 0), Arrival::Refused));
+        // One that leaves while still waiting leaves the queue at once.
+        let waiting_run = tokio::spawn(waiting(engine.arrive(1, Some(2), 0)).run());
+        tokio::task::yield_now().await;
+        assert_eq!(engine.counts(), (1, 2));
+        waiting_run.abort();
+        let _ = waiting_run.await;
+        assert_eq!(engine.counts(), (1, 1));
         drop(first);
         // The slot was handed to the waiter, who leaves without running.
         drop(leaver);
