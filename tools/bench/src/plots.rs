@@ -246,7 +246,11 @@ pub fn timelines(timelines: &[&Timeline], path: &Path) -> Result<(), BenchError>
     let root = SVGBackend::new(path, (1200, 300 * rows as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     for (timeline, row) in timelines.iter().zip(root.split_evenly((rows, 1))) {
-        let [left, right] = [0, 1].map(|i| row.split_evenly((1, 2))[i].clone());
+        let row = row
+            .titled(&timeline.label, ("sans-serif", 15))
+            .map_err(|e| err(e.to_string()))?;
+        let halves = row.split_evenly((1, 2));
+        let (left, right) = (&halves[0], &halves[1]);
         let at = |t: f64| t + timeline.online_from;
         let end = timeline
             .jobs
@@ -261,9 +265,9 @@ pub fn timelines(timelines: &[&Timeline], path: &Path) -> Result<(), BenchError>
             .flatten()
             .map(|p| p.1)
             .fold(1.0, f64::max);
-        let caption = format!("{}: batch jobs", timeline.label);
+        let caption = "batch: completed lines per job";
         let y = 0.0..most * 1.1;
-        let mut jobs = chart(&left, (&caption, 13), 8, (32, 52), 0.0..end, y, &err)?;
+        let mut jobs = chart(left, (caption, 13), 8, (32, 52), 0.0..end, y, &err)?;
         jobs.configure_mesh()
             .x_desc("seconds since the batch started")
             .y_desc("completed lines")
@@ -286,8 +290,8 @@ pub fn timelines(timelines: &[&Timeline], path: &Path) -> Result<(), BenchError>
             .filter(|v| !v.is_nan())
             .fold(0.1, f64::max)
             * 1.1;
-        let caption = "online latency, p95 per half second";
-        let mut latency = chart(&right, (caption, 13), 8, (32, 52), 0.0..end, 0.0..top, &err)?;
+        let caption = "online latency: p95 of the requests sent in each half second";
+        let mut latency = chart(right, (caption, 13), 8, (32, 52), 0.0..end, 0.0..top, &err)?;
         latency
             .configure_mesh()
             .x_desc("seconds since the batch started")

@@ -595,6 +595,44 @@ mod tests {
     }
 
     #[test]
+    fn online_figures_and_timelines_go_into_the_report() {
+        use crate::online::{Answer, Shape};
+        let mut r = Report::new(Machine::probe(), true);
+        let run = OnlineRun {
+            shape: Shape::Steady { rate: 2.0 },
+            duration: Duration::from_secs(1),
+            answers: vec![Answer {
+                sent: 0.1,
+                ok: true,
+                ttft: Some(0.1),
+                gaps: vec![0.02],
+                e2e: 0.12,
+                tokens: 2,
+            }],
+        };
+        r.online_lines("alone", &run);
+        r.timelines.push(Timeline {
+            label: "steady, sync".into(),
+            plot: "yield-test.svg".into(),
+            online_from: 1.0,
+            jobs: vec![vec![(0.0, 0.0), (1.5, 30.0)]; 3],
+            latency: run.over_time(Duration::from_millis(500)),
+        });
+        let md = r.markdown();
+        assert!(md.contains("## Online traffic"), "{md}");
+        assert!(
+            md.contains("| alone | steady | 1.0 | 0 | 100 / 100 / 100 | 20 / 20 / 20 |"),
+            "{md}"
+        );
+        assert!(md.contains("![yield](yield-test.svg)"), "{md}");
+        assert!(r.text_table().contains("Online traffic (Yield):"));
+        let dir = tempfile::tempdir().unwrap();
+        r.write(dir.path()).unwrap();
+        let svg = std::fs::read_to_string(dir.path().join("yield-test.svg")).unwrap();
+        assert!(svg.contains("job 3") && svg.contains("<polyline"), "{svg}");
+    }
+
+    #[test]
     fn the_markdown_says_plainly_what_is_missed() {
         let mut r = Report::new(Machine::probe(), false);
         r.rows.push(row(50_000.0));
