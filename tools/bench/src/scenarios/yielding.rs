@@ -296,7 +296,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
             let with = b.online.overall();
             let share = b.batch_rate / spare;
             progress(&format!(
-                "   {}, {}: online e2e p50 {:.0} ms, p95 {:.0} ms ({:.2}× alone), p99 {:.0} ms, TTFT p95 {:.0} ms, ITL p95 {:.0} ms, {} errors; batch {:.1} req/s = {:.0} % of the spare {:.1}",
+                "   {}, {}: online e2e p50 {:.0} ms, p95 {:.0} ms ({:.2}× alone), p99 {:.0} ms, TTFT p95 {:.0} ms, ITL p95 {:.0} ms, {} errors; batch {:.1} req/s = {:.0} % of the spare {:.1}, lines completed by job: {}",
                 shape.label(),
                 case.label(),
                 with.e2e.p50 * 1e3,
@@ -308,7 +308,12 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
                 with.errors,
                 b.batch_rate,
                 share * 100.0,
-                spare
+                spare,
+                b.jobs
+                    .iter()
+                    .map(|j| j.last().map_or(0.0, |p| p.1).to_string())
+                    .collect::<Vec<_>>()
+                    .join(" / ")
             ));
             let figure = |what: &str| format!("{}, {}: {what}", shape.label(), case.label());
             let mut p95 = Row::new(
