@@ -90,7 +90,8 @@ struct OnlineArgs {
     /// A request unanswered this long counts as an error.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     timeout: Duration,
-    /// Prints the figures as JSON (times in seconds) instead of a table (times in ms).
+    /// Prints the figures as JSON (times in seconds) instead of a table (times in ms). The exit
+    /// status is 1 when no request was answered.
     #[arg(long)]
     json: bool,
 }
@@ -127,6 +128,7 @@ fn online(args: OnlineArgs) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let run = runtime.block_on(online::run(&load))?;
     let phases = run.figures();
+    let overall = run.overall();
     if args.json {
         let out = serde_json::json!({
             "url": args.url,
@@ -135,7 +137,7 @@ fn online(args: OnlineArgs) -> anyhow::Result<ExitCode> {
             "duration_seconds": args.duration.as_secs_f64(),
             "max_tokens": args.max_tokens,
             "phases": phases,
-            "overall": run.overall(),
+            "overall": overall,
         });
         println!("{out:#}");
     } else {
@@ -151,6 +153,18 @@ fn online(args: OnlineArgs) -> anyhow::Result<ExitCode> {
             .map(|f| ("online".to_owned(), f))
             .collect();
         print!("{}", online::table(&lines, false));
+        if overall.errors > 0 {
+            println!("failed: {}", overall.failures_text());
+        }
+    }
+    if overall.answered == 0 {
+        eprintln!(
+            "no request was answered ({}): requests go to {}/v1/chat/completions, naming --model {}",
+            overall.failures_text(),
+            args.url.trim_end_matches('/'),
+            args.model
+        );
+        return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
 }

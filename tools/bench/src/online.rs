@@ -4,9 +4,11 @@
 //! the whole answer. The `yield` scenario runs it beside a batch; `bench online` runs it by hand
 //! against a real stack.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use gateway_sim::http::error_chain;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -146,8 +148,9 @@ pub fn stream_body(mut body: Value) -> Bytes {
 pub struct Answer {
     /// When it was sent, since the run started.
     pub sent: f64,
-    /// Answered with 200 and read to its end (`[DONE]` when streamed).
-    pub ok: bool,
+    /// Why it failed (`HTTP 429`, `timeout`, `no [DONE]`, …); `None` when it was answered with
+    /// 200 and read to its end (`[DONE]` when streamed).
+    pub failure: Option<String>,
     /// Send to the first event carrying a token; `None` if none came.
     pub ttft: Option<f64>,
     /// The gaps between one token's event and the next.
@@ -159,6 +162,11 @@ pub struct Answer {
 }
 
 impl Answer {
+    /// Whether it was answered whole.
+    pub fn ok(&self) -> bool {
+        self.failure.is_none()
+    }
+
     /// Time per output token: `(e2e − TTFT) / (tokens − 1)`, for answers of two tokens or more.
     pub fn tpot(&self) -> Option<f64> {
         let ttft = self.ttft?;
@@ -222,6 +230,8 @@ pub struct PhaseFigures {
     pub answered: usize,
     /// Of those, failed (a status other than 200, a broken or unfinished answer, a timeout).
     pub errors: usize,
+    /// The failures by why (`HTTP 429`, `timeout`, …).
+    pub failures: BTreeMap<String, usize>,
     /// Answers per second: `answered / seconds`.
     pub throughput: f64,
     /// Time to the first token.
@@ -246,13 +256,18 @@ impl OnlineRun {
                     .iter()
                     .filter(|a| self.shape.phase(Duration::from_secs_f64(a.sent)) == phase)
                     .collect();
-                let ok: Vec<&Answer> = sent.iter().copied().filter(|a| a.ok).collect();
+                let ok: Vec<&Answer> = sent.iter().copied().filter(|a| a.ok()).collect();
+                let mut failures = BTreeMap::new();
+                for why in sent.iter().filter_map(|a| a.failure.as_ref()) {
+                    *failures.entry(why.clone()).or_insert(0) += 1;
+                }
                 PhaseFigures {
                     phase,
                     seconds,
                     sent: sent.len(),
                     answered: ok.len(),
                     errors: sent.len() - ok.len(),
+                    failures,
                     throughput: ok.len() as f64 / seconds.max(1e-9),
                     ttft: Quantiles::of(ok.iter().filter_map(|a| a.ttft).collect()),
                     itl: Quantiles::of(ok.iter().flat_map(|a| a.gaps.iter().copied()).collect()),
@@ -284,7 +299,7 @@ impl OnlineRun {
                 let ok = || {
                     self.answers
                         .iter()
-                        .filter(move |a| a.ok && a.sent >= from && a.sent < to)
+                        .filter(move |a| a.ok() && a.sent >= from && a.sent < to)
                 };
                 LatencySample {
                     t: from + step / 2.0,
@@ -293,6 +308,19 @@ impl OnlineRun {
                 }
             })
             .collect()
+    }
+}
+
+impl PhaseFigures {
+    /// The failures by why, most first: `HTTP 429 ×3, timeout ×1`; empty without any.
+    pub fn failures_text(&self) -> String {
+        let mut by_count: Vec<(&String, &usize)> = self.failures.iter().collect();
+        by_count.sort_by(|a, b| b.1.cmp(a.1));
+        let parts: Vec<String> = by_count
+            .iter()
+            .map(|(why, n)| format!("{why} ×{n}"))
+            .collect();
+        parts.join(", ")
     }
 }
 
@@ -331,20 +359,18 @@ pub async fn run(load: &OnlineLoad) -> Result<OnlineRun, BenchError> {
         let sent = started.elapsed().as_secs_f64();
         calls.spawn(async move {
             let since = Instant::now();
-            let failed = |since: Instant| Answer {
+            let failed = |why: String| Answer {
                 sent,
-                ok: false,
+                failure: Some(why),
                 ttft: None,
                 gaps: Vec::new(),
                 e2e: since.elapsed().as_secs_f64(),
                 tokens: 0,
             };
             match tokio::time::timeout(timeout, exchange(&client, url, body, since)).await {
-                Ok(Some(mut answer)) => {
-                    answer.sent = sent;
-                    answer
-                }
-                _ => failed(since),
+                Ok(Ok(answer)) => Answer { sent, ..answer },
+                Ok(Err(why)) => failed(why),
+                Err(_) => failed("timeout".into()),
             }
         });
         let rate = load.shape.rate(at).max(1e-3);
@@ -362,28 +388,28 @@ pub async fn run(load: &OnlineLoad) -> Result<OnlineRun, BenchError> {
     })
 }
 
-/// One request, read as it streams; `None` when it failed before an answer began.
+/// One request, read as it streams; why it failed when it did before its answer's end.
 async fn exchange(
     client: &Client<HttpConnector, Full<Bytes>>,
     url: hyper::Uri,
     body: Bytes,
     since: Instant,
-) -> Option<Answer> {
+) -> Result<Answer, String> {
     let req = Request::post(url)
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .body(Full::new(body))
-        .ok()?;
-    let resp = client.request(req).await.ok()?;
+        .map_err(|e| e.to_string())?;
+    let resp = client.request(req).await.map_err(|e| error_chain(&e))?;
     let status = resp.status();
     let mut body = resp.into_body();
     let mut events = Events::default();
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.ok()?.into_data() else {
-            continue;
-        };
-        events.push(&data, since.elapsed().as_secs_f64());
+        let frame = frame.map_err(|e| format!("reading the answer: {}", error_chain(&e)))?;
+        if let Ok(data) = frame.into_data() {
+            events.push(&data, since.elapsed().as_secs_f64());
+        }
     }
-    Some(events.answer(status, since.elapsed().as_secs_f64()))
+    Ok(events.answer(status, since.elapsed().as_secs_f64()))
 }
 
 /// A streamed answer's server-sent events as they come.
@@ -401,7 +427,8 @@ struct Events {
 
 impl Events {
     fn push(&mut self, data: &[u8], at: f64) {
-        self.pending.extend_from_slice(data);
+        // Events end with a blank line, `\n\n` or `\r\n\r\n` (JSON holds no raw CR).
+        self.pending.extend(data.iter().filter(|&&b| b != b'\r'));
         while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = self.pending.drain(..end + 2).collect();
             self.event(&event, at);
@@ -439,10 +466,18 @@ impl Events {
         let usage = whole
             .as_ref()
             .and_then(|v| v["usage"]["completion_tokens"].as_u64());
-        let ok = status == StatusCode::OK && (self.done || whole.is_some());
+        let failure = if status != StatusCode::OK {
+            Some(format!("HTTP {}", status.as_u16()))
+        } else if self.streamed && !self.done {
+            Some("stream ended without [DONE]".into())
+        } else if !self.streamed && whole.is_none() {
+            Some("answer neither streamed nor JSON".into())
+        } else {
+            None
+        };
         Answer {
             sent: 0.0,
-            ok,
+            failure,
             ttft: self.tokens.first().copied(),
             gaps: self.tokens.windows(2).map(|w| w[1] - w[0]).collect(),
             e2e,
@@ -574,7 +609,7 @@ mod tests {
             "data: {\"choices\":[],\"usage\":{\"completion_tokens\":3}}\n\ndata: [DONE]\n\n";
         events.push(usage.as_bytes(), 0.21);
         let answer = events.answer(StatusCode::OK, 0.25);
-        assert!(answer.ok);
+        assert!(answer.ok(), "{answer:?}");
         assert_eq!(answer.ttft, Some(0.1));
         assert_eq!(answer.tokens, 3);
         assert_eq!(answer.gaps.len(), 2);
@@ -583,17 +618,28 @@ mod tests {
 
         let mut unfinished = Events::default();
         unfinished.push(chunk("a").as_bytes(), 0.1);
-        assert!(!unfinished.answer(StatusCode::OK, 0.2).ok);
+        let unfinished = unfinished.answer(StatusCode::OK, 0.2);
+        assert_eq!(
+            unfinished.failure.as_deref(),
+            Some("stream ended without [DONE]")
+        );
         let mut refused = Events::default();
         refused.push(br#"{"error":{"message":"full"}}"#, 0.1);
-        assert!(!refused.answer(StatusCode::TOO_MANY_REQUESTS, 0.1).ok);
+        let refused = refused.answer(StatusCode::TOO_MANY_REQUESTS, 0.1);
+        assert_eq!(refused.failure.as_deref(), Some("HTTP 429"));
+        // Events ended by CRLF pairs count alike.
+        let mut crlf = Events::default();
+        crlf.push(chunk("a").replace('\n', "\r\n").as_bytes(), 0.1);
+        crlf.push(b"data: [DONE]\r\n\r\n", 0.2);
+        let crlf = crlf.answer(StatusCode::OK, 0.2);
+        assert!(crlf.ok() && crlf.ttft == Some(0.1), "{crlf:?}");
     }
 
     #[test]
     fn figures_are_per_phase() {
         let answer = |sent: f64, e2e: f64| Answer {
             sent,
-            ok: true,
+            failure: None,
             ttft: Some(e2e / 2.0),
             gaps: vec![0.01],
             e2e,

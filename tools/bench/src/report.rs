@@ -603,7 +603,7 @@ mod tests {
             duration: Duration::from_secs(1),
             answers: vec![Answer {
                 sent: 0.1,
-                ok: true,
+                failure: None,
                 ttft: Some(0.1),
                 gaps: vec![0.02],
                 e2e: 0.12,

@@ -1,7 +1,7 @@
 //! `bench online` against the gateway simulator in vLLM mode, on loopback: the figures it prints
 //! are there and plausible.
 
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use dispatcher_sim::{Gateway, GatewayConfig};
@@ -9,9 +9,9 @@ use serde_json::Value;
 
 const BENCH: &str = env!("CARGO_BIN_EXE_bench");
 
-/// Runs `bench online` with `args` against `url`; its stdout.
-async fn bench_online(url: String, args: &'static [&'static str]) -> String {
-    let run = tokio::task::spawn_blocking(move || {
+/// Runs `bench online` with `args` against `url`.
+async fn bench_online(url: String, args: &'static [&'static str]) -> Output {
+    tokio::task::spawn_blocking(move || {
         Command::new(BENCH)
             .args(["online", "--url", &url, "--model", "m"])
             .args(args)
@@ -19,7 +19,11 @@ async fn bench_online(url: String, args: &'static [&'static str]) -> String {
             .expect("running bench online")
     })
     .await
-    .unwrap();
+    .unwrap()
+}
+
+/// The stdout of a run that must have succeeded.
+fn stdout(run: Output) -> String {
     let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
     assert!(
         run.status.success(),
@@ -52,7 +56,7 @@ async fn online_prints_plausible_figures() {
         "8",
         "--json",
     ];
-    let out = bench_online(gateway.base_url(), args).await;
+    let out = stdout(bench_online(gateway.base_url(), args).await);
     let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     let all = &v["overall"];
     let sent = all["sent"].as_u64().unwrap();
@@ -73,7 +77,7 @@ async fn online_prints_plausible_figures() {
 
     // In waves, the bursts and the quiet periods apart, as a table.
     let args = &["--rate", "30", "--duration", "2s", "--waves", "500ms"];
-    let out = bench_online(gateway.base_url(), args).await;
+    let out = stdout(bench_online(gateway.base_url(), args).await);
     assert!(out.contains("TTFT p50 / p95 / p99 (ms)"), "{out}");
     let line = |phase: &str| {
         out.lines()
@@ -97,6 +101,16 @@ async fn online_prints_plausible_figures() {
     assert!(
         rate(&burst, "bursts") > 3.0 * rate(&quiet, "quiet periods").max(1.0),
         "{out}"
+    );
+
+    // A wrong path: nothing answered, said so, and the exit status is 1.
+    let args = &["--rate", "10", "--duration", "500ms"];
+    let run = bench_online(format!("{}/v1", gateway.base_url()), args).await;
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no request was answered (HTTP 404 ×"),
+        "{stderr}"
     );
     gateway.shutdown().await;
 }

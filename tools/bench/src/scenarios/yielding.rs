@@ -346,9 +346,10 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
                 report.note(
                     YIELD,
                     format!(
-                        "{}: {} online requests failed.",
+                        "{}: {} online requests failed ({}).",
                         figure("errors"),
-                        with.errors
+                        with.errors,
+                        with.failures_text()
                     ),
                 );
             }

@@ -139,18 +139,6 @@ fn expired(deadline: i64) -> bool {
     deadline < now_secs()
 }
 
-/// The error with its causes, which hyper keeps in the source chain.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
 impl Queue {
     fn resolve(
         entry: &super::QueueEntry,

@@ -12,11 +12,12 @@ use hyper::{Request, Uri};
 use rand::Rng;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::{error_chain, non_empty, normalize_path, Queue, Shared, Taken};
+use super::{non_empty, normalize_path, Queue, Shared, Taken};
 use crate::dispatcher::backoff;
 use crate::dispatcher::config::DispatcherVersion;
 use crate::dispatcher::stats::Counters;
 use crate::dispatcher::wire::{codes, Envelope, ResultMessage};
+use crate::http::error_chain;
 
 impl Shared {
     /// Sends one message and turns the response into a result or a retry.
