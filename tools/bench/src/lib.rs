@@ -27,7 +27,13 @@
 //! 9. **Replicas**: the same batches run by 1 and by 3 `processor serve` replicas sharing one
 //!    Redis, storage and simulator (jobs per minute, requests per second, in async and sync
 //!    mode), and the time from a replica's SIGKILL to each of its jobs' leases held by another
-//!    replica and to their counts growing again.
+//!    replica and to their counts growing again;
+//! 10. **Yield**: three batch jobs beside open-loop online traffic ([`online`]) on a simulated
+//!     vLLM server, steady at 25, 50 and 75 % of its capacity and in waves, in sync mode with
+//!     and without `load` and in async mode as `processor queues` prints it: the online
+//!     requests' time to first token, inter-token latency, time per output token and
+//!     end-to-end latency per phase, the batch's share of the spare capacity, each job's
+//!     progress and the online latency over time.
 //!
 //! Enqueue and drain run a second time on a Redis Cluster of 3 primaries
 //! ([`Settings::cluster_primaries`]), with the cluster's limits measured the same way.
