@@ -38,8 +38,9 @@ const QUICK_WAVE: Duration = Duration::from_secs(1);
 const BATCH_PRIORITY: i64 = 10;
 /// Batch jobs run side by side in each case.
 const JOBS: usize = 3;
-/// The batch runs this long before the online traffic starts.
+/// The batch runs this long before the online traffic starts (shorter with `--quick`).
 const BATCH_LEAD: Duration = Duration::from_secs(3);
+const QUICK_BATCH_LEAD: Duration = Duration::from_secs(1);
 /// How often each job's progress and the online latency are sampled for the plots.
 const SAMPLE: Duration = Duration::from_millis(500);
 
@@ -209,10 +210,10 @@ fn server(priority_scheduling: bool) -> GatewayConfig {
 
 pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
     let Ctx { lab, s, progress } = cx;
-    let span = if s.quick {
-        Duration::from_secs(4)
+    let (span, lead) = if s.quick {
+        (Duration::from_secs(4), QUICK_BATCH_LEAD)
     } else {
-        Duration::from_secs(20)
+        (Duration::from_secs(20), BATCH_LEAD)
     };
     let plan: Vec<(Shape, Vec<Case>)> = if s.quick {
         vec![
@@ -260,8 +261,15 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         serde_json::from_slice(&body).map_err(|e| BenchError::Check(e.to_string()))?,
     );
     for (shape, cases) in plan {
+        let traffic = Traffic {
+            shape,
+            capacity,
+            span,
+            lead,
+            body: &streamed,
+        };
         let gateway = simulator::gateway(server(false)).await?;
-        let alone = online(&gateway, shape, capacity, span, &streamed).await?;
+        let alone = online(&gateway, &traffic).await?;
         gateway.shutdown().await;
         let alone_all = alone.overall();
         progress(&format!(
@@ -292,7 +300,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         report.online_lines(&format!("{}, online alone", shape.label()), &alone);
         let spare = (capacity - offered(&alone)).max(1e-9);
         for case in &cases {
-            let b = beside(lab, &input, *case, shape, capacity, span, &streamed).await?;
+            let b = beside(lab, &input, *case, &traffic).await?;
             let with = b.online.overall();
             let share = b.batch_rate / spare;
             progress(&format!(
@@ -357,7 +365,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
                 report.timelines.push(Timeline {
                     label: format!("{}, {}", shape.label(), case.label()),
                     plot: shape.plot(),
-                    online_from: BATCH_LEAD.as_secs_f64(),
+                    online_from: lead.as_secs_f64(),
                     jobs: b.jobs,
                     latency: b.online.over_time(SAMPLE),
                 });
@@ -366,7 +374,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
     }
     report.note(YIELD, format!(
         "One simulated model server in vLLM mode (tools/gateway-sim): {SEQS} requests run at once (`max_num_seqs`), the rest wait in its queue in arrival order; an answer takes {} ms to its first token, then {} ms per token for its 16 tokens, up to {:.0} % slower per token with {SEQS} running. Its capacity is measured first, in the same run, with {SEQS} callers keeping it exactly full (answers not streamed). Online traffic is open-loop (Poisson arrivals; in waves, bursts at the capacity alternating with quiet periods at a tenth of it) and streamed (`stream: true` with the usage event; the server sends one event per token at its time): each request is timed from its send to its first token (TTFT), between its tokens (ITL, every gap pooled), per output token after the first (TPOT, (e2e − TTFT) / (tokens − 1)) and to its last event (e2e), {} s per phase after the batch has run {} s. The rows' online latency is the end-to-end one; the table of online figures gives p50 / p95 / p99 of each, the answers per second and the errors per phase (the whole run when steady; the bursts and the quiet periods apart in waves). The batch is {JOBS} jobs of the same 256-byte lines run side by side by one executor in sync mode with the default limits (`per_endpoint` 10, the `work` limiter) and, with `load`, `metrics_urls` on the server's `/metrics` and the headroom named; the batch's rate is the three jobs' lines resolved per second over the online phase, and the plots over time show each job's completed lines, sampled every {} ms, beside the online latency (p95 of the requests sent in each {} ms). The spare capacity is the measured capacity less the online rate; `+ priority` is a server scheduling by priority (`--scheduling-policy priority`) and the batch sending `load.priority: {BATCH_PRIORITY}`. In async mode the dispatcher simulator runs in the bench's process with exactly what `processor queues` prints for `async_dispatch.dispatcher` with `max_num_seqs: {SEQS}` and the headroom named (poll interval, batch size, workers, cache of the load readings, the gate and its parameters): the Prometheus gate reads the server's `vllm:num_requests_running` through the printed 1 s cache (standing in for Prometheus's scrape and the dispatcher's cache); the gate reading the pod is the printed `endpoint-scrape` gate on the server's page (running requests, and waiting ones unless `running only`), read at every poll. Targets (issue 40): at 50 % online load, online p95 within 1.2× of online alone while the batch gets at least 70 % of the spare capacity.",
-        TTFT.as_millis(), PER_TOKEN.as_millis(), ITL_GROWTH * 100.0, span.as_secs(), BATCH_LEAD.as_secs(), SAMPLE.as_millis(), SAMPLE.as_millis()
+        TTFT.as_millis(), PER_TOKEN.as_millis(), ITL_GROWTH * 100.0, span.as_secs(), lead.as_secs(), SAMPLE.as_millis(), SAMPLE.as_millis()
     ));
     Ok(())
 }
@@ -413,19 +421,26 @@ async fn measure_capacity(span: Duration, body: &Bytes) -> Result<f64, BenchErro
     Ok(rate)
 }
 
-/// Sends online traffic of `shape` for `span` (streamed `body`s), waits for every answer.
-async fn online(
-    gateway: &GatewayHandle,
+/// The online traffic of one phase, and how long the batch runs before it.
+struct Traffic<'a> {
     shape: Shape,
+    /// The server's capacity, answers per second.
     capacity: f64,
+    /// How long requests are sent for.
     span: Duration,
-    body: &Bytes,
-) -> Result<OnlineRun, BenchError> {
+    /// How long the batch runs before the online traffic starts.
+    lead: Duration,
+    /// Each request's body, streamed.
+    body: &'a Bytes,
+}
+
+/// Sends the online `traffic` to `gateway`, waits for every answer.
+async fn online(gateway: &GatewayHandle, traffic: &Traffic<'_>) -> Result<OnlineRun, BenchError> {
     online::run(&OnlineLoad {
         base_url: gateway.base_url(),
-        body: body.clone(),
-        shape: shape.online(capacity),
-        duration: span,
+        body: traffic.body.clone(),
+        shape: traffic.shape.online(traffic.capacity),
+        duration: traffic.span,
         seed: 40,
         timeout: Duration::from_secs(60),
     })
@@ -442,19 +457,15 @@ struct Beside {
     jobs: Vec<Vec<(f64, f64)>>,
 }
 
-/// Runs the batch of `case` beside online traffic of `shape`; the online figures and the
-/// batch's answers per second over the online phase.
+/// Runs the batch of `case` beside the online `traffic`.
 async fn beside(
     lab: &Lab,
     input: &std::path::Path,
     case: Case,
-    shape: Shape,
-    capacity: f64,
-    span: Duration,
-    body: &Bytes,
+    traffic: &Traffic<'_>,
 ) -> Result<Beside, BenchError> {
     if let Some(headroom) = case.dispatcher_headroom {
-        return beside_dispatcher(lab, input, case, headroom, shape, capacity, span, body).await;
+        return beside_dispatcher(lab, input, case, headroom, traffic).await;
     }
     let gateway = simulator::gateway(server(case.priority)).await?;
     let load_section = match case.headroom {
@@ -476,7 +487,7 @@ async fn beside(
     };
     let config = lab.sync_config("yield.yaml", &gateway.base_url(), &load_section, "")?;
     let executor = Executor::new(load(&config)?).await?;
-    let measured = run_beside(lab, executor, input, &gateway, shape, capacity, span, body).await;
+    let measured = run_beside(lab, executor, input, &gateway, traffic).await;
     gateway.shutdown().await;
     measured
 }
@@ -485,16 +496,12 @@ async fn beside(
 /// `processor queues` prints for a pool of one server of [`SEQS`] slots and `headroom` (its
 /// gate reads the server's `vllm:num_requests_running` through its cache, as the real one reads
 /// it through Prometheus), and the executor enqueueing the whole job at once.
-#[allow(clippy::too_many_arguments)]
 async fn beside_dispatcher(
     lab: &Lab,
     input: &std::path::Path,
     case: Case,
     headroom: f64,
-    shape: Shape,
-    capacity: f64,
-    span: Duration,
-    body: &Bytes,
+    traffic: &Traffic<'_>,
 ) -> Result<Beside, BenchError> {
     lab.flush_redis().await?;
     let gateway = simulator::gateway(server(false)).await?;
@@ -527,25 +534,21 @@ async fn beside_dispatcher(
             .map_err(BenchError::Check)?;
     let dispatcher = Dispatcher::start(dispatcher, None).await?;
     let executor = Executor::new(config).await?;
-    let measured = run_beside(lab, executor, input, &gateway, shape, capacity, span, body).await;
+    let measured = run_beside(lab, executor, input, &gateway, traffic).await;
     dispatcher.shutdown().await;
     gateway.shutdown().await;
     lab.flush_redis().await?;
     measured
 }
 
-/// Runs [`JOBS`] jobs of `input` side by side with `executor` for [`BATCH_LEAD`], then online
-/// traffic of `shape` beside them; each job's progress is sampled every [`SAMPLE`].
-#[allow(clippy::too_many_arguments)]
+/// Runs [`JOBS`] jobs of `input` side by side with `executor` for the traffic's lead, then the
+/// online `traffic` beside them; each job's progress is sampled every [`SAMPLE`].
 async fn run_beside(
     lab: &Lab,
     executor: Executor,
     input: &std::path::Path,
     gateway: &GatewayHandle,
-    shape: Shape,
-    capacity: f64,
-    span: Duration,
-    body: &Bytes,
+    traffic: &Traffic<'_>,
 ) -> Result<Beside, BenchError> {
     let executor = Arc::new(executor);
     let stop = CancellationToken::new();
@@ -579,10 +582,10 @@ async fn run_beside(
         })
     };
     let resolved_now = || progress.iter().map(|p| resolved(&p.borrow())).sum::<u64>();
-    tokio::time::sleep(BATCH_LEAD).await;
+    tokio::time::sleep(traffic.lead).await;
     let before = resolved_now();
     let started = Instant::now();
-    let online = online(gateway, shape, capacity, span, body).await;
+    let online = online(gateway, traffic).await;
     let batch_rate = (resolved_now() - before) as f64 / started.elapsed().as_secs_f64();
     stop.cancel();
     let jobs = sampler.await.unwrap_or_default();
