@@ -38,6 +38,13 @@ pub trait Dispatch: Any + Send + Sync {
     /// stop ([`Stop::end`]) when it fired, [`End::Failed`] when the mode cannot go on.
     fn run<'a>(&'a self, job: &'a Arc<Job>, stop: &'a Stop) -> BoxFuture<'a, End>;
 
+    /// Whether the mode's run ends a yielding job itself ([`Stop::drain`]): it takes no new
+    /// line and returns once its requests in flight ended. A mode that does not is stopped by
+    /// a yield as by a pause ([`Stop::halt`]).
+    fn drains(&self) -> bool {
+        false
+    }
+
     /// Takes back what is pending of a job that expired or was cancelled, before the executor
     /// closes its open lines; gives up when `stop` fires.
     fn withdraw<'a>(

@@ -168,6 +168,8 @@ pub struct Job {
     pub(crate) inflight: m::Inflight,
     /// See [`Job::hold_results`].
     results_held: std::sync::atomic::AtomicBool,
+    /// Fired by [`Job::yield_slot`].
+    pub(crate) yielding: tokio_util::sync::CancellationToken,
 }
 
 /// The batch of an unfinished job found in its directory, when it is the job `spec` asks for.
@@ -311,6 +313,7 @@ impl Job {
             manifest: Mutex::new(manifest),
             inflight: m::Inflight::default(),
             results_held: Default::default(),
+            yielding: Default::default(),
         })))
     }
 
@@ -372,6 +375,19 @@ impl Job {
     pub fn hold_results(&self, held: bool) {
         self.results_held
             .store(held, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Stops the run to give its slot back (a service's preemption for a fairer share): it
+    /// takes no new line, lets the requests in flight end where its mode can (sync mode; async
+    /// mode leaves its queued requests where they are, as at a pause), and ends paused, to be
+    /// resumed from where it stands. Each line is sent once across the two runs.
+    pub fn yield_slot(&self) {
+        self.yielding.cancel();
+    }
+
+    /// Whether [`Job::yield_slot`] was asked.
+    pub fn yielded(&self) -> bool {
+        self.yielding.is_cancelled()
     }
 
     /// Whether [`Job::hold_results`] holds its results back.

@@ -311,11 +311,17 @@ impl Executor {
         self.resolve_unknown_models(&job).await?;
         let end = if job.status() == BatchStatus::Cancelling || cancel.is_cancelled() {
             End::Cancelled
-        } else if pause.is_cancelled() {
+        } else if pause.is_cancelled() || job.yielded() {
             End::Paused
         } else {
             self.dispatch.register(&job);
-            let stop = Stop::new(job.expires_at(), cancel, pause.clone());
+            let stop = Stop::new(
+                job.expires_at(),
+                cancel,
+                pause.clone(),
+                job.yielding.clone(),
+                self.dispatch.drains(),
+            );
             self.dispatch.run(&job, &stop).await
         };
         let result = self.finish(&job, end, &pause).await;

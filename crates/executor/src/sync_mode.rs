@@ -163,7 +163,10 @@ impl SyncMode {
             let headers = &headers;
             let answers = answers.clone();
             let share = self.share_slots(job, name, width);
+            // A yield takes no new line; the calls in flight end and are written.
+            let drain = stop.drain().clone();
             let calls = stream::iter(records)
+                .take_until(drain.clone().cancelled_owned())
                 .chunks(READ_AHEAD)
                 .then(move |chunk| {
                     let j = job.clone();
@@ -176,15 +179,27 @@ impl SyncMode {
                 .map(move |read| {
                     let answers = answers.clone();
                     let share = share.clone();
+                    let drain = drain.clone();
                     async move {
                         let (record, line) = read?;
                         let index = record.line as u64;
-                        // Never closed: a permit always comes.
+                        // Never closed: a permit always comes, unless a yield leaves the
+                        // line (read ahead, not sent) for the next run.
                         let _share = match share {
-                            Some(slots) => slots.acquire_owned().await.ok(),
+                            Some(slots) => tokio::select! {
+                                permit = slots.acquire_owned() => permit.ok(),
+                                () = drain.cancelled() => return Ok(()),
+                            },
                             None => None,
                         };
-                        let outcome = self.call(name, index, &line, slo, headers, job).await;
+                        if drain.is_cancelled() {
+                            return Ok(());
+                        }
+                        let call = self.call(name, index, &line, slo, headers, job);
+                        // Withdrawn unsent by a yield: left for the next run.
+                        let Some(outcome) = call.await else {
+                            return Ok(());
+                        };
                         // Closed only when the job stops writing: the answer is not kept.
                         let _ = answers.send((index, outcome)).await;
                         Ok::<_, ExecError>(())
@@ -219,11 +234,14 @@ impl SyncMode {
         slo: std::time::SystemTime,
         headers: &[(String, String)],
         job: &Job,
-    ) -> Owned {
+    ) -> Option<Owned> {
         let input: InputLine = match serde_json::from_slice(line) {
             Ok(input) => input,
             Err(e) => {
-                return Owned::Failed(batch_wire::error_codes::BATCH_FAILED.into(), e.to_string())
+                return Some(Owned::Failed(
+                    batch_wire::error_codes::BATCH_FAILED.into(),
+                    e.to_string(),
+                ))
             }
         };
         let id = batch_wire::request_id(&job.id, index);
@@ -257,9 +275,11 @@ impl SyncMode {
             None => headers,
         };
         job.inflight.add(model, 1);
+        // A yield withdraws the request while it waits for the endpoint's limit, unsent.
+        let withdrawn = job.yielding.cancelled();
         let outcome = self
             .dispatcher
-            .dispatch(
+            .dispatch_unless(
                 model,
                 SyncRequest {
                     id: &id,
@@ -268,17 +288,19 @@ impl SyncMode {
                     slo_deadline: slo,
                     headers,
                 },
+                withdrawn,
             )
             .instrument(span.clone())
             .await;
         job.inflight.remove(model, 1);
+        let outcome = outcome?;
         if let SyncOutcome::Http { status, .. } = &outcome {
             span.record("status", status);
         }
-        match outcome {
+        Some(match outcome {
             SyncOutcome::Http { status, body } => Owned::Http(status, body),
             SyncOutcome::Failed { code, message } => Owned::Failed(code, message),
-        }
+        })
     }
 }
 
@@ -308,6 +330,11 @@ async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop
 impl Dispatch for SyncMode {
     fn run<'a>(&'a self, job: &'a Arc<Job>, stop: &'a Stop) -> BoxFuture<'a, End> {
         Box::pin(self.run_job(job, stop))
+    }
+
+    /// A yield lets the calls in flight end: each line is sent once across the two runs.
+    fn drains(&self) -> bool {
+        true
     }
 }
 

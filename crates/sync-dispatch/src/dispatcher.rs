@@ -342,13 +342,28 @@ impl SyncDispatcher {
     /// `x-llm-d-request-dropped-reason: rejected-ttl-expired`), and `INFERENCE_ERROR` (network
     /// error or timeout on the last attempt: the same code the async dispatcher writes).
     pub async fn dispatch(&self, endpoint: &str, request: SyncRequest<'_>) -> SyncOutcome {
+        let never = std::future::pending();
+        let sent = self.dispatch_unless(endpoint, request, never).await;
+        sent.expect("a request never withdrawn is sent")
+    }
+
+    /// Like [`Dispatcher::dispatch`], but withdrawn, unsent, when `withdrawn` completes while
+    /// the request still waits for the endpoint's permits: `None` then. Once sent, it is seen
+    /// through to its final outcome (a job giving its slot back lets its requests in flight end,
+    /// and sends no new one).
+    pub async fn dispatch_unless(
+        &self,
+        endpoint: &str,
+        request: SyncRequest<'_>,
+        withdrawn: impl std::future::Future<Output = ()>,
+    ) -> Option<SyncOutcome> {
         let Some(endpoint) = self.endpoint(endpoint) else {
             // The name is the input's: counted under one label, not one series per name.
             metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => "other").increment(1);
-            return SyncOutcome::failed(
+            return Some(SyncOutcome::failed(
                 error_codes::MODEL_NOT_FOUND,
                 format!("no inference gateway is configured for {endpoint:?}"),
-            );
+            ));
         };
         let model = endpoint.name.clone();
         let mut request = request;
@@ -359,7 +374,10 @@ impl SyncDispatcher {
             Ok(prepared) => prepared,
             Err(message) => {
                 metrics::counter!(names::REQUEST_ERRORS_TOTAL, "model" => model).increment(1);
-                return SyncOutcome::failed(dispatcher_error_codes::INVALID_REQUEST, message);
+                return Some(SyncOutcome::failed(
+                    dispatcher_error_codes::INVALID_REQUEST,
+                    message,
+                ));
             }
         };
 
@@ -367,8 +385,13 @@ impl SyncDispatcher {
             global: &self.inner.global,
             held: None,
         };
-        if let Err(outcome) = permits.take(&endpoint).await {
-            return outcome;
+        let taken = tokio::select! {
+            biased;
+            taken = permits.take(&endpoint) => taken,
+            () = withdrawn => return None,
+        };
+        if let Err(outcome) = taken {
+            return Some(outcome);
         }
         let _inflight = InflightGuard::enter();
 
@@ -391,7 +414,7 @@ impl SyncDispatcher {
         if !endpoint.per_attempt {
             endpoint.feed(feedback, epoch);
         }
-        outcome
+        Some(outcome)
     }
 
     fn endpoint(&self, name: &str) -> Option<Arc<Endpoint>> {
