@@ -1,6 +1,8 @@
 //! `processor serve` shares its batch slots fairly among tenants by default: a tenant that queues
 //! one batch is not made to wait behind another tenant's backlog, however long, on one replica
-//! or three; and in sync mode a replica's requests are shared per tenant, not per batch. Real redis-server, the `processor` binary, sync mode against the simulated gateway
+//! or three, nor for one of its running batches to end (one gives its slot back, and resumes
+//! later with each line sent once); and in sync mode a replica's requests are shared per
+//! tenant, not per batch. Real redis-server, the `processor` binary, sync mode against the simulated gateway
 //! at 50 ms per answer, every setting at its default but `max_active_jobs` (4 on one replica, 2
 //! each on three).
 
@@ -171,6 +173,13 @@ fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Follo
          A answered {} lines while B's {LINES} ran",
         idle.started, idle.completed, loaded.started, loaded.completed, loaded.overtaken, loaded.beside
     );
+    // Not held for one of A's batches to end: one gives its slot back at once.
+    assert!(
+        loaded.completed <= idle.completed * 2,
+        "tenant B's batch took {:?} beside A's backlog, more than twice its {:?} alone",
+        loaded.completed,
+        idle.completed
+    );
     assert!(
         loaded.overtaken <= replicas,
         "tenant B waited behind tenant A's backlog: {} of A's batches started first",
@@ -200,4 +209,76 @@ async fn a_tenants_batch_is_not_held_behind_another_tenants_four_hundred() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenants_batch_is_not_held_behind_another_tenants_forty_on_three_replicas() {
     assert_fair(3, 40, b_beside_a_backlog(3, 40).await);
+}
+
+/// What the service logs when a batch gives its slot back.
+const GIVEN_BACK: &str = "giving the batch's slot back";
+
+/// Batches of `api`'s tenant in progress.
+async fn in_progress(api: &Api) -> Vec<serde_json::Value> {
+    let listed = api.list_all("/v1/batches", "", 100).await;
+    listed
+        .into_iter()
+        .filter(|b| b["status"] == "in_progress")
+        .collect()
+}
+
+/// Tenant A alone keeps every slot, however long its batches run; once B queues a batch, one of
+/// A's gives its slot back at a safe point, waits, and resumes: every batch ends completed with
+/// each line once in its results, and the gateway was sent each line once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_that_gives_its_slot_back_resumes_with_each_line_sent_once() {
+    let env = Env::start(fixed_latency(Duration::from_millis(50))).await;
+    let service = Service::start(&replica(&env, 1, 4));
+    let (a, b) = (service.client(Some(KEY_A)), service.client(Some(KEY_B)));
+    let (a_text, a_lines) = input_jsonl("long", 400, "llama-3");
+    let (b_text, b_lines) = input_jsonl("short", LINES, "llama-3");
+    let a_file = a.upload_ok("a.jsonl", a_text.as_bytes()).await;
+    let b_file = b.upload_ok("b.jsonl", b_text.as_bytes()).await;
+    let mut a_ids = Vec::new();
+    for _ in 0..5 {
+        a_ids.push(id_of(&a.create_batch_ok(&a_file).await));
+    }
+    let deadline = Instant::now() + FINISH;
+    loop {
+        let running = in_progress(&a).await;
+        if running.len() == 4 && running.iter().all(|b| count(b, "completed") > 0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of A's batches running",
+            running.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Alone, A keeps every slot: nothing is given back to a tenant with nothing waiting.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(in_progress(&a).await.len(), 4);
+    assert!(
+        !service.stderr_text().contains(GIVEN_BACK),
+        "{}",
+        service.stderr_tail(20)
+    );
+
+    let b_id = id_of(&b.create_batch_ok(&b_file).await);
+    let b_batch = b.wait_final(&b_id, FINISH).await;
+    assert_eq!(b_batch["status"], "completed", "{b_batch}");
+    b.results(&b_batch).await.assert_each_once(&b_lines);
+    for id in &a_ids {
+        let batch = a.wait_final(id, FINISH).await;
+        assert_eq!(batch["status"], "completed", "{batch}");
+        let results = a.results(&batch).await;
+        results.assert_each_once(&a_lines);
+        results.assert_answers_match(&a_lines);
+    }
+    let given_back = service.stderr_text().matches(GIVEN_BACK).count();
+    assert!(
+        given_back >= 1,
+        "no slot was given back: {}",
+        service.stderr_tail(20)
+    );
+    let lines = (a_ids.len() * a_lines.len() + b_lines.len()) as u64;
+    assert_eq!(env.gateway.stats().total, lines, "sends = lines");
+    eprintln!("{given_back} slot(s) given back; {lines} lines sent once each");
 }

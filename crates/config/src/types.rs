@@ -806,6 +806,15 @@ pub struct ServeConfig {
     /// of weight 3 runs three batches for one of a tenant of weight 1 while both have some
     /// queued. Keys are tenant names as `api_keys_file` gives them.
     pub tenant_weights: std::collections::BTreeMap<String, u32>,
+    /// Whether a running batch gives its slot back when every slot is taken and another
+    /// tenant, below its share of the running batches, has one waiting (default true): the
+    /// batch of the most served tenant stops at a safe point (its requests in flight end),
+    /// checkpoints, and waits in the queue again with its progress kept.
+    pub tenant_preemption: bool,
+    /// How long a batch that already gave its slot back runs again before it may be asked
+    /// again (default 10 s); a batch's first run may give its slot back at once.
+    #[serde(serialize_with = "ser_duration")]
+    pub tenant_preemption_min_run: Duration,
     /// Requests of one tenant's batches in flight at once on a replica, in sync mode (default
     /// 0: no cap of its own, `concurrency.global` for all). Async mode leaves the metering to the
     /// dispatcher.
@@ -878,6 +887,8 @@ impl ServeConfig {
             tenant_max_files: 10_000,
             tenant_max_running_batches: 8,
             tenant_weights: std::collections::BTreeMap::new(),
+            tenant_preemption: true,
+            tenant_preemption_min_run: Duration::from_secs(10),
             tenant_max_requests_in_flight: 0,
             tls: None,
         }

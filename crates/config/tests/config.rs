@@ -1994,6 +1994,35 @@ fn a_bad_load_section_names_the_field() {
 }
 
 #[test]
+fn tenant_preemption_is_on_by_default_with_a_minimum_run_between_two() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = service_config(dir.path(), "  listen: 127.0.0.1:9000\n");
+    let serve = load_service_file(&file).unwrap().serve;
+    assert!(serve.tenant_preemption);
+    assert_eq!(serve.tenant_preemption_min_run, Duration::from_secs(10));
+
+    let file = service_config(
+        dir.path(),
+        "  tenant_preemption: false\n  tenant_preemption_min_run: 2m\n",
+    );
+    let serve = load_service_file(&file).unwrap().serve;
+    assert!(!serve.tenant_preemption);
+    assert_eq!(serve.tenant_preemption_min_run, Duration::from_secs(120));
+
+    let file = service_config(dir.path(), "  tenant_preemption_min_run: 0s\n");
+    let errors: Vec<String> = match load_service_file(&file) {
+        Ok(c) => panic!("accepted: {:?}", c.serve.tenant_preemption_min_run),
+        Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+    };
+    assert!(
+        errors
+            .join("\n")
+            .contains("serve.tenant_preemption_min_run"),
+        "{errors:?}"
+    );
+}
+
+#[test]
 fn tenant_weights_are_whole_numbers_per_tenant_and_default_to_none() {
     let dir = tempfile::tempdir().unwrap();
     let file = service_config(dir.path(), "  listen: 127.0.0.1:9000\n");

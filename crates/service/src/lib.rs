@@ -176,6 +176,9 @@ fn runner_config(serve: &ServeConfig, replica: String, work_dir: PathBuf) -> Run
             weights: serve.tenant_weights.clone(),
         },
         tenant_requests: serve.tenant_max_requests_in_flight,
+        preemption: serve
+            .tenant_preemption
+            .then_some(serve.tenant_preemption_min_run),
     }
 }
 
@@ -496,6 +499,7 @@ impl Hooks for ServiceHooks {
 
     fn wake(&self) {
         self.runner.wake.notify_waiters();
+        self.runner.preempt_wake.notify_one();
     }
 
     fn lines_so_far<'a>(

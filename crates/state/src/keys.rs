@@ -122,6 +122,12 @@ impl StateKeys {
         self.key(&["tenants_queued"])
     }
 
+    /// Running jobs asked to give their slot back to a tenant below its share (a hash: id →
+    /// `<replica>#<tenant>`, the job's holder and the tenant its slot goes to).
+    pub fn yielding(&self) -> String {
+        self.key(&["yielding"])
+    }
+
     // Leases and checkpoints.
 
     /// The running jobs (a hash: id → the replica it was given to).

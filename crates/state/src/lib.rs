@@ -27,7 +27,7 @@ pub use files::FileQuota;
 pub use keys::StateKeys;
 pub use layout::STATE_PREFIX;
 pub use leases::{JobLease, Renewal};
-pub use queue::SlotShare;
+pub use queue::{Candidate, SlotShare};
 pub use records::{
     BatchObject, Counts, FileObject, FineCounts, Page, StatusTimes, StoredBatch, StoredFile,
     FINE_COUNTS_KEY,

@@ -21,6 +21,10 @@ use crate::{millis, JobLease, Store, StoreError};
 
 static PICK: LazyLock<Script> = LazyLock::new(|| Script::from_lua(include_str!("queue/pick.lua")));
 static TAKE: LazyLock<Script> = LazyLock::new(|| Script::from_lua(include_str!("queue/take.lua")));
+static PREEMPT: LazyLock<Script> =
+    LazyLock::new(|| Script::from_lua(include_str!("queue/preempt.lua")));
+static REQUEUE: LazyLock<Script> =
+    LazyLock::new(|| Script::from_lua(include_str!("queue/requeue.lua")));
 
 /// How many picks a claim tries when other replicas keep taking the picked job first.
 const CLAIM_TRIES: usize = 16;
@@ -116,17 +120,78 @@ impl Store {
         let mut args = vec![
             share.map_or(0, |s| s.cap).to_string(),
             if share.is_some() { "1" } else { "0" }.to_owned(),
-            tenants.len().to_string(),
         ];
-        let weights: Vec<String> = tenants
-            .iter()
-            .map(|t| share.map_or(1, |s| s.weight(t)).to_string())
-            .collect();
-        args.extend(tenants);
-        args.extend(weights);
+        args.extend(tenant_args(tenants, share));
         let got: Option<(String, String)> =
             PICK.evalsha_with_reload(&self.client, keys, args).await?;
         Ok(got)
+    }
+
+    /// Asks one of `candidates`, jobs `replica` runs, to give its slot back, when the tenant
+    /// the next free slot would go to is below its share of the running jobs and the job's
+    /// tenant above it (the most served tenant's first candidate): its id, recorded as
+    /// yielding, or `None`. One step in Redis, so two replicas never both give a slot back for
+    /// the same share; a job asked counts as the new tenant's until [`Store::requeue`] (or its
+    /// end). The job should then stop at a safe point and be queued again.
+    pub async fn preempt(
+        &self,
+        replica: &str,
+        share: &SlotShare,
+        candidates: &[Candidate],
+    ) -> Result<Option<String>, StoreError> {
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let tenants: Vec<String> = self.client.smembers(self.keys.tenants_queued()).await?;
+        if tenants.is_empty() {
+            return Ok(None);
+        }
+        let mut keys = vec![
+            self.keys.running(),
+            self.keys.tenant_of(),
+            self.keys.yielding(),
+        ];
+        keys.extend(tenants.iter().map(|t| self.keys.tenant_queue(t)));
+        let mut args = vec![share.cap.to_string(), replica.to_owned()];
+        args.extend(tenant_args(tenants, Some(share)));
+        args.push(candidates.len().to_string());
+        for c in candidates {
+            args.push(c.job.clone());
+            args.push(share.weight(&c.tenant).to_string());
+        }
+        let asked: Option<String> = PREEMPT
+            .evalsha_with_reload(&self.client, keys, args)
+            .await?;
+        Ok(asked)
+    }
+
+    /// Queues a job that gave its slot back again, by its deadline (`expires_at`), while
+    /// `lease` still holds it: the lease and running entry go, and the next claim of it resumes
+    /// it from its checkpoint. False when the lease was lost (the new holder goes on with it).
+    pub async fn requeue(
+        &self,
+        lease: &JobLease,
+        tenant: &str,
+        expires_at: i64,
+    ) -> Result<bool, StoreError> {
+        let keys = vec![
+            self.keys.lease(&lease.job),
+            self.keys.running(),
+            self.keys.queue(),
+            self.keys.tenant_queue(tenant),
+            self.keys.tenants_queued(),
+            self.keys.yielding(),
+        ];
+        let args = vec![
+            lease.value(),
+            lease.job.clone(),
+            expires_at.to_string(),
+            tenant.to_owned(),
+        ];
+        let n: i64 = REQUEUE
+            .evalsha_with_reload(&self.client, keys, args)
+            .await?;
+        Ok(n == 1)
     }
 
     /// How many jobs are queued (not yet claimed).
@@ -134,4 +199,26 @@ impl Store {
         let n: u64 = self.client.zcard(self.keys.queue()).await?;
         Ok(n)
     }
+}
+
+/// A running job a replica may ask to give its slot back ([`Store::preempt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// The batch id.
+    pub job: String,
+    /// Its tenant.
+    pub tenant: String,
+}
+
+/// The arguments naming the queued `tenants` to a script: their count, then the tenants, then
+/// their weights under `share` (1 each without one).
+fn tenant_args(tenants: Vec<String>, share: Option<&SlotShare>) -> Vec<String> {
+    let weights: Vec<String> = tenants
+        .iter()
+        .map(|t| share.map_or(1, |s| s.weight(t)).to_string())
+        .collect();
+    let mut args = vec![tenants.len().to_string()];
+    args.extend(tenants);
+    args.extend(weights);
+    args
 }

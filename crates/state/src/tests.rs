@@ -491,6 +491,77 @@ async fn a_tenant_with_one_batch_queued_is_next_after_another_tenants_hundreds()
     assert_eq!(next.job, "batch_b");
 }
 
+/// The candidates of `leases`, all of tenant `tenant`.
+fn candidates(leases: &[JobLease], tenant: &str) -> Vec<Candidate> {
+    leases
+        .iter()
+        .map(|l| Candidate {
+            job: l.job.clone(),
+            tenant: tenant.to_owned(),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_slot_is_given_back_once_for_a_tenant_below_its_share_and_never_to_itself() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    queue_many(&s, "a", 40, 100).await;
+    let share = SlotShare::default();
+    // Two replicas of two slots each, all a's: a alone keeps them, whatever it has queued.
+    let mut r1 = Vec::new();
+    let mut r2 = Vec::new();
+    for _ in 0..2 {
+        r1.push(s.claim_queued("r1", TTL, &share).await.unwrap().unwrap());
+        r2.push(s.claim_queued("r2", TTL, &share).await.unwrap().unwrap());
+    }
+    assert_eq!(
+        s.preempt("r1", &share, &candidates(&r1, "a"))
+            .await
+            .unwrap(),
+        None
+    );
+    // b queues one batch: one replica gives one slot back, the least urgent candidate of the
+    // most served tenant; the other replica then sees b's share taken care of.
+    s.create_batch(&batch("b", "batch_b", 10_000))
+        .await
+        .unwrap();
+    let mut order = candidates(&r2, "a");
+    order.reverse();
+    let asked = s.preempt("r2", &share, &order).await.unwrap();
+    assert_eq!(asked.as_deref(), Some(r2[1].job.as_str()));
+    assert_eq!(
+        s.preempt("r1", &share, &candidates(&r1, "a"))
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(s.preempt("r2", &share, &order).await.unwrap(), None);
+    // A job of another replica, or of the waiting tenant, is never asked.
+    assert_eq!(
+        s.preempt("r2", &share, &candidates(&r1, "a"))
+            .await
+            .unwrap(),
+        None
+    );
+    // It is queued again by its deadline under its lease, once; the freed slot goes to b.
+    assert!(s.requeue(&r2[1], "a", 100).await.unwrap());
+    assert!(!s.requeue(&r2[1], "a", 100).await.unwrap());
+    let next = s.claim_queued("r2", TTL, &share).await.unwrap().unwrap();
+    assert_eq!(next.job, "batch_b");
+    // b runs its one batch: nothing moves back, nor on.
+    assert_eq!(
+        s.preempt("r1", &share, &candidates(&r1, "a"))
+            .await
+            .unwrap(),
+        None
+    );
+    // The queued-again job is a's most urgent, claimed again with a new epoch.
+    let again = s.claim_queued("r2", TTL, &share).await.unwrap().unwrap();
+    assert_eq!(again.job, r2[1].job);
+    assert!(again.epoch > r2[1].epoch);
+}
+
 #[tokio::test]
 async fn weights_give_a_tenant_slots_in_proportion() {
     let redis = RedisServer::start();

@@ -145,6 +145,13 @@ fn tenant_quotas(c: &mut Collector<'_>, t: &Table<'_>, serve: &mut ServeConfig) 
         1 << 20,
     );
     serve.tenant_weights = tenant_weights(c, t);
+    serve.tenant_preemption = c.boolean(t, "tenant_preemption", serve.tenant_preemption);
+    serve.tenant_preemption_min_run = c.bounded_duration(
+        t,
+        "tenant_preemption_min_run",
+        serve.tenant_preemption_min_run,
+        HOUR,
+    );
     serve.tenant_max_requests_in_flight = c.bounded_count(
         t,
         "tenant_max_requests_in_flight",

@@ -107,12 +107,23 @@ impl Runner {
             .is_some_and(|a| a.lease.epoch == lease.epoch)
     }
 
-    /// Job `lease.job` was prepared: the API shows its lines from the job itself now.
-    pub(super) fn prepared(&self, lease: &JobLease, job: &Arc<batch_executor::Job>) {
+    /// Job `lease.job` of `record` was prepared: the API shows its lines from the job itself
+    /// now, and it may be asked to give its slot back.
+    pub(super) fn prepared(
+        &self,
+        lease: &JobLease,
+        job: &Arc<batch_executor::Job>,
+        record: &batch_state::StoredBatch,
+    ) {
         let mut active = self.active.lock().expect("active lock");
         if let Some(a) = active.get_mut(&lease.job) {
             if a.lease.epoch == lease.epoch {
                 a.job = Some(job.clone());
+                a.run = Some(super::Run {
+                    tenant: record.tenant.clone(),
+                    expires_at: record.expires_at,
+                    since: std::time::Instant::now(),
+                });
             }
         }
     }

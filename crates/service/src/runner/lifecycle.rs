@@ -69,7 +69,9 @@ impl Runner {
     ) -> Result<(), RunError> {
         let id = lease.job.as_str();
         let dir = dir.to_path_buf();
-        if adopted {
+        // Adopted, or claimed again after it gave its slot back (a new epoch): it goes on
+        // from its checkpoint.
+        if adopted || lease.epoch > 1 {
             self.restore(lease, &dir).await?;
         }
         write_epoch(&dir, lease.epoch).map_err(|error| RunError::Io {
@@ -220,7 +222,7 @@ impl Runner {
         cancel: &CancellationToken,
         fenced: &CancellationToken,
     ) -> Result<Option<(Batch, Totals)>, RunError> {
-        self.prepared(lease, &job);
+        self.prepared(lease, &job, record);
         let mut models = job.models();
         if let (Some(model), None) = (models.next(), models.next()) {
             record.model = Some(model.to_owned());
@@ -262,7 +264,8 @@ impl Runner {
     }
 
     /// A job stopped before its end: by a shutdown (its state goes to storage and its lease is
-    /// let go, so another replica may go on at once) or by a lost lease (nothing more is written).
+    /// let go, so another replica may go on at once), by giving its slot back (the same, and it
+    /// is queued again), or by a lost lease (nothing more is written).
     async fn paused(
         &self,
         job: &Arc<batch_executor::Job>,
@@ -279,6 +282,9 @@ impl Runner {
         // Out of the heartbeat's list first: a renewal racing this release must not take the
         // lease back (see `regained`).
         self.forget_active(lease);
+        if job.yielded() {
+            return self.requeue(record, lease).await;
+        }
         self.retry("letting go of a lease", || self.store.release_lease(lease))
             .await?;
         Ok(())

@@ -5,13 +5,14 @@
 //!
 //! One module per concern: [`schedule`] (which jobs to take), [`leases`] (the heartbeat, lost
 //! and lapsed leases), [`fence`] (writes that hold only under a lease; all that
-//! [`crate::finalize`] is given), [`lifecycle`] (a job from start to end), [`checkpoints`] and
-//! [`watcher`].
+//! [`crate::finalize`] is given), [`lifecycle`] (a job from start to end), [`preempt`] (a slot
+//! given back for a fairer share), [`checkpoints`] and [`watcher`].
 
 mod checkpoints;
 pub(crate) mod fence;
 mod leases;
 mod lifecycle;
+mod preempt;
 mod schedule;
 mod watcher;
 
@@ -47,6 +48,10 @@ pub(crate) struct RunnerConfig {
     /// `serve.tenant_max_requests_in_flight`: requests of one tenant's jobs in flight at once
     /// on this replica, sync mode (0: no cap but `concurrency.global`).
     pub tenant_requests: usize,
+    /// `serve.tenant_preemption`: a running batch gives its slot back to a tenant below its
+    /// share, after running this long again when it gave one back before
+    /// (`serve.tenant_preemption_min_run`); `None`: never.
+    pub preemption: Option<Duration>,
 }
 
 /// A job this replica runs now.
@@ -58,6 +63,17 @@ struct Active {
     fenced: CancellationToken,
     /// How many losses of Redis's state were noticed when it started here.
     losses: u64,
+    /// Once prepared: what a preemption looks at.
+    run: Option<Run>,
+}
+
+/// A prepared job's terms, for [`preempt`].
+struct Run {
+    tenant: String,
+    /// Its deadline (Unix seconds): the least urgent is asked first.
+    expires_at: i64,
+    /// When it was prepared here.
+    since: std::time::Instant,
 }
 
 /// The part of the service that runs jobs.
@@ -68,6 +84,8 @@ pub(crate) struct Runner {
     pub(crate) config: RunnerConfig,
     slots: Arc<Semaphore>,
     pub(crate) wake: Notify,
+    /// Wakes the preemption check (a batch created here may wait for a slot).
+    pub(crate) preempt_wake: Notify,
     /// Fired on shutdown: stop taking jobs (the executor's pause stops the running ones).
     pub(crate) stop: CancellationToken,
     active: Mutex<HashMap<String, Active>>,
@@ -97,6 +115,7 @@ impl Runner {
             slots: Arc::new(Semaphore::new(config.max_active_jobs)),
             config,
             wake: Notify::new(),
+            preempt_wake: Notify::new(),
             stop: CancellationToken::new(),
             active: Mutex::new(HashMap::new()),
             adopting: tokio::sync::Mutex::new(()),

@@ -43,6 +43,7 @@ impl Runner {
             tokio::spawn(self.clone().take_cancelled()),
             tokio::spawn(self.clone().heartbeat()),
             tokio::spawn(self.clone().take_over()),
+            tokio::spawn(self.clone().preempt()),
         ];
         loop {
             let Some(permit) = self.slot().await else {
@@ -184,6 +185,7 @@ impl Runner {
                 lease: lease.clone(),
                 fenced: fenced.clone(),
                 losses: self.state.losses(),
+                run: None,
             },
         );
         self.tasks.spawn(async move {
