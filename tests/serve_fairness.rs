@@ -173,10 +173,21 @@ fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Follo
          A answered {} lines while B's {LINES} ran",
         idle.started, idle.completed, loaded.started, loaded.completed, loaded.overtaken, loaded.beside
     );
-    // Not held for one of A's batches to end: one gives its slot back at once.
+    // Not held for one of A's batches to end: one gives its slot back at once, so B runs
+    // before a batch of its size could have ended.
     assert!(
-        loaded.completed <= idle.completed * 2,
-        "tenant B's batch took {:?} beside A's backlog, more than twice its {:?} alone",
+        loaded.started < idle.completed,
+        "tenant B's batch started after {:?} beside A's backlog: later than its whole run alone ({:?})",
+        loaded.started,
+        idle.completed
+    );
+    // Beside A, B's fair share is half the endpoint, so its lines take about twice as long as
+    // alone (1.8-1.9x on an idle machine, 2.0-2.5x with builds beside it). The bound leaves a
+    // quarter of that for the slot's hand-over on a loaded machine; held for one of A's batches
+    // to end, B took 3-5x.
+    assert!(
+        loaded.completed.as_secs_f64() <= idle.completed.as_secs_f64() * 2.5,
+        "tenant B's batch took {:?} beside A's backlog, more than 2.5 times its {:?} alone",
         loaded.completed,
         idle.completed
     );
@@ -186,10 +197,13 @@ fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Follo
         loaded.overtaken
     );
     // One replica: B beside three of A's batches on one endpoint limit. Three replicas: each
-    // has its own limit, and B shares one of them.
+    // has its own limit, and B shares one of them. Shared per tenant, A answers about B's 40;
+    // the batch that gave its slot back shows the lines it answered since its last published
+    // count only once it stops, inside this window (up to 90 seen), while shared per batch A
+    // answered 120.
     if replicas == 1 {
         assert!(
-            loaded.beside <= LINES as u64 * 2,
+            loaded.beside <= LINES as u64 * 5 / 2,
             "A answered {} lines while B's {LINES} ran: the requests went per batch, not per tenant",
             loaded.beside
         );

@@ -84,6 +84,10 @@ struct OnlineArgs {
     /// Each request's `max_tokens`.
     #[arg(long, default_value_t = 24)]
     max_tokens: u64,
+    /// Sends `ignore_eos: true`: a vLLM server (or llm-d-inference-sim) then answers exactly
+    /// `--max-tokens` tokens, instead of lengths of its own choosing.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Seeds the arrival times, so a run can be repeated.
     #[arg(long, default_value_t = 40)]
     seed: u64,
@@ -119,7 +123,7 @@ fn online(args: OnlineArgs) -> anyhow::Result<ExitCode> {
     };
     let load = OnlineLoad {
         base_url: args.url.clone(),
-        body: online::chat_body(&args.model, args.max_tokens),
+        body: online::chat_body(&args.model, args.max_tokens, args.ignore_eos),
         shape,
         duration: args.duration,
         seed: args.seed,

@@ -128,12 +128,18 @@ pub struct OnlineLoad {
 
 /// A streamed chat request's body for `model`: a short user message, `max_tokens`, with the
 /// usage event asked for (so the answer's tokens are counted as the server counts them).
-pub fn chat_body(model: &str, max_tokens: u64) -> Bytes {
-    stream_body(json!({
+/// `ignore_eos` (vLLM's, and llm-d-inference-sim's) makes every answer exactly `max_tokens`
+/// long, so that runs compare answers of one length.
+pub fn chat_body(model: &str, max_tokens: u64, ignore_eos: bool) -> Bytes {
+    let mut body = json!({
         "model": model,
         "messages": [{"role": "user", "content": "Say something about the weather today."}],
         "max_tokens": max_tokens,
-    }))
+    });
+    if ignore_eos {
+        body["ignore_eos"] = Value::Bool(true);
+    }
+    stream_body(body)
 }
 
 /// `body` (a chat request's JSON object) asking for a streamed answer with its usage.
