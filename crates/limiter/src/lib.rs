@@ -5,6 +5,7 @@ mod controller;
 mod gradient;
 mod limiter;
 mod semaphore;
+mod turns;
 mod work;
 
 pub use controller::{AimdConfig, AimdController, Change};

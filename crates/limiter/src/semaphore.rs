@@ -3,7 +3,8 @@
 //! Built on tokio's FIFO [`Semaphore`]: raising the limit adds permits; lowering it forgets the
 //! permits that are free and records the rest as a debt that released permits pay off before
 //! they return to the pool. So holders are never interrupted, new acquirers wait until
-//! `holders < limit`, and waiters are served in arrival order.
+//! `holders < limit`, and waiters are served in arrival order: within a flow
+//! ([`AdaptiveSemaphore::acquire_in`]), and flows in turn ([`crate::turns`]).
 //!
 //! Accounting, under one lock: `available + outstanding - debt == limit`, where `outstanding`
 //! counts tokio permits handed out. A permit is only registered as held when the debt is zero,
@@ -14,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 
+use crate::turns::Turns;
 use crate::AimdError;
 
 /// The largest limit a semaphore accepts; higher values are clamped to it.
@@ -31,6 +33,7 @@ struct Inner {
     permits: Arc<Semaphore>,
     state: Mutex<State>,
     waiting: AtomicUsize,
+    turns: Turns,
 }
 
 impl Inner {
@@ -102,16 +105,33 @@ impl AdaptiveSemaphore {
                     debt: 0,
                 }),
                 waiting: AtomicUsize::new(0),
+                turns: Turns::default(),
             }),
         }
     }
 
-    /// Waits for a permit, first come first served.
+    /// Waits for a permit, first come first served among the callers of this method (one flow
+    /// of [`acquire_in`](Self::acquire_in), which takes its turns beside the others).
     ///
     /// Cancel-safe: dropping the future gives up the place in the queue and leaks nothing.
     /// Fails only after [`close`](Self::close).
     pub async fn acquire(&self) -> Result<AdaptivePermit, AimdError> {
+        self.acquire_in("").await
+    }
+
+    /// Waits for a permit as a waiter of `flow`: the flows with waiters are served in turn,
+    /// one permit each, and a flow's waiters in their arrival order. A flow that queued many
+    /// waiters (a batch job with a wide window) thus gets one permit in each round beside a
+    /// flow that came later with few, not all of its queue before it; alone it gets every
+    /// permit the limit gives.
+    ///
+    /// Cancel-safe, and fails only after [`close`](Self::close), as [`acquire`](Self::acquire).
+    pub async fn acquire_in(&self, flow: &str) -> Result<AdaptivePermit, AimdError> {
         let _waiting = WaitingGuard::enter(&self.inner.waiting);
+        let mut place = self.inner.turns.join(flow);
+        place.turn().await;
+        // Only the waiter whose turn it is queues below; its place, dropped on return, passes
+        // the turn on.
         loop {
             let permit = Arc::clone(&self.inner.permits)
                 .acquire_owned()
@@ -128,6 +148,10 @@ impl AdaptiveSemaphore {
     /// Takes a permit if one is free now (and nobody is queued before us).
     pub fn try_acquire(&self) -> Result<AdaptivePermit, AimdError> {
         let mut state = self.inner.lock();
+        if !self.inner.turns.is_idle() && !self.inner.permits.is_closed() {
+            // A permit just freed goes to the waiter whose turn it is.
+            return Err(AimdError::NoPermits);
+        }
         loop {
             match Arc::clone(&self.inner.permits).try_acquire_owned() {
                 Ok(permit) => {
@@ -286,30 +310,48 @@ mod tests {
         assert!(s.try_acquire().is_ok());
     }
 
-    #[tokio::test]
-    async fn raising_wakes_waiters_in_arrival_order() {
-        let s = AdaptiveSemaphore::new(1);
-        let first = s.try_acquire().unwrap();
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    /// A waiter of each of `flows`, each queued before the next comes; each sends its index
+    /// once granted and keeps its permit.
+    async fn queue_in_order(
+        s: &AdaptiveSemaphore,
+        flows: &[&'static str],
+    ) -> (
+        Vec<tokio::task::JoinHandle<AdaptivePermit>>,
+        tokio::sync::mpsc::UnboundedReceiver<usize>,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let mut tasks = Vec::new();
-        for i in 0..3 {
+        for (i, &flow) in flows.iter().enumerate() {
             let (waiter, tx) = (s.clone(), tx.clone());
             tasks.push(tokio::spawn(async move {
-                let p = waiter.acquire().await.unwrap();
+                let p = waiter.acquire_in(flow).await.unwrap();
                 tx.send(i).unwrap();
                 p
             }));
-            // Let each waiter queue before the next one arrives.
             while s.waiting() < i + 1 {
                 tokio::task::yield_now().await;
             }
         }
+        (tasks, rx)
+    }
+
+    /// Whether `rx` stays silent for a while.
+    async fn silent(rx: &mut tokio::sync::mpsc::UnboundedReceiver<usize>) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), rx.recv())
+            .await
+            .is_err()
+    }
+
+    #[tokio::test]
+    async fn raising_wakes_waiters_in_arrival_order() {
+        let s = AdaptiveSemaphore::new(1);
+        let first = s.try_acquire().unwrap();
+        // `acquire` is the flow "".
+        let (tasks, mut rx) = queue_in_order(&s, &["", "", ""]).await;
         s.set_limit(3);
         let mut order = vec![rx.recv().await.unwrap(), rx.recv().await.unwrap()];
         assert!(
-            tokio::time::timeout(Duration::from_millis(50), rx.recv())
-                .await
-                .is_err(),
+            silent(&mut rx).await,
             "limit 3 with one holder admits exactly two waiters"
         );
         drop(first);
@@ -319,6 +361,38 @@ mod tests {
             drop(t.await.unwrap());
         }
         assert_eq!(s.in_use(), 0);
+    }
+
+    /// A flow that queued many waiters first gets permits in turns beside flows that came
+    /// later, not all of its queue before them; each flow's waiters keep their order.
+    #[tokio::test]
+    async fn flows_are_served_in_turn() {
+        let s = AdaptiveSemaphore::new(1);
+        let held = s.try_acquire().unwrap();
+        let flows = ["a", "a", "a", "a", "b", "b", "c"];
+        let (tasks, mut rx) = queue_in_order(&s, &flows).await;
+        // Five more permits, the first taken by a0, whose turn it was before b and c came.
+        s.set_limit(6);
+        let mut order = Vec::new();
+        for _ in 0..5 {
+            order.push(rx.recv().await.unwrap());
+        }
+        assert!(silent(&mut rx).await, "six holders, limit 6");
+        assert!(s.try_acquire().is_err(), "the waiters are first");
+        drop(held);
+        order.push(rx.recv().await.unwrap());
+        let mut tasks = tasks.into_iter();
+        drop(tasks.next().unwrap().await.unwrap());
+        order.push(rx.recv().await.unwrap());
+        // a0, then a1 in the round of b0 and c0, then a2 beside b1, then a3; first come first
+        // served would have been a0..a3 before b0.
+        let served: Vec<_> = order.iter().map(|&i| flows[i]).collect();
+        assert_eq!(order, [0, 1, 4, 6, 2, 5, 3], "{served:?}");
+        for t in tasks {
+            drop(t.await.unwrap());
+        }
+        assert_eq!((s.in_use(), s.waiting()), (0, 0));
+        assert!(s.try_acquire().is_ok());
     }
 
     #[tokio::test]

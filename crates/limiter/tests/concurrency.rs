@@ -138,3 +138,70 @@ async fn lowering_under_load_drains_to_the_new_limit_then_holds_it() {
         "newcomers saw at most the new limit"
     );
 }
+
+/// Two flows, one with twelve times the other's waiters, while the limit moves and some
+/// waiters give up: each permit goes to the flows in turn, so the small flow gets about as
+/// many as the large one (first come first served would give it about a thirteenth), and
+/// nothing leaks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_small_flow_gets_its_turns_beside_a_large_one() {
+    let semaphore = AdaptiveSemaphore::new(4);
+    let granted = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let mover = tokio::spawn({
+        let (semaphore, stop) = (semaphore.clone(), stop.clone());
+        async move {
+            while !stop.load(Ordering::SeqCst) {
+                semaphore.set_limit(rand::rng().random_range(1..=6));
+                tokio::time::sleep(Duration::from_micros(300)).await;
+            }
+        }
+    });
+    let mut workers = Vec::new();
+    for (flow, count) in [("large", 48), ("small", 4)] {
+        for _ in 0..count {
+            let (semaphore, granted, stop) = (semaphore.clone(), granted.clone(), stop.clone());
+            let index = usize::from(flow == "small");
+            workers.push(tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    // One acquire in eight gives up after a moment.
+                    let give_up = rand::rng().random_range(0..8) == 0;
+                    let permit = if give_up {
+                        let wait = Duration::from_micros(rand::rng().random_range(10..500));
+                        match tokio::time::timeout(wait, semaphore.acquire_in(flow)).await {
+                            Ok(permit) => permit.unwrap(),
+                            Err(_) => continue,
+                        }
+                    } else {
+                        semaphore.acquire_in(flow).await.unwrap()
+                    };
+                    granted[index].fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_micros(100)).await;
+                    drop(permit);
+                }
+            }));
+        }
+    }
+    while granted[1].load(Ordering::SeqCst) < 400 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let (large, small) = (
+        granted[0].load(Ordering::SeqCst),
+        granted[1].load(Ordering::SeqCst),
+    );
+    stop.store(true, Ordering::SeqCst);
+    // Raised, so every waiter gets in and sees the stop.
+    mover.await.unwrap();
+    semaphore.set_limit(64);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    // The small flow's four waiters are sometimes all holding (none queued), when the large
+    // flow's take the turns alone; a thirteenth would be about 12 × small.
+    assert!(large < 3 * small, "large {large}, small {small}");
+    assert_eq!((semaphore.in_use(), semaphore.waiting()), (0, 0));
+    semaphore.set_limit(5);
+    let held: Vec<_> = (0..5).map(|_| semaphore.try_acquire().unwrap()).collect();
+    assert!(semaphore.try_acquire().is_err());
+    drop(held);
+}
