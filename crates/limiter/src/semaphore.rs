@@ -3,8 +3,8 @@
 //! Built on tokio's FIFO [`Semaphore`]: raising the limit adds permits; lowering it forgets the
 //! permits that are free and records the rest as a debt that released permits pay off before
 //! they return to the pool. So holders are never interrupted, new acquirers wait until
-//! `holders < limit`, and waiters are served in arrival order: within a flow
-//! ([`AdaptiveSemaphore::acquire_in`]), and flows in turn ([`crate::turns`]).
+//! `holders < limit`, and waiters are served in arrival order within a flow
+//! ([`AdaptiveSemaphore::acquire_in`]), flows and their groups in turn ([`crate::turns`]).
 //!
 //! Accounting, under one lock: `available + outstanding - debt == limit`, where `outstanding`
 //! counts tokio permits handed out. A permit is only registered as held when the debt is zero,
@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
 
-use crate::turns::Turns;
+use crate::turns::{Flow, Turns};
 use crate::AimdError;
 
 /// The largest limit a semaphore accepts; higher values are clamped to it.
@@ -116,17 +116,17 @@ impl AdaptiveSemaphore {
     /// Cancel-safe: dropping the future gives up the place in the queue and leaks nothing.
     /// Fails only after [`close`](Self::close).
     pub async fn acquire(&self) -> Result<AdaptivePermit, AimdError> {
-        self.acquire_in("").await
+        self.acquire_in(Flow::default()).await
     }
 
-    /// Waits for a permit as a waiter of `flow`: the flows with waiters are served in turn,
-    /// one permit each, and a flow's waiters in their arrival order. A flow that queued many
-    /// waiters (a batch job with a wide window) thus gets one permit in each round beside a
-    /// flow that came later with few, not all of its queue before it; alone it gets every
-    /// permit the limit gives.
+    /// Waits for a permit as a waiter of `flow`: the groups with waiters are served in turn,
+    /// one permit each, within a group its flows in turn, and a flow's waiters in their arrival
+    /// order (see [`Flow`]). A flow that queued many waiters (a batch job with a wide window)
+    /// thus gets one permit in each round beside a flow that came later with few, not all of
+    /// its queue before it; alone it gets every permit the limit gives.
     ///
     /// Cancel-safe, and fails only after [`close`](Self::close), as [`acquire`](Self::acquire).
-    pub async fn acquire_in(&self, flow: &str) -> Result<AdaptivePermit, AimdError> {
+    pub async fn acquire_in(&self, flow: Flow<'_>) -> Result<AdaptivePermit, AimdError> {
         let _waiting = WaitingGuard::enter(&self.inner.waiting);
         let mut place = self.inner.turns.join(flow);
         place.turn().await;
@@ -324,7 +324,7 @@ mod tests {
         for (i, &flow) in flows.iter().enumerate() {
             let (waiter, tx) = (s.clone(), tx.clone());
             tasks.push(tokio::spawn(async move {
-                let p = waiter.acquire_in(flow).await.unwrap();
+                let p = waiter.acquire_in(Flow::alone(flow)).await.unwrap();
                 tx.send(i).unwrap();
                 p
             }));

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use batch_limiter::AdaptiveSemaphore;
+use batch_limiter::{AdaptiveSemaphore, Flow};
 use rand::Rng;
 
 const MAX: usize = 16;
@@ -168,12 +168,14 @@ async fn a_small_flow_gets_its_turns_beside_a_large_one() {
                     let give_up = rand::rng().random_range(0..8) == 0;
                     let permit = if give_up {
                         let wait = Duration::from_micros(rand::rng().random_range(10..500));
-                        match tokio::time::timeout(wait, semaphore.acquire_in(flow)).await {
+                        match tokio::time::timeout(wait, semaphore.acquire_in(Flow::alone(flow)))
+                            .await
+                        {
                             Ok(permit) => permit.unwrap(),
                             Err(_) => continue,
                         }
                     } else {
-                        semaphore.acquire_in(flow).await.unwrap()
+                        semaphore.acquire_in(Flow::alone(flow)).await.unwrap()
                     };
                     granted[index].fetch_add(1, Ordering::SeqCst);
                     tokio::time::sleep(Duration::from_micros(100)).await;
