@@ -46,9 +46,10 @@ pub struct JobSpec {
     pub request_slots: Option<std::sync::Arc<tokio::sync::Semaphore>>,
     /// Jobs naming the same share (the service names each job's tenant) have together, per
     /// model, at most as many requests waiting for or holding the endpoint's limit as one job
-    /// alone has, in sync mode: the limit, served in arrival order, is then shared among shares
-    /// rather than among jobs, and a tenant running three batches does not get three times the
-    /// requests of a tenant running one. `None`: the job is a share of its own.
+    /// alone has, in sync mode, and the limit, served to the shares waiting for it in turn,
+    /// is shared among shares rather than among jobs: a tenant running three batches does not
+    /// get three times the requests of a tenant running one. `None`: the job is a share of its
+    /// own.
     pub share: Option<String>,
 }
 

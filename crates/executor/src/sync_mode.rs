@@ -7,6 +7,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use tracing::Instrument;
 
 use batch_config::ProcessorConfig;
+use batch_limiter::{AdaptiveSemaphore, Flow};
 use batch_redis::Backoff;
 use batch_sync_dispatch::{
     EndpointOptions, LimitOptions, LoadOptions, SyncDispatcher, SyncOutcome, SyncRequest,
@@ -15,7 +16,7 @@ use batch_sync_dispatch::{
 use batch_wire::{InputLine, Outcome};
 use futures::future::{self, BoxFuture};
 use futures::stream::{self, StreamExt};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 
 use crate::{blocking, Dispatch, End, ExecError, Job, JobFailure, Stop};
 
@@ -37,8 +38,9 @@ pub enum SyncError {
 pub struct SyncMode {
     dispatcher: SyncDispatcher,
     config: Arc<ProcessorConfig>,
-    /// The calls each share (a tenant, [`crate::JobSpec::share`]) may have pending per model.
-    shares: Mutex<HashMap<(String, String), Arc<Semaphore>>>,
+    /// The calls each share (a tenant, [`crate::JobSpec::share`]) may have pending per model,
+    /// given to its jobs in turn.
+    shares: Mutex<HashMap<(String, String), Arc<AdaptiveSemaphore>>>,
 }
 
 impl SyncMode {
@@ -101,7 +103,7 @@ impl SyncMode {
     }
 
     /// The permits `job`'s share has for `model`'s calls, `width` of them, when it names one.
-    fn share_slots(&self, job: &Job, model: &str, width: usize) -> Option<Arc<Semaphore>> {
+    fn share_slots(&self, job: &Job, model: &str, width: usize) -> Option<Arc<AdaptiveSemaphore>> {
         let share = job.share.as_ref()?;
         let mut shares = self.shares.lock().expect("shares lock");
         // Shares no job holds any more are dropped, so the map follows the running jobs.
@@ -109,7 +111,7 @@ impl SyncMode {
         Some(
             shares
                 .entry((share.clone(), model.to_owned()))
-                .or_insert_with(|| Arc::new(Semaphore::new(width)))
+                .or_insert_with(|| Arc::new(AdaptiveSemaphore::new(width)))
                 .clone(),
         )
     }
@@ -154,7 +156,9 @@ impl SyncMode {
             job.dispatched(records.len() as u64);
             let name = model.model.as_str();
             // The most calls the endpoint's limit may let through: its limiter's bound, or
-            // the global limit when the pool's load sets it.
+            // the global limit when the pool's load sets it. Each job may have that many
+            // waiting at the endpoint: the jobs waiting there are served in turn
+            // (`SyncRequest::flow`), so a small limit is still shared among them.
             let width = match self.config.model_gateways.get(name) {
                 Some(gw) if gw.load.is_some() => concurrency.global,
                 _ => concurrency.per_endpoint,
@@ -184,10 +188,11 @@ impl SyncMode {
                         let (record, line) = read?;
                         let index = record.line as u64;
                         // Never closed: a permit always comes, unless a yield leaves the
-                        // line (read ahead, not sent) for the next run.
-                        let _share = match share {
+                        // line (read ahead, not sent) for the next run. The share's jobs take
+                        // turns, as the shares do at the endpoint.
+                        let _share = match &share {
                             Some(slots) => tokio::select! {
-                                permit = slots.acquire_owned() => permit.ok(),
+                                permit = slots.acquire_in(Flow::alone(&job.id)) => permit.ok(),
                                 () = drain.cancelled() => return Ok(()),
                             },
                             None => None,
@@ -287,6 +292,12 @@ impl SyncMode {
                     body: bytes::Bytes::copy_from_slice(input.body.get().as_bytes()),
                     slo_deadline: slo,
                     headers,
+                    // Jobs side by side get the endpoint's limit in turn; the jobs of a share
+                    // (a tenant's) take one turn together, in turn among themselves.
+                    flow: Flow {
+                        group: job.share.as_deref().unwrap_or(&job.id),
+                        name: &job.id,
+                    },
                 },
                 withdrawn,
             )

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 #[cfg(doc)]
 use batch_limiter::Algorithm;
-use batch_limiter::{AdaptivePermit, AdaptiveSemaphore, Change, Limiter, Sample};
+use batch_limiter::{AdaptivePermit, AdaptiveSemaphore, Change, Flow, Limiter, Sample};
 use batch_wire::{dispatcher_error_codes, error_codes};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -50,6 +50,13 @@ const TRANSPORT_HEADERS: [&str; 8] = [
 /// limit a [`Limiter`] of the configured [`Algorithm`] moves.
 ///
 /// Decisions:
+/// - The requests waiting for an endpoint's permit are served by flow
+///   ([`SyncRequest::flow`]: a job, in a group such as its tenant), in turn, one request of
+///   each group with requests waiting (of each of its jobs in turn), not first come first
+///   served: a job with a hundred requests waiting
+///   would otherwise take the next hundred permits before a job beside it got one, and jobs
+///   side by side would run one after another whenever the limit is below what each has
+///   waiting (a small pool's room under `load`, a limit cut by overload).
 /// - AIMD state is per endpoint *name* (the model gateway key), even when names share a
 ///   `base_url`: an llm-d gateway fronts one pool per model, and a saturated pool must not
 ///   throttle the others. Names with the same TLS settings share one keep-alive pool.
@@ -100,6 +107,8 @@ struct Endpoint {
 /// The permits a dispatch holds, taken again after a backoff that gave them up.
 struct Permits<'a> {
     global: &'a Semaphore,
+    /// The request's [`SyncRequest::flow`] at the endpoint's semaphore.
+    flow: Flow<'a>,
     held: Option<(AdaptivePermit, SemaphorePermit<'a>)>,
 }
 
@@ -331,7 +340,8 @@ impl SyncDispatcher {
 
     /// Sends one request and returns its final outcome, after retries.
     ///
-    /// Acquires the endpoint permit first, then the global one, and holds both until the final
+    /// Acquires the endpoint permit first (the flows waiting for it, [`SyncRequest::flow`], get it
+    /// in turn), then the global one, and holds both until the final
     /// answer (with a per-attempt limiter, [`Algorithm::per_attempt`]: gives both up during each backoff and takes them
     /// again, in the same order, before the retry). Cancel-safe: dropping the future releases both permits and aborts the HTTP
     /// request (its connection is closed, not reused). Never panics on network errors.
@@ -383,6 +393,7 @@ impl SyncDispatcher {
 
         let mut permits = Permits {
             global: &self.inner.global,
+            flow: request.flow,
             held: None,
         };
         let taken = tokio::select! {
@@ -438,12 +449,13 @@ impl SyncDispatcher {
 }
 
 impl Permits<'_> {
-    /// Takes the endpoint permit, then the global one, unless held already.
+    /// Takes the endpoint permit (in its flow's turn), then the global one, unless held
+    /// already.
     async fn take(&mut self, endpoint: &Endpoint) -> Result<(), SyncOutcome> {
         if self.held.is_some() {
             return Ok(());
         }
-        let Ok(endpoint_permit) = endpoint.semaphore.acquire().await else {
+        let Ok(endpoint_permit) = endpoint.semaphore.acquire_in(self.flow).await else {
             return Err(SyncOutcome::failed(
                 error_codes::BATCH_FAILED,
                 "the endpoint is closed",

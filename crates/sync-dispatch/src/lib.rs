@@ -12,7 +12,7 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 
-pub use batch_limiter::Algorithm;
+pub use batch_limiter::{Algorithm, Flow};
 pub use client::{
     build as build_client, build_checked as build_checked_client, CheckedClient, CheckedResolver,
     HttpClient,
@@ -34,6 +34,12 @@ pub struct SyncRequest<'a> {
     pub slo_deadline: SystemTime,
     /// The job's pass-through headers.
     pub headers: &'a [(String, String)],
+    /// What the request shares the endpoint's limit as: its batch job (the flow), in its
+    /// tenant's group or a group of its own. The groups waiting for the limit get it in turn,
+    /// one request each, and a group's flows in turn within it, so jobs side by side progress
+    /// together whatever each one has waiting. The default is one flow for every request
+    /// that names none, served in arrival order.
+    pub flow: Flow<'a>,
 }
 
 /// The final outcome of a dispatch.

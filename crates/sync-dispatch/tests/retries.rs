@@ -263,6 +263,7 @@ async fn the_gateway_sees_the_right_headers_path_and_body() {
                 body: body.clone(),
                 slo_deadline: SystemTime::now() + Duration::from_secs(60),
                 headers: &pass_through,
+                flow: Default::default(),
             },
         )
         .await;

@@ -80,6 +80,7 @@ async fn run_phase(
                                     body,
                                     slo_deadline: SystemTime::now() + Duration::from_secs(3600),
                                     headers: &[],
+                                    flow: Default::default(),
                                 },
                             )
                             .await;
@@ -349,4 +350,66 @@ async fn through_prometheus_too_the_batch_leaves_online_traffic_its_room() {
         without.online_p95
     );
     assert!(with.batch_done > 22, "{with:?}");
+}
+
+/// Three flows (batch jobs) side by side, each keeping 64 requests waiting at the endpoint,
+/// far more than the room `load` leaves on a server of 8: the flows get the limit in turn, so
+/// each one's answers keep up with the others' (each at least a third of the one furthest
+/// ahead), where first come first served let one flow's 64 through before the next flow's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flows_side_by_side_share_the_room_the_load_leaves() {
+    // Not timed, but its load would be latency for the tests that are.
+    let _serial = TIMING.lock().await;
+    const FLOWS: [&str; 3] = ["job-a", "job-b", "job-c"];
+    let gateway = model_server(false).await;
+    let d = dispatcher(&gateway, Some(load_of(&gateway)));
+    let done: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
+    let mut senders = Vec::new();
+    for (k, flow) in FLOWS.into_iter().enumerate() {
+        let (d, done) = (d.clone(), done.clone());
+        senders.push(tokio::spawn(async move {
+            let mut calls = tokio::task::JoinSet::new();
+            for n in 0.. {
+                while calls.len() >= 64 {
+                    calls.join_next().await;
+                }
+                let (d, done) = (d.clone(), done.clone());
+                calls.spawn(async move {
+                    let id = format!("{flow}-{n}");
+                    let request = SyncRequest {
+                        flow: batch_sync_dispatch::Flow::alone(flow),
+                        ..common::request(&id)
+                    };
+                    if let SyncOutcome::Http { status: 200, .. } = d.dispatch("m", request).await {
+                        done[k].fetch_add(1, Ordering::SeqCst);
+                    }
+                });
+            }
+        }));
+    }
+    let mut samples = Vec::new();
+    loop {
+        let now: Vec<usize> = done.iter().map(|d| d.load(Ordering::SeqCst)).collect();
+        let leader = *now.iter().max().unwrap();
+        samples.push(now);
+        if leader >= 60 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for sender in senders {
+        sender.abort();
+    }
+    let checked: Vec<_> = samples
+        .iter()
+        .filter(|s| *s.iter().max().unwrap() >= 24)
+        .collect();
+    assert!(!checked.is_empty());
+    for sample in checked {
+        let leader = *sample.iter().max().unwrap();
+        assert!(
+            sample.iter().all(|&n| 3 * n >= leader),
+            "a flow left behind at {sample:?}: {samples:?}"
+        );
+    }
 }

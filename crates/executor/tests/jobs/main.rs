@@ -10,5 +10,6 @@ mod support;
 mod async_mode;
 mod dispatcher_versions;
 mod faults;
+mod sharing;
 mod sync;
 mod topologies;

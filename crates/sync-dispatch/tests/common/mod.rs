@@ -256,6 +256,7 @@ pub fn request(id: &str) -> SyncRequest<'_> {
         body: Bytes::from_static(BODY),
         slo_deadline: SystemTime::now() + Duration::from_secs(3600),
         headers: &[],
+        flow: Default::default(),
     }
 }
 
