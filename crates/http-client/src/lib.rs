@@ -227,6 +227,19 @@ impl ServerCertVerifier for AcceptAnyServerCert {
     }
 }
 
+/// An error with its causes, `: `-separated: hyper keeps what went wrong in the source chain and
+/// its own message is terse (`client error (Connect)`).
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,6 @@
 //! The process-wide dispatcher: endpoints, permits, the retry loop and AIMD feedback.
 
 use std::collections::HashMap;
-use std::error::Error as StdError;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime};
@@ -520,18 +519,6 @@ fn expired(detail: &str) -> SyncOutcome {
         error_codes::BATCH_EXPIRED,
         format!("{} ({detail})", error_codes::BATCH_EXPIRED_MESSAGE),
     )
-}
-
-/// An error with its causes, since hyper's top-level messages are terse ("client error (Connect)").
-pub(crate) fn error_chain(error: &dyn StdError) -> String {
-    let mut message = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    message
 }
 
 #[cfg(test)]

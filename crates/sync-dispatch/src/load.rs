@@ -225,7 +225,7 @@ async fn get(client: &HttpClient, url: &str) -> Result<String, String> {
     let response = client
         .request(request)
         .await
-        .map_err(|e| format!("{url}: {}", crate::dispatcher::error_chain(&e)))?;
+        .map_err(|e| format!("{url}: {}", batch_http_client::error_chain(&e)))?;
     let status = response.status();
     let body = response
         .into_body()

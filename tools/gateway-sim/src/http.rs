@@ -214,15 +214,5 @@ pub fn client() -> Client {
     hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(connector)
 }
 
-/// An error with its causes, `: `-separated: hyper keeps what went wrong in the source chain
-/// and its own message is terse (`client error (Connect)`).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
+/// An error with its causes (the product's own, so the simulators report errors as it does).
+pub use batch_http_client::error_chain;

@@ -4,6 +4,7 @@
 use std::ops::ControlFlow;
 
 use super::*;
+use batch_http_client::error_chain;
 
 /// A request checked and turned into its URI and fixed headers, before any permit is taken.
 pub(super) struct Prepared {
