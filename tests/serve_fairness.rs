@@ -182,12 +182,12 @@ fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Follo
         idle.completed
     );
     // Beside A, B's fair share is half the endpoint, so its lines take about twice as long as
-    // alone (1.8-1.9x on an idle machine, 2.0-2.5x with builds beside it). The bound leaves a
-    // quarter of that for the slot's hand-over on a loaded machine; held for one of A's batches
-    // to end, B took 3-5x.
+    // alone (1.8-1.9x on an idle machine, 2.0-2.55x beside builds or CI's other test binaries).
+    // The start above is what tells a slot given back from one waited for; this bound only
+    // catches B losing its half share (held for one of A's batches to end, B took 3-5x).
     assert!(
-        loaded.completed.as_secs_f64() <= idle.completed.as_secs_f64() * 2.5,
-        "tenant B's batch took {:?} beside A's backlog, more than 2.5 times its {:?} alone",
+        loaded.completed.as_secs_f64() <= idle.completed.as_secs_f64() * 3.0,
+        "tenant B's batch took {:?} beside A's backlog, more than 3 times its {:?} alone",
         loaded.completed,
         idle.completed
     );
