@@ -6,9 +6,7 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::Json;
-use batch_state::{
-    new_id, now_unix, Cursor, StoreError, StoredWebhook, WebhookEndpoint, BATCH_EVENTS,
-};
+use batch_state::{new_id, now_unix, Cursor, StoredWebhook, WebhookEndpoint, BATCH_EVENTS};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -177,24 +175,14 @@ pub(crate) async fn list(
     ListParams(q): ListParams<ListQuery>,
 ) -> Result<Json<Value>, ApiError> {
     let limit = limit(q.limit, 20, 100)?;
-    let all = api.store.list_webhooks(&tenant.0).await?;
     // Oldest first, as stored; `after` continues past that id or skips that many.
-    let start = match q.after.as_deref().map(Cursor::parse) {
-        None => 0,
-        Some(Cursor::Offset(n)) => usize::try_from(n).unwrap_or(usize::MAX).min(all.len()),
-        Some(Cursor::Id(after)) => all
-            .iter()
-            .position(|w| w.endpoint.id == after)
-            .map(|i| i + 1)
-            .ok_or(StoreError::UnknownCursor(after))?,
-    };
-    let page: Vec<WebhookEndpoint> = all
-        .iter()
-        .skip(start)
-        .take(limit)
-        .map(|w| w.endpoint.clone())
-        .collect();
-    let has_more = all.len() > start + page.len();
+    let after = q.after.as_deref().map(Cursor::parse);
+    let listed = api
+        .store
+        .list_webhooks_page(&tenant.0, after.as_ref(), limit)
+        .await?;
+    let page: Vec<WebhookEndpoint> = listed.data.into_iter().map(|w| w.endpoint).collect();
+    let has_more = listed.has_more;
     let ids = page.iter().map(|e| e.id.clone()).collect();
     Ok(Json(list_body(page, ids, has_more)))
 }

@@ -28,7 +28,8 @@
 //! | [`state`](StateKeys::state) | none (read and written directly) |
 //! | [`rebuild_lock`](StateKeys::rebuild_lock) | `unlock` |
 //! | [`webhook_ended`](StateKeys::webhook_ended) | `save_batch`, `fan_out` |
-//! | [`webhook_due`](StateKeys::webhook_due) | `fan_out`, `claim_delivery` |
+//! | [`webhook_due`](StateKeys::webhook_due) | `claim_delivery` |
+//! | [`webhook_due_of`](StateKeys::webhook_due_of), [`webhook_due_tenants`](StateKeys::webhook_due_tenants) | `fan_out`, `claim_delivery` |
 //! | [`webhook_served`](StateKeys::webhook_served) | `claim_delivery` |
 //! | [`webhooks`](StateKeys::webhooks) | `add_endpoint`, `fan_out` |
 //! | [`webhook`](StateKeys::webhook), [`webhook_delivery`](StateKeys::webhook_delivery) | `fan_out` |
@@ -201,9 +202,32 @@ impl StateKeys {
         self.key(&["webhook_ended"])
     }
 
-    /// Deliveries by due time (a sorted set of `<tenant>/<batch>:<endpoint>` by ms).
+    /// Deliveries by due time as an earlier version queued them, every tenant's in one sorted
+    /// set (`<tenant>/<batch>:<endpoint>` or `<batch>:<endpoint>`, by ms); drained as they end
+    /// or move to their tenant's set ([`webhook_due_of`](Self::webhook_due_of)) at a retry.
     pub fn webhook_due(&self) -> String {
         self.key(&["webhook_due"])
+    }
+
+    /// `tenant`'s deliveries by due time (a sorted set of `<tenant>/<batch>:<endpoint>` by ms):
+    /// one set per tenant, so a claim weighs every tenant's most overdue, however many another
+    /// has queued.
+    pub fn webhook_due_of(&self, tenant: &str) -> String {
+        self.key(&["webhook_due", tenant])
+    }
+
+    /// The tenants whose due set may hold deliveries (a set; a claim drops those found empty).
+    pub fn webhook_due_tenants(&self) -> String {
+        self.key(&["webhook_due_tenants"])
+    }
+
+    /// The due set of delivery `member`: its tenant's, or the shared one of an earlier version
+    /// for a member without a tenant (`<batch>:<endpoint>`).
+    pub fn webhook_due_for(&self, member: &str) -> String {
+        match member.split_once('/') {
+            Some((tenant, _)) => self.webhook_due_of(tenant),
+            None => self.webhook_due(),
+        }
     }
 
     /// When each tenant's delivery was last claimed (a hash: tenant → ms).
@@ -271,6 +295,13 @@ mod tests {
         assert_eq!(k.rebuild_lock(), "{batch-processor}:rebuild_lock");
         assert_eq!(k.webhook_ended(), "{batch-processor}:webhook_ended");
         assert_eq!(k.webhook_due(), "{batch-processor}:webhook_due");
+        assert_eq!(k.webhook_due_of("t"), "{batch-processor}:webhook_due:t");
+        assert_eq!(k.webhook_due_for("t/b:we_1"), k.webhook_due_of("t"));
+        assert_eq!(k.webhook_due_for("b:we_1"), k.webhook_due());
+        assert_eq!(
+            k.webhook_due_tenants(),
+            "{batch-processor}:webhook_due_tenants"
+        );
         assert_eq!(k.webhook_served(), "{batch-processor}:webhook_served");
         assert_eq!(k.webhooks("t"), "{batch-processor}:webhooks:t");
         assert_eq!(k.webhook("we_1"), "{batch-processor}:webhook:we_1");

@@ -1007,3 +1007,203 @@ async fn a_storage_copy_in_the_earlier_shape_is_rebuilt() {
     let adopted = s.adopt("batch_1", "r1", TTL).await.unwrap().unwrap();
     assert!(adopted.epoch > 2, "{adopted:?}");
 }
+
+/// A delivery of `tenant`'s batch to endpoint `endpoint`, never tried.
+fn delivery(batch: &str, endpoint: &str) -> Delivery {
+    Delivery {
+        event_id: format!("evt_{batch}"),
+        endpoint: endpoint.into(),
+        kind: "batch.completed".into(),
+        batch: batch.into(),
+        created_at: 1,
+        attempt: 0,
+    }
+}
+
+/// Tenant B's delivery is claimed at the next turn beside tenant A's 1,100 more overdue ones
+/// (when every tenant's sat in one set, a claim weighed the 1,024 most overdue: B waited for A's
+/// to drain), and A still gets every other turn; a tenant left with nothing due is no longer
+/// weighed.
+#[tokio::test]
+async fn each_tenant_gets_its_turn_however_many_deliveries_another_has_due() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    let keys = s.keys().clone();
+    for i in 0..1_100u64 {
+        let id = format!("a/batch_{i}:we_a");
+        let d = delivery(&format!("batch_{i}"), "we_a");
+        s.retry_webhook_delivery(&id, &d, i).await.unwrap();
+    }
+    let b = delivery("batch_b", "we_b");
+    s.retry_webhook_delivery("b/batch_b:we_b", &b, 5_000)
+        .await
+        .unwrap();
+    let mut claimed = Vec::new();
+    for now in 10_000..10_004 {
+        let (id, d) = s.claim_webhook_delivery(now, TTL).await.unwrap().unwrap();
+        assert_eq!(
+            d.expect("its record").endpoint,
+            id.rsplit(':').next().unwrap()
+        );
+        claimed.push(id);
+    }
+    // Both unserved: the most overdue of all first; then B, served never; then A's alone.
+    assert_eq!(
+        claimed,
+        [
+            "a/batch_0:we_a",
+            "b/batch_b:we_b",
+            "a/batch_1:we_a",
+            "a/batch_2:we_a"
+        ]
+    );
+    s.finish_webhook_delivery("b/batch_b:we_b").await.unwrap();
+    assert_eq!(
+        redis.command(&["SISMEMBER", &keys.webhook_due_tenants(), "b"]),
+        ":1"
+    );
+    s.claim_webhook_delivery(10_010, TTL)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        redis.command(&["SISMEMBER", &keys.webhook_due_tenants(), "b"]),
+        ":0",
+        "a tenant with nothing due is dropped from the claim's"
+    );
+}
+
+/// A delivery an earlier version queued in the shared due set is claimed beside the tenants'
+/// own, moves to its tenant's set at its retry, and leaves both when it ends.
+#[tokio::test]
+async fn a_delivery_queued_by_an_earlier_version_is_claimed_and_moves_to_its_tenants_set() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    let keys = s.keys().clone();
+    let old = delivery("batch_9", "we_c");
+    let member = "c/batch_9:we_c";
+    assert_eq!(
+        redis.command(&["ZADD", &keys.webhook_due(), "1", member]),
+        ":1"
+    );
+    let json = serde_json::to_string(&old).unwrap();
+    assert_eq!(
+        redis.command(&["SET", &keys.webhook_delivery(member), &json]),
+        "+OK"
+    );
+    let (id, d) = s.claim_webhook_delivery(2_000, TTL).await.unwrap().unwrap();
+    assert_eq!((id.as_str(), d), (member, Some(old.clone())));
+    let tried = Delivery { attempt: 1, ..old };
+    s.retry_webhook_delivery(member, &tried, 3_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        redis.command(&["ZSCORE", &keys.webhook_due(), member]),
+        "(nil)"
+    );
+    assert_eq!(
+        redis.command(&["ZSCORE", &keys.webhook_due_of("c"), member]),
+        "3000"
+    );
+    assert!(s
+        .claim_webhook_delivery(2_999, TTL)
+        .await
+        .unwrap()
+        .is_none());
+    let (id, d) = s.claim_webhook_delivery(3_000, TTL).await.unwrap().unwrap();
+    assert_eq!((id.as_str(), d), (member, Some(tried)));
+    s.finish_webhook_delivery(member).await.unwrap();
+    assert_eq!(redis.command(&["ZCARD", &keys.webhook_due_of("c")]), ":0");
+    assert!(s
+        .claim_webhook_delivery(100_000, TTL)
+        .await
+        .unwrap()
+        .is_none());
+}
+
+/// Endpoint `n` of tenant `a`, wanting `batch.completed`.
+fn endpoint(n: usize) -> StoredWebhook {
+    StoredWebhook {
+        tenant: "a".into(),
+        endpoint: WebhookEndpoint {
+            id: format!("we_{n:04}"),
+            object: "webhook_endpoint".into(),
+            created_at: n as i64,
+            updated_at: None,
+            name: None,
+            url: format!("https://example.invalid/hook/{n}"),
+            event_types: vec!["batch.completed".into()],
+            status: "enabled".into(),
+            signing_secret_hint: "wh…1".into(),
+        },
+    }
+}
+
+/// A tenant with 150 endpoints (past the 64 a fan-out script handles at once): its listing
+/// pages by id and by offset, and a batch's end queues one delivery per endpoint, each once,
+/// the batch leaving the ended list only with the last chunk.
+#[tokio::test]
+async fn a_tenant_with_many_endpoints_is_listed_and_fanned_out_in_pages() {
+    let redis = RedisServer::start();
+    let s = store(&redis).await;
+    let keys = s.keys().clone();
+    for n in 0..150 {
+        assert!(s
+            .create_webhook(&endpoint(n), "whsec_1", 1_000)
+            .await
+            .unwrap());
+    }
+    let first = s.list_webhooks_page("a", None, 100).await.unwrap();
+    assert_eq!((first.data.len(), first.has_more), (100, true));
+    assert_eq!(first.data[99].endpoint.id, "we_0099");
+    let after = Cursor::Id("we_0099".into());
+    let rest = s.list_webhooks_page("a", Some(&after), 100).await.unwrap();
+    assert_eq!((rest.data.len(), rest.has_more), (50, false));
+    assert_eq!(rest.data[0].endpoint.id, "we_0100");
+    let skipped = s
+        .list_webhooks_page("a", Some(&Cursor::Offset(140)), 5)
+        .await
+        .unwrap();
+    let ids: Vec<_> = skipped
+        .data
+        .iter()
+        .map(|w| w.endpoint.id.as_str())
+        .collect();
+    assert_eq!(
+        (ids, skipped.has_more),
+        (
+            vec!["we_0140", "we_0141", "we_0142", "we_0143", "we_0144"],
+            true
+        )
+    );
+    assert!(matches!(
+        s.list_webhooks_page("a", Some(&Cursor::Id("we_gone".into())), 5)
+            .await,
+        Err(StoreError::UnknownCursor(_))
+    ));
+
+    let ended = earlier_record("batch_2", "completed").to_string();
+    assert_eq!(
+        redis.command(&["SET", &keys.batch("batch_2"), &ended]),
+        "+OK"
+    );
+    assert_eq!(
+        redis.command(&["RPUSH", &keys.webhook_ended(), "batch_2"]),
+        ":1"
+    );
+    assert!(s.fan_out_webhook_events(1_000).await.unwrap());
+    assert_eq!(redis.command(&["ZCARD", &keys.webhook_due_of("a")]), ":150");
+    assert_eq!(redis.command(&["LLEN", &keys.webhook_ended()]), ":0");
+    assert!(!s.fan_out_webhook_events(1_000).await.unwrap());
+    // Done again (a replica that died after its first chunks), it queues nothing twice.
+    assert_eq!(
+        redis.command(&["RPUSH", &keys.webhook_ended(), "batch_2"]),
+        ":1"
+    );
+    assert!(s.fan_out_webhook_events(2_000).await.unwrap());
+    assert_eq!(redis.command(&["ZCARD", &keys.webhook_due_of("a")]), ":150");
+    assert_eq!(
+        redis.command(&["ZSCORE", &keys.webhook_due_of("a"), "a/batch_2:we_0149"]),
+        "1000"
+    );
+}

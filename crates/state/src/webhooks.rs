@@ -13,11 +13,13 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use fred::interfaces::{KeysInterface, ListInterface, SortedSetsInterface};
+use fred::interfaces::{
+    KeysInterface, ListInterface, SetsInterface, SortedSetsInterface, TransactionInterface,
+};
 use fred::types::scripts::Script;
 use serde::{Deserialize, Serialize};
 
-use crate::{parse, parse_batch, Store, StoreError};
+use crate::{parse, parse_batch, split_more, Cursor, Page, Store, StoreError};
 
 /// The batch events a webhook endpoint may subscribe to.
 pub const BATCH_EVENTS: &[&str] = &[
@@ -87,9 +89,12 @@ static CLAIM_DELIVERY: LazyLock<Script> =
 
 /// How many times a fan-out reads a tenant's endpoints again when they keep changing under it.
 const FAN_OUT_TRIES: usize = 8;
-/// How many of the most overdue deliveries a claim weighs to share turns among tenants: a
-/// tenant is only passed over while another has more than this many due before its own.
-const CLAIM_WINDOW: usize = 1024;
+/// Endpoints a fan-out script handles at once: however many a tenant has, Redis is held for no
+/// longer than this many take.
+const FAN_OUT_CHUNK: usize = 64;
+/// How many of the most overdue deliveries an earlier version queued in the shared due set a
+/// claim weighs (each tenant's own due set is weighed whole, by its head).
+const SHARED_CLAIM_WINDOW: usize = 1024;
 
 impl Store {
     /// Stores an endpoint and lists it under its tenant; `secret`, when given, replaces its
@@ -178,14 +183,34 @@ impl Store {
         Ok(self.client.get(self.keys.webhook_secret(id)).await?)
     }
 
-    /// Every endpoint of `tenant`, oldest first.
-    pub async fn list_webhooks(&self, tenant: &str) -> Result<Vec<StoredWebhook>, StoreError> {
+    /// A page of `tenant`'s endpoints, oldest first: up to `limit` past `after`. Its cost is the
+    /// page's, whatever the tenant's count: the index is ranked, and only the page's records are
+    /// read.
+    pub async fn list_webhooks_page(
+        &self,
+        tenant: &str,
+        after: Option<&Cursor>,
+        limit: usize,
+    ) -> Result<Page<StoredWebhook>, StoreError> {
+        let index = self.keys.webhooks(tenant);
+        let start = match after {
+            None => 0,
+            Some(Cursor::Offset(n)) => i64::try_from(*n).unwrap_or(i64::MAX),
+            Some(Cursor::Id(id)) => {
+                let rank: Option<i64> = self.client.zrank(&index, id.as_str(), false).await?;
+                rank.ok_or_else(|| StoreError::UnknownCursor(id.clone()))? + 1
+            }
+        };
+        // One more than the page, to tell whether more follow.
+        let stop = start.saturating_add(limit as i64);
         let ids: Vec<String> = self
             .client
-            .zrange(self.keys.webhooks(tenant), 0, -1, None, false, None, false)
+            .zrange(&index, start, stop, None, false, None, false)
             .await?;
+        let (ids, has_more) = split_more(ids, limit);
         let keys: Vec<String> = ids.iter().map(|id| self.keys.webhook(id)).collect();
-        self.get_all(&keys).await
+        let data = self.get_all(&keys).await?;
+        Ok(Page { data, has_more })
     }
 
     /// Deletes an endpoint and its secret; its queued deliveries are dropped when their turn
@@ -215,57 +240,104 @@ impl Store {
             let Some(id): Option<String> = self.client.lindex(&ended, 0).await? else {
                 return Ok(false);
             };
-            // The script is given every key it touches: the tenant's endpoints are read first,
-            // and it refuses (-1) when they changed since.
             let record = self.keys.batch(&id);
             let raw: Option<String> = self.client.get(&record).await?;
             let tenant = match raw {
                 Some(raw) => Some(parse_batch(&record, &raw)?.tenant),
                 None => None,
             };
-            let mut keys = vec![ended.clone(), self.keys.webhook_due(), record];
-            let mut args = vec![id.clone(), now_ms.to_string()];
-            if let Some(tenant) = tenant {
-                let index = self.keys.webhooks(&tenant);
-                let endpoints: Vec<String> = self
-                    .client
-                    .zrange(&index, 0, -1, None, false, None, false)
-                    .await?;
-                keys.push(index);
-                for ep in endpoints {
-                    keys.push(self.keys.webhook(&ep));
-                    keys.push(self.keys.webhook_delivery(&format!("{id}:{ep}")));
-                    args.push(ep);
-                }
-            }
-            let n: i64 = FAN_OUT
-                .evalsha_with_reload(&self.client, keys, args)
-                .await?;
-            if n >= 0 {
+            if self.fan_out_batch(&id, tenant.as_deref(), now_ms).await? {
                 return Ok(true);
             }
         }
         Ok(true)
     }
 
-    /// Claims a due delivery for `lease` (nobody else sends it meanwhile), of the tenant served
-    /// longest ago among the most overdue: its id and record, `None` when nothing is due. A
-    /// claimed delivery whose record is gone is dropped.
+    /// Queues ended batch `id`'s deliveries to `tenant`'s endpoints ([`FAN_OUT_CHUNK`] per
+    /// script), or only drops it from the ended list when its record is gone (`tenant` `None`):
+    /// false when the endpoints changed under it (read them again, from the first).
+    async fn fan_out_batch(
+        &self,
+        id: &str,
+        tenant: Option<&str>,
+        now_ms: u64,
+    ) -> Result<bool, StoreError> {
+        // A batch whose record is gone queues nothing: the shared set stands in for its
+        // tenant's.
+        let due = tenant.map_or_else(|| self.keys.webhook_due(), |t| self.keys.webhook_due_of(t));
+        let common = [
+            self.keys.webhook_ended(),
+            due,
+            self.keys.webhook_due_tenants(),
+            self.keys.batch(id),
+        ];
+        let mut first = 0;
+        loop {
+            // The script is given every key it touches: each chunk of the tenant's endpoints
+            // is read first, and it refuses (-1) when they changed since.
+            let mut keys = common.to_vec();
+            let mut endpoints: Vec<String> = Vec::new();
+            if let Some(tenant) = tenant {
+                let index = self.keys.webhooks(tenant);
+                let last = (first + FAN_OUT_CHUNK) as i64 - 1;
+                endpoints = self
+                    .client
+                    .zrange(&index, first as i64, last, None, false, None, false)
+                    .await?;
+                keys.push(index);
+                for ep in &endpoints {
+                    keys.push(self.keys.webhook(ep));
+                    keys.push(self.keys.webhook_delivery(&format!("{id}:{ep}")));
+                }
+            }
+            let is_last = endpoints.len() < FAN_OUT_CHUNK;
+            let mut args = vec![
+                id.to_owned(),
+                now_ms.to_string(),
+                first.to_string(),
+                if is_last { "1" } else { "0" }.to_owned(),
+            ];
+            args.extend(endpoints);
+            let n: i64 = FAN_OUT
+                .evalsha_with_reload(&self.client, keys, args)
+                .await?;
+            match n {
+                2 => first += FAN_OUT_CHUNK,
+                -1 => return Ok(false),
+                _ => return Ok(true),
+            }
+        }
+    }
+
+    /// Claims a due delivery for `lease` (nobody else sends it meanwhile): the most overdue of
+    /// the tenant served longest ago among those with one due, its id and record; `None` when
+    /// nothing is due. A claimed delivery whose record is gone is dropped.
     pub async fn claim_webhook_delivery(
         &self,
         now_ms: u64,
         lease: Duration,
     ) -> Result<Option<(String, Option<Delivery>)>, StoreError> {
+        // The script is handed each tenant's due set: the tenants are read first. One added
+        // meanwhile is weighed at the next claim.
+        let tenants: Vec<String> = self
+            .client
+            .smembers(self.keys.webhook_due_tenants())
+            .await?;
+        let mut keys = vec![
+            self.keys.webhook_due(),
+            self.keys.webhook_served(),
+            self.keys.webhook_due_tenants(),
+        ];
+        keys.extend(tenants.iter().map(|t| self.keys.webhook_due_of(t)));
+        let mut args = vec![
+            now_ms.to_string(),
+            (lease.as_millis() as u64).to_string(),
+            SHARED_CLAIM_WINDOW.to_string(),
+            tenants.len().to_string(),
+        ];
+        args.extend(tenants);
         let id: Option<String> = CLAIM_DELIVERY
-            .evalsha_with_reload(
-                &self.client,
-                vec![self.keys.webhook_due(), self.keys.webhook_served()],
-                vec![
-                    now_ms.to_string(),
-                    (lease.as_millis() as u64).to_string(),
-                    CLAIM_WINDOW.to_string(),
-                ],
-            )
+            .evalsha_with_reload(&self.client, keys, args)
             .await?;
         let Some(id) = id else {
             return Ok(None);
@@ -278,6 +350,8 @@ impl Store {
 
     /// Ends delivery `id`: delivered, given up or its endpoint gone.
     pub async fn finish_webhook_delivery(&self, id: &str) -> Result<(), StoreError> {
+        // Queued by an earlier version, it may still sit in the shared set.
+        let _: () = self.client.zrem(self.keys.webhook_due_for(id), id).await?;
         let _: () = self.client.zrem(self.keys.webhook_due(), id).await?;
         let _: () = self.client.del(self.keys.webhook_delivery(id)).await?;
         Ok(())
@@ -295,17 +369,18 @@ impl Store {
             .client
             .set(self.keys.webhook_delivery(id), json, None, None, false)
             .await?;
-        let _: () = self
-            .client
-            .zadd(
-                self.keys.webhook_due(),
-                None,
-                None,
-                false,
-                false,
-                (due_ms as f64, id),
-            )
+        // Into its tenant's due set, and out of the shared one where an earlier version queued
+        // it, in one step: a claim in between would otherwise find it in both.
+        let trx = self.client.multi();
+        let due = self.keys.webhook_due_for(id);
+        let _: () = trx
+            .zadd(&due, None, None, false, false, (due_ms as f64, id))
             .await?;
+        if let Some((tenant, _)) = id.split_once('/') {
+            let _: () = trx.sadd(self.keys.webhook_due_tenants(), tenant).await?;
+            let _: () = trx.zrem(self.keys.webhook_due(), id).await?;
+        }
+        let _: Vec<fred::types::Value> = trx.exec(true).await?;
         Ok(())
     }
 }
