@@ -182,15 +182,19 @@ fn within_file_limit(want: usize) -> usize {
 /// address: at the default ceiling (from the open-file limit: 20,000 less 1,024 here, at most
 /// 8,192) and at 1,000, each new connection past it closes the oldest unanswered one instead of
 /// waiting behind it, so the keyed client on new connections is answered promptly, in memory
-/// bounded by the ceiling.
+/// bounded by the ceiling. The first-request timeout is 6 s here, not 3: on a loaded machine
+/// opening 8,192 connections can take longer than 3 s, and a connection closed to make room
+/// must be told from one closed by the timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_thousand_half_sent_requests_from_the_clients_own_address() {
     for (ceiling, n) in [
         ("", within_file_limit(15_000)),
         ("  max_connections: 1000\n", 5_000),
     ] {
-        let (_env, service, a) =
-            one_tenant(&format!("  max_connections_per_peer: 0\n{ceiling}")).await;
+        let (_env, service, a) = one_tenant(&format!(
+            "  max_connections_per_peer: 0\n  first_request_timeout: 6s\n{ceiling}"
+        ))
+        .await;
         a.get("/v1/batches").await.expect(200);
         let start_kb = status_kb(service.pid(), "VmRSS");
         let addr = authority(&service);
@@ -216,8 +220,8 @@ async fn many_thousand_half_sent_requests_from_the_clients_own_address() {
             "a keyed request took {slowest:?}"
         );
         assert!(
-            closed[n - 1] <= Duration::from_millis(4500),
-            "{:?}",
+            closed[n - 1] <= Duration::from_millis(7500),
+            "a half-sent request lived {:?}, with a first-request timeout of 6 s",
             closed[n - 1]
         );
         let held = if ceiling.is_empty() {
@@ -232,7 +236,7 @@ async fn many_thousand_half_sent_requests_from_the_clients_own_address() {
         // Those past the ceiling made room for the later ones: closed well before the timeout.
         let early = closed
             .iter()
-            .filter(|c| **c < Duration::from_millis(2500))
+            .filter(|c| **c < Duration::from_millis(5000))
             .count();
         assert!(
             early >= n - held - 50,
