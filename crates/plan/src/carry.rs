@@ -19,7 +19,7 @@
 /// [`crate::check_line`] accepted (valid JSON).
 pub fn dispatcher_change(line: &str) -> Option<(String, &'static str)> {
     let bytes = line.as_bytes();
-    let mut path: Vec<Step> = Vec::new();
+    let mut path: Vec<Step<'_>> = Vec::new();
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
@@ -34,16 +34,14 @@ pub fn dispatcher_change(line: &str) -> Option<(String, &'static str)> {
                 None => {}
             },
             b'"' => {
-                let end = string_end(bytes, i);
+                let (end, escaped) = string_end(bytes, i);
                 let raw = &line[i + 1..end];
-                let is_key = matches!(path.last(), Some(Step::Key(_, true)));
-                if is_key {
-                    if let Some(Step::Key(key, expecting)) = path.last_mut() {
-                        *key = Some(raw.to_owned());
-                        *expecting = false;
-                    }
+                if let Some(Step::Key(key, expecting @ true)) = path.last_mut() {
+                    *key = Some(raw);
+                    *expecting = false;
                 }
-                if in_body(&path) && has_lone_surrogate(raw.as_bytes()) {
+                // Only an escape can spell a surrogate.
+                if escaped && in_body(&path) && has_lone_surrogate(raw.as_bytes()) {
                     return Some((
                         shown(&path),
                         "the dispatcher would change this text: an escaped lone surrogate (\\ud800-\\udfff without its pair) reaches the model as U+FFFD",
@@ -73,17 +71,17 @@ pub fn dispatcher_change(line: &str) -> Option<(String, &'static str)> {
 
 /// One level of the path to a value: an object's current key (and whether the next string
 /// is a key), or an array's current index.
-enum Step {
-    Key(Option<String>, bool),
+enum Step<'a> {
+    Key(Option<&'a str>, bool),
     Index(usize),
 }
 
 /// Inside the top-level object's `body`.
-fn in_body(path: &[Step]) -> bool {
-    matches!(path.first(), Some(Step::Key(Some(k), false)) if k == "body")
+fn in_body(path: &[Step<'_>]) -> bool {
+    matches!(path.first(), Some(Step::Key(Some(k), false)) if *k == "body")
 }
 
-fn shown(path: &[Step]) -> String {
+fn shown(path: &[Step<'_>]) -> String {
     let mut out = String::new();
     for step in path {
         match step {
@@ -100,17 +98,23 @@ fn shown(path: &[Step]) -> String {
     out
 }
 
-/// The index of the quote that closes the string opening at `open`.
-fn string_end(bytes: &[u8], open: usize) -> usize {
+/// The index of the quote that closes the string opening at `open`, and whether the string
+/// holds an escape. Jumps from one quote or backslash to the next (memchr): a body's bytes are
+/// mostly text in strings, and every line of an async job is scanned when it is validated.
+fn string_end(bytes: &[u8], open: usize) -> (usize, bool) {
     let mut i = open + 1;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'\\' => i += 2,
-            b'"' => return i,
-            _ => i += 1,
+    let mut escaped = false;
+    while let Some(at) = bytes
+        .get(i..)
+        .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
+    {
+        if bytes[i + at] == b'"' {
+            return (i + at, escaped);
         }
+        escaped = true;
+        i += at + 2;
     }
-    bytes.len()
+    (bytes.len(), escaped)
 }
 
 /// Whether the raw text of a JSON string (between its quotes) escapes a surrogate that has no
@@ -121,11 +125,8 @@ fn has_lone_surrogate(raw: &[u8]) -> bool {
         u16::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()
     };
     let mut i = 0;
-    while i < raw.len() {
-        if raw[i] != b'\\' {
-            i += 1;
-            continue;
-        }
+    while let Some(at) = raw.get(i..).and_then(|rest| memchr::memchr(b'\\', rest)) {
+        i += at;
         if raw.get(i + 1) != Some(&b'u') {
             i += 2;
             continue;
