@@ -74,10 +74,16 @@ async fn waiting(api: &Api) -> usize {
 async fn follow(api: &Api, file: &str, other: &Api, env: &Env) -> Followed {
     let begun = Instant::now();
     let id = id_of(&api.create_batch_ok(file).await);
-    // Counted once the batch exists: a slot that freed before could only go to `other`.
-    let before = waiting(other).await;
+    // Counted once the batch exists (a slot that freed before could only go to `other`), and
+    // beside the polling: listing 400 batches takes tens of milliseconds, which would read
+    // as B's own time.
+    let count = |other: &Api| {
+        let other = other.clone();
+        tokio::spawn(async move { waiting(&other).await })
+    };
+    let before = count(other);
     let mut started = None;
-    let mut overtaken = 0;
+    let mut at_start = None;
     let mut answered_at_start = 0;
     loop {
         let batch = api.batch(&id).await;
@@ -85,17 +91,19 @@ async fn follow(api: &Api, file: &str, other: &Api, env: &Env) -> Followed {
         if status != "validating" && started.is_none() {
             started = Some(begun.elapsed());
             answered_at_start = env.gateway.stats().answered;
-            overtaken = before.saturating_sub(waiting(other).await);
+            at_start = Some(count(other));
         }
         if status == "completed" {
             let completed = begun.elapsed();
             // A few of the batch's own lines may have been answered before its start was seen
             // (polled every 10 ms, answers take 50 ms): subtracting all of them errs low by those.
             let answered = env.gateway.stats().answered - answered_at_start;
+            let before = before.await.expect("counting before");
+            let after = at_start.expect("started").await.expect("counting at start");
             return Followed {
                 started: started.unwrap_or_default(),
                 completed,
-                overtaken,
+                overtaken: before.saturating_sub(after),
                 beside: answered.saturating_sub(LINES as u64),
             };
         }

@@ -24,7 +24,7 @@ use std::time::Duration;
 use batch_executor::Executor;
 use batch_state::{JobLease, Store, StoreError};
 use batch_storage::Storage;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -65,6 +65,10 @@ struct Active {
     losses: u64,
     /// Once prepared: what a preemption looks at.
     run: Option<Run>,
+    /// Its slot among `max_active_jobs` (none for a job cancelled while queued). Given up as
+    /// soon as the job is asked to give its slot back, not once it has stopped: the waiting
+    /// batch it yields to starts while its last requests end and it checkpoints.
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 /// A prepared job's terms, for [`preempt`].

@@ -1,7 +1,7 @@
 //! A slot given back for a fairer share: when every slot here is taken and a tenant below its
 //! share of the running batches (on all replicas) has a batch waiting, one running batch of the
-//! most served tenant stops at a safe point and waits in the queue again; the freed slot goes
-//! to the fair pick. Which batch, if any, is decided in one step in Redis
+//! most served tenant stops at a safe point and waits in the queue again; its slot goes to the
+//! fair pick at once, while its last requests end and it checkpoints. Which batch, if any, is decided in one step in Redis
 //! ([`batch_state::Store::preempt`]), so that two replicas never both give a slot back for the
 //! same share.
 //!
@@ -78,17 +78,23 @@ impl Runner {
         runs.into_iter().map(|(_, c)| c).collect()
     }
 
-    /// Job `id` was asked to give its slot back: it stops taking lines.
+    /// Job `id` was asked to give its slot back: it stops taking lines, and its slot is free
+    /// at once for the waiting batch.
     fn yield_slot(&self, id: &str) {
-        let active = self.active.lock().expect("active lock");
-        let Some((job, run)) = active
-            .get(id)
-            .and_then(|a| Some((a.job.as_ref()?, a.run.as_ref()?)))
+        let mut active = self.active.lock().expect("active lock");
+        let Some(super::Active {
+            job: Some(job),
+            run: Some(run),
+            permit,
+            ..
+        }) = active.get_mut(id)
         else {
             // It ended meanwhile: the record of the ask goes with its running entry.
             return;
         };
         job.yield_slot();
+        drop(permit.take());
+        self.wake.notify_one();
         metrics::counter!("batch_service_preemptions_total").increment(1);
         tracing::info!(
             job = %id,

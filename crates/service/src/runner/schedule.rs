@@ -186,10 +186,10 @@ impl Runner {
                 fenced: fenced.clone(),
                 losses: self.state.losses(),
                 run: None,
+                permit,
             },
         );
         self.tasks.spawn(async move {
-            let _permit = permit;
             match me.run_job(&lease, adopted, &fenced).await {
                 Ok(()) | Err(RunError::Stopped) => {}
                 Err(RunError::Fenced) => {
