@@ -2,9 +2,12 @@
 //! simulator's vLLM mode): what the online requests' latency becomes while the batch runs, and
 //! how much of the capacity the online traffic leaves the batch gets, for sync mode without
 //! `load`, with it at several headrooms, with a server that schedules by priority, and for async
-//! mode through the dispatcher simulator configured as `processor queues` prints it.
-//! `BENCH_YIELD_ONLY=TEXT` runs only the cases whose label contains TEXT (online alone is always
-//! measured).
+//! mode through the dispatcher simulator configured as `processor queues` prints it; with short
+//! answers of one length at several online loads and in waves, and (full run) with answers of
+//! seconds whose lengths vary as LLM answers' do.
+//! `BENCH_YIELD_ONLY=TEXT` runs only the cases whose label, after their traffic's (`answers of
+//! seconds (…), online at 50 % of capacity: sync, default limiter`), contains TEXT (and online
+//! alone beside them).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +17,7 @@ use bytes::Bytes;
 use dispatcher_sim::{Dispatcher, DispatcherConfig, GatewayConfig, GatewayHandle, TransportConfig};
 use tokio_util::sync::CancellationToken;
 
-use super::{ready, resolved, simulator, spec, Ctx};
+use super::{ready, resolved, simulator, spec, Ctx, Progress};
 use crate::inputs::{request_line, write_input};
 use crate::lab::{load, Lab};
 use crate::online::{self, OnlineLoad, OnlineRun};
@@ -24,12 +27,31 @@ use crate::stats::Summary;
 use crate::BenchError;
 
 const YIELD: &str = "Yield";
-/// The server: this many run at once, the first token after `TTFT`, each next one `PER_TOKEN`
-/// later, `ITL_GROWTH` slower with the batch full; every answer has the input's 16 tokens.
-const SEQS: usize = 16;
+/// The server: the first token after `TTFT`, each next one `PER_TOKEN` later, `ITL_GROWTH`
+/// slower with the batch full; how many run at once and how long answers are is its
+/// [`Server`].
 const TTFT: Duration = Duration::from_millis(100);
 const PER_TOKEN: Duration = Duration::from_millis(20);
 const ITL_GROWTH: f64 = 0.25;
+/// Every answer has the input's 16 tokens (0.4 s), 16 run at once.
+const SHORT: Server = Server {
+    seqs: 16,
+    lengths: None,
+};
+/// Answers of seconds, as LLM answers are, their length not known before: lognormal, median
+/// 200 tokens (4.1 s), σ 0.7 (one in twenty past 630 tokens, 13 s), 64 run at once.
+const LONG: Server = Server {
+    seqs: 64,
+    lengths: Some((200, 0.7)),
+};
+/// With [`LONG`] answers: online requests are sent this long, after the batch ran this long.
+/// A batch that has just filled its slots answers its short requests first while its long ones
+/// run on; after 20 s (past the longest answers' 13 s) its slots hold answers of every length,
+/// as they will from then on. Its share of the spare capacity still reads above 100 % (111 to
+/// 115 % in the runs so far): the capacity and the batch's rate are each counted over 30 to
+/// 40 s of answers whose lengths vary widely, and carry several per cent of sampling spread.
+const LONG_SPAN: Duration = Duration::from_secs(40);
+const LONG_LEAD: Duration = Duration::from_secs(20);
 /// Waves: this long at the server's capacity, then as long at a tenth of it (shorter with
 /// `--quick`, so its short run still has bursts and quiet periods).
 const WAVE: Duration = Duration::from_secs(5);
@@ -81,8 +103,56 @@ impl Shape {
     /// The file of its plot over time.
     fn plot(self) -> String {
         match self {
-            Shape::Steady(share) => format!("yield-steady-{:.0}.svg", share * 100.0),
-            Shape::Waves(_) => "yield-waves.svg".into(),
+            Shape::Steady(share) => format!("steady-{:.0}.svg", share * 100.0),
+            Shape::Waves(_) => "waves.svg".into(),
+        }
+    }
+}
+
+/// The model server of a group of cases: how many requests run at once, and how long answers
+/// are.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Server {
+    /// `max_num_seqs`.
+    seqs: usize,
+    /// Answer lengths drawn per request from a lognormal: (median tokens, sigma); `None`:
+    /// every answer has the input's 16 tokens.
+    lengths: Option<(u64, f64)>,
+}
+
+impl Server {
+    /// What leads its cases' labels: nothing for [`SHORT`] answers.
+    fn label(self) -> String {
+        match self.lengths {
+            None => String::new(),
+            Some((median, sigma)) => format!(
+                "answers of seconds (median {median} tokens, σ {sigma}, {} at once), ",
+                self.seqs
+            ),
+        }
+    }
+
+    /// What leads its plots' file names.
+    fn plot_prefix(self) -> &'static str {
+        if self.lengths.is_some() {
+            "yield-long-"
+        } else {
+            "yield-"
+        }
+    }
+
+    /// The simulator's configuration, scheduling by priority or in arrival order.
+    fn config(self, priority_scheduling: bool) -> GatewayConfig {
+        GatewayConfig {
+            latency_fixed: TTFT,
+            latency_per_token: PER_TOKEN,
+            max_num_seqs: Some(self.seqs),
+            itl_growth: ITL_GROWTH,
+            priority_scheduling,
+            length_median: self.lengths.map(|(median, _)| median),
+            length_sigma: self.lengths.map_or(0.0, |(_, sigma)| sigma),
+            seed: Some(40),
+            ..GatewayConfig::default()
         }
     }
 }
@@ -197,15 +267,14 @@ const CASES: [Case; 12] = [
     },
 ];
 
-fn server(priority_scheduling: bool) -> GatewayConfig {
-    GatewayConfig {
-        latency_fixed: TTFT,
-        latency_per_token: PER_TOKEN,
-        max_num_seqs: Some(SEQS),
-        itl_growth: ITL_GROWTH,
-        priority_scheduling,
-        ..GatewayConfig::default()
-    }
+/// Cases run beside one shape of online traffic on one server.
+struct Group {
+    server: Server,
+    shape: Shape,
+    cases: Vec<Case>,
+    /// How long online requests are sent, after the batch ran `lead`.
+    span: Duration,
+    lead: Duration,
 }
 
 pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchError> {
@@ -215,168 +284,255 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
     } else {
         (Duration::from_secs(20), BATCH_LEAD)
     };
-    let plan: Vec<(Shape, Vec<Case>)> = if s.quick {
+    let make = |server, shape, cases: Vec<Case>| Group {
+        server,
+        shape,
+        cases,
+        span,
+        lead,
+    };
+    let mut plan: Vec<Group> = if s.quick {
         vec![
-            (
+            make(
+                SHORT,
                 Shape::Steady(0.5),
                 vec![CASES[0], CASES[1], CASES[6], CASES[8]],
             ),
-            (Shape::Waves(QUICK_WAVE), vec![CASES[1]]),
+            make(SHORT, Shape::Waves(QUICK_WAVE), vec![CASES[1]]),
         ]
     } else {
-        [
+        let mut plan: Vec<Group> = [
             Shape::Steady(0.25),
             Shape::Steady(0.5),
             Shape::Steady(0.75),
             Shape::Waves(WAVE),
         ]
-        .map(|shape| (shape, CASES.to_vec()))
-        .to_vec()
+        .map(|shape| make(SHORT, shape, CASES.to_vec()))
+        .into();
+        plan.push(Group {
+            span: LONG_SPAN,
+            lead: LONG_LEAD,
+            ..make(
+                LONG,
+                Shape::Steady(0.5),
+                vec![CASES[0], CASES[1], CASES[5], CASES[6], CASES[8]],
+            )
+        });
+        plan
     };
-    let only = std::env::var("BENCH_YIELD_ONLY").ok();
-    let plan = plan.into_iter().map(|(shape, cases)| {
-        let cases = cases
-            .into_iter()
-            .filter(|c| only.as_deref().is_none_or(|text| c.label().contains(text)));
-        (shape, cases.collect::<Vec<_>>())
-    });
+    if let Ok(only) = std::env::var("BENCH_YIELD_ONLY") {
+        for group in &mut plan {
+            let traffic = format!("{}{}", group.server.label(), group.shape.label());
+            group
+                .cases
+                .retain(|c| format!("{traffic}: {}", c.label()).contains(&only));
+        }
+        plan.retain(|group| !group.cases.is_empty());
+    }
     let body = online_body();
-    let capacity = measure_capacity(span, &body).await?;
+    let streamed = online::stream_body(
+        serde_json::from_slice(&body).map_err(|e| BenchError::Check(e.to_string()))?,
+    );
+    // Each server's capacity and an input long enough for its cases, measured once.
+    let mut measured: Vec<(Server, f64, std::path::PathBuf)> = Vec::new();
+    for group in &plan {
+        let known = measured.iter().find(|m| m.0 == group.server);
+        let (capacity, input) = match known {
+            Some((_, capacity, input)) => (*capacity, input.clone()),
+            None => {
+                let (capacity, input) = prepare(lab, group, &body, report, progress).await?;
+                measured.push((group.server, capacity, input.clone()));
+                (capacity, input)
+            }
+        };
+        let traffic = Traffic {
+            server: group.server,
+            shape: group.shape,
+            capacity,
+            span: group.span,
+            lead: group.lead,
+            body: &streamed,
+        };
+        run_group(lab, &input, &group.cases, &traffic, report, progress).await?;
+    }
+    report.note(YIELD, format!(
+        "One simulated model server in vLLM mode (tools/gateway-sim): 16 requests run at once (`max_num_seqs`), the rest wait in its queue in arrival order; an answer takes {} ms to its first token, then {} ms per token for its 16 tokens, up to {:.0} % slower per token with all running. Its capacity is measured first, in the same run, with as many callers as run at once keeping it exactly full (answers not streamed), counting the answers that came within the measure once the server was full (after 1 s; with answers of seconds 30 s after 20 s). With answers of seconds, the server runs 64 at once and each answer's length is drawn from a lognormal (median 200 tokens, σ 0.7: 4.1 s, one in twenty past 13 s), as LLM answers' lengths are neither alike nor known before; its online requests are sent for {} s after the batch ran {} s, its rows also give the online TTFT p95 against alone, and it carries the targets too. Online traffic is open-loop (Poisson arrivals; in waves, bursts at the capacity alternating with quiet periods at a tenth of it) and streamed (`stream: true` with the usage event; the server sends one event per token at its time): each request is timed from its send to its first token (TTFT), between its tokens (ITL, every gap pooled), per output token after the first (TPOT, (e2e − TTFT) / (tokens − 1)) and to its last event (e2e), {} s per phase after the batch has run {} s. The rows' online latency is the end-to-end one; the table of online figures gives p50 / p95 / p99 of each, the answers per second and the errors per phase (the whole run when steady; the bursts and the quiet periods apart in waves). The batch is {JOBS} jobs of the same 256-byte lines run side by side by one executor in sync mode with the default limits (`per_endpoint` 10, the `work` limiter) and, with `load`, `metrics_urls` on the server's `/metrics` and the headroom named; the batch's rate is the three jobs' lines resolved per second over the online phase, and the plots over time show each job's completed lines, sampled every {} ms, beside the online latency (p95 of the requests sent in each {} ms). The spare capacity is the measured capacity less the online rate; `+ priority` is a server scheduling by priority (`--scheduling-policy priority`) and the batch sending `load.priority: {BATCH_PRIORITY}`. In async mode the dispatcher simulator runs in the bench's process with exactly what `processor queues` prints for `async_dispatch.dispatcher` with the server's `max_num_seqs` and the headroom named (poll interval, batch size, workers, cache of the load readings, the gate and its parameters): the Prometheus gate reads the server's `vllm:num_requests_running` through the printed 1 s cache (standing in for Prometheus's scrape and the dispatcher's cache); the gate reading the pod is the printed `endpoint-scrape` gate on the server's page (running requests, and waiting ones unless `running only`), read at every poll. Targets (issue 40): at 50 % online load, online p95 within 1.2× of online alone while the batch gets at least 70 % of the spare capacity.",
+        TTFT.as_millis(), PER_TOKEN.as_millis(), ITL_GROWTH * 100.0, LONG_SPAN.as_secs(), LONG_LEAD.as_secs(), span.as_secs(), lead.as_secs(), SAMPLE.as_millis(), SAMPLE.as_millis()
+    ));
+    Ok(())
+}
+
+/// Measures the capacity of `group`'s server (a row) and writes an input that outlasts its
+/// cases: the capacity and the input's path.
+async fn prepare(
+    lab: &Lab,
+    group: &Group,
+    body: &Bytes,
+    report: &mut Report,
+    progress: Progress<'_>,
+) -> Result<(f64, std::path::PathBuf), BenchError> {
+    let server = group.server;
+    let capacity = measure_capacity(server, group.span, body).await?;
     progress(&format!(
-        "   the server alone, {SEQS} callers: {capacity:.1} answers/s"
+        "   {}the server alone, {} callers: {capacity:.1} answers/s",
+        server.label(),
+        server.seqs
     ));
     report.rows.push(
         Row::new(
             YIELD,
-            format!("the server's capacity: {SEQS} callers at once, answers/s"),
+            format!(
+                "{}the server's capacity: {} callers at once, answers/s",
+                server.label(),
+                server.seqs
+            ),
             Unit::PerSecond("req/s"),
             Summary::one(capacity),
         )
         .kind(Kind::Limit),
     );
-    let n = (capacity * (span.as_secs_f64() + 10.0) * 2.0) as usize;
-    let input = lab.path("yield.jsonl");
+    let seconds = (group.lead + group.span).as_secs_f64() + 10.0;
+    let n = (capacity * seconds * 2.0) as usize;
+    let input = lab.path(&format!("{}input.jsonl", server.plot_prefix()));
     write_input(&input, n, 256)?;
-    let streamed = online::stream_body(
-        serde_json::from_slice(&body).map_err(|e| BenchError::Check(e.to_string()))?,
-    );
-    for (shape, cases) in plan {
-        let traffic = Traffic {
-            shape,
-            capacity,
-            span,
-            lead,
-            body: &streamed,
-        };
-        let gateway = simulator::gateway(server(false)).await?;
-        let alone = online(&gateway, &traffic).await?;
-        gateway.shutdown().await;
-        let alone_all = alone.overall();
-        progress(&format!(
-            "   {}, alone: e2e p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms, TTFT p95 {:.0} ms, {:.1} req/s",
-            shape.label(),
-            alone_all.e2e.p50 * 1e3,
-            alone_all.e2e.p95 * 1e3,
-            alone_all.e2e.p99 * 1e3,
-            alone_all.ttft.p95 * 1e3,
-            offered(&alone)
-        ));
-        let figure = |what: &str| format!("{}, online alone: {what}", shape.label());
-        for (q, name) in [
-            (alone_all.e2e.p50, "p50"),
-            (alone_all.e2e.p95, "p95"),
-            (alone_all.e2e.p99, "p99"),
-        ] {
-            report.rows.push(
-                Row::new(
-                    YIELD,
-                    figure(&format!("{name} latency")),
-                    Unit::Seconds,
-                    Summary::one(q),
-                )
-                .kind(Kind::Limit),
-            );
-        }
-        report.online_lines(&format!("{}, online alone", shape.label()), &alone);
-        let spare = (capacity - offered(&alone)).max(1e-9);
-        for case in &cases {
-            let b = beside(lab, &input, *case, &traffic).await?;
-            let with = b.online.overall();
-            let share = b.batch_rate / spare;
-            progress(&format!(
-                "   {}, {}: online e2e p50 {:.0} ms, p95 {:.0} ms ({:.2}× alone), p99 {:.0} ms, TTFT p95 {:.0} ms, ITL p95 {:.0} ms, {} errors; batch {:.1} req/s = {:.0} % of the spare {:.1}, lines completed by job: {}",
-                shape.label(),
-                case.label(),
-                with.e2e.p50 * 1e3,
-                with.e2e.p95 * 1e3,
-                with.e2e.p95 / alone_all.e2e.p95,
-                with.e2e.p99 * 1e3,
-                with.ttft.p95 * 1e3,
-                with.itl.p95 * 1e3,
-                with.errors,
-                b.batch_rate,
-                share * 100.0,
-                spare,
-                b.jobs
-                    .iter()
-                    .map(|j| j.last().map_or(0.0, |p| p.1).to_string())
-                    .collect::<Vec<_>>()
-                    .join(" / ")
-            ));
-            let figure = |what: &str| format!("{}, {}: {what}", shape.label(), case.label());
-            let mut p95 = Row::new(
-                YIELD,
-                figure("online p95 / alone"),
-                Unit::Factor,
-                Summary::one(with.e2e.p95 / alone_all.e2e.p95),
-            );
-            let p99 = Row::new(
-                YIELD,
-                figure("online p99 / alone"),
-                Unit::Factor,
-                Summary::one(with.e2e.p99 / alone_all.e2e.p99),
-            );
-            let mut batch = Row::new(
-                YIELD,
-                figure("batch rate / spare capacity"),
-                Unit::Percent,
-                Summary::one(share),
-            );
-            if case.targeted && shape == Shape::Steady(0.5) {
-                p95 = p95.target(Target::AtMost(1.2));
-                batch = batch.target(Target::AtLeast(0.7));
-            }
-            report.rows.push(p95);
-            report.rows.push(p99);
-            report.rows.push(batch);
-            report.online_lines(&format!("{}, {}", shape.label(), case.label()), &b.online);
-            if with.errors > 0 {
-                report.note(
-                    YIELD,
-                    format!(
-                        "{}: {} online requests failed ({}).",
-                        figure("errors"),
-                        with.errors,
-                        with.failures_text()
-                    ),
-                );
-            }
-            if case.targeted {
-                report.timelines.push(Timeline {
-                    label: format!("{}, {}", shape.label(), case.label()),
-                    plot: shape.plot(),
-                    online_from: lead.as_secs_f64(),
-                    jobs: b.jobs,
-                    latency: b.online.over_time(SAMPLE),
-                });
-            }
-        }
-    }
-    report.note(YIELD, format!(
-        "One simulated model server in vLLM mode (tools/gateway-sim): {SEQS} requests run at once (`max_num_seqs`), the rest wait in its queue in arrival order; an answer takes {} ms to its first token, then {} ms per token for its 16 tokens, up to {:.0} % slower per token with {SEQS} running. Its capacity is measured first, in the same run, with {SEQS} callers keeping it exactly full (answers not streamed). Online traffic is open-loop (Poisson arrivals; in waves, bursts at the capacity alternating with quiet periods at a tenth of it) and streamed (`stream: true` with the usage event; the server sends one event per token at its time): each request is timed from its send to its first token (TTFT), between its tokens (ITL, every gap pooled), per output token after the first (TPOT, (e2e − TTFT) / (tokens − 1)) and to its last event (e2e), {} s per phase after the batch has run {} s. The rows' online latency is the end-to-end one; the table of online figures gives p50 / p95 / p99 of each, the answers per second and the errors per phase (the whole run when steady; the bursts and the quiet periods apart in waves). The batch is {JOBS} jobs of the same 256-byte lines run side by side by one executor in sync mode with the default limits (`per_endpoint` 10, the `work` limiter) and, with `load`, `metrics_urls` on the server's `/metrics` and the headroom named; the batch's rate is the three jobs' lines resolved per second over the online phase, and the plots over time show each job's completed lines, sampled every {} ms, beside the online latency (p95 of the requests sent in each {} ms). The spare capacity is the measured capacity less the online rate; `+ priority` is a server scheduling by priority (`--scheduling-policy priority`) and the batch sending `load.priority: {BATCH_PRIORITY}`. In async mode the dispatcher simulator runs in the bench's process with exactly what `processor queues` prints for `async_dispatch.dispatcher` with `max_num_seqs: {SEQS}` and the headroom named (poll interval, batch size, workers, cache of the load readings, the gate and its parameters): the Prometheus gate reads the server's `vllm:num_requests_running` through the printed 1 s cache (standing in for Prometheus's scrape and the dispatcher's cache); the gate reading the pod is the printed `endpoint-scrape` gate on the server's page (running requests, and waiting ones unless `running only`), read at every poll. Targets (issue 40): at 50 % online load, online p95 within 1.2× of online alone while the batch gets at least 70 % of the spare capacity.",
-        TTFT.as_millis(), PER_TOKEN.as_millis(), ITL_GROWTH * 100.0, span.as_secs(), lead.as_secs(), SAMPLE.as_millis(), SAMPLE.as_millis()
+    Ok((capacity, input))
+}
+
+/// One group's online traffic alone, then beside each of its cases' batch: their rows.
+async fn run_group(
+    lab: &Lab,
+    input: &std::path::Path,
+    cases: &[Case],
+    traffic: &Traffic<'_>,
+    report: &mut Report,
+    progress: Progress<'_>,
+) -> Result<(), BenchError> {
+    let gateway = simulator::gateway(traffic.server.config(false)).await?;
+    let alone = online(&gateway, traffic).await?;
+    gateway.shutdown().await;
+    let label = traffic.label();
+    let alone_all = alone.overall();
+    progress(&format!(
+        "   {label}, alone: e2e p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms, TTFT p95 {:.0} ms, {:.1} req/s",
+        alone_all.e2e.p50 * 1e3,
+        alone_all.e2e.p95 * 1e3,
+        alone_all.e2e.p99 * 1e3,
+        alone_all.ttft.p95 * 1e3,
+        offered(&alone)
     ));
+    for (q, name) in [
+        (alone_all.e2e.p50, "p50"),
+        (alone_all.e2e.p95, "p95"),
+        (alone_all.e2e.p99, "p99"),
+    ] {
+        report.rows.push(
+            Row::new(
+                YIELD,
+                format!("{label}, online alone: {name} latency"),
+                Unit::Seconds,
+                Summary::one(q),
+            )
+            .kind(Kind::Limit),
+        );
+    }
+    report.online_lines(&format!("{label}, online alone"), &alone);
+    for case in cases {
+        let b = beside(lab, input, *case, traffic).await?;
+        case_rows(report, progress, traffic, *case, &alone, b);
+    }
     Ok(())
+}
+
+/// The rows, notes and plot of `case`'s batch `b` beside the online traffic, against the
+/// traffic `alone`.
+fn case_rows(
+    report: &mut Report,
+    progress: Progress<'_>,
+    traffic: &Traffic<'_>,
+    case: Case,
+    alone: &OnlineRun,
+    b: Beside,
+) {
+    let label = format!("{}, {}", traffic.label(), case.label());
+    let (alone_all, with) = (alone.overall(), b.online.overall());
+    let spare = (traffic.capacity - offered(alone)).max(1e-9);
+    let share = b.batch_rate / spare;
+    progress(&format!(
+        "   {label}: online e2e p50 {:.0} ms, p95 {:.0} ms ({:.2}× alone), p99 {:.0} ms, TTFT p95 {:.0} ms ({:.2}× alone), ITL p95 {:.0} ms, {} errors; batch {:.1} req/s = {:.0} % of the spare {:.1}, lines completed by job: {}",
+        with.e2e.p50 * 1e3,
+        with.e2e.p95 * 1e3,
+        with.e2e.p95 / alone_all.e2e.p95,
+        with.e2e.p99 * 1e3,
+        with.ttft.p95 * 1e3,
+        with.ttft.p95 / alone_all.ttft.p95,
+        with.itl.p95 * 1e3,
+        with.errors,
+        b.batch_rate,
+        share * 100.0,
+        spare,
+        b.jobs
+            .iter()
+            .map(|j| j.last().map_or(0.0, |p| p.1).to_string())
+            .collect::<Vec<_>>()
+            .join(" / ")
+    ));
+    let figure = |what: &str| format!("{label}: {what}");
+    let mut p95 = Row::new(
+        YIELD,
+        figure("online p95 / alone"),
+        Unit::Factor,
+        Summary::one(with.e2e.p95 / alone_all.e2e.p95),
+    );
+    let p99 = Row::new(
+        YIELD,
+        figure("online p99 / alone"),
+        Unit::Factor,
+        Summary::one(with.e2e.p99 / alone_all.e2e.p99),
+    );
+    let mut batch = Row::new(
+        YIELD,
+        figure("batch rate / spare capacity"),
+        Unit::Percent,
+        Summary::one(share),
+    );
+    if case.targeted && traffic.shape == Shape::Steady(0.5) {
+        p95 = p95.target(Target::AtMost(1.2));
+        batch = batch.target(Target::AtLeast(0.7));
+    }
+    report.rows.push(p95);
+    report.rows.push(p99);
+    if traffic.server.lengths.is_some() {
+        // Answers of many lengths: the wait for the first token shows what end-to-end
+        // latency, mostly the answer's own length, hides.
+        report.rows.push(Row::new(
+            YIELD,
+            figure("online TTFT p95 / alone"),
+            Unit::Factor,
+            Summary::one(with.ttft.p95 / alone_all.ttft.p95),
+        ));
+    }
+    report.rows.push(batch);
+    report.online_lines(&label, &b.online);
+    if with.errors > 0 {
+        report.note(
+            YIELD,
+            format!(
+                "{}: {} online requests failed ({}).",
+                figure("errors"),
+                with.errors,
+                with.failures_text()
+            ),
+        );
+    }
+    if case.targeted {
+        report.timelines.push(Timeline {
+            label,
+            plot: format!("{}{}", traffic.server.plot_prefix(), traffic.shape.plot()),
+            online_from: traffic.lead.as_secs_f64(),
+            jobs: b.jobs,
+            latency: b.online.over_time(SAMPLE),
+        });
+    }
 }
 
 /// Requests per second the online traffic offered (sent, answered or not).
@@ -391,38 +547,52 @@ fn online_body() -> Bytes {
     Bytes::from(line["body"].to_string())
 }
 
-/// Answers per second with exactly [`SEQS`] callers, each sending again as its answer comes.
-async fn measure_capacity(span: Duration, body: &Bytes) -> Result<f64, BenchError> {
-    let gateway = simulator::gateway(server(false)).await?;
-    let api = Api::new(&gateway.base_url(), SEQS);
-    let until = Instant::now() + span.min(Duration::from_secs(8));
-    let started = Instant::now();
-    let callers = (0..SEQS).map(|_| {
+/// Answers per second of `server` with exactly as many callers as it runs at once, each
+/// sending again as its answer comes: those answered within the measure (8 s at most, within
+/// `span`, after 1 s; 30 s after [`LONG_LEAD`] with answers of seconds, so that it holds many
+/// of them and starts once the callers hold answers of every length),
+/// over its length.
+async fn measure_capacity(server: Server, span: Duration, body: &Bytes) -> Result<f64, BenchError> {
+    let gateway = simulator::gateway(server.config(false)).await?;
+    let api = Api::new(&gateway.base_url(), server.seqs);
+    // Answers are counted once the callers have filled the server and its answers end at a
+    // steady pace (all callers start at once, so the first answers come bunched), up to the
+    // window's end: counting from the start and dropping the answers still coming at the end
+    // read answers of seconds' capacity 18 % low.
+    let (warm, window) = if server.lengths.is_some() {
+        (LONG_LEAD, Duration::from_secs(30))
+    } else {
+        (Duration::from_secs(1), span.min(Duration::from_secs(8)))
+    };
+    let from = tokio::time::Instant::now() + warm;
+    let until = from + window;
+    let callers = (0..server.seqs).map(|_| {
         let (api, body) = (api.clone(), body.clone());
         async move {
             let mut n = 0usize;
-            while Instant::now() < until {
-                let reply = api
-                    .post_json_bytes("/v1/chat/completions", body.clone())
-                    .await?;
-                if reply.status == hyper::StatusCode::OK {
+            loop {
+                let call = api.post_json_bytes("/v1/chat/completions", body.clone());
+                let Ok(reply) = tokio::time::timeout_at(until, call).await else {
+                    return Ok::<_, BenchError>(n);
+                };
+                if reply?.status == hyper::StatusCode::OK && tokio::time::Instant::now() >= from {
                     n += 1;
                 }
             }
-            Ok::<_, BenchError>(n)
         }
     });
     let answered: usize = futures::future::try_join_all(callers)
         .await?
         .into_iter()
         .sum();
-    let rate = answered as f64 / started.elapsed().as_secs_f64();
     gateway.shutdown().await;
-    Ok(rate)
+    Ok(answered as f64 / window.as_secs_f64())
 }
 
 /// The online traffic of one phase, and how long the batch runs before it.
 struct Traffic<'a> {
+    /// The server it is sent to.
+    server: Server,
     shape: Shape,
     /// The server's capacity, answers per second.
     capacity: f64,
@@ -432,6 +602,13 @@ struct Traffic<'a> {
     lead: Duration,
     /// Each request's body, streamed.
     body: &'a Bytes,
+}
+
+impl Traffic<'_> {
+    /// What leads its rows' figures: the server's answers, then the shape.
+    fn label(&self) -> String {
+        format!("{}{}", self.server.label(), self.shape.label())
+    }
 }
 
 /// Sends the online `traffic` to `gateway`, waits for every answer.
@@ -467,7 +644,7 @@ async fn beside(
     if let Some(headroom) = case.dispatcher_headroom {
         return beside_dispatcher(lab, input, case, headroom, traffic).await;
     }
-    let gateway = simulator::gateway(server(case.priority)).await?;
+    let gateway = simulator::gateway(traffic.server.config(case.priority)).await?;
     let load_section = match case.headroom {
         None => String::new(),
         Some(headroom) => {
@@ -493,7 +670,7 @@ async fn beside(
 }
 
 /// Async mode: the dispatcher simulator in front of the server, configured with exactly what
-/// `processor queues` prints for a pool of one server of [`SEQS`] slots and `headroom` (its
+/// `processor queues` prints for a pool of the traffic's one server and `headroom` (its
 /// gate reads the server's `vllm:num_requests_running` through its cache, as the real one reads
 /// it through Prometheus), and the executor enqueueing the whole job at once.
 async fn beside_dispatcher(
@@ -504,7 +681,7 @@ async fn beside_dispatcher(
     traffic: &Traffic<'_>,
 ) -> Result<Beside, BenchError> {
     lab.flush_redis().await?;
-    let gateway = simulator::gateway(server(false)).await?;
+    let gateway = simulator::gateway(traffic.server.config(false)).await?;
     let pages = if case.dispatcher_pages {
         format!(
             "    metrics_urls:\n      {}: [{}/metrics]\n    waiting_gate: {}\n",
@@ -518,7 +695,10 @@ async fn beside_dispatcher(
     let path = lab.async_config_with(
         "yield-async.yaml",
         "yield",
-        &format!("  dispatcher:\n    max_num_seqs: {SEQS}\n    headroom: {headroom}\n{pages}"),
+        &format!(
+            "  dispatcher:\n    max_num_seqs: {}\n    headroom: {headroom}\n{pages}",
+            traffic.server.seqs
+        ),
         "",
     )?;
     let config = load(&path)?;
