@@ -1,9 +1,9 @@
 //! A slot given back for a fairer share: when every slot here is taken and a tenant below its
 //! share of the running batches (on all replicas) has a batch waiting, one running batch of the
 //! most served tenant stops at a safe point and waits in the queue again; its slot goes to the
-//! fair pick at once, while its last requests end and it checkpoints. Which batch, if any, is decided in one step in Redis
-//! ([`batch_state::Store::preempt`]), so that two replicas never both give a slot back for the
-//! same share.
+//! fair pick at once, while its last requests end and it checkpoints. Which batch, if any, is
+//! decided in one step in Redis ([`batch_state::Store::preempt`]), so that two replicas never
+//! both give a slot back for the same share.
 //!
 //! The batch stops as at a shutdown ([`batch_executor::Job::yield_slot`]: no new line, its
 //! requests in flight end in sync mode, its queued ones stay in async mode), checkpoints, and is

@@ -322,7 +322,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
     };
     if let Ok(only) = std::env::var("BENCH_YIELD_ONLY") {
         for group in &mut plan {
-            let traffic = format!("{}{}", group.server.label(), group.shape.label());
+            let traffic = traffic_label(group.server, group.shape);
             group
                 .cases
                 .retain(|c| format!("{traffic}: {}", c.label()).contains(&only));
@@ -607,8 +607,13 @@ struct Traffic<'a> {
 impl Traffic<'_> {
     /// What leads its rows' figures: the server's answers, then the shape.
     fn label(&self) -> String {
-        format!("{}{}", self.server.label(), self.shape.label())
+        traffic_label(self.server, self.shape)
     }
+}
+
+/// What leads a traffic's rows' figures: the server's answers, then the shape.
+fn traffic_label(server: Server, shape: Shape) -> String {
+    format!("{}{}", server.label(), shape.label())
 }
 
 /// Sends the online `traffic` to `gateway`, waits for every answer.
