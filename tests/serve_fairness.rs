@@ -2,7 +2,8 @@
 //! one batch is not made to wait behind another tenant's backlog, however long, on one replica
 //! or three, nor for one of its running batches to end (one gives its slot back, and resumes
 //! later with each line sent once, in sync and async mode); slots given back follow
-//! `tenant_weights`; and in sync mode a replica's requests are shared per tenant, not per batch.
+//! `tenant_weights`; and in sync mode a replica's requests go first to the tenant that had fewest
+//! lately, not per batch.
 //! Real redis-server, the `processor` binary, the simulated gateway at 50 ms per answer (and the
 //! simulated dispatcher in async mode), every setting at its default but `max_active_jobs` (4 on
 //! one replica, 2 each on three) and the weights where named.
@@ -18,6 +19,18 @@ use support::*;
 
 /// Lines in each batch.
 const LINES: usize = 40;
+
+/// A third tenant, whose batch measures B's time on an idle service: run by B itself, those
+/// runs would count as B's recent use of the endpoint, which B's batch beside A's would then be
+/// behind.
+const KEY_C: &str = "sk-test-gamma-0003";
+
+/// The timed cases, one at a time: side by side on two cores each would read the other's load
+/// as its own time.
+static TIMED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The tenants of these tests: A, B and C.
+const TENANTS: &[(&str, &str)] = &[(KEY_A, "alpha"), (KEY_B, "beta"), (KEY_C, "gamma")];
 
 /// The config of replica `n` of a service on `env`'s Redis and storage, running `slots` batches
 /// at once.
@@ -38,7 +51,7 @@ fn replica(env: &Env, n: usize, slots: usize) -> PathBuf {
     add_serve_section(
         &own,
         &storage,
-        TWO_TENANTS,
+        TENANTS,
         &format!("  replica_id: replica-{n}\n  max_active_jobs: {slots}\n"),
         "",
     );
@@ -113,26 +126,30 @@ async fn follow(api: &Api, file: &str, other: &Api, env: &Env) -> Followed {
     }
 }
 
-/// Tenant B's batch on an idle service (the best of three, the limiter warmed up by the first)
-/// and again once tenant A has queued `backlog` batches and runs one in every slot, across
+/// B's batch on an idle service (the best of three, the limiter warmed up by the first; run by
+/// tenant C, see [`KEY_C`]) and then tenant B's once tenant A has queued `backlog` batches and
+/// runs one in every slot, across
 /// `replicas` replicas: one of 4 slots, or each of 2 (fewer than the 8 at which
 /// `tenant_max_running_batches` makes A give way).
 async fn b_beside_a_backlog(replicas: usize, backlog: usize) -> (Followed, Followed) {
+    let _alone = TIMED.lock().await;
     let env = Env::start(fixed_latency(Duration::from_millis(50))).await;
     let slots = if replicas == 1 { 4 } else { 2 };
     let services: Vec<Service> = (1..=replicas)
         .map(|n| Service::start(&replica(&env, n, slots)))
         .collect();
-    let (a, b) = (
+    let (a, b, c) = (
         services[0].client(Some(KEY_A)),
         services[replicas - 1].client(Some(KEY_B)),
+        services[replicas - 1].client(Some(KEY_C)),
     );
     let (text, _) = input_jsonl("fair", LINES, "llama-3");
     let a_file = a.upload_ok("a.jsonl", text.as_bytes()).await;
     let b_file = b.upload_ok("b.jsonl", text.as_bytes()).await;
+    let c_file = c.upload_ok("c.jsonl", text.as_bytes()).await;
     let mut idle: Option<Followed> = None;
     for _ in 0..3 {
-        let run = follow(&b, &b_file, &a, &env).await;
+        let run = follow(&c, &c_file, &a, &env).await;
         if idle
             .as_ref()
             .is_none_or(|best| run.completed < best.completed)
@@ -174,15 +191,23 @@ async fn b_beside_a_backlog(replicas: usize, backlog: usize) -> (Followed, Follo
 /// B's batch takes the first slot that frees after its creation: at most one of A's waiting
 /// batches per replica shows as started before it (a slot picked for A just before B's create
 /// shows A's batch started only a moment later; two replicas may pick at the same moment),
-/// whatever A queued: 36 of 40 did when queues were picked in arrival order. And while it runs beside A's
-/// batches, the requests are shared per tenant: A's three or more batches together answer
-/// about as many lines as B's one (shared per batch, they answered three times as many).
+/// whatever A queued: 36 of 40 did when queues were picked in arrival order. While it runs
+/// beside A's batches, the endpoint's requests go first to the tenant that had fewer lately,
+/// B, which had none: B ends within twice its time alone, and on one replica A's batches are
+/// answered fewer lines meanwhile than B's one (shared per batch they answered three times as
+/// many as B, shared per tenant in turn about as many).
 fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Followed)) {
     eprintln!(
         "{replicas} replica(s), A queued {backlog}: B alone started after {:?}, completed after {:?}; \
-         beside A started after {:?}, completed after {:?}, {} of A's batches started first, \
+         beside A started after {:?}, completed after {:?} ({:.2}x), {} of A's batches started first, \
          A answered {} lines while B's {LINES} ran",
-        idle.started, idle.completed, loaded.started, loaded.completed, loaded.overtaken, loaded.beside
+        idle.started,
+        idle.completed,
+        loaded.started,
+        loaded.completed,
+        loaded.completed.as_secs_f64() / idle.completed.as_secs_f64(),
+        loaded.overtaken,
+        loaded.beside
     );
     // Not held for one of A's batches to end: one gives its slot back at once, so B runs
     // before a batch of its size could have ended.
@@ -192,13 +217,12 @@ fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Follo
         loaded.started,
         idle.completed
     );
-    // Beside A, B's fair share is half the endpoint, so its lines take about twice as long as
-    // alone (1.8-1.9x on an idle machine, 2.0-2.55x beside builds or CI's other test binaries).
-    // The start above is what tells a slot given back from one waited for; this bound only
-    // catches B losing its half share (held for one of A's batches to end, B took 3-5x).
+    // 1.2-1.6x on an idle machine (its start, and A's requests in flight when it starts, are
+    // what B waits for); with the requests shared in turn it was 1.8-2.1x, held for one of A's
+    // batches to end 3-5x.
     assert!(
-        loaded.completed.as_secs_f64() <= idle.completed.as_secs_f64() * 3.0,
-        "tenant B's batch took {:?} beside A's backlog, more than 3 times its {:?} alone",
+        loaded.completed.as_secs_f64() <= idle.completed.as_secs_f64() * 2.0,
+        "tenant B's batch took {:?} beside A's backlog, more than twice its {:?} alone",
         loaded.completed,
         idle.completed
     );
@@ -207,14 +231,13 @@ fn assert_fair(replicas: usize, backlog: usize, (idle, loaded): (Followed, Follo
         "tenant B waited behind tenant A's backlog: {} of A's batches started first",
         loaded.overtaken
     );
-    // One replica: B beside three of A's batches on one endpoint limit. Three replicas: each
-    // has its own limit, and B shares one of them. Shared per tenant, A is answered about B's
-    // 40 (plus what the batch giving its slot back finished at B's start); shared per batch,
-    // three times as many.
+    // One replica: B beside three of A's batches on one endpoint limit; A is answered what it
+    // had in flight at B's start, and little more (10-21 lines seen). Three replicas: each has
+    // its own limit, and B shares one of them.
     if replicas == 1 {
         assert!(
-            loaded.beside <= LINES as u64 * 5 / 2,
-            "A answered {} lines while B's {LINES} ran: the requests went per batch, not per tenant",
+            loaded.beside < LINES as u64,
+            "A answered {} lines while B's {LINES} ran: B, new to the endpoint, did not go first",
             loaded.beside
         );
     }

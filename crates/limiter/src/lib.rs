@@ -12,7 +12,7 @@ pub use controller::{AimdConfig, AimdController, Change};
 pub use gradient::{GradientConfig, GradientLimiter};
 pub use limiter::{Algorithm, Limiter, Sample};
 pub use semaphore::{AdaptivePermit, AdaptiveSemaphore, MAX_LIMIT};
-pub use turns::Flow;
+pub use turns::{Flow, USAGE_HALF_LIFE};
 
 /// What can go wrong with the controller or the semaphore.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -4,7 +4,8 @@
 //! permits that are free and records the rest as a debt that released permits pay off before
 //! they return to the pool. So holders are never interrupted, new acquirers wait until
 //! `holders < limit`, and waiters are served in arrival order within a flow
-//! ([`AdaptiveSemaphore::acquire_in`]), flows and their groups in turn ([`crate::turns`]).
+//! ([`AdaptiveSemaphore::acquire_in`]), flows in turn within their group, and the group served
+//! least lately first ([`crate::turns`]).
 //!
 //! Accounting, under one lock: `available + outstanding - debt == limit`, where `outstanding`
 //! counts tokio permits handed out. A permit is only registered as held when the debt is zero,
@@ -119,11 +120,13 @@ impl AdaptiveSemaphore {
         self.acquire_in(Flow::default()).await
     }
 
-    /// Waits for a permit as a waiter of `flow`: the groups with waiters are served in turn,
-    /// one permit each, within a group its flows in turn, and a flow's waiters in their arrival
-    /// order (see [`Flow`]). A flow that queued many waiters (a batch job with a wide window)
-    /// thus gets one permit in each round beside a flow that came later with few, not all of
-    /// its queue before it; alone it gets every permit the limit gives.
+    /// Waits for a permit as a waiter of `flow`: of the groups with waiters, the one with the
+    /// fewest permits lately (a count halving every [`USAGE_HALF_LIFE`](crate::USAGE_HALF_LIFE))
+    /// is served next, so groups that keep waiting take turns, one permit each, and a group
+    /// that arrives beside a busy one has the permits until it catches up; within a group its
+    /// flows take turns, and a flow's waiters keep their arrival order (see [`Flow`]). A flow
+    /// that queued many waiters (a batch job with a wide window) thus does not take all of its
+    /// queue before a flow that came later with few; alone it gets every permit the limit gives.
     ///
     /// Cancel-safe, and fails only after [`close`](Self::close), as [`acquire`](Self::acquire).
     pub async fn acquire_in(&self, flow: Flow<'_>) -> Result<AdaptivePermit, AimdError> {
@@ -384,10 +387,10 @@ mod tests {
         let mut tasks = tasks.into_iter();
         drop(tasks.next().unwrap().await.unwrap());
         order.push(rx.recv().await.unwrap());
-        // a0, then a1 in the round of b0 and c0, then a2 beside b1, then a3; first come first
-        // served would have been a0..a3 before b0.
+        // a0, then b0 and c0, who had no turn yet, then a1 beside b1, then a2 and a3; first
+        // come first served would have been a0..a3 before b0.
         let served: Vec<_> = order.iter().map(|&i| flows[i]).collect();
-        assert_eq!(order, [0, 1, 4, 6, 2, 5, 3], "{served:?}");
+        assert_eq!(order, [0, 4, 6, 1, 5, 2, 3], "{served:?}");
         for t in tasks {
             drop(t.await.unwrap());
         }

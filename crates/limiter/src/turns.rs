@@ -1,7 +1,14 @@
 //! Whose turn it is to queue for an [`AdaptiveSemaphore`](crate::AdaptiveSemaphore)'s next
-//! permit: its waiters belong to flows (a batch job) in groups (a tenant); the groups with
-//! waiters are served in turn, one waiter each, within a group its flows in turn, and within a
-//! flow its waiters in arrival order.
+//! permit: its waiters belong to flows (a batch job) in groups (a tenant); of the groups with
+//! waiters, the one that had the fewest turns lately is served next, one waiter at a time,
+//! within a group its flows in turn, and within a flow its waiters in arrival order.
+//!
+//! "Lately" is a count of turns that halves every [`USAGE_HALF_LIFE`]. Groups that keep
+//! waiting side by side thus take turns, one each, as in a round; a group that arrives beside
+//! one that has been served for a while gets every turn until its recent count catches up
+//! (at most a half-life when both keep waiting), so a small batch arriving beside a large
+//! one's backlog runs about as fast as alone rather than at half its speed. Over longer than
+//! the half-life, every group waiting gets the same share.
 //!
 //! One waiter at a time, the one whose turn it is, queues at the FIFO semaphore below; the
 //! others wait for their turn here. A flow that queued many waiters early then gets the permits
@@ -11,16 +18,26 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+/// How fast a group's count of recent turns fades: it halves in this time. Long enough for
+/// a head start to carry a batch of a few thousand requests of a newly arrived group through,
+/// short enough that a group served heavily a minute ago waits no longer for it.
+pub const USAGE_HALF_LIFE: Duration = Duration::from_secs(10);
+
+/// Once there are this many groups' counts, the faded ones are forgotten at the next turn.
+const USAGE_KEPT: usize = 64;
 
 /// Whom a waiter of an [`AdaptiveSemaphore`](crate::AdaptiveSemaphore) waits for
-/// ([`acquire_in`](crate::AdaptiveSemaphore::acquire_in)): the groups with waiters get permits
-/// in turn, one each; within a group, its flows in turn; within a flow, its waiters in arrival
-/// order.
+/// ([`acquire_in`](crate::AdaptiveSemaphore::acquire_in)): of the groups with waiters, the one
+/// with the fewest permits lately first; within a group, its flows in turn; within a flow, its
+/// waiters in arrival order.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Flow<'a> {
-    /// The group (a tenant): its flows together get one turn in each round.
+    /// The group (a tenant): its flows' permits are counted together.
     pub group: &'a str,
     /// The flow within its group (a batch job).
     pub name: &'a str,
@@ -46,6 +63,24 @@ struct Queue {
     waiters: Rounds<Rounds<VecDeque<Waiter>>>,
     /// The waiter whose turn it is, until it has its permit or gives up.
     turn: Option<u64>,
+    /// Each group's recent turns, waiting or not (a group that just finished a burst is still
+    /// behind one that never came).
+    usage: HashMap<Box<str>, Usage>,
+}
+
+/// A count of turns that halves every [`USAGE_HALF_LIFE`].
+#[derive(Debug, Clone, Copy)]
+struct Usage {
+    count: f64,
+    at: Instant,
+}
+
+impl Usage {
+    /// The count as of `now`.
+    fn at(self, now: Instant) -> f64 {
+        let age = now.saturating_duration_since(self.at).as_secs_f64();
+        self.count * (-age / USAGE_HALF_LIFE.as_secs_f64()).exp2()
+    }
 }
 
 #[derive(Debug)]
@@ -90,7 +125,19 @@ impl<T> Default for Rounds<T> {
 
 impl<T: Line> Line for Rounds<T> {
     fn pop(&mut self) -> Option<Waiter> {
-        let key = self.order.pop_front()?;
+        self.pop_at(0)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+}
+
+impl<T: Line> Rounds<T> {
+    /// The next waiter of the `i`th line in the round's order, taken out; the line goes to the
+    /// back of the round, or out of it when that was its last waiter.
+    fn pop_at(&mut self, i: usize) -> Option<Waiter> {
+        let key = self.order.remove(i)?;
         let line = self.lines.get_mut(&key)?;
         let next = line.pop();
         if line.is_empty() {
@@ -102,12 +149,6 @@ impl<T: Line> Line for Rounds<T> {
         next
     }
 
-    fn is_empty(&self) -> bool {
-        self.order.is_empty()
-    }
-}
-
-impl<T: Line> Rounds<T> {
     /// The line `key`, put at the back of the round when it had no waiter.
     fn line(&mut self, key: &str) -> &mut T {
         if !self.lines.contains_key(key) {
@@ -134,7 +175,14 @@ impl Queue {
     /// Gives the turn to the next waiter, when nobody has it.
     fn advance(&mut self) {
         while self.turn.is_none() {
-            let Some(Waiter { ticket, wake }) = self.waiters.pop() else {
+            let now = Instant::now();
+            let Some((index, count)) = self.least_served(now) else {
+                return;
+            };
+            // Counted before it is known whether the waiter is still there: one turn too many
+            // for a group whose waiter gave up as its turn came, which is rare and harmless.
+            self.served(index, count + 1.0, now);
+            let Some(Waiter { ticket, wake }) = self.waiters.pop_at(index) else {
                 return;
             };
             // A waiter whose receiver is gone is being dropped: its place finds itself neither
@@ -143,6 +191,37 @@ impl Queue {
                 self.turn = Some(ticket);
             }
         }
+    }
+
+    /// The place in the round's order of the group with waiters that had the fewest turns
+    /// lately (of equals, the first: the one served longest ago), and its recent count.
+    fn least_served(&self, now: Instant) -> Option<(usize, f64)> {
+        let mut least: Option<(usize, f64)> = None;
+        for (index, key) in self.waiters.order.iter().enumerate() {
+            let count = self.usage.get(key).map_or(0.0, |u| u.at(now));
+            if least.is_none_or(|(_, fewest)| count < fewest) {
+                least = Some((index, count));
+            }
+        }
+        least
+    }
+
+    /// Records that the `index`th group in the round's order has a turn, its recent count now
+    /// `count`.
+    fn served(&mut self, index: usize, count: f64, now: Instant) {
+        let Some(key) = self.waiters.order.get(index) else {
+            return;
+        };
+        let usage = Usage { count, at: now };
+        if let Some(known) = self.usage.get_mut(key) {
+            *known = usage;
+            return;
+        }
+        if self.usage.len() >= USAGE_KEPT {
+            // Forget the groups whose count has faded to nothing: they would come back as new.
+            self.usage.retain(|_, u| u.at(now) >= 0.5);
+        }
+        self.usage.insert(key.clone(), usage);
     }
 }
 
@@ -255,7 +334,8 @@ mod tests {
                 _ => c[i] = None,
             }
         }
-        assert_eq!(served, ["a0", "a1", "b0", "c0", "a2", "b1", "a3"]);
+        // a0 had the turn alone; b and c, with no turn yet, come before a's next.
+        assert_eq!(served, ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]);
         assert!(turns.is_idle());
     }
 
@@ -287,8 +367,57 @@ mod tests {
             served.push(name);
         }
         // x's first had the turn alone; then t and u in turn, x and y in turn within t.
-        assert_eq!(served, ["x", "x", "z", "y", "z", "x", "z"]);
+        assert_eq!(served, ["x", "z", "x", "z", "y", "z", "x"]);
         assert!(turns.is_idle());
+    }
+
+    /// Joins `flows` in order, then lets the one with the turn take its permit (drop its place)
+    /// until none is left: the groups in the order they were served.
+    fn served(turns: &Turns, flows: &[&str]) -> String {
+        let mut places: Vec<_> = flows
+            .iter()
+            .map(|&f| Some((f, turns.join(Flow::alone(f)))))
+            .collect();
+        let mut served = String::new();
+        while let Some(i) = places
+            .iter_mut()
+            .position(|p| p.as_mut().is_some_and(|(_, place)| has_turn(place)))
+        {
+            let (name, _) = places[i].take().unwrap();
+            served.push_str(name);
+        }
+        assert!(places.iter().all(Option::is_none), "every waiter served");
+        served
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_group_that_arrives_beside_a_busy_one_gets_the_turns_until_it_catches_up() {
+        let turns = Turns::default();
+        // a was served 20 times just now.
+        assert_eq!(served(&turns, &["a"; 20]), "a".repeat(20));
+        // a's first waiter takes the free turn (21); b, with none lately, then has every turn
+        // until its count reaches a's, and then they take turns (of equals, the one served
+        // longest ago first).
+        let mut flows = vec!["a"; 30];
+        flows.extend(["b"; 30]);
+        let order = served(&turns, &flows);
+        assert_eq!(&order[..22], format!("a{}", "b".repeat(21)));
+        assert_eq!(&order[22..40], "ab".repeat(9));
+
+        // Counts fade: a half-life later a's 50 count 25 and b's 30 count 15, so b's head start
+        // is 10 turns, not 20.
+        tokio::time::advance(USAGE_HALF_LIFE).await;
+        let mut flows = vec!["a"; 12];
+        flows.extend(["b"; 12]);
+        let order = served(&turns, &flows);
+        assert_eq!(&order[..12], format!("a{}", "b".repeat(11)));
+        assert_eq!(&order[12..14], "ab");
+
+        // Ten minutes later nobody has a head start: a group new to the turns is as one not seen
+        // for long.
+        tokio::time::advance(60 * USAGE_HALF_LIFE).await;
+        let order = served(&turns, &["a", "a", "c", "c"]);
+        assert_eq!(order, "acac");
     }
 
     #[test]

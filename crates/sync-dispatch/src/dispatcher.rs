@@ -50,9 +50,11 @@ const TRANSPORT_HEADERS: [&str; 8] = [
 ///
 /// Decisions:
 /// - The requests waiting for an endpoint's permit are served by flow
-///   ([`SyncRequest::flow`]: a job, in a group such as its tenant), in turn, one request of
-///   each group with requests waiting (of each of its jobs in turn), not first come first
-///   served: a job with a hundred requests waiting
+///   ([`SyncRequest::flow`]: a job, in a group such as its tenant): the group with requests
+///   waiting that had the fewest permits lately first (so groups side by side take turns, one
+///   request each, and a group that arrives beside a busy one goes first until it catches up),
+///   its jobs in turn within it, not first come first served: a job with a hundred requests
+///   waiting
 ///   would otherwise take the next hundred permits before a job beside it got one, and jobs
 ///   side by side would run one after another whenever the limit is below what each has
 ///   waiting (a small pool's room under `load`, a limit cut by overload).

@@ -35,9 +35,11 @@ pub struct SyncRequest<'a> {
     /// The job's pass-through headers.
     pub headers: &'a [(String, String)],
     /// What the request shares the endpoint's limit as: its batch job (the flow), in its
-    /// tenant's group or a group of its own. The groups waiting for the limit get it in turn,
-    /// one request each, and a group's flows in turn within it, so jobs side by side progress
-    /// together whatever each one has waiting. The default is one flow for every request
+    /// tenant's group or a group of its own. Of the groups waiting for the limit, the one that
+    /// had the fewest permits lately gets the next (groups side by side take turns, one
+    /// request each; a group that arrives beside a busy one goes first until it catches up),
+    /// and a group's flows take turns within it, so jobs side by side progress together
+    /// whatever each one has waiting. The default is one flow for every request
     /// that names none, served in arrival order.
     pub flow: Flow<'a>,
 }
