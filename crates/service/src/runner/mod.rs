@@ -97,6 +97,8 @@ pub(crate) struct Runner {
     /// and a freed slot look at once, and the adoption script lets a replica take again a job
     /// it holds itself, so two unguarded looks adopted one job twice.
     adopting: tokio::sync::Mutex<()>,
+    /// When a freed slot last looked for a job to take over ([`Runner::orphans_due`]).
+    orphans_looked: Mutex<Option<std::time::Instant>>,
     pub(crate) tasks: TaskTracker,
     /// Whether Redis lost the service's state.
     state: Arc<StateGuard>,
@@ -123,6 +125,7 @@ impl Runner {
             stop: CancellationToken::new(),
             active: Mutex::new(HashMap::new()),
             adopting: tokio::sync::Mutex::new(()),
+            orphans_looked: Mutex::new(None),
             tasks: TaskTracker::new(),
             state,
             tenant_slots: Mutex::new(HashMap::new()),

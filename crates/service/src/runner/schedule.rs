@@ -3,12 +3,15 @@
 //! queued need no slot.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use batch_state::{JobLease, StoreError};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::{Active, RunError, Runner, POLL_INTERVAL};
+
+/// How often, at most, a freed slot looks for a job to take over before the queue.
+const ORPHAN_LOOK: Duration = Duration::from_millis(100);
 
 impl Runner {
     /// Resumes this replica's jobs, then takes queued ones and orphaned ones as slots free,
@@ -49,8 +52,13 @@ impl Runner {
             let Some(permit) = self.slot().await else {
                 break;
             };
-            let Some(permit) = self.take_over_one(permit).await else {
-                continue;
+            let permit = if self.orphans_due() {
+                let Some(permit) = self.take_over_one(permit).await else {
+                    continue;
+                };
+                permit
+            } else {
+                permit
             };
             match self
                 .store
@@ -149,16 +157,29 @@ impl Runner {
         Some(permit)
     }
 
+    /// Whether a slot freed now should look for a job to take over before the queue: at most
+    /// every [`ORPHAN_LOOK`]. Each look lists every running job, so looking at every claim made
+    /// starting a thousand queued jobs cost a million entries read; a lease runs out over
+    /// seconds, so a job whose replica stopped waits at most this much longer for a slot.
+    fn orphans_due(&self) -> bool {
+        let mut last = self.orphans_looked.lock().expect("orphans lock");
+        let now = Instant::now();
+        if last.is_some_and(|at| now.duration_since(at) < ORPHAN_LOOK) {
+            return false;
+        }
+        *last = Some(now);
+        true
+    }
+
     async fn orphans(&self) -> Result<Vec<String>, StoreError> {
         let running = self.store.running().await?;
-        let here: Vec<String> = {
+        let candidates: Vec<String> = {
             let active = self.active.lock().expect("active lock");
-            active.keys().cloned().collect()
+            running
+                .into_keys()
+                .filter(|id| !active.contains_key(id))
+                .collect()
         };
-        let candidates: Vec<String> = running
-            .into_keys()
-            .filter(|id| !here.contains(id))
-            .collect();
         self.store.unleased(&candidates).await
     }
 

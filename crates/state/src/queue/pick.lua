@@ -13,7 +13,9 @@ local first = redis.call('ZRANGE', KEYS[1], 0, 0)
 if #first == 0 then return false end
 local share = tonumber(ARGV[1])
 local n = tonumber(ARGV[3])
-if ARGV[2] == '1' and n > 0 then
+-- One tenant waiting is picked whatever its share: counting the running jobs (a Redis call per
+-- running job, on every claim) is only needed to choose between two or more.
+if ARGV[2] == '1' and n > 1 then
   local counts = {}
   for _, r in ipairs(redis.call('HKEYS', KEYS[2])) do
     local t = redis.call('HGET', KEYS[3], r)
