@@ -47,9 +47,8 @@ const LONG: Server = Server {
 /// With [`LONG`] answers: online requests are sent this long, after the batch ran this long.
 /// A batch that has just filled its slots answers its short requests first while its long ones
 /// run on; after 20 s (past the longest answers' 13 s) its slots hold answers of every length,
-/// as they will from then on. Its share of the spare capacity still reads above 100 % (111 to
-/// 115 % in the runs so far): the capacity and the batch's rate are each counted over 30 to
-/// 40 s of answers whose lengths vary widely, and carry several per cent of sampling spread.
+/// as they will from then on. Its rate is counted from [`Server::settle`] after the online
+/// traffic starts until the last online send.
 const LONG_SPAN: Duration = Duration::from_secs(40);
 const LONG_LEAD: Duration = Duration::from_secs(20);
 /// Waves: this long at the server's capacity, then as long at a tenth of it (shorter with
@@ -129,6 +128,19 @@ impl Server {
                 "answers of seconds (median {median} tokens, σ {sigma}, {} at once), ",
                 self.seqs
             ),
+        }
+    }
+
+    /// How long after the online traffic starts the batch's rate is counted from: the batch
+    /// holds more of the server than its share when online requests begin, and those of its
+    /// answers ending in the first seconds, not replaced, would count as a rate it cannot keep.
+    /// A short answer's time is negligible; with answers of seconds, about the longest ones
+    /// (one in twenty past 13 s): counted from the start, the share read 111-121 %.
+    fn settle(self) -> Duration {
+        if self.lengths.is_some() {
+            Duration::from_secs(10)
+        } else {
+            Duration::ZERO
         }
     }
 
@@ -356,7 +368,7 @@ pub(crate) async fn run(cx: Ctx<'_>, report: &mut Report) -> Result<(), BenchErr
         run_group(lab, &input, &group.cases, &traffic, report, progress).await?;
     }
     report.note(YIELD, format!(
-        "One simulated model server in vLLM mode (tools/gateway-sim): 16 requests run at once (`max_num_seqs`), the rest wait in its queue in arrival order; an answer takes {} ms to its first token, then {} ms per token for its 16 tokens, up to {:.0} % slower per token with all running. Its capacity is measured first, in the same run, with as many callers as run at once keeping it exactly full (answers not streamed), counting the answers that came within the measure once the server was full (after 1 s; with answers of seconds 30 s after 20 s). With answers of seconds, the server runs 64 at once and each answer's length is drawn from a lognormal (median 200 tokens, σ 0.7: 4.1 s, one in twenty past 13 s), as LLM answers' lengths are neither alike nor known before; its online requests are sent for {} s after the batch ran {} s, its rows also give the online TTFT p95 against alone, and it carries the targets too. Online traffic is open-loop (Poisson arrivals; in waves, bursts at the capacity alternating with quiet periods at a tenth of it) and streamed (`stream: true` with the usage event; the server sends one event per token at its time): each request is timed from its send to its first token (TTFT), between its tokens (ITL, every gap pooled), per output token after the first (TPOT, (e2e − TTFT) / (tokens − 1)) and to its last event (e2e), {} s per phase after the batch has run {} s. The rows' online latency is the end-to-end one; the table of online figures gives p50 / p95 / p99 of each, the answers per second and the errors per phase (the whole run when steady; the bursts and the quiet periods apart in waves). The batch is {JOBS} jobs of the same 256-byte lines run side by side by one executor in sync mode with the default limits (`per_endpoint` 10, the `work` limiter) and, with `load`, `metrics_urls` on the server's `/metrics` and the headroom named; the batch's rate is the three jobs' lines resolved per second over the online phase, and the plots over time show each job's completed lines, sampled every {} ms, beside the online latency (p95 of the requests sent in each {} ms). The spare capacity is the measured capacity less the online rate; `+ priority` is a server scheduling by priority (`--scheduling-policy priority`) and the batch sending `load.priority: {BATCH_PRIORITY}`. In async mode the dispatcher simulator runs in the bench's process with exactly what `processor queues` prints for `async_dispatch.dispatcher` with the server's `max_num_seqs` and the headroom named (poll interval, batch size, workers, cache of the load readings, the gate and its parameters): the Prometheus gate reads the server's `vllm:num_requests_running` through the printed 1 s cache (standing in for Prometheus's scrape and the dispatcher's cache); the gate reading the pod is the printed `endpoint-scrape` gate on the server's page (running requests, and waiting ones unless `running only`), read at every poll. Targets (issue 40): at 50 % online load, online p95 within 1.2× of online alone while the batch gets at least 70 % of the spare capacity.",
+        "One simulated model server in vLLM mode (tools/gateway-sim): 16 requests run at once (`max_num_seqs`), the rest wait in its queue in arrival order; an answer takes {} ms to its first token, then {} ms per token for its 16 tokens, up to {:.0} % slower per token with all running. Its capacity is measured first, in the same run, with as many callers as run at once keeping it exactly full (answers not streamed), counting the answers that came within the measure once the server was full (after 1 s; with answers of seconds 30 s after 20 s). With answers of seconds, the server runs 64 at once and each answer's length is drawn from a lognormal (median 200 tokens, σ 0.7: 4.1 s, one in twenty past 13 s), as LLM answers' lengths are neither alike nor known before; its online requests are sent for {} s after the batch ran {} s, its rows also give the online TTFT p95 against alone, and it carries the targets too. Online traffic is open-loop (Poisson arrivals; in waves, bursts at the capacity alternating with quiet periods at a tenth of it) and streamed (`stream: true` with the usage event; the server sends one event per token at its time): each request is timed from its send to its first token (TTFT), between its tokens (ITL, every gap pooled), per output token after the first (TPOT, (e2e − TTFT) / (tokens − 1)) and to its last event (e2e), {} s per phase after the batch has run {} s. The rows' online latency is the end-to-end one; the table of online figures gives p50 / p95 / p99 of each, the answers per second and the errors per phase (the whole run when steady; the bursts and the quiet periods apart in waves). The batch is {JOBS} jobs of the same 256-byte lines run side by side by one executor in sync mode with the default limits (`per_endpoint` 10, the `work` limiter) and, with `load`, `metrics_urls` on the server's `/metrics` and the headroom named; the batch's rate is the three jobs' lines resolved per second while the online requests are sent (not over their answers' tail after the last send, when the online load ebbs), from 10 s after the first with answers of seconds (the batch's answers started before, ending unreplaced, are not a rate it keeps), and the plots over time show each job's completed lines, sampled every {} ms, beside the online latency (p95 of the requests sent in each {} ms). The spare capacity is the measured capacity less the online rate; `+ priority` is a server scheduling by priority (`--scheduling-policy priority`) and the batch sending `load.priority: {BATCH_PRIORITY}`. In async mode the dispatcher simulator runs in the bench's process with exactly what `processor queues` prints for `async_dispatch.dispatcher` with the server's `max_num_seqs` and the headroom named (poll interval, batch size, workers, cache of the load readings, the gate and its parameters): the Prometheus gate reads the server's `vllm:num_requests_running` through the printed 1 s cache (standing in for Prometheus's scrape and the dispatcher's cache); the gate reading the pod is the printed `endpoint-scrape` gate on the server's page (running requests, and waiting ones unless `running only`), read at every poll. Targets (issue 40): at 50 % online load, online p95 within 1.2× of online alone while the batch gets at least 70 % of the spare capacity.",
         TTFT.as_millis(), PER_TOKEN.as_millis(), ITL_GROWTH * 100.0, LONG_SPAN.as_secs(), LONG_LEAD.as_secs(), span.as_secs(), lead.as_secs(), SAMPLE.as_millis(), SAMPLE.as_millis()
     ));
     Ok(())
@@ -633,7 +645,8 @@ async fn online(gateway: &GatewayHandle, traffic: &Traffic<'_>) -> Result<Online
 struct Beside {
     /// The online traffic's figures.
     online: OnlineRun,
-    /// The batch's lines resolved per second over the online phase.
+    /// The batch's lines resolved per second while online requests were sent, from
+    /// [`Server::settle`] on.
     batch_rate: f64,
     /// Each job's completed lines over time: (seconds since the batch started, lines).
     jobs: Vec<Vec<(f64, f64)>>,
@@ -768,10 +781,17 @@ async fn run_beside(
     };
     let resolved_now = || progress.iter().map(|p| resolved(&p.borrow())).sum::<u64>();
     tokio::time::sleep(traffic.lead).await;
-    let before = resolved_now();
-    let started = Instant::now();
-    let online = online(gateway, traffic).await;
-    let batch_rate = (resolved_now() - before) as f64 / started.elapsed().as_secs_f64();
+    let online_started = tokio::time::Instant::now();
+    // The batch's rate while online requests are sent, once settled: not over the online
+    // answers' tail after the last send, when the online load ebbs and the batch takes the
+    // room it leaves (the spare capacity is counted at the offered online rate).
+    let batch_rate = async {
+        tokio::time::sleep(traffic.server.settle()).await;
+        let (before, from) = (resolved_now(), Instant::now());
+        tokio::time::sleep_until(online_started + traffic.span).await;
+        (resolved_now() - before) as f64 / from.elapsed().as_secs_f64().max(1e-9)
+    };
+    let (online, batch_rate) = tokio::join!(online(gateway, traffic), batch_rate);
     stop.cancel();
     let jobs = sampler.await.unwrap_or_default();
     for execution in executions {
