@@ -93,16 +93,14 @@ pub fn write_mixed_input(
     median: usize,
     sigma: f64,
 ) -> Result<u64, BenchError> {
-    use rand::{Rng, SeedableRng};
+    use rand::SeedableRng;
     let io = |e| BenchError::io(path, e);
     let file = std::fs::File::create(path).map_err(io)?;
     let mut w = BufWriter::new(file);
     let mut rng = rand::rngs::StdRng::seed_from_u64(41);
     let mut bytes = 0u64;
     for i in 0..n {
-        // One standard normal (Box-Muller) per line.
-        let (u1, u2): (f64, f64) = (rng.random(), rng.random());
-        let z = (-2.0 * (1.0 - u1).ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let z = gateway_sim::standard_normal(&mut rng);
         let size = (median as f64 * (sigma * z).exp()).min(32.0 * median as f64);
         let line = request_line(i, size as usize);
         bytes += line.len() as u64 + 1;

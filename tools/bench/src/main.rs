@@ -82,13 +82,21 @@ struct OnlineArgs {
     #[arg(long, requires = "waves")]
     quiet_rate: Option<f64>,
     /// Each request's `max_tokens`.
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = 24, conflicts_with = "lengths_median")]
     max_tokens: u64,
+    /// Each request's `max_tokens` drawn instead from a lognormal of this median (tokens), so
+    /// that with --ignore-eos answers vary in length as LLM answers do (the `yield` scenario's
+    /// are median 200, σ 0.7); seeded by --seed.
+    #[arg(long, requires = "lengths_sigma")]
+    lengths_median: Option<f64>,
+    /// The sigma of ln(tokens) of --lengths-median's lognormal.
+    #[arg(long, requires = "lengths_median")]
+    lengths_sigma: Option<f64>,
     /// Sends `ignore_eos: true`: a vLLM server (or llm-d-inference-sim) then answers exactly
     /// `--max-tokens` tokens, instead of lengths of its own choosing.
     #[arg(long)]
     ignore_eos: bool,
-    /// Seeds the arrival times, so a run can be repeated.
+    /// Seeds the arrival times (and the lengths drawn), so a run can be repeated.
     #[arg(long, default_value_t = 40)]
     seed: u64,
     /// A request unanswered this long counts as an error.
@@ -121,6 +129,17 @@ fn online(args: OnlineArgs) -> anyhow::Result<ExitCode> {
             wave,
         },
     };
+    let lengths = match (args.lengths_median, args.lengths_sigma) {
+        (Some(median), Some(sigma)) => {
+            if !(median >= 1.0 && median.is_finite() && sigma >= 0.0 && sigma.is_finite()) {
+                anyhow::bail!(
+                    "--lengths-median must be 1 or more and --lengths-sigma 0 or more, got {median} and {sigma}"
+                );
+            }
+            Some(online::Lengths { median, sigma })
+        }
+        _ => None,
+    };
     let load = OnlineLoad {
         base_url: args.url.clone(),
         body: online::chat_body(&args.model, args.max_tokens, args.ignore_eos),
@@ -128,6 +147,7 @@ fn online(args: OnlineArgs) -> anyhow::Result<ExitCode> {
         duration: args.duration,
         seed: args.seed,
         timeout: args.timeout,
+        lengths,
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let run = runtime.block_on(online::run(&load))?;
@@ -140,17 +160,21 @@ fn online(args: OnlineArgs) -> anyhow::Result<ExitCode> {
             "shape": shape,
             "duration_seconds": args.duration.as_secs_f64(),
             "max_tokens": args.max_tokens,
+            "lengths": lengths,
             "phases": phases,
             "overall": overall,
         });
         println!("{out:#}");
     } else {
+        let max_tokens = match lengths {
+            Some(l) => format!("lognormal (median {}, σ {})", l.median, l.sigma),
+            None => args.max_tokens.to_string(),
+        };
         println!(
-            "{} requests to {} over {:.0} s ({shape:?}), max_tokens {}:",
+            "{} requests to {} over {:.0} s ({shape:?}), max_tokens {max_tokens}:",
             run.answers.len(),
             args.url,
             args.duration.as_secs_f64(),
-            args.max_tokens
         );
         let lines: Vec<(String, online::PhaseFigures)> = phases
             .into_iter()

@@ -124,6 +124,35 @@ pub struct OnlineLoad {
     pub seed: u64,
     /// A request unanswered this long counts as an error.
     pub timeout: Duration,
+    /// Each request's `max_tokens` drawn from these instead of `body`'s; `None`: `body` as is.
+    pub lengths: Option<Lengths>,
+}
+
+/// Answer lengths that vary as LLM answers' do: each request's `max_tokens` drawn from a
+/// lognormal of this median and sigma (of ln tokens), at least 1. With `ignore_eos` the server
+/// answers exactly that many, so a real server's answers have the spread the `yield` scenario
+/// gives its simulated server's (median 200, σ 0.7), and runs can be compared with it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Lengths {
+    /// The median, in tokens.
+    pub median: f64,
+    /// The standard deviation of ln(tokens).
+    pub sigma: f64,
+}
+
+impl Lengths {
+    /// One length, drawn with `rng`.
+    pub fn draw(self, rng: &mut impl Rng) -> u64 {
+        let z = gateway_sim::standard_normal(rng);
+        ((self.median * (self.sigma * z).exp()).round() as u64).max(1)
+    }
+}
+
+/// `body` (a JSON object) with its `max_tokens` set to `tokens`.
+fn with_max_tokens(body: &Value, tokens: u64) -> Bytes {
+    let mut body = body.clone();
+    body["max_tokens"] = tokens.into();
+    Bytes::from(body.to_string())
 }
 
 /// A streamed chat request's body for `model`: a short user message, `max_tokens`, with the
@@ -355,13 +384,28 @@ pub async fn run(load: &OnlineLoad) -> Result<OnlineRun, BenchError> {
     .parse()
     .map_err(|e| BenchError::Check(format!("the URL {}: {e}", load.base_url)))?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(load.seed);
+    // The lengths from a generator of their own, so that a seed sends at the same times with
+    // lengths drawn or not.
+    let mut lengths_rng = rand::rngs::StdRng::seed_from_u64(load.seed ^ 0x1e45_7e45);
+    let template: Option<Value> = match load.lengths {
+        Some(_) => Some(
+            serde_json::from_slice(&load.body)
+                .map_err(|e| BenchError::Check(format!("the request body: {e}")))?,
+        ),
+        None => None,
+    };
     let mut calls = tokio::task::JoinSet::new();
     let started = Instant::now();
     let mut at = Duration::ZERO;
     while at < load.duration {
         tokio::time::sleep_until((started + at).into()).await;
-        let (client, url, body, timeout) =
-            (client.clone(), url.clone(), load.body.clone(), load.timeout);
+        let body = match (load.lengths, &template) {
+            (Some(lengths), Some(template)) => {
+                with_max_tokens(template, lengths.draw(&mut lengths_rng))
+            }
+            _ => load.body.clone(),
+        };
+        let (client, url, timeout) = (client.clone(), url.clone(), load.timeout);
         let sent = started.elapsed().as_secs_f64();
         calls.spawn(async move {
             let since = Instant::now();
@@ -639,6 +683,25 @@ mod tests {
         crlf.push(b"data: [DONE]\r\n\r\n", 0.2);
         let crlf = crlf.answer(StatusCode::OK, 0.2);
         assert!(crlf.ok() && crlf.ttft == Some(0.1), "{crlf:?}");
+    }
+
+    #[test]
+    fn lengths_spread_around_their_median() {
+        let lengths = Lengths {
+            median: 200.0,
+            sigma: 0.7,
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut drawn: Vec<f64> = (0..4000).map(|_| lengths.draw(&mut rng) as f64).collect();
+        drawn.sort_by(f64::total_cmp);
+        let median = quantile(&drawn, 0.5);
+        assert!((185.0..215.0).contains(&median), "{median}");
+        // e^(1.645 × 0.7) ≈ 3.16 times the median at p95.
+        let p95 = quantile(&drawn, 0.95);
+        assert!((560.0..720.0).contains(&p95), "{p95}");
+        let body = with_max_tokens(&json!({"model": "m", "max_tokens": 24}), 7);
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["max_tokens"], 7);
     }
 
     #[test]

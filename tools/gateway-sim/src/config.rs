@@ -175,8 +175,9 @@ impl Unseen {
     }
 }
 
-/// One standard normal from two uniforms (Box-Muller).
-fn standard_normal(rng: &mut impl rand::Rng) -> f64 {
+/// One standard normal from two uniforms (Box-Muller): what the lognormal answer lengths and
+/// latencies are drawn from, here and by the bench's inputs and online load.
+pub fn standard_normal(rng: &mut impl rand::Rng) -> f64 {
     let (u1, u2): (f64, f64) = (rng.random(), rng.random());
     (-2.0 * (1.0 - u1).ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }

@@ -49,7 +49,7 @@ mod timer;
 
 use std::net::SocketAddr;
 
-pub use config::{FailureKind, FailureRule, GatewayConfig, Unseen};
+pub use config::{standard_normal, FailureKind, FailureRule, GatewayConfig, Unseen};
 pub use gateway::{Gateway, GatewayHandle, GatewayLoad, GatewayStats, SeenRequest};
 
 /// What went wrong starting or configuring a simulator: this gateway, or the dispatcher of

@@ -637,6 +637,8 @@ async fn online(gateway: &GatewayHandle, traffic: &Traffic<'_>) -> Result<Online
         duration: traffic.span,
         seed: 40,
         timeout: Duration::from_secs(60),
+        // The simulated server draws the lengths itself.
+        lengths: None,
     })
     .await
 }
