@@ -3,11 +3,12 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tracing::Instrument;
 
 use batch_config::ProcessorConfig;
 use batch_limiter::{AdaptiveSemaphore, Flow};
+use batch_plan::Record;
 use batch_redis::Backoff;
 use batch_sync_dispatch::{
     EndpointOptions, LimitOptions, LoadOptions, SyncDispatcher, SyncOutcome, SyncRequest,
@@ -15,8 +16,9 @@ use batch_sync_dispatch::{
 };
 use batch_wire::{InputLine, Outcome};
 use futures::future::{self, BoxFuture};
-use futures::stream::{self, StreamExt};
+use futures::stream::{self, BoxStream, StreamExt};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 use crate::{blocking, Dispatch, End, ExecError, Job, JobFailure, Stop};
 
@@ -133,17 +135,22 @@ impl SyncMode {
     }
 
     async fn send_all(&self, job: &Arc<Job>, stop: &Stop) -> Result<(), ExecError> {
-        let slo = UNIX_EPOCH + Duration::from_secs(job.expires_at().max(0) as u64);
         let headers: Vec<(String, String)> = job
             .headers
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let concurrency = &self.config.concurrency;
+        let sends = Sends {
+            job,
+            slo: UNIX_EPOCH + Duration::from_secs(job.expires_at().max(0) as u64),
+            headers: &headers,
+            drain: stop.drain().clone(),
+        };
         // Answers go to one writer, which writes whatever has come in one blocking call and one
         // flush, instead of a thread hand-off and a write per answer.
-        let (answers, mut written) =
-            mpsc::channel::<(u64, Owned)>(concurrency.per_endpoint.max(1) + WRITE_BATCH);
+        let (answers, mut written) = mpsc::channel::<(u64, Owned)>(
+            self.config.concurrency.per_endpoint.max(1) + WRITE_BATCH,
+        );
         let mut per_model = Vec::new();
         for model in job.plan.models() {
             if !self.config.model_gateways.contains_key(&model.model) {
@@ -154,64 +161,7 @@ impl SyncMode {
                 blocking(move || j.unresolved_records(&model)).await?
             };
             job.dispatched(records.len() as u64);
-            let name = model.model.as_str();
-            // The most calls the endpoint's limit may let through: its limiter's bound, or
-            // the global limit when the pool's load sets it. Each job may have that many
-            // waiting at the endpoint: the jobs waiting there are served in turn
-            // (`SyncRequest::flow`), so a small limit is still shared among them.
-            let width = match self.config.model_gateways.get(name) {
-                Some(gw) if gw.load.is_some() => concurrency.global,
-                _ => concurrency.per_endpoint,
-            }
-            .max(1);
-            let headers = &headers;
-            let answers = answers.clone();
-            let share = self.share_slots(job, name, width);
-            // A yield takes no new line; the calls in flight end and are written.
-            let drain = stop.drain().clone();
-            let calls = stream::iter(records)
-                .take_until(drain.clone().cancelled_owned())
-                .chunks(READ_AHEAD)
-                .then(move |chunk| {
-                    let j = job.clone();
-                    blocking(move || j.read_lines(chunk))
-                })
-                .flat_map(|read| match read {
-                    Ok(lines) => stream::iter(lines.into_iter().map(Ok)).left_stream(),
-                    Err(e) => stream::once(future::ready(Err(e))).right_stream(),
-                })
-                .map(move |read| {
-                    let answers = answers.clone();
-                    let share = share.clone();
-                    let drain = drain.clone();
-                    async move {
-                        let (record, line) = read?;
-                        let index = record.line as u64;
-                        // Never closed: a permit always comes, unless a yield leaves the
-                        // line (read ahead, not sent) for the next run. The share's jobs take
-                        // turns, as the shares do at the endpoint.
-                        let _share = match &share {
-                            Some(slots) => tokio::select! {
-                                permit = slots.acquire_in(Flow::alone(&job.id)) => permit.ok(),
-                                () = drain.cancelled() => return Ok(()),
-                            },
-                            None => None,
-                        };
-                        if drain.is_cancelled() {
-                            return Ok(());
-                        }
-                        let call = self.call(name, index, &line, slo, headers, job);
-                        // Withdrawn unsent by a yield: left for the next run.
-                        let Some(outcome) = call.await else {
-                            return Ok(());
-                        };
-                        // Closed only when the job stops writing: the answer is not kept.
-                        let _ = answers.send((index, outcome)).await;
-                        Ok::<_, ExecError>(())
-                    }
-                })
-                .buffer_unordered(width);
-            per_model.push(calls.boxed());
+            per_model.push(self.model_calls(&sends, &model.model, records, answers.clone()));
         }
         drop(answers);
         let send = async move {
@@ -231,12 +181,97 @@ impl SyncMode {
         sent
     }
 
+    /// The most calls `model`'s endpoint may let through: its limiter's bound, or the global
+    /// limit when the pool's load sets it. Each job may have that many waiting at the
+    /// endpoint: the jobs waiting there are served in turn (`SyncRequest::flow`), so a small
+    /// limit is still shared among them.
+    fn endpoint_width(&self, model: &str) -> usize {
+        let concurrency = &self.config.concurrency;
+        match self.config.model_gateways.get(model) {
+            Some(gw) if gw.load.is_some() => concurrency.global,
+            _ => concurrency.per_endpoint,
+        }
+        .max(1)
+    }
+
+    /// `model`'s unresolved `records`, read ahead in blocks and sent as many at a time as its
+    /// endpoint may take, each outcome handed to `answers`; a yield takes no new line, and the
+    /// calls in flight end and are written.
+    fn model_calls<'a>(
+        &'a self,
+        sends: &Sends<'a>,
+        model: &'a str,
+        records: Vec<Record>,
+        answers: mpsc::Sender<(u64, Owned)>,
+    ) -> BoxStream<'a, Result<(), ExecError>> {
+        let width = self.endpoint_width(model);
+        let share = self.share_slots(sends.job, model, width);
+        let sends = sends.clone();
+        let job = sends.job;
+        stream::iter(records)
+            .take_until(sends.drain.clone().cancelled_owned())
+            .chunks(READ_AHEAD)
+            .then(move |chunk| {
+                let j = job.clone();
+                blocking(move || j.read_lines(chunk))
+            })
+            .flat_map(|read| match read {
+                Ok(lines) => stream::iter(lines.into_iter().map(Ok)).left_stream(),
+                Err(e) => stream::once(future::ready(Err(e))).right_stream(),
+            })
+            .map(move |read| {
+                let (answers, share, sends) = (answers.clone(), share.clone(), sends.clone());
+                async move {
+                    let (record, line) = read?;
+                    self.send_line(&sends, model, record.line as u64, &line, share, answers)
+                        .await;
+                    Ok::<_, ExecError>(())
+                }
+            })
+            .buffer_unordered(width)
+            .boxed()
+    }
+
+    /// Sends line `index` of the job once its share lets it, and hands the outcome to
+    /// `answers`; a line a yield withdraws before it is sent is left for the next run.
+    async fn send_line(
+        &self,
+        sends: &Sends<'_>,
+        model: &str,
+        index: u64,
+        line: &[u8],
+        share: Option<Arc<AdaptiveSemaphore>>,
+        answers: mpsc::Sender<(u64, Owned)>,
+    ) {
+        let job = sends.job;
+        // Never closed: a permit always comes, unless a yield leaves the line (read ahead,
+        // not sent) for the next run. The share's jobs take turns, as the shares do at the
+        // endpoint.
+        let _share = match &share {
+            Some(slots) => tokio::select! {
+                permit = slots.acquire_in(Flow::alone(&job.id)) => permit.ok(),
+                () = sends.drain.cancelled() => return,
+            },
+            None => None,
+        };
+        if sends.drain.is_cancelled() {
+            return;
+        }
+        let call = self.call(model, index, line, sends.slo, sends.headers, job);
+        // Withdrawn unsent by a yield: left for the next run.
+        let Some(outcome) = call.await else {
+            return;
+        };
+        // Closed only when the job stops writing: the answer is not kept.
+        let _ = answers.send((index, outcome)).await;
+    }
+
     async fn call(
         &self,
         model: &str,
         index: u64,
         line: &[u8],
-        slo: std::time::SystemTime,
+        slo: SystemTime,
         headers: &[(String, String)],
         job: &Job,
     ) -> Option<Owned> {
@@ -255,26 +290,11 @@ impl SyncMode {
             Some(slots) => slots.clone().acquire_owned().await.ok(),
             None => None,
         };
-        // A sample of the requests gets a span of its own in the batch's trace, and the
-        // gateway sees that span as the request's parent; the others carry the batch's.
-        let span = match index % REQUEST_SPAN_EVERY {
-            0 => tracing::info_span!(
-                "inference",
-                line = index,
-                model,
-                status = tracing::field::Empty
-            ),
-            _ => tracing::Span::none(),
-        };
+        let span = request_span(index, model);
         let own_headers: Vec<(String, String)>;
         let headers = match batch_observability::traceparent(&span) {
             Some(traceparent) => {
-                own_headers = headers
-                    .iter()
-                    .filter(|(name, _)| name != batch_observability::TRACEPARENT)
-                    .cloned()
-                    .chain([(batch_observability::TRACEPARENT.to_owned(), traceparent)])
-                    .collect();
+                own_headers = with_traceparent(headers, traceparent);
                 &own_headers[..]
             }
             None => headers,
@@ -318,6 +338,42 @@ impl SyncMode {
 /// One request in this many of a batch (by line index, from the first) gets a span in sync
 /// mode: enough to see the gateway's time in the trace without a span per line.
 const REQUEST_SPAN_EVERY: u64 = 100;
+
+/// What every line of one job's run is sent with.
+#[derive(Clone)]
+struct Sends<'a> {
+    job: &'a Arc<Job>,
+    /// The job's deadline, sent as each request's SLO.
+    slo: SystemTime,
+    /// The job's headers, sent with each request.
+    headers: &'a [(String, String)],
+    /// Cancelled by a yield: no new line is taken.
+    drain: CancellationToken,
+}
+
+/// Line `index`'s span: one of its own for a sample of the requests (the gateway then sees it
+/// as the request's parent), none for the others, which carry the batch's.
+fn request_span(index: u64, model: &str) -> tracing::Span {
+    match index % REQUEST_SPAN_EVERY {
+        0 => tracing::info_span!(
+            "inference",
+            line = index,
+            model,
+            status = tracing::field::Empty
+        ),
+        _ => tracing::Span::none(),
+    }
+}
+
+/// `headers` with `traceparent` in place of any the job sent.
+fn with_traceparent(headers: &[(String, String)], traceparent: String) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter(|(name, _)| name != batch_observability::TRACEPARENT)
+        .cloned()
+        .chain([(batch_observability::TRACEPARENT.to_owned(), traceparent)])
+        .collect()
+}
 
 /// Writes answers, retrying a failed write (a full disk) until it succeeds or the job stops.
 async fn write_outcomes(job: &Arc<Job>, outcomes: Vec<(u64, Owned)>, stop: &Stop) {

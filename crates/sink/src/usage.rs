@@ -105,30 +105,11 @@ fn plain_usage(value: &[u8]) -> Option<Option<Usage>> {
         }
         i = ws(value, key_end + 1) + 1;
         i = ws(value, i);
-        let digits = value[i..].iter().take_while(|b| b.is_ascii_digit()).count();
-        let number = match digits {
-            0 if value[i..].starts_with(b"null") => {
-                i += 4;
-                None
-            }
-            1..=19 => {
-                let n = std::str::from_utf8(&value[i..i + digits])
-                    .ok()?
-                    .parse()
-                    .ok()?;
-                i += digits;
-                Some(n)
-            }
-            _ => return None,
-        };
-        // A fraction or exponent: a float, which serde judges.
-        if let Some(b'.' | b'e' | b'E') = value.get(i) {
-            return None;
-        }
+        let number = plain_count(value, &mut i)?;
         let slot = match key {
-            b"prompt_tokens" | b"input_tokens" => &mut prompt,
-            b"completion_tokens" | b"output_tokens" => &mut completion,
-            b"total_tokens" => &mut total,
+            b"prompt_tokens" | b"input_tokens" => Some(&mut prompt),
+            b"completion_tokens" | b"output_tokens" => Some(&mut completion),
+            b"total_tokens" => Some(&mut total),
             b"prompt_tokens_details"
             | b"input_tokens_details"
             | b"completion_tokens_details"
@@ -141,31 +122,20 @@ fn plain_usage(value: &[u8]) -> Option<Option<Usage>> {
                 if number.is_some() || std::mem::replace(seen, true) {
                     return None;
                 }
-                i = ws(value, i);
-                match value.get(i) {
-                    Some(b',') => i = ws(value, i + 1),
-                    _ => break,
-                }
-                continue;
+                None
             }
-            _ => {
-                i = ws(value, i);
-                match value.get(i) {
-                    Some(b',') => i = ws(value, i + 1),
-                    _ => break,
-                }
-                continue;
-            }
+            _ => None,
         };
-        // A repeated field, or a count that is `null`: serde's to judge.
-        if slot.is_some() {
-            return None;
+        if let Some(slot) = slot {
+            // A repeated field, or a count that is `null`: serde's to judge.
+            if slot.is_some() {
+                return None;
+            }
+            *slot = Some(number?);
         }
-        *slot = Some(number?);
-        i = ws(value, i);
-        match value.get(i) {
-            Some(b',') => i = ws(value, i + 1),
-            _ => break,
+        match next_member(value, i) {
+            Some(next) => i = next,
+            None => break,
         }
     }
     let (prompt, completion) = (prompt.unwrap_or(0), completion.unwrap_or(0));
@@ -175,6 +145,44 @@ fn plain_usage(value: &[u8]) -> Option<Option<Usage>> {
         total_tokens: total.unwrap_or(prompt.saturating_add(completion)),
         ..Usage::default()
     }))
+}
+
+/// The plain integer or `null` at `i`, `i` then past it; `None` for anything else (a float, a
+/// string, twenty digits or more), which serde judges.
+fn plain_count(value: &[u8], i: &mut usize) -> Option<Option<u64>> {
+    let digits = value[*i..]
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .count();
+    let number = match digits {
+        0 if value[*i..].starts_with(b"null") => {
+            *i += 4;
+            None
+        }
+        1..=19 => {
+            let n = std::str::from_utf8(&value[*i..*i + digits])
+                .ok()?
+                .parse()
+                .ok()?;
+            *i += digits;
+            Some(n)
+        }
+        _ => return None,
+    };
+    // A fraction or exponent: a float, which serde judges.
+    if let Some(b'.' | b'e' | b'E') = value.get(*i) {
+        return None;
+    }
+    Some(number)
+}
+
+/// Where the next member's key starts after a member ending at `i`; `None` at the end.
+fn next_member(value: &[u8], i: usize) -> Option<usize> {
+    let i = ws(value, i);
+    match value.get(i) {
+        Some(b',') => Some(ws(value, i + 1)),
+        _ => None,
+    }
 }
 
 fn ws(s: &[u8], mut i: usize) -> usize {

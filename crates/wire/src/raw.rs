@@ -196,19 +196,8 @@ fn locate(s: &[u8]) -> Option<Fields> {
     let mut payload = None;
     let (mut error_code, mut error_message, mut request_token) = (None, None, None);
     loop {
-        if s.get(i) != Some(&b'"') {
-            return None;
-        }
-        let key = json::string_end(s, i + 1)?;
-        if key.escaped {
-            return None;
-        }
-        let name = &s[i + 1..key.quote];
-        i = skip_ws(s, key.quote + 1);
-        if s.get(i) != Some(&b':') {
-            return None;
-        }
-        i = skip_ws(s, i + 1);
+        let (name, value_at) = member_key(s, i)?;
+        i = value_at;
         match name {
             b"status_code" => {
                 let (value, end) = status(s, i)?;
@@ -216,28 +205,14 @@ fn locate(s: &[u8]) -> Option<Fields> {
                 i = end;
             }
             b"payload" => {
-                if s.get(i) != Some(&b'"') {
-                    return None;
-                }
-                let mut text = Vec::new();
-                let end = json::read_string(s, i + 1, &mut text)?;
-                let found = match end.escaped {
-                    true => Payload::Unescaped(String::from_utf8(text).ok()?),
-                    false => Payload::InPlace(Span {
-                        start: (i + 1) as u32,
-                        end: end.quote as u32,
-                    }),
-                };
+                let (found, end) = payload_at(s, i)?;
                 set_once(&mut payload, found)?;
-                i = end.quote + 1;
+                i = end;
             }
             b"id" => {
-                let (span, end) = string(s, i)?;
-                if end.escaped {
-                    return None;
-                }
+                let (span, end) = plain_string(s, i)?;
                 set_once(&mut id, span)?;
-                i = end.quote + 1;
+                i = end;
             }
             b"error_code" | b"error_message" | b"request_token" => {
                 let slot = match name {
@@ -247,13 +222,7 @@ fn locate(s: &[u8]) -> Option<Fields> {
                 };
                 let (value, end) = match s.get(i..i + 4) {
                     Some(b"null") => (None, i + 4),
-                    _ => {
-                        let (span, end) = string(s, i)?;
-                        if end.escaped {
-                            return None;
-                        }
-                        (Some(span), end.quote + 1)
-                    }
+                    _ => plain_string(s, i).map(|(span, end)| (Some(span), end))?,
                 };
                 set_once(slot, value)?;
                 i = end;
@@ -278,6 +247,49 @@ fn locate(s: &[u8]) -> Option<Fields> {
         error_message: error_message.flatten(),
         request_token: request_token.flatten(),
     })
+}
+
+/// The unescaped key of the member at `i` and where its value starts (past the colon).
+fn member_key(s: &[u8], i: usize) -> Option<(&[u8], usize)> {
+    if s.get(i) != Some(&b'"') {
+        return None;
+    }
+    let key = json::string_end(s, i + 1)?;
+    if key.escaped {
+        return None;
+    }
+    let colon = skip_ws(s, key.quote + 1);
+    if s.get(colon) != Some(&b':') {
+        return None;
+    }
+    Some((&s[i + 1..key.quote], skip_ws(s, colon + 1)))
+}
+
+/// The payload string at `i` (in place when it has no escapes, read out when it has) and
+/// where it ends; `None` when it is not a string.
+fn payload_at(s: &[u8], i: usize) -> Option<(Payload, usize)> {
+    if s.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut text = Vec::new();
+    let end = json::read_string(s, i + 1, &mut text)?;
+    let found = match end.escaped {
+        true => Payload::Unescaped(String::from_utf8(text).ok()?),
+        false => Payload::InPlace(Span {
+            start: (i + 1) as u32,
+            end: end.quote as u32,
+        }),
+    };
+    Some((found, end.quote + 1))
+}
+
+/// The string without escapes at `i` and where it ends; `None` for anything else.
+fn plain_string(s: &[u8], i: usize) -> Option<(Span, usize)> {
+    let (span, end) = string(s, i)?;
+    if end.escaped {
+        return None;
+    }
+    Some((span, end.quote + 1))
 }
 
 /// Fills a field seen for the first time; `None` when it was seen before (serde refuses a
