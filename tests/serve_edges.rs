@@ -214,9 +214,11 @@ async fn many_thousand_half_sent_requests_from_the_clients_own_address() {
             start_kb / 1024,
             peak_kb / 1024
         );
-        // Accepting and closing thousands a second beside it, on two cores.
+        // Accepting and closing thousands a second beside it, on two cores: a keyed request
+        // stuck behind the half-sent ones would wait for their 6 s timeout, while a prompt one
+        // took up to 0.9 s with other test binaries running beside this one.
         assert!(
-            slowest < Duration::from_millis(750),
+            slowest < Duration::from_secs(2),
             "a keyed request took {slowest:?}"
         );
         assert!(
